@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create the project virtual environment and install everything the package, its tests and the main job need.
+# torch is pinned to a CPU build; fbgemm is chosen by whether that torch sees CUDA; torchrec goes in
+# without its dependency list (it names the CUDA fbgemm-gpu package and pins an old torchmetrics).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+FBGEMM_VERSION=${FBGEMM_VERSION:-1.8.0}
+TORCHREC_VERSION=${TORCHREC_VERSION:-1.8.0}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+
+pip install "torch==${TORCH_VERSION}"
+if "$VENV/bin/python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  fbgemm="fbgemm-gpu==${FBGEMM_VERSION}"
+else
+  fbgemm="fbgemm-gpu-cpu==${FBGEMM_VERSION}"
+fi
+pip install "$fbgemm"
+pip install --no-deps "torchrec==${TORCHREC_VERSION}"
+pip install -e ".[dev]"
+"$VENV/bin/python" -c "import torchrec, fbgemm_gpu, lightning, torchrec_lookahead; print('environment ready:', '$fbgemm', 'torchrec', torchrec.__version__ if hasattr(torchrec, '__version__') else '$TORCHREC_VERSION')"

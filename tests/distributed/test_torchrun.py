@@ -1,0 +1,80 @@
+"""Two gloo ranks under torchrun: fit, mid-epoch checkpoint/resume, and the launcher/device-count check."""
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from ..conftest import REPO, free_port
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        "-m",
+        "torchrec_lookahead",
+        *args,
+    ]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _ckpt_args(dirpath: Path, every: int) -> list:
+    return [
+        "--trainer.callbacks+=ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={dirpath}",
+        f"--trainer.callbacks.every_n_train_steps={every}",
+        "--trainer.callbacks.save_top_k=-1",
+    ]
+
+
+def _full_state(ckpt: Path, tmp: Path) -> Dict[str, torch.Tensor]:
+    out = tmp / (ckpt.name + ".pt")
+    dcp_to_torch_save(ckpt, out)
+    state = torch.load(out, weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def test_two_ranks_fit_checkpoint_and_resume_the_same_trajectory(tmp_path):
+    common = [
+        "fit",
+        "--config",
+        "configs/dlrm_tiny.yaml",
+        "--trainer.devices=2",
+        "--trainer.limit_val_batches=0",
+    ]
+    full = torchrun(2, *common, "--trainer.max_steps=8", f"--trainer.default_root_dir={tmp_path}/a",
+                    *_ckpt_args(tmp_path / "a_ckpt", 4))  # fmt: skip
+    assert full.returncode == 0, full.stderr[-4000:]
+    mid = tmp_path / "a_ckpt" / "epoch=0-step=4.ckpt"
+    end_full = tmp_path / "a_ckpt" / "epoch=0-step=8.ckpt"
+    assert mid.is_dir() and end_full.is_dir()
+    # every rank wrote its own shard files
+    assert len(list(mid.glob("*.distcp"))) == 2
+    resumed = torchrun(2, *common, "--trainer.max_steps=8", f"--trainer.default_root_dir={tmp_path}/b",
+                       f"--ckpt_path={mid}", *_ckpt_args(tmp_path / "b_ckpt", 4))  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    a = _full_state(end_full, tmp_path)
+    b = _full_state(tmp_path / "b_ckpt" / "epoch=0-step=8.ckpt", tmp_path)
+    assert a.keys() == b.keys() and any("embedding_bags" in k for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # the tables are not empty: both ranks' shards are in the checkpoint
+    emb = [v for k, v in a.items() if "embedding_bags" in k]
+    assert all(v.abs().sum() > 0 for v in emb)
+
+
+def test_device_count_that_does_not_match_torchrun_is_refused(tmp_path):
+    out = torchrun(2, "fit", "--config", "configs/dlrm_tiny.yaml", "--trainer.devices=1",
+                   f"--trainer.default_root_dir={tmp_path}", timeout=200)  # fmt: skip
+    assert out.returncode != 0
+    assert "SetupError" in out.stderr and "devices=2" in out.stderr

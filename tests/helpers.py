@@ -1,0 +1,76 @@
+"""Test helpers: tiny Trainer runs and comparable weights."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+import torchrec_lookahead.strategies  # noqa: F401
+from torchrec_lookahead.data import CriteoSyntheticDataModule
+from torchrec_lookahead.models import DLRMModule
+from torchrec_lookahead.optim import DenseOptimizerSpec, EmbeddingOptimizerSpec
+
+from .conftest import tiny_data_args
+
+
+def local_state(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The module's state dict with sharded tensors replaced by this rank's shards (cloned)."""
+    out: Dict[str, torch.Tensor] = {}
+    for k, v in module.state_dict().items():
+        if isinstance(v, ShardedTensor):
+            for i, shard in enumerate(v.local_shards()):
+                out[f"{k}#{i}"] = shard.tensor.detach().clone()
+        elif isinstance(v, torch.Tensor):
+            out[k] = v.detach().clone()
+    return out
+
+
+def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def make_model(dm: CriteoSyntheticDataModule, emb: str = "rowwise_adagrad", **kw: Any) -> DLRMModule:
+    return DLRMModule(
+        dm.num_embeddings_per_feature,
+        dm.num_dense_features,
+        embedding_dim=8,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+        embedding_optimizer=EmbeddingOptimizerSpec(emb, lr=0.05),
+        dense_optimizer=DenseOptimizerSpec("adagrad", lr=0.05),
+        **kw,
+    )
+
+
+def fit(
+    tmp_path: Any,
+    max_steps: int,
+    ckpt_path: Optional[str] = None,
+    callbacks: Optional[List[pl.Callback]] = None,
+    data: Optional[Dict[str, Any]] = None,
+    emb: str = "rowwise_adagrad",
+    **trainer_kw: Any,
+) -> tuple[pl.Trainer, DLRMModule]:
+    pl.seed_everything(0, verbose=False)
+    dm = CriteoSyntheticDataModule(**tiny_data_args(**(data or {})))
+    model = make_model(dm, emb=emb)
+    kw: Dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        strategy="torchrec",
+        max_steps=max_steps,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    kw.update(trainer_kw)
+    trainer = pl.Trainer(callbacks=callbacks or [], **kw)
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return trainer, model

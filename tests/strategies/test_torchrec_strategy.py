@@ -1,0 +1,90 @@
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torchrec.distributed import DistributedModelParallel
+
+from torchrec_lookahead import CheckpointError, ConfigError, SetupError
+from torchrec_lookahead.strategies import TorchRecStrategy
+
+from ..helpers import fit, local_state, max_abs_diff
+
+
+def test_registered_and_model_sharded_without_ddp_around_the_module(tmp_path):
+    trainer, model = fit(tmp_path, max_steps=2)
+    assert isinstance(trainer.strategy, TorchRecStrategy)
+    assert isinstance(model.model, DistributedModelParallel)
+    assert trainer.strategy.model is model  # the LightningModule itself is not wrapped in DDP
+    plan = str(model.model.plan)
+    assert "fused" in plan and "table_wise" in plan
+
+
+def test_training_changes_weights_and_loss_is_finite(tmp_path):
+    _, m0 = fit(tmp_path / "a", max_steps=1)
+    _, m1 = fit(tmp_path / "b", max_steps=6)
+    assert max_abs_diff(local_state(m0.model), local_state(m1.model)) > 0
+
+
+@pytest.mark.parametrize("emb", ["rowwise_adagrad", "sgd"])
+def test_mid_epoch_checkpoint_resumes_the_same_trajectory(tmp_path, emb):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    _, full = fit(tmp_path / "full", max_steps=9, callbacks=[ckpt], emb=emb)
+    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    assert path.is_dir() and (path / "meta.pt").is_file() and (path / ".metadata").is_file()
+    trainer, resumed = fit(tmp_path / "resumed", max_steps=9, ckpt_path=str(path), emb=emb)
+    assert trainer.global_step == 9
+    assert max_abs_diff(local_state(full.model), local_state(resumed.model)) == 0.0
+
+
+def test_resume_across_an_epoch_boundary(tmp_path):
+    # 12 batches per epoch: checkpoint at step 8, resume and train into the second epoch.
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
+    _, full = fit(tmp_path / "full", max_steps=15, callbacks=[ckpt])
+    _, resumed = fit(tmp_path / "r", max_steps=15, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=8.ckpt"))
+    assert max_abs_diff(local_state(full.model), local_state(resumed.model)) == 0.0
+
+
+def test_adam_on_cpu_fused_kernel_is_refused_clearly(tmp_path):
+    with pytest.raises(ConfigError, match="not available in FBGEMM's fused kernel on CPU"):
+        fit(tmp_path, max_steps=1, emb="adam")
+
+
+def test_plain_file_is_not_a_sharded_checkpoint(tmp_path):
+    bogus = tmp_path / "x.ckpt"
+    bogus.mkdir()
+    with pytest.raises(CheckpointError, match="not a checkpoint written by TorchRecStrategy"):
+        fit(tmp_path, max_steps=2, ckpt_path=str(bogus))
+
+
+def test_refuses_device_count_that_does_not_match_the_launcher(monkeypatch):
+    strategy = TorchRecStrategy(parallel_devices=[torch.device("cpu")])
+    strategy._num_nodes = 1
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SetupError, match="devices=2"):
+        strategy._check_launcher()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    strategy._check_launcher()
+
+
+def test_unknown_module_name_is_refused(tmp_path):
+    with pytest.raises(Exception, match="module_name"):
+        fit(tmp_path, max_steps=1, strategy=TorchRecStrategy(module_name="net"))
+
+
+def test_validate_and_test_shard_the_model_too(tmp_path):
+    trainer, model = fit(tmp_path, max_steps=2, limit_val_batches=2)
+    out = trainer.validate(model, datamodule=trainer.datamodule)
+    assert 0.0 <= out[0]["val/auc"] <= 1.0
+    out = trainer.test(model, datamodule=trainer.datamodule)
+    assert "test/logloss" in out[0]
+
+
+@pytest.mark.skipif(os.environ.get("WORLD_SIZE") is not None, reason="must not run under a launcher")
+def test_unsharded_fallback_trains_with_plain_optimizers(tmp_path):
+    trainer, model = fit(tmp_path, max_steps=3, strategy="auto")
+    assert not isinstance(model.model, DistributedModelParallel)
+    assert trainer.global_step == 3
+    assert isinstance(pl.Trainer, type)

@@ -1,0 +1,74 @@
+"""Command line: ``python -m torchrec_lookahead {fit,validate,test} --config configs/<name>.yaml``.
+
+A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`~torchrec_lookahead.models.DLRMModule` (or a
+subclass) and any :class:`~torchrec_lookahead.data.RecDataModule`; the model's table sizes and dense width
+are linked from the DataModule, so a config names them once. After ``fit`` it prints where the TensorBoard
+logs are and the final metrics.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
+from torchrec_lookahead.data import RecDataModule
+from torchrec_lookahead.models import DLRMModule
+
+__all__ = ["LookaheadCLI", "main"]
+
+
+class LookaheadCLI(LightningCLI):
+    """LightningCLI with the data -> model links this project's configs rely on."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments(
+            "data.num_embeddings_per_feature",
+            "model.init_args.num_embeddings_per_feature",
+            apply_on="instantiate",
+        )
+        parser.link_arguments(
+            "data.num_dense_features", "model.init_args.num_dense_features", apply_on="instantiate"
+        )
+
+    def _summary(self) -> None:
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        lines: List[str] = []
+        if trainer.logger is not None and trainer.logger.log_dir is not None:
+            lines.append(f"TensorBoard logs: {trainer.logger.log_dir}")
+            lines.append(f"  open them with: tensorboard --logdir {trainer.logger.save_dir}")
+        metrics: Dict[str, Any] = {
+            k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if isinstance(v, torch.Tensor)
+        }
+        if metrics:
+            lines.append("Final metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        if lines:
+            sys.stdout.write("\n".join(lines) + "\n")
+            sys.stdout.flush()
+
+    def after_fit(self) -> None:
+        self._summary()
+
+    def after_validate(self) -> None:
+        self._summary()
+
+    def after_test(self) -> None:
+        self._summary()
+
+
+def main(args: Optional[List[str]] = None) -> None:
+    """Run the CLI (``args`` defaults to ``sys.argv[1:]``)."""
+    torch.set_float32_matmul_precision("high")
+    LookaheadCLI(
+        DLRMModule,
+        RecDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        save_config_kwargs={"overwrite": True},
+    )

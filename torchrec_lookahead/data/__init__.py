@@ -1,0 +1,31 @@
+"""DataModules and datasets yielding TorchRec batches (dense features, KeyedJaggedTensor, labels)."""
+
+from torchrec_lookahead.data.criteo_spec import CRITEO_KAGGLE_CARDINALITIES, scaled_cardinalities
+from torchrec_lookahead.data.datamodules import (
+    CriteoSyntheticDataModule,
+    CriteoTSVDataModule,
+    MovieLensDataModule,
+    RecDataModule,
+    TaobaoDataModule,
+)
+from torchrec_lookahead.data.loader import ResumableBatchLoader
+from torchrec_lookahead.data.readers import CriteoTSVParser, MovieLensParser, TaobaoParser
+from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig
+from torchrec_lookahead.data.text import LineBatchDataset
+
+__all__ = [
+    "CRITEO_KAGGLE_CARDINALITIES",
+    "scaled_cardinalities",
+    "RecDataModule",
+    "CriteoSyntheticDataModule",
+    "CriteoTSVDataModule",
+    "MovieLensDataModule",
+    "TaobaoDataModule",
+    "ResumableBatchLoader",
+    "CriteoTSVParser",
+    "MovieLensParser",
+    "TaobaoParser",
+    "CriteoSyntheticDataset",
+    "SyntheticCriteoConfig",
+    "LineBatchDataset",
+]

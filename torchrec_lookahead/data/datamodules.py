@@ -1,0 +1,341 @@
+"""Lightning DataModules yielding TorchRec batches: synthetic Criteo, Criteo TSV, MovieLens, Taobao.
+
+All of them hand out whole batches through :class:`~torchrec_lookahead.data.loader.ResumableBatchLoader`
+(exact mid-epoch resume), split each global batch over the ranks of the run, and tell the model its inputs
+through :attr:`RecDataModule.num_embeddings_per_feature` and :attr:`RecDataModule.num_dense_features`.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Dict, List, Optional, Sequence, Union
+
+import lightning.pytorch as pl
+from torch.utils.data import IterableDataset
+from typing_extensions import override
+
+from torchrec_lookahead.data.criteo_spec import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
+from torchrec_lookahead.data.loader import ResumableBatchLoader
+from torchrec_lookahead.data.readers import (
+    MOVIELENS_FEATURES,
+    TAOBAO_FEATURES,
+    CriteoTSVParser,
+    MovieLensParser,
+    TaobaoParser,
+    read_movielens_genres,
+)
+from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig
+from torchrec_lookahead.data.text import LineBatchDataset, check_files
+from torchrec_lookahead.errors import ConfigError
+
+__all__ = [
+    "RecDataModule",
+    "CriteoSyntheticDataModule",
+    "CriteoTSVDataModule",
+    "MovieLensDataModule",
+    "TaobaoDataModule",
+]
+
+
+class RecDataModule(pl.LightningDataModule, abc.ABC):
+    """Base of our DataModules: rank-aware, resumable loaders of TorchRec batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._datasets: Dict[str, IterableDataset] = {}
+
+    @property
+    @abc.abstractmethod
+    def num_embeddings_per_feature(self) -> Dict[str, int]:
+        """Rows of each sparse feature's table, in feature order."""
+
+    @property
+    @abc.abstractmethod
+    def num_dense_features(self) -> int:
+        """Dense features per sample."""
+
+    @abc.abstractmethod
+    def _make_dataset(self, split: str, world_size: int, rank: int) -> Optional[IterableDataset]:
+        """The dataset of a split for one rank, or ``None`` when the split has no data."""
+
+    def _ranks(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 1, 0
+        return trainer.world_size, trainer.global_rank
+
+    @override
+    def setup(self, stage: str) -> None:
+        world, rank = self._ranks()
+        for split in ("train", "val", "test"):
+            if split not in self._datasets:
+                ds = self._make_dataset(split, world, rank)
+                if ds is not None:
+                    self._datasets[split] = ds
+
+    def dataset(self, split: str) -> IterableDataset:
+        """The dataset of ``split`` (set up on first use)."""
+        if split not in self._datasets:
+            ds = self._make_dataset(split, *self._ranks())
+            if ds is None:
+                raise ConfigError(f"This DataModule has no {split!r} data; configure files or batches for it")
+            self._datasets[split] = ds
+        return self._datasets[split]
+
+    @override
+    def train_dataloader(self) -> ResumableBatchLoader:
+        return ResumableBatchLoader(self.dataset("train"))
+
+    @override
+    def val_dataloader(self) -> ResumableBatchLoader:
+        return ResumableBatchLoader(self.dataset("val"))
+
+    @override
+    def test_dataloader(self) -> ResumableBatchLoader:
+        return ResumableBatchLoader(self.dataset("test"))
+
+
+class CriteoSyntheticDataModule(RecDataModule):
+    """Synthetic Criteo-shaped data (13 dense, 26 sparse features), streamed and deterministic by seed.
+
+    Args:
+        batch_size: rows per batch per rank.
+        num_train_batches: batches per training epoch.
+        num_val_batches: batches per validation run.
+        num_test_batches: batches per test run.
+        scale: factor on the published Kaggle table sizes (large tables only).
+        min_rows: smallest scaled table.
+        num_embeddings: explicit rows per table (26 values), overriding ``scale``.
+        zipf_exponent: id popularity exponent per table.
+        multi_hot: ``None`` (single-hot), an int, 26 ints, or ``"mlperf"``.
+        seed: data seed.
+
+    Example:
+        >>> dm = CriteoSyntheticDataModule(batch_size=8, num_train_batches=2, scale=0.0001)
+        >>> dm.setup("fit")
+        >>> batch = next(iter(dm.train_dataloader()))
+        >>> batch.labels.shape[0], dm.num_dense_features
+        (8, 13)
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 2048,
+        num_train_batches: int = 200,
+        num_val_batches: int = 20,
+        num_test_batches: int = 20,
+        scale: float = 0.01,
+        min_rows: int = 1000,
+        num_embeddings: Optional[List[int]] = None,
+        zipf_exponent: float = 1.05,
+        multi_hot: Optional[Union[int, List[int], str]] = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self._batches = {"train": num_train_batches, "val": num_val_batches, "test": num_test_batches}
+        self._config = SyntheticCriteoConfig(
+            batch_size=batch_size,
+            num_batches=num_train_batches,
+            scale=scale,
+            min_rows=min_rows,
+            num_embeddings=num_embeddings,
+            zipf_exponent=zipf_exponent,
+            multi_hot=multi_hot,
+            seed=seed,
+        )
+
+    @property
+    def config(self) -> SyntheticCriteoConfig:
+        """The stream's shape (one rank)."""
+        return self._config
+
+    @property
+    def num_embeddings_per_feature(self) -> Dict[str, int]:
+        return dict(zip(self._config.feature_names, self._config.table_sizes()))
+
+    @property
+    def num_dense_features(self) -> int:
+        return INT_FEATURE_COUNT
+
+    def _make_dataset(self, split: str, world_size: int, rank: int) -> Optional[IterableDataset]:
+        if self._batches[split] <= 0:
+            return None
+        c = self._config
+        cfg = SyntheticCriteoConfig(
+            **{**c.__dict__, "num_batches": self._batches[split], "world_size": world_size, "rank": rank}
+        )
+        return CriteoSyntheticDataset(cfg, split=split)
+
+
+def _files(x: Union[None, str, Sequence[str]]) -> Optional[List[str]]:
+    if x is None:
+        return None
+    return check_files([x] if isinstance(x, str) else list(x))
+
+
+class _FileDataModule(RecDataModule):
+    """Shared plumbing of the file-backed DataModules."""
+
+    delimiter = ","
+    skip_header = 0
+
+    def __init__(
+        self,
+        train_files: Union[str, Sequence[str]],
+        val_files: Union[None, str, Sequence[str]],
+        test_files: Union[None, str, Sequence[str]],
+        batch_size: int,
+        drop_last: Optional[bool],
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ConfigError(f"Expected batch_size to be a positive integer but got {batch_size}")
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self._files = {"train": _files(train_files), "val": _files(val_files), "test": _files(test_files)}
+
+    @abc.abstractmethod
+    def _parser(self):  # type: ignore[no-untyped-def]
+        """The row parser."""
+
+    def _make_dataset(self, split: str, world_size: int, rank: int) -> Optional[IterableDataset]:
+        files = self._files[split]
+        if not files:
+            return None
+        drop_last = self.drop_last if self.drop_last is not None else world_size > 1
+        return LineBatchDataset(
+            files,
+            self._parser(),
+            self.batch_size,
+            delimiter=self.delimiter,
+            skip_header=self.skip_header,
+            world_size=world_size,
+            rank=rank,
+            drop_last=drop_last,
+        )
+
+
+class CriteoTSVDataModule(_FileDataModule):
+    """The original Criteo TSV format (label, 13 integer, 26 hexadecimal categorical fields; empty allowed).
+
+    Args:
+        train_files: TSV file(s) for training, read in order.
+        val_files: TSV file(s) for validation.
+        test_files: TSV file(s) for testing.
+        num_embeddings: rows per table: one int for all 26 tables, 26 ints, or a mapping feature -> rows.
+        batch_size: rows per batch per rank.
+        drop_last: drop a final partial batch (default: only with several ranks).
+    """
+
+    delimiter = "\t"
+
+    def __init__(
+        self,
+        train_files: Union[str, List[str]],
+        val_files: Union[None, str, List[str]] = None,
+        test_files: Union[None, str, List[str]] = None,
+        num_embeddings: Union[int, List[int], Dict[str, int]] = 100_000,
+        batch_size: int = 512,
+        drop_last: Optional[bool] = None,
+    ) -> None:
+        super().__init__(train_files, val_files, test_files, batch_size, drop_last)
+        self.save_hyperparameters()
+        sizes = (
+            [num_embeddings] * len(DEFAULT_CAT_NAMES) if isinstance(num_embeddings, int) else num_embeddings
+        )
+        self._parse = CriteoTSVParser(sizes)
+
+    def _parser(self) -> CriteoTSVParser:
+        return self._parse
+
+    @property
+    def num_embeddings_per_feature(self) -> Dict[str, int]:
+        return dict(zip(self._parse.feature_names, self._parse.sizes))
+
+    @property
+    def num_dense_features(self) -> int:
+        return INT_FEATURE_COUNT
+
+
+class MovieLensDataModule(_FileDataModule):
+    """MovieLens ratings in file order: user, movie and genres (multi-hot); label ``rating >= 4``.
+
+    Args:
+        train_files: ``ratings.csv`` file(s) (with header).
+        val_files: validation file(s).
+        test_files: test file(s).
+        movies_file: ``movies.csv`` for genres (optional).
+        num_embeddings: rows for ``user``, ``movie``, ``genres``.
+        batch_size: rows per batch per rank.
+        drop_last: drop a final partial batch (default: only with several ranks).
+    """
+
+    skip_header = 1
+
+    def __init__(
+        self,
+        train_files: Union[str, List[str]],
+        val_files: Union[None, str, List[str]] = None,
+        test_files: Union[None, str, List[str]] = None,
+        movies_file: Optional[str] = None,
+        num_embeddings: Union[List[int], Dict[str, int]] = (1024, 200_000, 32),  # type: ignore[assignment]
+        batch_size: int = 512,
+        drop_last: Optional[bool] = None,
+    ) -> None:
+        super().__init__(train_files, val_files, test_files, batch_size, drop_last)
+        self.save_hyperparameters()
+        genres = read_movielens_genres(movies_file) if movies_file else None
+        self._parse = MovieLensParser(
+            list(num_embeddings) if not isinstance(num_embeddings, dict) else num_embeddings, genres
+        )
+
+    def _parser(self) -> MovieLensParser:
+        return self._parse
+
+    @property
+    def num_embeddings_per_feature(self) -> Dict[str, int]:
+        return dict(zip(MOVIELENS_FEATURES, self._parse.sizes))
+
+    @property
+    def num_dense_features(self) -> int:
+        return 1
+
+
+class TaobaoDataModule(_FileDataModule):
+    """Taobao UserBehavior in file order: user, item, category; label buy/cart/fav vs pv.
+
+    Args:
+        train_files: ``UserBehavior.csv`` file(s) (no header).
+        val_files: validation file(s).
+        test_files: test file(s).
+        num_embeddings: rows for ``user``, ``item``, ``category`` (raw ids are taken modulo these).
+        batch_size: rows per batch per rank.
+        drop_last: drop a final partial batch (default: only with several ranks).
+    """
+
+    def __init__(
+        self,
+        train_files: Union[str, List[str]],
+        val_files: Union[None, str, List[str]] = None,
+        test_files: Union[None, str, List[str]] = None,
+        num_embeddings: Union[List[int], Dict[str, int]] = (1_048_576, 5_242_880, 16_384),  # type: ignore[assignment]
+        batch_size: int = 512,
+        drop_last: Optional[bool] = None,
+    ) -> None:
+        super().__init__(train_files, val_files, test_files, batch_size, drop_last)
+        self.save_hyperparameters()
+        self._parse = TaobaoParser(
+            list(num_embeddings) if not isinstance(num_embeddings, dict) else num_embeddings
+        )
+
+    def _parser(self) -> TaobaoParser:
+        return self._parse
+
+    @property
+    def num_embeddings_per_feature(self) -> Dict[str, int]:
+        return dict(zip(TAOBAO_FEATURES, self._parse.sizes))
+
+    @property
+    def num_dense_features(self) -> int:
+        return 1

@@ -1,0 +1,63 @@
+"""A resumable single-process loader of whole batches.
+
+Lightning saves a loader's ``state_dict()`` in a checkpoint when the loader is ``_Stateful`` and restores it
+on resume. Our datasets are indexable by batch (``start_batch``), so the loader only has to count the batches
+it handed out and start the next iteration from there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from torchrec_lookahead.errors import CheckpointError
+
+__all__ = ["ResumableBatchLoader"]
+
+
+class ResumableBatchLoader(DataLoader):
+    """A :class:`~torch.utils.data.DataLoader` over a dataset of whole batches that resumes mid-epoch.
+
+    The dataset must be an :class:`~torch.utils.data.IterableDataset` with a writable ``start_batch``
+    attribute and, ideally, ``__len__``. The loader counts batches handed out in the current epoch;
+    ``state_dict()`` records that count and ``load_state_dict()`` makes the next iteration start there.
+
+    Args:
+        dataset: the batch dataset.
+
+    Example:
+        >>> from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig
+        >>> ds = CriteoSyntheticDataset(SyntheticCriteoConfig(batch_size=2, num_batches=3, scale=0.0001))
+        >>> loader = ResumableBatchLoader(ds)
+        >>> it = iter(loader); _ = next(it)
+        >>> loader.state_dict()
+        {'batches_yielded': 1}
+    """
+
+    def __init__(self, dataset: IterableDataset) -> None:
+        if not hasattr(dataset, "start_batch"):
+            raise TypeError(f"{type(dataset).__name__} has no 'start_batch' attribute; it cannot be resumed")
+        super().__init__(dataset, batch_size=None, num_workers=0)
+        self._yielded = 0
+        self._resume_from = 0
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        start, self._resume_from = self._resume_from, 0
+        self.dataset.start_batch = start  # type: ignore[attr-defined]
+        self._yielded = start
+        for batch in super().__iter__():
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> Dict[str, int]:
+        """Batches handed out in the current epoch."""
+        return {"batches_yielded": self._yielded}
+
+    def load_state_dict(self, state_dict: Dict[str, int]) -> None:
+        """Make the next iteration start after the batches already handed out."""
+        if "batches_yielded" not in state_dict:
+            raise CheckpointError(
+                f"Loader state {state_dict} has no 'batches_yielded'; was it saved by this loader?"
+            )
+        self._resume_from = int(state_dict["batches_yielded"])

@@ -1,0 +1,249 @@
+"""Parsers of real data sets into TorchRec batches: Criteo TSV, MovieLens ratings, Taobao UserBehavior.
+
+Each parser turns rows (this rank's slice of a global batch) into a :class:`~torchrec.datasets.utils.Batch`
+and refuses a malformed row with a :class:`~torchrec_lookahead.errors.DataError` naming its file and line.
+
+Example:
+    >>> from torchrec_lookahead.data.text import Row
+    >>> parse = CriteoTSVParser(num_embeddings=[100] * 26)
+    >>> fields = ["1"] + ["3"] * 13 + ["68fd1e64"] * 26
+    >>> b = parse([Row(fields, "x.tsv", 1)])
+    >>> tuple(b.dense_features.shape), b.labels.tolist()
+    ((1, 13), [1.0])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lookahead.data.criteo_spec import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
+from torchrec_lookahead.data.text import Row
+from torchrec_lookahead.errors import ConfigError
+
+__all__ = [
+    "CriteoTSVParser",
+    "MovieLensParser",
+    "TaobaoParser",
+    "MOVIELENS_FEATURES",
+    "TAOBAO_FEATURES",
+    "TAOBAO_POSITIVE",
+]
+
+MOVIELENS_FEATURES = ["user", "movie", "genres"]
+TAOBAO_FEATURES = ["user", "item", "category"]
+TAOBAO_BEHAVIOURS = ("pv", "buy", "cart", "fav")
+TAOBAO_POSITIVE = frozenset({"buy", "cart", "fav"})
+
+
+def _sizes(num_embeddings: Sequence[int] | Dict[str, int], names: Sequence[str]) -> List[int]:
+    if isinstance(num_embeddings, dict):
+        unknown = sorted(set(num_embeddings) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"Unknown feature name(s) {unknown} in num_embeddings; valid names are {list(names)}"
+            )
+        missing = [n for n in names if n not in num_embeddings]
+        if missing:
+            raise ConfigError(f"num_embeddings has no size for feature(s) {missing}")
+        sizes = [int(num_embeddings[n]) for n in names]
+    else:
+        sizes = [int(n) for n in num_embeddings]
+        if len(sizes) != len(names):
+            raise ConfigError(
+                f"Expected {len(names)} table sizes (one per feature {list(names)}) but got {len(sizes)}"
+            )
+    for name, n in zip(names, sizes):
+        if n < 1:
+            raise ConfigError(f"Table size for feature '{name}' must be a positive integer but got {n}")
+    return sizes
+
+
+def _kjt(names: Sequence[str], per_feature: List[List[List[int]]]) -> KeyedJaggedTensor:
+    values: List[int] = []
+    lengths: List[int] = []
+    for bags in per_feature:
+        for bag in bags:
+            values.extend(bag)
+            lengths.append(len(bag))
+    return KeyedJaggedTensor(
+        keys=list(names),
+        values=torch.tensor(values, dtype=torch.int64),
+        lengths=torch.tensor(lengths, dtype=torch.int32),
+    )
+
+
+class CriteoTSVParser:
+    """Criteo TSV rows: ``label``, 13 integer features (may be empty or negative), 26 hex categoricals.
+
+    Integers are clamped at 0 and log-transformed (``log1p``, DLRM's preprocessing); empty integers are 0.
+    Categoricals are parsed as hexadecimal and hashed into each table (``value % rows``); an empty categorical
+    is id 0.
+
+    Args:
+        num_embeddings: rows per table, a list of 26 or a mapping feature name -> rows.
+        feature_names: sparse feature names (TorchRec's ``cat_0`` .. ``cat_25``).
+    """
+
+    num_fields = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
+
+    def __init__(
+        self, num_embeddings: Sequence[int] | Dict[str, int], feature_names: Sequence[str] = DEFAULT_CAT_NAMES
+    ) -> None:
+        self.feature_names = list(feature_names)
+        self.sizes = _sizes(num_embeddings, self.feature_names)
+
+    def __call__(self, rows: List[Row]) -> Batch:
+        labels: List[float] = []
+        dense: List[List[float]] = []
+        cats: List[List[List[int]]] = [[] for _ in self.feature_names]
+        for row in rows:
+            f = row.fields
+            if len(f) != self.num_fields:
+                raise row.fail(
+                    f"expected {self.num_fields} tab-separated fields (label, 13 integer, 26 categorical) but got "
+                    f"{len(f)}; is this the Criteo TSV format?"
+                )
+            if f[0] not in ("0", "1"):
+                raise row.fail(f"label must be 0 or 1 but got {f[0]!r}")
+            labels.append(float(f[0]))
+            d: List[float] = []
+            for k in range(INT_FEATURE_COUNT):
+                s = f[1 + k]
+                try:
+                    v = int(s) if s else 0
+                except ValueError:
+                    raise row.fail(f"integer feature I{k + 1} is not an integer: {s!r}") from None
+                d.append(math.log1p(max(v, 0)))
+            dense.append(d)
+            for k, n in enumerate(self.sizes):
+                s = f[1 + INT_FEATURE_COUNT + k]
+                try:
+                    v = int(s, 16) if s else 0
+                except ValueError:
+                    raise row.fail(f"categorical feature C{k + 1} is not hexadecimal: {s!r}") from None
+                cats[k].append([v % n])
+        return Batch(
+            dense_features=torch.tensor(dense, dtype=torch.float32),
+            sparse_features=_kjt(self.feature_names, cats),
+            labels=torch.tensor(labels, dtype=torch.float32),
+        )
+
+
+class MovieLensParser:
+    """MovieLens ``ratings.csv`` rows (``userId,movieId,rating,timestamp``): features user, movie and the
+    movie's genres (multi-hot, from ``movies.csv`` when given); label ``rating >= 4``; one dense feature, the
+    rating time scaled to years since 1995.
+
+    Args:
+        num_embeddings: rows per table for ``user``, ``movie``, ``genres`` (ids are taken modulo the size).
+        genres: movie id -> genre ids (empty when ``movies.csv`` is not given).
+    """
+
+    def __init__(
+        self, num_embeddings: Sequence[int] | Dict[str, int], genres: Optional[Dict[int, List[int]]] = None
+    ):
+        self.sizes = _sizes(num_embeddings, MOVIELENS_FEATURES)
+        self.genres = genres or {}
+
+    def __call__(self, rows: List[Row]) -> Batch:
+        users: List[List[int]] = []
+        movies: List[List[int]] = []
+        genres: List[List[int]] = []
+        dense: List[List[float]] = []
+        labels: List[float] = []
+        nu, nm, ng = self.sizes
+        for row in rows:
+            f = row.fields
+            if len(f) != 4:
+                raise row.fail(
+                    f"expected 4 comma-separated fields (userId,movieId,rating,timestamp) but got {len(f)}"
+                )
+            try:
+                u, m, r, ts = int(f[0]), int(f[1]), float(f[2]), int(f[3])
+            except ValueError:
+                raise row.fail(f"cannot parse {f!r} as userId,movieId,rating,timestamp") from None
+            if u < 0 or m < 0:
+                raise row.fail(f"negative id in {f!r}")
+            users.append([u % nu])
+            movies.append([m % nm])
+            genres.append([g % ng for g in self.genres.get(m, [0])])
+            dense.append([(ts - 788_918_400) / 31_557_600.0])
+            labels.append(1.0 if r >= 4.0 else 0.0)
+        return Batch(
+            dense_features=torch.tensor(dense, dtype=torch.float32),
+            sparse_features=_kjt(MOVIELENS_FEATURES, [users, movies, genres]),
+            labels=torch.tensor(labels, dtype=torch.float32),
+        )
+
+
+def read_movielens_genres(path: str) -> Dict[int, List[int]]:
+    """Map movie id -> genre ids from MovieLens ``movies.csv`` (genre ids in order of first appearance, from 1).
+
+    Raises:
+        DataError: the file is missing or a line is malformed.
+    """
+    import csv
+
+    from torchrec_lookahead.data.text import check_files
+
+    (path,) = check_files([path])
+    vocab: Dict[str, int] = {}
+    out: Dict[int, List[int]] = {}
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f)
+        next(reader, None)
+        for i, rec in enumerate(reader, start=2):
+            if len(rec) != 3:
+                raise Row(rec, path, i).fail(f"expected 3 fields (movieId,title,genres) but got {len(rec)}")
+            try:
+                movie = int(rec[0])
+            except ValueError:
+                raise Row(rec, path, i).fail(f"movieId is not an integer: {rec[0]!r}") from None
+            out[movie] = [vocab.setdefault(g, len(vocab) + 1) for g in rec[2].split("|")]
+    return out
+
+
+class TaobaoParser:
+    """Taobao UserBehavior rows (``user_id,item_id,category_id,behavior,timestamp``): features user, item,
+    category; label 1 for buy, cart or fav, 0 for pv; one dense feature, the hour of day in [0, 1).
+
+    Args:
+        num_embeddings: rows per table for ``user``, ``item``, ``category`` (ids are taken modulo the size).
+    """
+
+    def __init__(self, num_embeddings: Sequence[int] | Dict[str, int]):
+        self.sizes = _sizes(num_embeddings, TAOBAO_FEATURES)
+
+    def __call__(self, rows: List[Row]) -> Batch:
+        cols: List[List[List[int]]] = [[], [], []]
+        dense: List[List[float]] = []
+        labels: List[float] = []
+        for row in rows:
+            f = row.fields
+            if len(f) != 5:
+                raise row.fail(
+                    f"expected 5 comma-separated fields (user_id,item_id,category_id,behavior,timestamp) but got {len(f)}"
+                )
+            if f[3] not in TAOBAO_BEHAVIOURS:
+                raise row.fail(f"behavior must be one of {list(TAOBAO_BEHAVIOURS)} but got {f[3]!r}")
+            try:
+                ids = [int(f[0]), int(f[1]), int(f[2])]
+                ts = int(f[4])
+            except ValueError:
+                raise row.fail(f"cannot parse ids/timestamp in {f!r}") from None
+            if min(ids) < 0:
+                raise row.fail(f"negative id in {f!r}")
+            for k, (v, n) in enumerate(zip(ids, self.sizes)):
+                cols[k].append([v % n])
+            dense.append([((ts + 8 * 3600) % 86400) / 86400.0])
+            labels.append(1.0 if f[3] in TAOBAO_POSITIVE else 0.0)
+        return Batch(
+            dense_features=torch.tensor(dense, dtype=torch.float32),
+            sparse_features=_kjt(TAOBAO_FEATURES, cols),
+            labels=torch.tensor(labels, dtype=torch.float32),
+        )

@@ -1,0 +1,138 @@
+"""Streaming readers of delimited text files into TorchRec batches, in file order.
+
+A :class:`LineBatchDataset` reads lines from one or more files, groups them into global batches of
+``batch_size * world_size`` rows, keeps this rank's contiguous slice and hands the rows to a parser that
+builds a :class:`~torchrec.datasets.utils.Batch`. Every malformed line is reported with its file and line
+number.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+
+from torch.utils.data import IterableDataset
+from torchrec.datasets.utils import Batch
+
+from torchrec_lookahead.errors import ConfigError, DataError
+
+__all__ = ["Row", "LineBatchDataset", "check_files"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One data line with where it came from (for error messages)."""
+
+    fields: List[str]
+    path: str
+    line: int
+
+    def fail(self, what: str) -> DataError:
+        """A :class:`DataError` naming this row's file and line."""
+        return DataError(f"{self.path}:{self.line}: {what}")
+
+
+def check_files(paths: Sequence[str]) -> List[str]:
+    """Return the paths as a list, raising :class:`DataError` for any that is missing.
+
+    Raises:
+        DataError: a path does not exist or is not a file.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]  # type: ignore[list-item]
+    out = [os.fspath(p) for p in paths]
+    if not out:
+        raise ConfigError("Expected at least one data file but got none")
+    for p in out:
+        if not os.path.isfile(p):
+            raise DataError(
+                f"Data file not found: {p!r}; check the path (relative paths start at {os.getcwd()})"
+            )
+    return out
+
+
+class LineBatchDataset(IterableDataset):
+    """Batches of parsed lines from delimited text files, in file order.
+
+    Args:
+        paths: files read one after another.
+        parse: builds a batch from rows (this rank's slice of a global batch).
+        batch_size: rows per batch per rank.
+        delimiter: field separator.
+        skip_header: lines skipped at the top of each file.
+        world_size: ranks sharing each global batch.
+        rank: this rank.
+        drop_last: drop a final partial global batch.
+        num_rows: rows in all files if known (otherwise counted once).
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        parse: Callable[[List[Row]], Batch],
+        batch_size: int,
+        delimiter: str = ",",
+        skip_header: int = 0,
+        world_size: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+        num_rows: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ConfigError(f"Expected batch_size to be a positive integer but got {batch_size}")
+        self.paths = check_files(paths)
+        self.parse = parse
+        self.batch_size = batch_size
+        self.delimiter = delimiter
+        self.skip_header = skip_header
+        self.world_size = world_size
+        self.rank = rank
+        self.drop_last = drop_last
+        self.start_batch = 0
+        self._num_rows = num_rows
+
+    def _lines(self) -> Iterator[Tuple[str, int, str]]:
+        for path in self.paths:
+            with open(path, encoding="utf-8", newline="") as f:
+                for i, line in enumerate(f, start=1):
+                    if i <= self.skip_header:
+                        continue
+                    line = line.rstrip("\r\n")
+                    if line:
+                        yield path, i, line
+
+    def num_rows(self) -> int:
+        """Data rows in all files (counted once, then cached)."""
+        if self._num_rows is None:
+            self._num_rows = sum(1 for _ in self._lines())
+        return self._num_rows
+
+    def __len__(self) -> int:
+        g = self.batch_size * self.world_size
+        n = self.num_rows()
+        return n // g if self.drop_last else -(-n // g)
+
+    def _emit(self, rows: List[Row]) -> Optional[Batch]:
+        per = -(-len(rows) // self.world_size)
+        mine = rows[self.rank * per : (self.rank + 1) * per]
+        return self.parse(mine) if mine else None
+
+    def __iter__(self) -> Iterator[Batch]:
+        g = self.batch_size * self.world_size
+        skip_rows = self.start_batch * g
+        rows: List[Row] = []
+        for n, (path, i, line) in enumerate(self._lines()):
+            if n < skip_rows:
+                continue
+            rows.append(Row(line.split(self.delimiter), path, i))
+            if len(rows) == g:
+                batch = self._emit(rows)
+                rows = []
+                if batch is not None:
+                    yield batch
+        if rows and not self.drop_last:
+            batch = self._emit(rows)
+            if batch is not None:
+                yield batch

@@ -1,0 +1,351 @@
+"""``strategy="torchrec"``: Lightning training of TorchRec models under ``DistributedModelParallel``.
+
+What this adds to Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`:
+
+* the LightningModule's sharded submodule (``module_name``, default ``"model"``) is wrapped in
+  :class:`~torchrec.distributed.DistributedModelParallel` with the configured sharders and planner, and the
+  LightningModule is *not* wrapped in DDP a second time (DMP already data-parallelises the dense part);
+* the module is sharded for ``validate``/``test``/``predict`` too, not only for ``fit``;
+* checkpoints are written and read with :mod:`torch.distributed.checkpoint` on every rank (a directory
+  per checkpoint): Lightning's rank-0 ``torch.save`` would write other ranks' table shards empty;
+* a device count that does not match the launcher (``torchrun --nproc_per_node=2`` with ``devices=1``, where
+  every process would silently train alone) is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.model_parallel import get_default_sharders
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from typing_extensions import override
+
+from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
+
+__all__ = ["TorchRecStrategy"]
+
+log = logging.getLogger(__name__)
+
+_META_FILE = "meta.pt"
+
+
+# FBGEMM's fused CPU kernel implements only these optimizers (split_table_batched_embeddings_ops_training).
+_CPU_FUSED_OPTIMIZERS = ("SGD", "RowWiseAdagrad", "Adagrad")
+
+
+def _check_cpu_fused_optimizers(module: nn.Module) -> None:
+    for m in module.modules():
+        if not isinstance(m, EmbeddingBagCollection):
+            continue
+        for name, p in m.named_parameters():
+            for cls in getattr(p, "_optimizer_classes", []):
+                if cls.__name__ not in _CPU_FUSED_OPTIMIZERS:
+                    raise ConfigError(
+                        f"Embedding optimizer {cls.__name__} on table parameter {name!r} is not available in "
+                        f"FBGEMM's fused kernel on CPU (it supports {list(_CPU_FUSED_OPTIMIZERS)}); use one of "
+                        "those, train on CUDA, or train the table through the lookahead cache, whose optimizer "
+                        "runs on any device"
+                    )
+
+
+def _embedding_tables(module: nn.Module) -> List[str]:
+    names: List[str] = []
+    for m in module.modules():
+        if isinstance(m, EmbeddingBagCollection):
+            names.extend(cfg.name for cfg in m.embedding_bag_configs())
+    return names
+
+
+class TorchRecStrategy(DDPStrategy):
+    """Shards a LightningModule's TorchRec model with ``DistributedModelParallel``.
+
+    Args:
+        sharders: TorchRec module sharders (default: TorchRec's default sharders).
+        constraints: planner constraints per table name (default: every table uses ``compute_kernel``).
+        compute_kernel: compute kernel asked of the planner for every table without an explicit constraint
+            (``"fused"`` by default: FBGEMM's fused kernel and optimizer; ``None`` leaves it to the planner).
+        sharding_types: sharding types allowed for those tables (default: table-wise and row-wise).
+        module_name: attribute of the LightningModule holding the model to shard.
+        plan: a precomputed sharding plan (skips the planner).
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
+            ``timeout``, ...).
+
+    Example:
+        >>> strategy = TorchRecStrategy(compute_kernel="fused")
+        >>> strategy.shards_embeddings
+        True
+    """
+
+    strategy_name = "torchrec"
+    shards_embeddings = True
+
+    def __init__(
+        self,
+        sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
+        constraints: Optional[Dict[str, ParameterConstraints]] = None,
+        compute_kernel: Optional[str] = "fused",
+        sharding_types: Optional[List[str]] = None,
+        module_name: str = "model",
+        plan: Optional[ShardingPlan] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self._sharders = sharders
+        self._constraints = dict(constraints or {})
+        self._compute_kernel = compute_kernel
+        self._sharding_types = list(sharding_types or ["table_wise", "row_wise"])
+        self._module_name = module_name
+        self._plan = plan
+        self.dmp: Optional[DistributedModelParallel] = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:  # type: ignore[override]
+        strategy_registry.register(
+            cls.strategy_name, cls, description="TorchRec DistributedModelParallel under Lightning"
+        )
+
+    # ----------------------------------------------------------------------------------------------- set-up
+    def _check_launcher(self) -> None:
+        expected = self.num_nodes * self.num_processes
+        launched = os.environ.get("WORLD_SIZE")
+        if launched is not None and int(launched) != expected:
+            raise SetupError(
+                f"The launcher started WORLD_SIZE={launched} processes but the Trainer is configured for "
+                f"{self.num_processes} device(s) x {self.num_nodes} node(s) = {expected}; every process would "
+                f"train alone. Set devices={int(launched) // max(self.num_nodes, 1)} (accelerator='cpu' on CPU) "
+                f"and num_nodes to match torchrun's --nproc_per_node and --nnodes."
+            )
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is not None and int(local) != self.num_processes:
+            raise SetupError(
+                f"torchrun started LOCAL_WORLD_SIZE={local} processes per node but the Trainer uses "
+                f"devices={self.num_processes}; set devices={local}"
+            )
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Checked when the Trainer is built, before any process group or launcher exists.
+        self._check_launcher()
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        self._check_launcher()
+        super().setup_environment()
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+
+    def _constraints_for(self, module: nn.Module) -> Dict[str, ParameterConstraints]:
+        out = dict(self._constraints)
+        tables = _embedding_tables(module)
+        unknown = sorted(set(out) - set(tables))
+        if unknown:
+            raise ConfigError(
+                f"Planner constraints name unknown table(s) {unknown}; the model's tables are {tables}"
+            )
+        if self._compute_kernel is not None:
+            for t in tables:
+                out.setdefault(
+                    t,
+                    ParameterConstraints(
+                        sharding_types=self._sharding_types, compute_kernels=[self._compute_kernel]
+                    ),
+                )
+        return out
+
+    def shard(self, module: nn.Module) -> DistributedModelParallel:
+        """Wrap ``module`` in ``DistributedModelParallel`` on this rank's device (collective: every rank)."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise SetupError("shard() needs an initialised process group; call it from the Trainer's set-up")
+        if self.root_device.type == "cpu" and self._compute_kernel == "fused":
+            _check_cpu_fused_optimizers(module)
+        pg = dist.group.WORLD
+        sharders = self._sharders if self._sharders is not None else get_default_sharders()
+        plan = self._plan
+        if plan is None:
+            topology = Topology(
+                world_size=self.world_size,
+                compute_device=self.root_device.type,
+                local_world_size=self.num_processes,
+            )
+            planner = EmbeddingShardingPlanner(topology=topology, constraints=self._constraints_for(module))
+            plan = planner.collective_plan(module, sharders, pg)
+        return DistributedModelParallel(
+            module,
+            env=ShardingEnv.from_process_group(pg),  # type: ignore[arg-type]
+            device=self.root_device,
+            sharders=sharders,
+            plan=plan,
+        )
+
+    def _shard_lightning_module(self) -> None:
+        lm = self.lightning_module
+        if lm is None:
+            raise SetupError("No LightningModule attached to the strategy")
+        module = getattr(lm, self._module_name, None)
+        if isinstance(module, DistributedModelParallel):
+            self.dmp = module
+            return
+        if not isinstance(module, nn.Module):
+            raise ConfigError(
+                f"TorchRecStrategy(module_name={self._module_name!r}): {type(lm).__name__} has no nn.Module "
+                f"attribute {self._module_name!r} (build it in configure_model()); set module_name to the "
+                "attribute holding the TorchRec model"
+            )
+        self.dmp = self.shard(module)
+        setattr(lm, self._module_name, self.dmp)
+        log.info("TorchRec sharding plan:\n%s", self.dmp.plan)
+
+    @override
+    def model_to_device(self) -> None:
+        lm = self.lightning_module
+        if lm is None:
+            return
+        for name, child in lm.named_children():
+            if child is not self.dmp and name != self._module_name:
+                child.to(self.root_device)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if self.model is None:
+            raise SetupError("No model attached to the strategy")
+        self.precision_plugin.convert_module(self.model)
+        self._shard_lightning_module()
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def configure_ddp(self) -> None:
+        # DistributedModelParallel already wraps the dense part in DDP; never wrap the LightningModule again.
+        self._shard_lightning_module()
+
+    @override
+    def teardown(self) -> None:
+        lm = self.lightning_module
+        unmaterialised = lm is not None and any(p.is_meta for p in lm.parameters())
+        on_cpu = all(d.type == "cpu" for d in self.parallel_devices or [])
+        if not unmaterialised and not on_cpu:
+            super().teardown()
+            return
+        # Nothing to move back to the CPU, and a model that failed to shard still has meta tensors, which
+        # Lightning's teardown would try (and fail) to copy.
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        assert self.lightning_module is not None
+        return self.lightning_module.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        return inner.state_dict()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: Dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero:
+            if path.is_file():
+                path.unlink()
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier("torchrec_ckpt_mkdir")
+        sharded = {"state_dict": checkpoint.pop("state_dict")}
+        for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            sharded[f"optimizer_{i}"] = opt_state
+        dcp.save(sharded, checkpoint_id=path)
+        if self.is_global_zero:
+            torch.save(checkpoint, path / _META_FILE)
+        self.barrier("torchrec_ckpt_saved")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not (path / _META_FILE).is_file():
+            raise CheckpointError(
+                f"{path} is not a checkpoint written by TorchRecStrategy (no {_META_FILE} inside); checkpoints of "
+                "sharded models are directories written by torch.distributed.checkpoint on every rank"
+            )
+        lm = self.lightning_module
+        assert lm is not None
+        target: Dict[str, Any] = {"state_dict": lm.state_dict()}
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        for i, opt in enumerate(optimizers):
+            if hasattr(opt, "init_state"):
+                opt.init_state()
+            target[f"optimizer_{i}"] = opt.state_dict()
+        dcp.load(target, checkpoint_id=path)
+        state = target["state_dict"]
+        for name, child in lm.named_children():
+            prefix = f"{name}."
+            sub = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            if sub:
+                # DistributedModelParallel strips its wrapper prefixes only when it loads its own state.
+                child.load_state_dict(sub, strict=lm.strict_loading)
+        for i, opt in enumerate(optimizers):
+            opt.load_state_dict(target[f"optimizer_{i}"])
+        meta = torch.load(path / _META_FILE, weights_only=False)
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Loaded in load_checkpoint(), on every rank, from the distributed checkpoint.
+        pass
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # Loaded in load_checkpoint().
+        pass
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+
+if TorchRecStrategy.strategy_name not in StrategyRegistry:
+    TorchRecStrategy.register_strategies(StrategyRegistry)
