@@ -19,7 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import StepTimer, machine, median, parser, table, write_json  # noqa: E402
 
 from torchrec_lookahead.cli import LookaheadCLI  # noqa: E402
-from torchrec_lookahead.data import RecDataModule  # noqa: E402
 from torchrec_lookahead.models import DLRMModule  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def one_run(config: str, steps: int, warmup: int) -> Dict[str, float]:
     cli = LookaheadCLI(
         DLRMModule,
-        RecDataModule,
+        pl.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         run=False,

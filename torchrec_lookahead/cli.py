@@ -1,7 +1,7 @@
-"""Command line: ``python -m torchrec_lookahead {fit,validate,test} --config configs/<name>.yaml``.
+"""Command line: ``python -m torchrec_lookahead {fit,validate,test,verify} --config configs/<name>.yaml``.
 
 A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`~torchrec_lookahead.models.DLRMModule` (or a
-subclass) and any :class:`~torchrec_lookahead.data.RecDataModule`; the model's table sizes and dense width
+subclass) and any DataModule exposing ``num_embeddings_per_feature`` and ``num_dense_features``; the model's table sizes and dense width
 are linked from the DataModule, so a config names them once. After ``fit`` it prints where the TensorBoard
 logs are and the final metrics.
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List, Optional
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
-from torchrec_lookahead.data import RecDataModule
 from torchrec_lookahead.models import DLRMModule
 
 __all__ = ["LookaheadCLI", "main"]
@@ -62,13 +62,17 @@ class LookaheadCLI(LightningCLI):
 
 
 def main(args: Optional[List[str]] = None) -> None:
-    """Run the CLI (``args`` defaults to ``sys.argv[1:]``)."""
-    torch.set_float32_matmul_precision("high")
+    """Run the CLI (``args`` defaults to ``sys.argv[1:]``); ``verify`` compares cached and resident training."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["verify"]:
+        from torchrec_lookahead.verify import main as verify_main
+
+        raise SystemExit(verify_main(argv[1:]))
     LookaheadCLI(
         DLRMModule,
-        RecDataModule,
+        pl.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=args,
+        args=argv,
         save_config_kwargs={"overwrite": True},
     )

@@ -9,6 +9,7 @@ from torchrec_lookahead.data.datamodules import (
     TaobaoDataModule,
 )
 from torchrec_lookahead.data.loader import ResumableBatchLoader
+from torchrec_lookahead.data.lookahead import LookaheadBatch, LookaheadDataModule, LookaheadLoader
 from torchrec_lookahead.data.readers import CriteoTSVParser, MovieLensParser, TaobaoParser
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig
 from torchrec_lookahead.data.text import LineBatchDataset
@@ -22,6 +23,9 @@ __all__ = [
     "MovieLensDataModule",
     "TaobaoDataModule",
     "ResumableBatchLoader",
+    "LookaheadDataModule",
+    "LookaheadBatch",
+    "LookaheadLoader",
     "CriteoTSVParser",
     "MovieLensParser",
     "TaobaoParser",

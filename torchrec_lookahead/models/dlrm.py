@@ -106,6 +106,10 @@ class DLRMModule(pl.LightningModule):
                 f"The last dense_arch_layer_sizes entry must equal embedding_dim={embedding_dim} but got "
                 f"{self.dense_arch_layer_sizes}"
             )
+        if len(self.over_arch_layer_sizes) < 2:
+            raise ConfigError(
+                f"over_arch_layer_sizes needs at least two layers (TorchRec's OverArch) but got {self.over_arch_layer_sizes}"
+            )
         if self.over_arch_layer_sizes[-1] != 1:
             raise ConfigError(
                 f"The last over_arch_layer_sizes entry must be 1 but got {self.over_arch_layer_sizes}"
@@ -121,10 +125,12 @@ class DLRMModule(pl.LightningModule):
         self.val_logloss = torchmetrics.MeanMetric()
         self.test_logloss = torchmetrics.MeanMetric()
 
-    def build_model(self, device: torch.device) -> DLRM:
-        """The unsharded DLRM with its tables on ``device`` (``meta`` for sharding)."""
+    def build_model(self, device: torch.device, dense_device: Optional[torch.device] = None) -> DLRM:
+        """The unsharded DLRM with its tables on ``device`` (``meta`` for sharding) and its dense layers on
+        ``dense_device`` (default ``device``; real tensors, so that they are initialised from the seed
+        before any table is)."""
         ebc = EmbeddingBagCollection(tables=self.tables, device=device)
-        dense_device = None if device.type == "meta" else device
+        dense_device = dense_device or device
         return DLRM(
             embedding_bag_collection=ebc,
             dense_in_features=self.num_dense_features,
@@ -142,7 +148,7 @@ class DLRMModule(pl.LightningModule):
         if self.model is not None:
             return
         if self._sharded():
-            model = self.build_model(torch.device("meta"))
+            model = self.build_model(torch.device("meta"), dense_device=self.trainer.strategy.root_device)
             ebc = model.sparse_arch.embedding_bag_collection
             apply_optimizer_in_backward(
                 self.embedding_optimizer.optimizer_class(),

@@ -35,7 +35,14 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from typing_extensions import override
 
+from torchrec_lookahead.data.lookahead import CacheTarget, LookaheadBatch
+from torchrec_lookahead.distributed import (
+    LookaheadEmbeddingBagCollectionSharder,
+    ShardedLookaheadEmbeddingBagCollection,
+    lookahead_sharding_plan,
+)
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
+from torchrec_lookahead.modules import init_embedding_bag_tables_
 
 __all__ = ["TorchRecStrategy"]
 
@@ -82,6 +89,10 @@ class TorchRecStrategy(DDPStrategy):
         sharding_types: sharding types allowed for those tables (default: table-wise and row-wise).
         module_name: attribute of the LightningModule holding the model to shard.
         plan: a precomputed sharding plan (skips the planner).
+        init_seed: after sharding, write the deterministic initial values of
+            :func:`~torchrec_lookahead.store.init_rows` into every resident table (the values the lookahead
+            cache's stores start from), so cached and resident runs and any number of ranks start alike;
+            ``None`` keeps TorchRec's random initialisation.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ...).
 
@@ -96,12 +107,13 @@ class TorchRecStrategy(DDPStrategy):
 
     def __init__(
         self,
-        sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
+        sharders: Optional[List[ModuleSharder]] = None,  # type: ignore[type-arg]
         constraints: Optional[Dict[str, ParameterConstraints]] = None,
         compute_kernel: Optional[str] = "fused",
         sharding_types: Optional[List[str]] = None,
         module_name: str = "model",
         plan: Optional[ShardingPlan] = None,
+        init_seed: Optional[int] = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -111,6 +123,7 @@ class TorchRecStrategy(DDPStrategy):
         self._sharding_types = list(sharding_types or ["table_wise", "row_wise"])
         self._module_name = module_name
         self._plan = plan
+        self._init_seed = init_seed
         self.dmp: Optional[DistributedModelParallel] = None
 
     @classmethod
@@ -179,21 +192,109 @@ class TorchRecStrategy(DDPStrategy):
         pg = dist.group.WORLD
         sharders = self._sharders if self._sharders is not None else get_default_sharders()
         plan = self._plan
-        if plan is None:
-            topology = Topology(
-                world_size=self.world_size,
-                compute_device=self.root_device.type,
-                local_world_size=self.num_processes,
+        topology = Topology(
+            world_size=self.world_size,
+            compute_device=self.root_device.type,
+            local_world_size=self.num_processes,
+        )
+        lookahead = [s for s in sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)]
+        cached: Dict[str, int] = {k: v for s in lookahead for k, v in s.capacity.items()}
+        for s in lookahead:
+            if s.seed is None:
+                s.seed = self._init_seed or 0
+        if plan is None and cached:
+            plan = lookahead_sharding_plan(
+                module,
+                sharders,
+                cached,
+                topology,
+                constraints=self._constraints,
+                compute_kernel=self._compute_kernel,
+                sharding_types=self._sharding_types,
+                pg=pg,
             )
+        elif plan is None:
             planner = EmbeddingShardingPlanner(topology=topology, constraints=self._constraints_for(module))
             plan = planner.collective_plan(module, sharders, pg)
-        return DistributedModelParallel(
+        # DistributedModelParallel replaces the collections in place: list the tables first.
+        tables = [
+            c
+            for m in module.modules()
+            if isinstance(m, EmbeddingBagCollection)
+            for c in m.embedding_bag_configs()
+        ]
+        dmp = DistributedModelParallel(
             module,
             env=ShardingEnv.from_process_group(pg),  # type: ignore[arg-type]
             device=self.root_device,
             sharders=sharders,
             plan=plan,
         )
+        if self._init_seed is not None:
+            init_embedding_bag_tables_(dmp, [c for c in tables if c.name not in cached], seed=self._init_seed)
+        return dmp
+
+    # ---------------------------------------------------------------------------------------- the cache
+    def cached_modules(self) -> List[ShardedLookaheadEmbeddingBagCollection]:
+        """The model's collections with cached tables."""
+        lm = self.lightning_module
+        if lm is None:
+            return []
+        return [m for m in lm.modules() if isinstance(m, ShardedLookaheadEmbeddingBagCollection)]
+
+    def cache_target(self) -> Optional[CacheTarget]:
+        """What :class:`~torchrec_lookahead.data.LookaheadDataModule` needs to plan the cached tables."""
+        mods = self.cached_modules()
+        if not mods:
+            return None
+        capacity: Dict[str, int] = {}
+        f2t: Dict[str, str] = {}
+        rows: Dict[str, int] = {}
+        stores: Dict[str, Any] = {}
+        for m in mods:
+            cache = m.cache
+            capacity.update(cache.capacity)
+            stores.update(cache.stores)
+            f2t.update({f: t for f, t in cache.feature_to_table.items() if t in cache.capacity})
+            rows.update(
+                {c.name: c.num_embeddings for c in cache.embedding_bag_configs() if c.name in cache.capacity}
+            )
+        return CacheTarget(capacity=capacity, feature_to_table=f2t, num_embeddings=rows, stores=stores)
+
+    def flush_caches(self) -> None:
+        """Write every cached row and its optimizer state back to the host stores (contract: nothing lost)."""
+        for m in self.cached_modules():
+            m.flush()
+
+    def reset_caches(self) -> None:
+        """Flush, then empty the caches (a new plan stream starts from an empty cache)."""
+        for m in self.cached_modules():
+            m.flush()
+            m.cache.invalidate()
+
+    @override
+    def batch_to_device(
+        self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0
+    ) -> Any:
+        lm = self.lightning_module
+        if isinstance(batch, LookaheadBatch) and batch.plan is not None and lm is not None and lm.training:
+            staged = batch.wait_staged()
+            for m in self.cached_modules():
+                m.apply_plan(batch.plan, staged)
+            batch.mark_applied()
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def on_train_end(self) -> None:
+        self.flush_caches()
+        super().on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        try:
+            self.flush_caches()
+        finally:
+            super().on_exception(exception)
 
     def _shard_lightning_module(self) -> None:
         lm = self.lightning_module
@@ -242,6 +343,7 @@ class TorchRecStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self.flush_caches()
         lm = self.lightning_module
         unmaterialised = lm is not None and any(p.is_meta for p in lm.parameters())
         on_cpu = all(d.type == "cpu" for d in self.parallel_devices or [])

@@ -1,0 +1,103 @@
+"""Oracle throughput on Criteo-Kaggle-shaped batches, against the floor of one torch.unique pass per table.
+
+python benchmarks/oracle_throughput.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._zipf import KAGGLE_ROWS, criteo_batches, table_names  # noqa: E402
+from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig  # noqa: E402
+
+
+def floor_pass(batches: List[Dict[str, torch.Tensor]]) -> float:
+    start = time.perf_counter()
+    for b in batches:
+        for ids in b.values():
+            torch.unique(ids, return_inverse=True)
+    return time.perf_counter() - start
+
+
+def oracle_pass(cfg: OracleConfig, batches: List[Dict[str, torch.Tensor]]) -> float:
+    oracle = LookaheadOracle(cfg)  # allocation of the per-id arrays is not timed
+    start = time.perf_counter()
+    for _ in oracle.plan_stream(batches):
+        pass
+    return time.perf_counter() - start
+
+
+def main(argv: Any = None) -> Dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer batches and runs (about a minute)")
+    parser.add_argument("--json", type=str, default=None, help="write the results here")
+    parser.add_argument("--batch", type=int, default=16384)
+    parser.add_argument("--horizon", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--capacity-fraction", type=float, default=0.05)
+    args = parser.parse_args(argv)
+    steps = args.steps or (120 if args.quick else 300)
+    runs = args.runs or (1 if args.quick else 3)
+    horizon = min(args.horizon, steps - 1)
+    names = table_names()
+    rows = dict(zip(names, KAGGLE_ROWS))
+    t0 = time.perf_counter()
+    batches = criteo_batches(steps, args.batch, KAGGLE_ROWS)
+    gen_s = time.perf_counter() - t0
+    # belady: 5% of rows, at least the working set of two batches (prefetch_depth=1) or the whole table
+    cap = {n: max(int(r * args.capacity_fraction), min(r, 2 * args.batch)) for n, r in rows.items()}
+    samples = steps * args.batch
+    floor = statistics.median(floor_pass(batches) for _ in range(runs))
+    results: Dict[str, Any] = {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "steps": steps,
+        "horizon": horizon,
+        "tables": len(names),
+        "generate_s": round(gen_s, 2),
+        "floor_samples_per_s": samples / floor,
+        "policies": {},
+    }
+    stats: Dict[str, Any] = {}
+    for policy in ("belady", "ttl", "lru"):
+        capacity = rows if policy == "ttl" else cap
+        cfg = OracleConfig(
+            capacity=capacity, num_embeddings=rows, horizon=horizon, prefetch_depth=1, policy=policy
+        )
+        secs = statistics.median(oracle_pass(cfg, batches) for _ in range(runs))
+        results["policies"][policy] = {"samples_per_s": samples / secs, "seconds": secs}
+        oracle = LookaheadOracle(cfg)
+        if policy == "ttl":
+            for _ in oracle.plan_stream(batches[: min(steps, 60)]):
+                pass
+            stats["ttl_peak_rows_60_steps"] = sum(s["peak_rows"] for s in oracle.stats().values())
+    results["samples_per_s"] = results["policies"]["belady"]["samples_per_s"]
+    results.update(stats)
+    print(f"{'pass':<22}{'samples/s':>14}{'x floor':>10}")
+    print(f"{'torch.unique floor':<22}{results['floor_samples_per_s']:>14,.0f}{1.0:>10.2f}")
+    for policy, r in results["policies"].items():
+        ratio = r["samples_per_s"] / results["floor_samples_per_s"]
+        print(f"{'oracle ' + policy:<22}{r['samples_per_s']:>14,.0f}{ratio:>10.2f}")
+    print(f"({steps} batches of {args.batch}, {len(names)} tables, horizon {horizon}, median of {runs} runs)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

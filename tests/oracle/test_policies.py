@@ -1,0 +1,200 @@
+"""Policies replayed on a simulated cache and compared with naive references."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import numpy as np
+import pytest
+import torch
+
+from tests.oracle.reference import min_rows, random_trace, ref_fixed, ref_ttl, ref_window, replay
+from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+
+
+def batches_of(traces: Dict[str, List[np.ndarray]]) -> List[Dict[str, torch.Tensor]]:
+    steps = len(next(iter(traces.values())))
+    return [{name: torch.from_numpy(tr[t]) for name, tr in traces.items()} for t in range(steps)]
+
+
+def run(cfg: OracleConfig, traces: Dict[str, List[np.ndarray]]) -> list:
+    return list(LookaheadOracle(cfg).plan_stream(batches_of(traces)))
+
+
+CASES = [
+    # seed, steps, batch, rows, horizon, depth, slack (capacity = min + slack)
+    (0, 40, 30, 120, 10, 1, 0),
+    (1, 40, 30, 120, 10, 2, 0),
+    (2, 50, 20, 300, 25, 1, 15),
+    (3, 30, 40, 80, 5, 0, 3),
+    (4, 40, 25, 200, 40, 2, 40),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("policy", ["belady", "lru"])
+def test_fixed_policies_match_reference(case: tuple, policy: str) -> None:
+    seed, steps, batch, rows, horizon, depth, slack = case
+    traces = {
+        "a": random_trace(seed, steps, batch, rows),
+        "b": random_trace(seed + 100, steps, batch // 2 + 1, rows // 3 + 5, alpha=0.9),
+    }
+    cap = {name: min_rows(tr, depth) + slack for name, tr in traces.items()}
+    cfg = OracleConfig(capacity=cap, horizon=horizon, prefetch_depth=depth, policy=policy)
+    got = replay(traces, run(cfg, traces), cfg)
+    for name, tr in traces.items():
+        assert got[name] == ref_fixed(tr, cap[name], horizon, depth, policy)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_belady_never_above_lru(case: tuple) -> None:
+    seed, steps, batch, rows, horizon, depth, slack = case
+    traces = {"a": random_trace(seed, steps, batch, rows)}
+    cap = {"a": min_rows(traces["a"], depth) + slack}
+    fetched = {}
+    for policy in ("belady", "lru"):
+        oracle = LookaheadOracle(
+            OracleConfig(capacity=cap, horizon=horizon, prefetch_depth=depth, policy=policy)
+        )
+        list(oracle.plan_stream(batches_of(traces)))
+        fetched[policy] = oracle.stats()["a"]["fetches"]
+    assert fetched["belady"] <= fetched["lru"]
+
+
+def test_ttl_figure6() -> None:
+    traces = {"t": [np.array(b) for b in ([3, 9], [3, 4], [3, 6], [6, 1])]}
+    cfg = OracleConfig(capacity={"t": 8}, horizon=2, policy="ttl")
+    got = replay(traces, run(cfg, traces), cfg)["t"]
+    assert [f for f, _ in got] == [{3, 9}, {4}, {6}, {1}]
+    assert [e for _, e in got] == [set(), {9}, {4}, {3}]
+
+
+@pytest.mark.parametrize("horizon,depth", [(1, 0), (3, 0), (3, 2), (10, 1)])
+def test_ttl_matches_reference_and_reuses_slots(horizon: int, depth: int) -> None:
+    traces = {"a": random_trace(7, 40, 30, 150), "b": random_trace(8, 40, 10, 40)}
+    cfg = OracleConfig(capacity={"a": 2000, "b": 2000}, horizon=horizon, prefetch_depth=depth, policy="ttl")
+    oracle = LookaheadOracle(cfg)
+    plans = list(oracle.plan_stream(batches_of(traces)))
+    got = replay(traces, plans, cfg)
+    for name, tr in traces.items():
+        assert got[name] == ref_ttl(tr, horizon)
+        peak = oracle.stats()[name]["peak_rows"]
+        used = max(int(s) for p in plans for s in p.tables[name].fetch_slots.tolist())
+        assert used + 1 == peak  # freed slots are reused: slots never go beyond the peak
+
+
+@pytest.mark.parametrize(
+    "rows,cap,window,ways,depth,victims",
+    [(400, 120, 3, 4, 1, None), (400, 150, 2, 2, 2, 40), (60, 64, 4, 8, 1, None), (1000, 300, 1, 8, 1, 60)],
+)
+def test_window_matches_reference(
+    rows: int, cap: int, window: int, ways: int, depth: int, victims: object
+) -> None:
+    traces = {"a": random_trace(11, 30, 20, rows)}
+    cfg = OracleConfig(
+        capacity={"a": cap},
+        num_embeddings={"a": rows},
+        horizon=max(window, depth) + 1,
+        prefetch_depth=depth,
+        window=window,
+        ways=ways,
+        victim_rows=victims,  # type: ignore[arg-type]
+        seed=5,
+        policy="window",
+    )
+    plans = run(cfg, traces)
+    replay(traces, plans, cfg)
+    ref = ref_window(traces["a"], cfg, "a")
+    for plan, (fetched, evicted) in zip(plans, ref):
+        tp = plan.tables["a"]
+        assert dict(zip(tp.fetch_ids.tolist(), tp.fetch_slots.tolist())) == fetched
+        assert set(tp.evict_ids.tolist()) == evicted
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru", "ttl", "window"])
+def test_deterministic(policy: str) -> None:
+    traces = {"a": random_trace(3, 30, 30, 200), "b": random_trace(4, 30, 10, 50)}
+    cfg = OracleConfig(
+        capacity={"a": 150, "b": 45}, num_embeddings={"a": 200, "b": 50}, horizon=6, policy=policy, window=3
+    )
+    one, two = run(cfg, traces), run(cfg, traces)
+    for p, q in zip(one, two):
+        for name in traces:
+            for field in ("evict_ids", "evict_slots", "fetch_ids", "fetch_slots", "slots"):
+                assert torch.equal(getattr(p.tables[name], field), getattr(q.tables[name], field))
+
+
+class FakeJagged:
+    def __init__(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
+        self._v, self._l = values, lengths
+
+    def values(self) -> torch.Tensor:
+        return self._v
+
+    def lengths(self) -> torch.Tensor:
+        return self._l
+
+
+class FakeKJT:
+    """The two methods of a KeyedJaggedTensor the oracle uses."""
+
+    def __init__(self, features: Dict[str, torch.Tensor]) -> None:
+        self._f = features
+
+    def keys(self) -> List[str]:
+        return list(self._f)
+
+    def to_dict(self) -> Dict[str, FakeJagged]:
+        return {k: FakeJagged(v, torch.ones(v.numel(), dtype=torch.int64)) for k, v in self._f.items()}
+
+
+def test_kjt_duck_type_and_shared_table() -> None:
+    f1 = random_trace(1, 20, 15, 100)
+    f2 = random_trace(2, 20, 10, 100)
+    resident = random_trace(3, 20, 5, 10)
+    cfg = OracleConfig(
+        capacity={"t": 60},
+        horizon=5,
+        feature_to_table={"f1": "t", "f2": "t", "r": "res"},
+        num_embeddings={"t": 100},
+    )
+    kjts = [
+        FakeKJT({"f2": torch.from_numpy(b), "f1": torch.from_numpy(a), "r": torch.from_numpy(c)})
+        for a, b, c in zip(f1, f2, resident)
+    ]
+    plans = list(LookaheadOracle(cfg).plan_stream(kjts))
+    assert set(plans[0].tables) == {"t"}
+    concat = {"t": [np.concatenate([b, a]) for a, b in zip(f1, f2)]}  # key order: f2 then f1
+    replay(concat, plans, cfg)
+
+
+def test_unknown_num_embeddings_grows() -> None:
+    traces = {"a": [np.array([5, 10_000, 3]), np.array([70_000, 5]), np.array([3])]}
+    cfg = OracleConfig(capacity={"a": 4}, horizon=2)
+    replay(traces, run(cfg, traces), cfg)
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru"])
+def test_tables_that_fit_are_direct_mapped(policy: str) -> None:
+    traces = {"small": random_trace(5, 30, 40, 25), "big": random_trace(6, 30, 30, 300)}
+    cap = {"small": 25, "big": min_rows(traces["big"], 1)}
+    cfg = OracleConfig(capacity=cap, num_embeddings={"small": 25, "big": 300}, horizon=5, policy=policy)
+    oracle = LookaheadOracle(cfg)
+    plans = list(oracle.plan_stream(batches_of(traces)))
+    got = replay(traces, plans, cfg)
+    for name, tr in traces.items():
+        assert got[name] == ref_fixed(tr, cap[name], 5, 1, policy)
+    assert all(torch.equal(p.tables["small"].slots, torch.from_numpy(traces["small"][p.step])) for p in plans)
+
+
+@pytest.mark.parametrize("case", CASES[:3])
+def test_belady_victim_pool_matches_reference(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchrec_lookahead.oracle.belady import BeladyPlanner
+
+    monkeypatch.setattr(BeladyPlanner, "pool_min_capacity", 0)  # use the pool at test sizes
+    seed, steps, batch, rows, horizon, depth, slack = case
+    traces = {"a": random_trace(seed, steps, batch, rows)}
+    cap = {"a": min_rows(traces["a"], depth) + slack}
+    cfg = OracleConfig(capacity=cap, horizon=horizon, prefetch_depth=depth)
+    got = replay(traces, run(cfg, traces), cfg)
+    assert got["a"] == ref_fixed(traces["a"], cap["a"], horizon, depth, "belady")

@@ -1,0 +1,404 @@
+"""``LookaheadDataModule``: wraps any DataModule of TorchRec batches and plans the cache ahead of training.
+
+A background thread reads the wrapped training loader, runs the
+:class:`~torchrec_lookahead.oracle.LookaheadOracle` over the stream (``horizon`` batches ahead) and replaces
+the ids of cached tables by cache slots; a second thread gathers the rows each plan fetches (with their
+optimizer state) from the host stores, ``prefetch_depth`` steps ahead, but never before the write-backs
+they depend on have landed: rows for step ``t`` are gathered only after plan ``t - prefetch_depth - 1`` has
+been applied (the oracle never evicts an id needed within the prefetch window, so no later write-back can
+touch them). The ``torchrec`` strategy applies each batch's plan right before its training step.
+
+Validation and test loaders are the wrapped DataModule's own: evaluation reads ids, not slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Mapping, Optional
+
+import lightning.pytorch as pl
+import torch
+from torchrec.datasets.utils import Batch
+from typing_extensions import override
+
+from torchrec_lookahead.errors import CheckpointError, ConfigError
+from torchrec_lookahead.modules import remap_kjt, stage_rows
+from torchrec_lookahead.modules.types import StagedRows
+from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, Policy
+from torchrec_lookahead.oracle.types import BatchPlan
+from torchrec_lookahead.store.types import EmbeddingStore
+
+__all__ = ["LookaheadBatch", "LookaheadDataModule", "LookaheadLoader", "CacheTarget"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LookaheadBatch(Batch):
+    """A TorchRec batch whose cached features hold cache slots, with the step's plan and staged rows.
+
+    Attributes:
+        plan: the step's plan (apply before the step).
+        staged: future of the rows the plan fetches (gathered in the background).
+        loader: the loader that produced the batch (told when the plan has been applied).
+    """
+
+    plan: Optional[BatchPlan] = None
+    staged: Optional[Future[StagedRows]] = None
+    loader: Optional[LookaheadLoader] = field(default=None, repr=False)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> LookaheadBatch:
+        return LookaheadBatch(
+            dense_features=self.dense_features.to(device=device, non_blocking=non_blocking),
+            sparse_features=self.sparse_features.to(device=device, non_blocking=non_blocking),
+            labels=self.labels.to(device=device, non_blocking=non_blocking),
+            plan=self.plan,
+            staged=self.staged,
+            loader=self.loader,
+        )
+
+    def wait_staged(self) -> Optional[StagedRows]:
+        """The staged rows (blocks until the stager has gathered them); the wait is counted by the loader."""
+        if self.staged is None:
+            return None
+        t0 = time.perf_counter()
+        rows = self.staged.result()
+        if self.loader is not None:
+            self.loader.stats_wait_s += time.perf_counter() - t0
+        return rows
+
+    def mark_applied(self) -> None:
+        """Tell the loader that this batch's plan has been applied (its write-backs have landed)."""
+        if self.loader is not None and self.plan is not None:
+            self.loader.mark_applied(self.plan.step)
+
+
+@dataclass(frozen=True)
+class CacheTarget:
+    """What the oracle and stager need to know about the model's cached tables.
+
+    Attributes:
+        capacity: cache rows per cached table.
+        feature_to_table: feature -> table, for every cached table's features.
+        num_embeddings: rows per cached table.
+        stores: host store per cached table.
+    """
+
+    capacity: Mapping[str, int]
+    feature_to_table: Mapping[str, str]
+    num_embeddings: Mapping[str, int]
+    stores: Mapping[str, EmbeddingStore]
+
+
+_END = object()
+
+
+class LookaheadLoader:
+    """Iterable of :class:`LookaheadBatch` es planned ahead of training (see the module docstring).
+
+    Args:
+        loader: the wrapped training loader (yields TorchRec batches).
+        target: the model's cached tables.
+        horizon: batches the oracle reads ahead.
+        prefetch_depth: steps ahead the rows are gathered.
+        policy: the oracle's policy.
+        queue_depth: planned batches kept ready (bounds memory and the oracle's lead).
+        on_epoch_start: called at every new iteration (the strategy flushes and empties the cache there, so
+            that a fresh oracle starts from an empty cache).
+        oracle_kwargs: extra :class:`~torchrec_lookahead.oracle.OracleConfig` fields (``window``, ``ways``, ...).
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        target: CacheTarget,
+        horizon: int,
+        prefetch_depth: int,
+        policy: str,
+        queue_depth: int = 8,
+        on_epoch_start: Optional[Any] = None,
+        oracle_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        self.loader = loader
+        self.target = target
+        self._oracle_kwargs: Dict[str, Any] = dict(
+            capacity=dict(target.capacity),
+            horizon=horizon,
+            prefetch_depth=prefetch_depth,
+            policy=policy,
+            num_embeddings=dict(target.num_embeddings),
+            **(oracle_kwargs or {}),
+        )
+        self.config = OracleConfig(feature_to_table=dict(target.feature_to_table), **self._oracle_kwargs)
+        self.prefetch_depth = prefetch_depth
+        self.queue_depth = max(queue_depth, prefetch_depth + 2)
+        self.on_epoch_start = on_epoch_start
+        self._yielded = 0
+        self._resume_from = 0
+        self._applied = -1
+        self._planned = -1
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: List[threading.Thread] = []
+        self.stats_wait_s = 0.0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    # ------------------------------------------------------------------------------------------- progress
+    def mark_applied(self, step: int) -> None:
+        with self._cond:
+            self._applied = max(self._applied, step)
+            self._cond.notify_all()
+
+    def oracle_lead(self) -> int:
+        """Batches planned but not yet applied."""
+        return max(self._planned - self._applied, 0)
+
+    # ------------------------------------------------------------------------------------------ iteration
+    def _stop_threads(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(timeout=10)
+        self._threads = []
+        self._stop = threading.Event()
+
+    def __iter__(self) -> Iterator[LookaheadBatch]:
+        self._stop_threads()
+        start, self._resume_from = self._resume_from, 0
+        if start and hasattr(self.loader, "load_state_dict"):
+            self.loader.load_state_dict({"batches_yielded": start})
+        if self.on_epoch_start is not None:
+            self.on_epoch_start()
+        self._yielded = start
+        self._applied = -1
+        self._planned = -1
+        out: queue.Queue[Any] = queue.Queue(maxsize=self.queue_depth)
+        to_stage: queue.Queue[Any] = queue.Queue()
+        stop = self._stop
+        planner = threading.Thread(
+            target=self._plan, args=(out, to_stage, stop), daemon=True, name="lookahead-oracle"
+        )
+        stager = threading.Thread(
+            target=self._stage, args=(to_stage, stop), daemon=True, name="lookahead-stager"
+        )
+        self._threads = [planner, stager]
+        planner.start()
+        stager.start()
+        try:
+            while True:
+                item = out.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                self._yielded += 1
+                yield item
+        finally:
+            self._stop_threads()
+
+    def _plan(self, out: queue.Queue[Any], to_stage: queue.Queue[Any], stop: threading.Event) -> None:
+        try:
+            oracle: Optional[LookaheadOracle] = None
+            batches: queue.Queue[Batch] = queue.Queue()
+
+            def sparse() -> Iterator[Any]:
+                for b in self.loader:
+                    if stop.is_set():
+                        return
+                    batches.put(b)
+                    yield b.sparse_features
+
+            stream = sparse()
+            first = next(stream, None)
+            if first is None:
+                out.put(_END)
+                to_stage.put(None)
+                return
+            # Features of tables the cache does not plan (other modules' features too) are ignored.
+            f2t = {k: self.target.feature_to_table.get(k, f"__unplanned__/{k}") for k in first.keys()}
+            oracle = LookaheadOracle(OracleConfig(feature_to_table=f2t, **self._oracle_kwargs))
+
+            def restream() -> Iterator[Any]:
+                yield first
+                yield from stream
+
+            cached = sorted(self.target.capacity)
+            for plan in oracle.plan_stream(restream()):
+                b = batches.get()
+                fut: Future[StagedRows] = Future()
+                to_stage.put((plan, fut))
+                kjt = remap_kjt(b.sparse_features, plan, dict(self.target.feature_to_table), cached)
+                item = LookaheadBatch(b.dense_features, kjt, b.labels, plan=plan, staged=fut, loader=self)
+                self._planned = plan.step
+                while not stop.is_set():
+                    try:
+                        out.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            out.put(_END)
+        except BaseException as e:  # handed to the training thread
+            to_stage.put(None)
+            out.put(e)
+        else:
+            to_stage.put(None)
+
+    def _stage(self, to_stage: queue.Queue[Any], stop: threading.Event) -> None:
+        while not stop.is_set():
+            item = to_stage.get()
+            if item is None:
+                return
+            plan, fut = item
+            need = plan.step - self.prefetch_depth - 1
+            with self._cond:
+                while self._applied < need and not stop.is_set():
+                    self._cond.wait(timeout=0.1)
+            if stop.is_set():
+                fut.cancel()
+                return
+            try:
+                fut.set_result(stage_rows(plan, self.target.stores))
+            except BaseException as e:
+                fut.set_exception(e)
+
+    # ------------------------------------------------------------------------------------------ resumption
+    def state_dict(self) -> Dict[str, int]:
+        """Batches handed out in the current epoch (the oracle restarts from an empty cache on resume)."""
+        return {"batches_yielded": self._yielded}
+
+    def load_state_dict(self, state_dict: Dict[str, int]) -> None:
+        if "batches_yielded" not in state_dict:
+            raise CheckpointError(f"Loader state {state_dict} has no 'batches_yielded'")
+        self._resume_from = int(state_dict["batches_yielded"])
+
+
+class LookaheadDataModule(pl.LightningDataModule):
+    """Wrap a DataModule of TorchRec batches so that the model's cached tables are planned ahead.
+
+    Args:
+        datamodule: any DataModule whose loaders yield :class:`~torchrec.datasets.utils.Batch` es.
+        horizon: batches the oracle reads ahead.
+        prefetch_depth: steps ahead the fetched rows are gathered (must not exceed ``horizon``).
+        policy: ``belady`` (default), ``ttl``, ``window`` or ``lru``.
+        queue_depth: planned batches kept ready.
+        window: batches per window of the ``window`` policy.
+        ways: associativity of the ``window`` policy.
+
+    Example:
+        >>> from torchrec_lookahead.data import CriteoSyntheticDataModule
+        >>> dm = LookaheadDataModule(CriteoSyntheticDataModule(batch_size=8, num_train_batches=2), horizon=16)
+        >>> dm.num_dense_features
+        13
+    """
+
+    def __init__(
+        self,
+        datamodule: pl.LightningDataModule,
+        horizon: int = 64,
+        prefetch_depth: int = 1,
+        policy: str = "belady",
+        queue_depth: int = 8,
+        window: Optional[int] = None,
+        ways: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if horizon < 1:
+            raise ConfigError(f"Expected horizon >= 1 but got {horizon}")
+        if prefetch_depth < 0 or prefetch_depth > horizon:
+            raise ConfigError(
+                f"Expected 0 <= prefetch_depth <= horizon but got prefetch_depth={prefetch_depth}, "
+                f"horizon={horizon}; raise horizon or lower prefetch_depth"
+            )
+        try:
+            Policy(policy)
+        except ValueError:
+            raise ConfigError(f"Expected policy in {[p.value for p in Policy]} but got {policy!r}") from None
+        self.datamodule = datamodule
+        self.horizon = horizon
+        self.prefetch_depth = prefetch_depth
+        self.policy = policy
+        self.queue_depth = queue_depth
+        self.oracle_kwargs: Dict[str, Any] = {}
+        if window is not None:
+            self.oracle_kwargs["window"] = window
+        if ways is not None:
+            self.oracle_kwargs["ways"] = ways
+        self.loader: Optional[LookaheadLoader] = None
+
+    @property
+    def num_embeddings_per_feature(self) -> Dict[str, int]:
+        return self.datamodule.num_embeddings_per_feature  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def num_dense_features(self) -> int:
+        return self.datamodule.num_dense_features  # type: ignore[attr-defined, no-any-return]
+
+    @override
+    def prepare_data(self) -> None:
+        self.datamodule.prepare_data()
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.datamodule.trainer = self.trainer
+        self.datamodule.setup(stage)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        self.datamodule.teardown(stage)
+
+    def _target(self) -> Optional[CacheTarget]:
+        trainer = self.trainer
+        strategy = getattr(trainer, "strategy", None)
+        if strategy is None or not hasattr(strategy, "cache_target"):
+            return None
+        return strategy.cache_target()  # type: ignore[no-any-return]
+
+    @override
+    def train_dataloader(self) -> Any:
+        inner = self.datamodule.train_dataloader()
+        target = self._target()
+        if target is None or not target.capacity:
+            log.warning("LookaheadDataModule: the model has no cached tables; batches pass through unplanned")
+            return inner
+        strategy = self.trainer.strategy  # type: ignore[union-attr]
+        self.loader = LookaheadLoader(
+            inner,
+            target,
+            self.horizon,
+            self.prefetch_depth,
+            self.policy,
+            self.queue_depth,
+            on_epoch_start=getattr(strategy, "reset_caches", None),
+            oracle_kwargs=self.oracle_kwargs,
+        )
+        return self.loader
+
+    @override
+    def val_dataloader(self) -> Any:
+        return self.datamodule.val_dataloader()
+
+    @override
+    def test_dataloader(self) -> Any:
+        return self.datamodule.test_dataloader()
+
+    @override
+    def predict_dataloader(self) -> Any:
+        return self.datamodule.predict_dataloader()
+
+    @override
+    def state_dict(self) -> Dict[str, Any]:
+        return {"datamodule": self.datamodule.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.datamodule.load_state_dict(state_dict.get("datamodule", {}))

@@ -1,0 +1,16 @@
+"""TorchRec integration: the lookahead sharder, its sharded module and sharding plans with cached tables."""
+
+from torchrec_lookahead.distributed.plan import embedding_tables, lookahead_sharding_plan
+from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.distributed.sharder import (
+    LookaheadEmbeddingBagCollectionSharder,
+    cache_optimizer_from_module,
+)
+
+__all__ = [
+    "LookaheadEmbeddingBagCollectionSharder",
+    "ShardedLookaheadEmbeddingBagCollection",
+    "lookahead_sharding_plan",
+    "embedding_tables",
+    "cache_optimizer_from_module",
+]

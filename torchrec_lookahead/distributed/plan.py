@@ -1,0 +1,78 @@
+"""Sharding plans with cached tables: TorchRec's planner places the resident tables; cached tables become
+data-parallel ``CUSTOMIZED_KERNEL`` entries that :class:`LookaheadEmbeddingBagCollectionSharder` builds."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional
+
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ModuleSharder,
+    ParameterSharding,
+    ShardingPlan,
+)
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from torchrec_lookahead.distributed.sharded import CUSTOMIZED
+from torchrec_lookahead.errors import ConfigError
+
+__all__ = ["lookahead_sharding_plan", "embedding_tables"]
+
+
+def embedding_tables(module: nn.Module) -> List[str]:
+    """Names of every table of every EmbeddingBagCollection in ``module``."""
+    return [
+        c.name
+        for m in module.modules()
+        if isinstance(m, EmbeddingBagCollection)
+        for c in m.embedding_bag_configs()
+    ]
+
+
+def lookahead_sharding_plan(
+    module: nn.Module,
+    sharders: List[ModuleSharder[nn.Module]],
+    cached: Mapping[str, int],
+    topology: Topology,
+    constraints: Optional[Dict[str, ParameterConstraints]] = None,
+    compute_kernel: Optional[str] = "fused",
+    sharding_types: Optional[List[str]] = None,
+    pg: Optional[dist.ProcessGroup] = None,
+) -> ShardingPlan:
+    """A TorchRec sharding plan in which the tables of ``cached`` use the lookahead cache.
+
+    TorchRec's planner places every table (cached ones as cheap table-wise placeholders); the cached tables'
+    entries are then replaced by data-parallel ``CUSTOMIZED_KERNEL`` shardings on every rank.
+
+    Raises:
+        ConfigError: ``cached`` or ``constraints`` name a table the model does not have.
+    """
+    tables = embedding_tables(module)
+    unknown = sorted(set(cached) - set(tables)) + sorted(set(constraints or {}) - set(tables))
+    if unknown:
+        raise ConfigError(f"Unknown table(s) {unknown}; the model's tables are {tables}")
+    cons = dict(constraints or {})
+    types = list(sharding_types or ["table_wise", "row_wise"])
+    for t in tables:
+        if t in cached:
+            cons[t] = ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
+        elif compute_kernel is not None:
+            cons.setdefault(t, ParameterConstraints(sharding_types=types, compute_kernels=[compute_kernel]))
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=cons)
+    if pg is not None:
+        plan = planner.collective_plan(module, sharders, pg)
+    else:
+        plan = planner.plan(module, sharders)
+    ranks = list(range(topology.world_size))
+    for module_plan in plan.plan.values():
+        if not isinstance(module_plan, EmbeddingModuleShardingPlan):
+            continue
+        for name in list(module_plan.keys()):
+            if name in cached:
+                module_plan[name] = ParameterSharding(
+                    sharding_type="data_parallel", compute_kernel=CUSTOMIZED, ranks=ranks
+                )
+    return plan

@@ -1,0 +1,200 @@
+"""``LookaheadEmbeddingBagCollectionSharder``: swap it in for TorchRec's EBC sharder to train large tables
+through the lookahead cache.
+
+Tables whose parameter sharding uses TorchRec's ``CUSTOMIZED_KERNEL`` compute kernel (see
+:func:`~torchrec_lookahead.distributed.plan.lookahead_sharding_plan`) are trained through a host store and a
+device cache of ``capacity`` rows; the others are sharded by TorchRec's own
+:class:`~torchrec.distributed.embeddingbag.EmbeddingBagCollectionSharder`, unchanged.
+
+Example:
+    >>> sharder = LookaheadEmbeddingBagCollectionSharder(capacity={"t_big": 4096})
+    >>> "customized_kernel" in sharder.compute_kernels("data_parallel", "cpu")
+    True
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from torchrec_lookahead.distributed.sharded import CUSTOMIZED, ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.errors import ConfigError, SetupError
+from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig
+from torchrec_lookahead.store import MmapStore
+from torchrec_lookahead.store.types import EmbeddingStore
+
+__all__ = ["LookaheadEmbeddingBagCollectionSharder", "cache_optimizer_from_module"]
+
+_IN_BACKWARD_ATTRS = ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers")
+
+
+def cache_optimizer_from_module(
+    module: EmbeddingBagCollection, tables: List[str]
+) -> Optional[CacheOptimizerConfig]:
+    """The cache optimizer declared on the tables with ``apply_optimizer_in_backward`` (``None`` if none).
+
+    Raises:
+        ConfigError: cached tables declare different optimizers, or one the cache cannot move with the row.
+    """
+    found: Dict[str, CacheOptimizerConfig] = {}
+    for name, p in module.embedding_bags.named_parameters():
+        table = name.split(".")[0]
+        if table not in tables or not getattr(p, "_optimizer_classes", None):
+            continue
+        cls = p._optimizer_classes[0]  # type: ignore[attr-defined]
+        kw = dict(p._optimizer_kwargs[0])  # type: ignore[attr-defined]
+        try:
+            opt: EmbOptimType = optimizer_type_to_emb_opt_type(cls)  # type: ignore[assignment]
+        except ValueError:
+            raise ConfigError(
+                f"Table '{table}' declares optimizer {cls.__name__}, which the cache does not support"
+            ) from None
+        found[table] = CacheOptimizerConfig(
+            opt,
+            learning_rate=float(kw.get("lr", kw.get("learning_rate", 0.01)) or 0.01),
+            eps=float(kw.get("eps", 1e-8)),
+            beta1=float(kw.get("beta1", 0.9)),
+            beta2=float(kw.get("beta2", 0.999)),
+            weight_decay=float(kw.get("weight_decay", 0.0)),
+        )
+    distinct = set(found.values())
+    if len(distinct) > 1:
+        raise ConfigError(
+            f"Cached tables declare different optimizers {found}; use one optimizer for all of them"
+        )
+    return next(iter(distinct)) if distinct else None
+
+
+class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """TorchRec's EBC sharder, extended with the lookahead cache for ``CUSTOMIZED_KERNEL`` tables.
+
+    Args:
+        capacity: cache rows per cached table (e.g. ``CachePlan.capacity`` from the lookahead planner).
+        optimizer: the cache's fused optimizer; by default the one declared on the table parameters with
+            ``apply_optimizer_in_backward``, else ``fused_params``.
+        stores: explicit host stores per cached table.
+        store_dir: create memory-mapped stores (``<store_dir>/<table>.bin``) instead of in-RAM ones, for tables
+            larger than host memory.
+        seed: seed of the initial table values (identical to a resident model initialised with
+            :func:`~torchrec_lookahead.modules.init_embedding_bag_tables_` and the same seed); default: the
+            ``torchrec`` strategy's ``init_seed``, else 0.
+        fused_params: TorchRec fused parameters for the resident tables.
+        qcomm_codecs_registry: TorchRec communication codecs.
+    """
+
+    def __init__(
+        self,
+        capacity: Optional[Dict[str, int]] = None,
+        optimizer: Optional[CacheOptimizerConfig] = None,
+        stores: Optional[Dict[str, EmbeddingStore]] = None,
+        store_dir: Optional[str] = None,
+        seed: Optional[int] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> None:
+        if fused_params is None and optimizer is not None:
+            fused_params = optimizer.fused_params()
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
+        self.capacity: Dict[str, int] = {k: int(v) for k, v in (capacity or {}).items()}
+        for t, c in self.capacity.items():
+            if c < 1:
+                raise ConfigError(f"capacity of table '{t}' must be a positive number of rows but got {c}")
+        self.optimizer = optimizer
+        self.stores = dict(stores or {})
+        self.store_dir = store_dir
+        self.seed = seed
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
+        if sharding_type == ShardingType.DATA_PARALLEL.value:
+            kernels.append(CUSTOMIZED)
+        return kernels
+
+    def _store(self, cfg: Any, optimizer: CacheOptimizerConfig) -> Optional[EmbeddingStore]:
+        if cfg.name in self.stores:
+            return self.stores[cfg.name]
+        if self.store_dir is None:
+            return None
+        os.makedirs(self.store_dir, exist_ok=True)
+        return MmapStore(
+            os.path.join(self.store_dir, f"{cfg.name}.bin"),
+            cfg.num_embeddings,
+            cfg.embedding_dim,
+            optimizer.state_widths(cfg.embedding_dim),
+            name=cfg.name,
+            seed=self.seed or 0,
+        )
+
+    def shard(  # type: ignore[override]
+        self,
+        module: EmbeddingBagCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> Any:
+        configs = module.embedding_bag_configs()
+        cached = [c.name for c in configs if c.name in params and params[c.name].compute_kernel == CUSTOMIZED]
+        if not cached:
+            return super().shard(module, params, env, device, module_fqn)
+        missing = [t for t in cached if t not in self.capacity]
+        if missing:
+            raise ConfigError(
+                f"Tables {missing} are planned for the lookahead cache but have no capacity; pass "
+                f"capacity={{table: rows}} to LookaheadEmbeddingBagCollectionSharder (known: {sorted(self.capacity)})"
+            )
+        if env.world_size > 1:
+            raise SetupError(
+                f"The lookahead cache trains on one rank (world size {env.world_size} given); multi-rank cached "
+                "training needs LRPP synchronisation, which is not available yet. Keep these tables resident "
+                "or train on one rank"
+            )
+        optimizer = self.optimizer or cache_optimizer_from_module(module, cached)
+        if optimizer is None:
+            fp = dict(self.fused_params or {})
+            if "optimizer" not in fp:
+                raise ConfigError(
+                    "No optimizer for the cached tables: declare one with apply_optimizer_in_backward, or pass "
+                    "optimizer=CacheOptimizerConfig(...) to the sharder"
+                )
+            optimizer = CacheOptimizerConfig(
+                fp["optimizer"],
+                learning_rate=float(fp.get("learning_rate", 0.01)),
+                eps=float(fp.get("eps", 1e-8)),
+                beta1=float(fp.get("beta1", 0.9)),
+                beta2=float(fp.get("beta2", 0.999)),
+                weight_decay=float(fp.get("weight_decay", 0.0)),
+            )
+        resident_cfgs = [c for c in configs if c.name not in cached]
+        resident = None
+        if resident_cfgs:
+            sub = EmbeddingBagCollection(
+                tables=resident_cfgs, is_weighted=module.is_weighted(), device=torch.device("meta")
+            )
+            for c in resident_cfgs:
+                src, dst = module.embedding_bags[c.name].weight, sub.embedding_bags[c.name].weight
+                for attr in _IN_BACKWARD_ATTRS:
+                    if hasattr(src, attr):
+                        setattr(dst, attr, getattr(src, attr))
+            resident = super().shard(
+                sub, {c.name: params[c.name] for c in resident_cfgs}, env, device, module_fqn
+            )
+        cached_cfgs = [c for c in configs if c.name in cached]
+        stores = {c.name: s for c in cached_cfgs if (s := self._store(c, optimizer)) is not None}
+        cache = CachedEmbeddingBagCollection(
+            cached_cfgs,
+            capacity={t: self.capacity[t] for t in cached},
+            optimizer=optimizer,
+            stores=stores,
+            seed=self.seed or 0,
+            device=device,
+            is_weighted=module.is_weighted(),
+        )
+        return ShardedLookaheadEmbeddingBagCollection(configs, resident, cache, module.is_weighted())

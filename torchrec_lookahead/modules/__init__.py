@@ -1,0 +1,35 @@
+"""The device cache of embedding rows: CachedEmbeddingBagCollection and the types it exchanges.
+
+* :class:`CachedEmbeddingBagCollection`: EmbeddingBagCollection whose large tables keep ``capacity`` rows on the
+  device and the rest (with optimizer state) in host stores; applies :class:`~torchrec_lookahead.oracle.types.BatchPlan` s.
+* :class:`CacheOptimizerConfig`: the fused sparse optimizer (also the resident baseline's ``fused_params``).
+* :class:`StagedRows` / :func:`stage_rows`: fetch rows gathered ahead of their step.
+* :func:`table_ids` / :func:`remap_kjt`: KJT ids per table for the oracle, slots for the cache.
+* :func:`init_embedding_bag_tables_`: give a resident TorchRec model the stores' initial values.
+"""
+
+from torchrec_lookahead.modules.cached_ebc import CachedEmbeddingBagCollection
+from torchrec_lookahead.modules.config import (
+    FBGEMM_CPU_OPTIMIZERS,
+    SUPPORTED_OPTIMIZERS,
+    CacheOptimizerConfig,
+    KernelChoice,
+)
+from torchrec_lookahead.modules.init import init_embedding_bag_tables_
+from torchrec_lookahead.modules.remap import remap_kjt, table_ids
+from torchrec_lookahead.modules.staging import stage_rows
+from torchrec_lookahead.modules.types import StagedRows, StagedTable
+
+__all__ = [
+    "CachedEmbeddingBagCollection",
+    "CacheOptimizerConfig",
+    "KernelChoice",
+    "SUPPORTED_OPTIMIZERS",
+    "FBGEMM_CPU_OPTIMIZERS",
+    "StagedRows",
+    "StagedTable",
+    "stage_rows",
+    "table_ids",
+    "remap_kjt",
+    "init_embedding_bag_tables_",
+]

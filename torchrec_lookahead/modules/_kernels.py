@@ -1,0 +1,290 @@
+"""Lookup kernels of the device cache: FBGEMM's fused TBE, and a PyTorch fallback for what FBGEMM lacks.
+
+Both compute pooled lookups over a group of tables laid out like FBGEMM's TBE (indices of all features
+concatenated feature-major, ``offsets`` of length ``F * B + 1``) and apply the sparse optimizer fused in
+backward, touching only the rows looked up in the batch. Both expose per-table views of the weights and of
+the optimizer state, which the cache reads and writes to move rows between slots and the store.
+
+The PyTorch kernel implements FBGEMM's update formulas (``codegen/genscript/optimizers.py``) for EXACT_SGD,
+EXACT_ROWWISE_ADAGRAD, ADAM and PARTIAL_ROWWISE_ADAM: fbgemm-gpu-cpu 1.8 refuses Adam on CPU, so on CPU the
+cache uses this kernel for Adam, and tests check it against FBGEMM for SGD and Adagrad.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+
+from torchrec_lookahead.modules.config import CacheOptimizerConfig
+
+__all__: List[str] = []
+
+
+class _CacheKernel(abc.ABC):
+    """Pooled lookup with a fused sparse optimizer over a group of tables."""
+
+    def __init__(
+        self,
+        rows: Sequence[int],
+        dims: Sequence[int],
+        feature_table_map: Sequence[int],
+        pooling: PoolingMode,
+        config: CacheOptimizerConfig,
+        device: torch.device,
+    ) -> None:
+        self.rows = [int(r) for r in rows]
+        self.dims = [int(d) for d in dims]
+        self.feature_table_map = [int(t) for t in feature_table_map]
+        self.pooling = pooling
+        self.config = config
+        self.device = device
+        self.state_names: Tuple[str, ...] = tuple(config.state_names())
+
+    @abc.abstractmethod
+    def lookup(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """(B, sum of feature dims) pooled embeddings; the optimizer runs in backward."""
+
+    @abc.abstractmethod
+    def weights(self, table: int) -> torch.Tensor:
+        """(rows, D) view of a table's weights."""
+
+    @abc.abstractmethod
+    def states(self, table: int) -> Dict[str, torch.Tensor]:
+        """Per state name an (rows, w) view of a table's optimizer state."""
+
+    @abc.abstractmethod
+    def get_step(self) -> int:
+        """Optimizer iteration counter (Adam's bias correction)."""
+
+    @abc.abstractmethod
+    def set_step(self, step: int) -> None:
+        """Restore the optimizer iteration counter."""
+
+    def train(self, mode: bool) -> None:  # noqa: B027 - optional hook
+        """Propagate the module's training flag."""
+
+
+class _FbgemmKernel(_CacheKernel):
+    """FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen``: the kernel TorchRec's FUSED compute kernel uses."""
+
+    def __init__(self, *args: Any, table_names: Sequence[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        on_cpu = self.device.type == "cpu"
+        location = EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE
+        compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(r, d, location, compute) for r, d in zip(self.rows, self.dims)],
+            feature_table_map=self.feature_table_map,
+            pooling_mode=self.pooling,
+            device=self.device,
+            table_names=list(table_names),
+            **self.config.fused_params(),
+        )
+        for table in range(len(self.rows)):
+            for state in self.states(table).values():
+                state.zero_()
+
+    def lookup(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        return self.tbe(indices, offsets, per_sample_weights=weights)
+
+    def weights(self, table: int) -> torch.Tensor:
+        return self.tbe.split_embedding_weights()[table]
+
+    def states(self, table: int) -> Dict[str, torch.Tensor]:
+        if not self.state_names:
+            return {}
+        views = self.tbe.split_optimizer_states()[table]
+        rows = self.rows[table]
+        return {name: views[i].view(rows, -1) for i, name in enumerate(self.state_names)}
+
+    def get_step(self) -> int:
+        return int(self.tbe.iter.item())
+
+    def set_step(self, step: int) -> None:
+        self.tbe.iter.fill_(step)
+        # FBGEMM caches the counter on the host and refreshes it from `iter` only while the copy is 0.
+        iter_cpu = getattr(self.tbe, "iter_cpu", None)
+        if isinstance(iter_cpu, torch.Tensor):
+            iter_cpu.fill_(step)
+
+    def train(self, mode: bool) -> None:
+        self.tbe.train(mode)
+
+
+class _FusedLookup(torch.autograd.Function):
+    """Pooled lookup whose backward applies the kernel's sparse optimizer in place (no gradient returned)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        placeholder: torch.Tensor,
+        kernel: _TorchKernel,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        ctx.kernel = kernel
+        ctx.save_for_backward(indices, offsets, weights)
+        return kernel.pooled(indices, offsets, weights)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None, None, None, None]:  # type: ignore[override]
+        indices, offsets, weights = ctx.saved_tensors
+        ctx.kernel.update(grad, indices, offsets, weights)
+        return None, None, None, None, None
+
+
+class _TorchKernel(_CacheKernel):
+    """Pure-PyTorch kernel with FBGEMM's update formulas, for optimizers FBGEMM lacks on the device."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._weights = [torch.zeros(r, d, device=self.device) for r, d in zip(self.rows, self.dims)]
+        self._states: List[Dict[str, torch.Tensor]] = []
+        for r, d in zip(self.rows, self.dims):
+            widths = self.config.state_widths(d)
+            self._states.append({k: torch.zeros(r, w, device=self.device) for k, w in widths.items()})
+        self._step = 0
+        self._placeholder = torch.zeros(1, device=self.device, requires_grad=True)
+        self._mode = "mean" if self.pooling == PoolingMode.MEAN else "sum"
+
+    def lookup(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        return _FusedLookup.apply(self._placeholder, self, indices, offsets, weights)
+
+    def weights(self, table: int) -> torch.Tensor:
+        return self._weights[table]
+
+    def states(self, table: int) -> Dict[str, torch.Tensor]:
+        return dict(self._states[table])
+
+    def get_step(self) -> int:
+        return self._step
+
+    def set_step(self, step: int) -> None:
+        self._step = int(step)
+
+    def _segments(self, offsets: torch.Tensor) -> Tuple[int, List[int]]:
+        num_features = len(self.feature_table_map)
+        batch = (offsets.numel() - 1) // num_features
+        bounds = offsets[::batch].tolist() if batch > 0 else [0] * (num_features + 1)
+        return batch, bounds
+
+    @torch.no_grad()
+    def pooled(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward: one ``embedding_bag`` per feature, concatenated along the embedding dimension."""
+        batch, bounds = self._segments(offsets)
+        outs = []
+        for f, t in enumerate(self.feature_table_map):
+            off = offsets[f * batch : (f + 1) * batch + 1]
+            lo, hi = bounds[f], bounds[f + 1]
+            psw = weights[lo:hi] if weights is not None else None
+            outs.append(
+                F.embedding_bag(
+                    indices[lo:hi],
+                    self._weights[t],
+                    off - lo,
+                    mode=self._mode,
+                    per_sample_weights=psw,
+                    include_last_offset=True,
+                )
+            )
+        return torch.cat(outs, dim=1)
+
+    @torch.no_grad()
+    def update(
+        self,
+        grad: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: Optional[torch.Tensor],
+    ) -> None:
+        """Backward: per-row gradient sums, then the optimizer on the touched rows of every table."""
+        self._step += 1
+        batch, bounds = self._segments(offsets)
+        grad = grad.contiguous()
+        rows: List[List[torch.Tensor]] = [[] for _ in self.rows]
+        grads: List[List[torch.Tensor]] = [[] for _ in self.rows]
+        col = 0
+        for f, t in enumerate(self.feature_table_map):
+            dim = self.dims[t]
+            lo, hi = bounds[f], bounds[f + 1]
+            lengths = torch.diff(offsets[f * batch : (f + 1) * batch + 1])
+            bag = torch.repeat_interleave(torch.arange(batch, device=grad.device), lengths)
+            g = grad[:, col : col + dim].index_select(0, bag)
+            if weights is not None:
+                g = g * weights[lo:hi].unsqueeze(1)
+            if self._mode == "mean":
+                g = g / lengths.index_select(0, bag).clamp(min=1).unsqueeze(1).to(g.dtype)
+            rows[t].append(indices[lo:hi])
+            grads[t].append(g)
+            col += dim
+        for t in range(len(self.rows)):
+            if not rows[t]:
+                continue
+            ids = torch.cat(rows[t])
+            if ids.numel() == 0:
+                continue
+            uniq, inverse = torch.unique(ids, return_inverse=True)
+            gsum = torch.zeros(uniq.numel(), self.dims[t], device=grad.device, dtype=grad.dtype)
+            gsum.index_add_(0, inverse, torch.cat(grads[t]))
+            self._apply(t, uniq, gsum)
+
+    def _apply(self, t: int, ids: torch.Tensor, g: torch.Tensor) -> None:
+        cfg = self.config
+        lr, wd, eps = cfg.learning_rate, cfg.weight_decay, cfg.eps  # wd: Adam only (checked by the config)
+        w = self._weights[t].index_select(0, ids)
+        optim = cfg.optim
+        if optim == EmbOptimType.EXACT_SGD:
+            w.sub_(lr * g)
+        elif optim == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+            m1 = self._states[t]["momentum1"]
+            acc = m1.index_select(0, ids) + (g * g).mean(dim=1, keepdim=True)
+            m1.index_copy_(0, ids, acc)
+            w.sub_(lr / (acc.sqrt() + eps) * g)
+        else:
+            step = self._step
+            b1, b2 = cfg.beta1, cfg.beta2
+            m1s, m2s = self._states[t]["momentum1"], self._states[t]["momentum2"]
+            m1 = m1s.index_select(0, ids).mul_(b1).add_(g, alpha=1.0 - b1)
+            m1s.index_copy_(0, ids, m1)
+            if optim == EmbOptimType.ADAM:
+                m2 = m2s.index_select(0, ids).mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            else:
+                m2 = m2s.index_select(0, ids).mul_(b2).add_((g * g).mean(dim=1, keepdim=True), alpha=1.0 - b2)
+            m2s.index_copy_(0, ids, m2)
+            m_hat = m1 / (1.0 - b1**step)
+            v_hat = m2 / (1.0 - b2**step)
+            w.sub_(lr * (m_hat / (v_hat.sqrt() + eps) + wd * w))
+        self._weights[t].index_copy_(0, ids, w)
+
+
+def make_kernel(
+    rows: Sequence[int],
+    dims: Sequence[int],
+    feature_table_map: Sequence[int],
+    pooling: PoolingMode,
+    config: CacheOptimizerConfig,
+    device: torch.device,
+    table_names: Sequence[str],
+) -> _CacheKernel:
+    """Build the kernel ``config.kernel`` selects for ``device`` (see ``CacheOptimizerConfig.uses_fbgemm``)."""
+    if config.uses_fbgemm(device.type):
+        return _FbgemmKernel(rows, dims, feature_table_map, pooling, config, device, table_names=table_names)
+    return _TorchKernel(rows, dims, feature_table_map, pooling, config, device)

@@ -1,0 +1,724 @@
+"""CachedEmbeddingBagCollection: an EmbeddingBagCollection whose large tables live in host stores.
+
+Each cached table keeps ``capacity`` rows on the device (the cache), addressed by slot; its full rows and
+their optimizer state live in an :class:`~torchrec_lookahead.store.EmbeddingStore`. A
+:class:`~torchrec_lookahead.oracle.types.BatchPlan` moves rows before each step::
+
+    apply_plan(plan_t):   evict_slots -> store.scatter(evict_ids)      (weights + optimizer state)
+                          store.gather(fetch_ids) -> fetch_slots        (or pre-gathered StagedRows)
+    forward(remap(kjt_t, plan_t))                                       (values of cached features = slots)
+    loss.backward()                                                     (fused optimizer updates cached rows)
+
+Tables without a capacity are resident: all their rows stay on the device. Lookups and the fused sparse
+optimizer run in FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen``, the kernel behind TorchRec's FUSED
+compute kernel (one TBE per pooling mode), or in a PyTorch kernel with FBGEMM's formulas where FBGEMM has no
+kernel for the optimizer on the device (Adam on CPU). Because the optimizer is row-sparse and a row's state
+travels with the row, the result equals resident training exactly.
+
+The fused weights are deliberately not ``nn.Parameter`` s of this module (TorchRec's convention for fused
+tables): a dense optimizer must not see them. ``state_dict()`` flushes the cache and exposes full tables as
+``embedding_bags.<table>.weight`` plus ``embedding_bags.<table>.<state>`` and ``optimizer_step``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torch import nn
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError, SetupError
+from torchrec_lookahead.modules._kernels import _CacheKernel, make_kernel
+from torchrec_lookahead.modules.config import CacheOptimizerConfig
+from torchrec_lookahead.modules.remap import remap_kjt, table_ids
+from torchrec_lookahead.modules.staging import stage_rows
+from torchrec_lookahead.modules.types import StagedRows
+from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
+from torchrec_lookahead.store import EmbeddingStore, TensorStore, init_embedding_weights
+
+__all__ = ["CachedEmbeddingBagCollection"]
+
+_COUNTERS = ("steps", "lookups", "hits", "rows_fetched", "rows_written_back", "rows_flushed", "bytes_moved")
+
+
+@dataclass
+class _Table:
+    """Bookkeeping of one table."""
+
+    config: EmbeddingBagConfig
+    group: int
+    local: int
+    rows: int
+    store: Optional[EmbeddingStore]
+    slot_to_id: Optional[torch.Tensor]
+    counters: Dict[str, int]
+
+    @property
+    def cached(self) -> bool:
+        return self.store is not None
+
+
+def _as_index(name: str, what: str, t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
+        raise DataError(f"plan field {what} of table '{name}' must be a 1-D integer tensor but got {t!r}")
+    return t.to(device="cpu", dtype=torch.int64)
+
+
+class CachedEmbeddingBagCollection(nn.Module):
+    """EmbeddingBagCollection with a bounded device cache per large table, exactly equal to resident training.
+
+    Args:
+        tables: table configs, as for ``torchrec.EmbeddingBagCollection`` (float32, SUM or MEAN pooling).
+        capacity: table name -> cache rows; tables absent are resident (full size on the device, no store).
+        optimizer: the fused sparse optimizer (default row-wise Adagrad, lr 0.01).
+        stores: table name -> store for cached tables; default a :class:`TensorStore` per cached table.
+        seed: seed of the initial values (:func:`~torchrec_lookahead.store.init_rows`), for stores created
+            here and for resident tables.
+        device: device of the cache (default CPU).
+        is_weighted: whether features carry per-id weights (``kjt.weights()``, SUM pooling).
+
+    Raises:
+        ConfigError: an unknown table in ``capacity`` or ``stores``, a duplicate name, a non-positive capacity,
+            an unsupported data type or pooling, a dimension FBGEMM cannot handle, or a store whose shape or
+            optimizer-state layout differs from the table's.
+
+    Example:
+        >>> import torch
+        >>> from torchrec import EmbeddingBagConfig
+        >>> from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
+        >>> tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100, feature_names=["f0"])]
+        >>> ebc = CachedEmbeddingBagCollection(tables, capacity={"t0": 8},
+        ...     optimizer=CacheOptimizerConfig("exact_sgd", learning_rate=0.1))
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f0"], torch.tensor([42, 7, 42]), torch.tensor([2, 1]))
+        >>> e = torch.empty(0, dtype=torch.long)
+        >>> plan = BatchPlan(0, {"t0": TablePlan(e, e, torch.tensor([7, 42]), torch.tensor([0, 1]),
+        ...                                      torch.tensor([1, 0, 1]))})
+        >>> ebc.apply_plan(plan)
+        >>> out = ebc(ebc.remap(kjt, plan))
+        >>> out.keys(), tuple(out.values().shape)
+        (['f0'], (2, 4))
+        >>> out.values().sum().backward()
+        >>> ebc.flush()
+        >>> ebc.stats()["t0"]["rows_fetched"], ebc.slot_ids("t0")[:3].tolist()
+        (2, [7, 42, -1])
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        capacity: Mapping[str, int],
+        optimizer: Optional[CacheOptimizerConfig] = None,
+        stores: Optional[Mapping[str, EmbeddingStore]] = None,
+        seed: int = 0,
+        device: Optional[torch.device] = None,
+        is_weighted: bool = False,
+    ) -> None:
+        super().__init__()
+        self._optimizer_config = optimizer if optimizer is not None else CacheOptimizerConfig()
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._seed = int(seed)
+        self._is_weighted = bool(is_weighted)
+        self._configs = list(tables)
+        stores = dict(stores or {})
+        self._check_configs(capacity, stores)
+        self._tables: Dict[str, _Table] = {}
+        self._feature_names: List[str] = []
+        self._feature_to_table: Dict[str, str] = {}
+        groups: Dict[PoolingMode, List[EmbeddingBagConfig]] = {}
+        for cfg in self._configs:
+            mode = PoolingMode.MEAN if cfg.pooling == PoolingType.MEAN else PoolingMode.SUM
+            groups.setdefault(mode, []).append(cfg)
+            for feature in cfg.feature_names:
+                self._feature_names.append(feature)
+                self._feature_to_table[feature] = cfg.name
+        self._kernels: List[_CacheKernel] = []
+        self._group_features: List[List[str]] = []
+        for g, (mode, cfgs) in enumerate(groups.items()):
+            rows = [int(capacity.get(c.name, c.num_embeddings)) for c in cfgs]  # type: ignore[call-overload]
+            feature_map = [i for i, c in enumerate(cfgs) for _ in c.feature_names]
+            self._group_features.append([f for c in cfgs for f in c.feature_names])
+            kernel = make_kernel(
+                rows,
+                [c.embedding_dim for c in cfgs],
+                feature_map,
+                mode,
+                self._optimizer_config,
+                self._device,
+                table_names=[c.name for c in cfgs],
+            )
+            self._kernels.append(kernel)
+            for i, c in enumerate(cfgs):
+                store: Optional[EmbeddingStore] = None
+                slot_to_id: Optional[torch.Tensor] = None
+                if c.name in capacity:
+                    store = stores.get(c.name) or TensorStore(
+                        c.num_embeddings,
+                        c.embedding_dim,
+                        self._optimizer_config.state_widths(c.embedding_dim),
+                        name=c.name,
+                        seed=self._seed,
+                    )
+                    slot_to_id = torch.full((rows[i],), -1, dtype=torch.int64)
+                    kernel.weights(i).zero_()
+                else:
+                    init_embedding_weights(kernel.weights(i), c.name, self._seed)
+                self._tables[c.name] = _Table(
+                    c, g, i, rows[i], store, slot_to_id, dict.fromkeys(_COUNTERS, 0)
+                )
+        self._output_order_matches = [f for fs in self._group_features for f in fs] == self._feature_names
+        self._dims = [
+            self._tables[self._feature_to_table[f]].config.embedding_dim for f in self._feature_names
+        ]
+
+    def _check_configs(self, capacity: Mapping[str, int], stores: Mapping[str, EmbeddingStore]) -> None:
+        if not self._configs:
+            raise ConfigError("tables must list at least one EmbeddingBagConfig but got none")
+        names = [c.name for c in self._configs]
+        features = [f for c in self._configs for f in c.feature_names]
+        for kind, seen in (("table", names), ("feature", features)):
+            dups = sorted({x for x in seen if seen.count(x) > 1})
+            if dups:
+                raise ConfigError(f"{kind} names must be unique but {dups} repeat")
+        for name in list(capacity) + list(stores):
+            if name not in names:
+                raise ConfigError(f"unknown table '{name}' in capacity/stores; tables are {names}")
+        for name in stores:
+            if name not in capacity:
+                raise ConfigError(
+                    f"a store was given for table '{name}' but it has no capacity (it is resident)"
+                )
+        uses_fbgemm = self._optimizer_config.uses_fbgemm(self._device.type)
+        for c in self._configs:
+            if c.data_type != DataType.FP32:
+                raise ConfigError(f"table '{c.name}' has data_type {c.data_type}; only FP32 is supported")
+            if c.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+                raise ConfigError(f"table '{c.name}' has pooling {c.pooling}; use SUM or MEAN")
+            if uses_fbgemm and c.embedding_dim % 4 != 0:
+                raise ConfigError(
+                    f"table '{c.name}' has embedding_dim {c.embedding_dim}; FBGEMM needs a multiple of 4"
+                )
+            if c.name in capacity:
+                cap = capacity[c.name]
+                if not isinstance(cap, numbers.Integral) or isinstance(cap, bool) or cap <= 0:
+                    raise ConfigError(f"capacity of table '{c.name}' must be a positive int but got {cap!r}")
+            if c.name in stores:
+                store = stores[c.name]
+                widths = self._optimizer_config.state_widths(c.embedding_dim)
+                found = (store.num_embeddings, store.embedding_dim, store.state_widths)
+                if found != (c.num_embeddings, c.embedding_dim, widths):
+                    raise ConfigError(
+                        f"store of table '{c.name}' has (num_embeddings, embedding_dim, state_widths) = {found} but "
+                        f"the table needs {(c.num_embeddings, c.embedding_dim, widths)}"
+                    )
+
+    # ------------------------------------------------------------------------------------------------------
+    # introspection
+    # ------------------------------------------------------------------------------------------------------
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        """The table configs, as ``EmbeddingBagCollection.embedding_bag_configs()``."""
+        return list(self._configs)
+
+    def is_weighted(self) -> bool:
+        """Whether features carry per-id weights."""
+        return self._is_weighted
+
+    @property
+    def optimizer_config(self) -> CacheOptimizerConfig:
+        """The fused sparse optimizer."""
+        return self._optimizer_config
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the cache."""
+        return self._device
+
+    @property
+    def feature_names(self) -> List[str]:
+        """Features in output order (tables in config order, each table's features in order)."""
+        return list(self._feature_names)
+
+    @property
+    def feature_to_table(self) -> Dict[str, str]:
+        """Feature name -> table name."""
+        return dict(self._feature_to_table)
+
+    @property
+    def capacity(self) -> Dict[str, int]:
+        """Cached table name -> cache rows."""
+        return {n: t.rows for n, t in self._tables.items() if t.cached}
+
+    @property
+    def stores(self) -> Dict[str, EmbeddingStore]:
+        """Cached table name -> store."""
+        return {n: t.store for n, t in self._tables.items() if t.store is not None}
+
+    def _table(self, name: str) -> _Table:
+        if name not in self._tables:
+            raise ConfigError(f"unknown table '{name}'; tables are {sorted(self._tables)}")
+        return self._tables[name]
+
+    def slot_ids(self, table: str) -> torch.Tensor:
+        """(capacity,) id held by each slot of a cached table, -1 for an empty slot (a copy).
+
+        Raises:
+            ConfigError: the table is unknown or resident.
+        """
+        t = self._table(table)
+        if t.slot_to_id is None:
+            raise ConfigError(f"table '{table}' is resident; it has no slots")
+        return t.slot_to_id.clone()
+
+    def cache_weights(self, table: str) -> torch.Tensor:
+        """(rows, D) view of a table's device rows (cache slots, or the full table when resident)."""
+        t = self._table(table)
+        return self._kernels[t.group].weights(t.local)
+
+    def cache_states(self, table: str) -> Dict[str, torch.Tensor]:
+        """Per optimizer state name, the (rows, w) view of a table's device state."""
+        t = self._table(table)
+        return self._kernels[t.group].states(t.local)
+
+    def train(self, mode: bool = True) -> CachedEmbeddingBagCollection:
+        """Set training mode on this module and on the kernels it owns."""
+        super().train(mode)
+        for kernel in self._kernels:
+            kernel.train(mode)
+        return self
+
+    # ------------------------------------------------------------------------------------------------------
+    # batches
+    # ------------------------------------------------------------------------------------------------------
+    def table_ids(self, kjt: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
+        """Per cached table, the ids the batch looks up (the oracle's input), in KJT key order.
+
+        Args:
+            kjt: the batch's sparse features (ids).
+
+        Returns:
+            cached table name -> (n,) int64 ids.
+        """
+        return table_ids(kjt, self._feature_to_table, [n for n, t in self._tables.items() if t.cached])
+
+    def remap(self, kjt: KeyedJaggedTensor, plan: BatchPlan) -> KeyedJaggedTensor:
+        """Replace the ids of cached features by their slots (see :func:`~.remap.remap_kjt`)."""
+        return remap_kjt(kjt, plan, self._feature_to_table, [n for n, t in self._tables.items() if t.cached])
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled embeddings of every feature; cached features' values must already be slots.
+
+        Args:
+            features: KJT with every feature of the collection (extra keys are ignored); values of cached
+                tables' features are cache slots (:meth:`remap`), the others ids.
+
+        Returns:
+            KeyedTensor with keys :attr:`feature_names`, values (B, sum of dims).
+
+        Raises:
+            DataError: a feature is missing, or weights are missing for a weighted collection.
+            InvalidIdError: an id of a resident table is out of range.
+            CapacityError: a slot is not below its table's capacity.
+            SetupError: a slot is empty (no ``apply_plan`` loaded a row into it).
+        """
+        keys = features.keys()
+        missing = [f for f in self._feature_names if f not in keys]
+        if missing:
+            raise DataError(f"features {missing} are missing from the batch (it has {keys})")
+        if self._is_weighted and features.weights_or_none() is None:
+            raise DataError("the collection is weighted (is_weighted=True) but the batch carries no weights")
+        outputs: List[torch.Tensor] = []
+        for g, kernel in enumerate(self._kernels):
+            names = self._group_features[g]
+            kjt = features if list(keys) == names else features.permute([keys.index(f) for f in names])
+            self._check_values(kjt)
+            weights = kjt.weights().float() if self._is_weighted else None
+            outputs.append(
+                kernel.lookup(
+                    kjt.values().to(self._device, torch.int64),
+                    kjt.offsets().to(self._device, torch.int64),
+                    weights,
+                )
+            )
+        values = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+        if not self._output_order_matches:
+            order = [f for fs in self._group_features for f in fs]
+            starts: Dict[str, int] = {}
+            col = 0
+            for f in order:
+                starts[f] = col
+                col += self._tables[self._feature_to_table[f]].config.embedding_dim
+            values = torch.cat(
+                [values[:, starts[f] : starts[f] + d] for f, d in zip(self._feature_names, self._dims)], 1
+            )
+        return KeyedTensor(keys=list(self._feature_names), length_per_key=list(self._dims), values=values)
+
+    def _check_values(self, kjt: KeyedJaggedTensor) -> None:
+        values = kjt.values()
+        bounds = kjt.offset_per_key()
+        for i, key in enumerate(kjt.keys()):
+            lo, hi = bounds[i], bounds[i + 1]
+            if hi <= lo:
+                continue
+            t = self._tables[self._feature_to_table[key]]
+            seg = values[lo:hi]
+            vmin, vmax = int(seg.min()), int(seg.max())
+            if t.slot_to_id is None:
+                if vmin < 0 or vmax >= t.rows:
+                    raise InvalidIdError(
+                        f"feature '{key}' of table '{t.config.name}' has id {vmin if vmin < 0 else vmax} outside "
+                        f"[0, {t.rows}); hash or clip ids into the table"
+                    )
+                continue
+            if vmin < 0 or vmax >= t.rows:
+                raise CapacityError(
+                    f"feature '{key}' of cached table '{t.config.name}' has slot {vmin if vmin < 0 else vmax} "
+                    f"outside [0, {t.rows}) (capacity {t.rows}); pass values remapped by the plan (remap())"
+                )
+            if bool((t.slot_to_id.index_select(0, seg.to("cpu", torch.int64)) < 0).any()):
+                raise SetupError(
+                    f"feature '{key}' reads an empty slot of cached table '{t.config.name}'; apply the step's "
+                    "plan (apply_plan) before the forward"
+                )
+
+    # ------------------------------------------------------------------------------------------------------
+    # plans
+    # ------------------------------------------------------------------------------------------------------
+    def stage(self, plan: BatchPlan, pin_memory: bool = False) -> StagedRows:
+        """Gather the rows ``plan`` fetches from the stores (see :func:`~.staging.stage_rows`)."""
+        return stage_rows(plan, self.stores, pin_memory=pin_memory)
+
+    def apply_plan(self, plan: BatchPlan, staged: Optional[StagedRows] = None) -> None:
+        """Write back the plan's evicted rows and load its fetched rows, with their optimizer state.
+
+        The whole plan is validated before anything moves, so a refused plan leaves cache and stores unchanged.
+
+        Args:
+            plan: the step's plan; plans must be applied in order, each once, starting from an empty cache
+                (after construction, :meth:`invalidate` or ``load_state_dict``).
+            staged: rows gathered ahead by :meth:`stage` / :func:`stage_rows`; when absent, fetches are gathered
+                from the stores now.
+
+        Raises:
+            ConfigError: the plan names an unknown or resident table.
+            DataError: a plan field is not a 1-D integer tensor, lengths differ, or staged rows have wrong
+                shapes.
+            CapacityError: a slot is not below the table's capacity.
+            InvalidIdError: an id is out of the table's range.
+            SetupError: the plan does not match the cache (evicting an id a slot does not hold, fetching into an
+                occupied slot or an id already cached, reading an empty slot) or staged rows do not match the
+                plan.
+        """
+        checked: Dict[str, Dict[str, Any]] = {}
+        for name, table_plan in plan.tables.items():
+            t = self._tables.get(name)
+            if t is None or t.slot_to_id is None:
+                what = "resident (it has no capacity)" if t is not None else "unknown"
+                raise ConfigError(
+                    f"plan step {plan.step} names table '{name}' which is {what}; cached tables: {sorted(self.capacity)}"
+                )
+            checked[name] = self._validate(plan.step, t, table_plan, staged)
+        for name, c in checked.items():
+            self._move(self._tables[name], c)
+
+    def _validate(self, step: int, t: _Table, tp: TablePlan, staged: Optional[StagedRows]) -> Dict[str, Any]:
+        name, cap, n = t.config.name, t.rows, t.config.num_embeddings
+        ev_ids, ev_slots = (
+            _as_index(name, "evict_ids", tp.evict_ids),
+            _as_index(name, "evict_slots", tp.evict_slots),
+        )
+        fe_ids, fe_slots = (
+            _as_index(name, "fetch_ids", tp.fetch_ids),
+            _as_index(name, "fetch_slots", tp.fetch_slots),
+        )
+        slots = _as_index(name, "slots", tp.slots)
+        if ev_ids.numel() != ev_slots.numel() or fe_ids.numel() != fe_slots.numel():
+            raise DataError(
+                f"plan step {step}, table '{name}': evict_ids/evict_slots ({ev_ids.numel()}/{ev_slots.numel()}) and "
+                f"fetch_ids/fetch_slots ({fe_ids.numel()}/{fe_slots.numel()}) must have equal lengths"
+            )
+        for what, s in (("evict_slots", ev_slots), ("fetch_slots", fe_slots), ("slots", slots)):
+            if s.numel() and (int(s.min()) < 0 or int(s.max()) >= cap):
+                bad = int(s.min()) if int(s.min()) < 0 else int(s.max())
+                raise CapacityError(
+                    f"plan step {step}, table '{name}': {what} holds slot {bad} outside [0, {cap}) (capacity "
+                    f"{cap}); plan with the capacity this cache was built with"
+                )
+        for what, s in (("evict_ids", ev_ids), ("fetch_ids", fe_ids)):
+            if s.numel() and (int(s.min()) < 0 or int(s.max()) >= n):
+                bad = int(s.min()) if int(s.min()) < 0 else int(s.max())
+                raise InvalidIdError(
+                    f"plan step {step}, table '{name}': {what} holds id {bad} outside [0, {n})"
+                )
+        s2i = t.slot_to_id
+        assert s2i is not None  # cached tables only (checked by the caller)
+        sync_hint = "plans must be applied in order, each once, starting from an empty cache"
+        if (
+            torch.unique(ev_slots).numel() != ev_slots.numel()
+            or torch.unique(fe_slots).numel() != fe_slots.numel()
+        ):
+            raise SetupError(f"plan step {step}, table '{name}': evict_slots or fetch_slots repeat a slot")
+        if torch.unique(fe_ids).numel() != fe_ids.numel():
+            raise SetupError(f"plan step {step}, table '{name}': fetch_ids repeat an id")
+        held = s2i.index_select(0, ev_slots)
+        if not torch.equal(held, ev_ids):
+            i = int((held != ev_ids).nonzero()[0])
+            raise SetupError(
+                f"plan step {step}, table '{name}': evicts id {int(ev_ids[i])} from slot {int(ev_slots[i])} which "
+                f"holds {int(held[i])}; {sync_hint}"
+            )
+        after = s2i.clone()
+        after[ev_slots] = -1
+        occupied = after.index_select(0, fe_slots)
+        if bool((occupied >= 0).any()):
+            i = int((occupied >= 0).nonzero()[0])
+            raise SetupError(
+                f"plan step {step}, table '{name}': fetches id {int(fe_ids[i])} into slot {int(fe_slots[i])} which "
+                f"still holds id {int(occupied[i])}; {sync_hint}"
+            )
+        dup = torch.isin(fe_ids, after[after >= 0])
+        if bool(dup.any()):
+            raise SetupError(
+                f"plan step {step}, table '{name}': fetches id {int(fe_ids[dup][0])} which is already cached; "
+                f"{sync_hint}"
+            )
+        after[fe_slots] = fe_ids
+        if slots.numel() and bool((after.index_select(0, slots) < 0).any()):
+            raise SetupError(f"plan step {step}, table '{name}': the batch reads an empty slot; {sync_hint}")
+        rows = None
+        if staged is not None and fe_ids.numel():
+            rows = self._check_staged(step, t, fe_ids, ev_ids, staged)
+        return {
+            "ev_ids": ev_ids,
+            "ev_slots": ev_slots,
+            "fe_ids": fe_ids,
+            "fe_slots": fe_slots,
+            "slots": slots,
+            "after": after,
+            "staged": rows,
+        }
+
+    def _check_staged(
+        self, step: int, t: _Table, fe_ids: torch.Tensor, ev_ids: torch.Tensor, staged: StagedRows
+    ) -> Any:
+        name = t.config.name
+        if staged.step != step:
+            raise SetupError(f"staged rows are for step {staged.step} but the plan is for step {step}")
+        rows = staged.tables.get(name)
+        if rows is None or not torch.equal(rows.ids.to("cpu", torch.int64), fe_ids):
+            raise SetupError(
+                f"plan step {step}, table '{name}': staged rows do not hold the plan's fetch ids; stage with the "
+                "same plan"
+            )
+        if bool(torch.isin(fe_ids, ev_ids).any()):
+            raise SetupError(
+                f"plan step {step}, table '{name}': fetches an id it also evicts, so rows staged before this step "
+                "are stale; apply this plan without staged rows"
+            )
+        widths = self._optimizer_config.state_widths(t.config.embedding_dim)
+        if tuple(rows.weights.shape) != (fe_ids.numel(), t.config.embedding_dim) or set(rows.states) != set(
+            widths
+        ):
+            raise DataError(
+                f"plan step {step}, table '{name}': staged weights {tuple(rows.weights.shape)} / states "
+                f"{sorted(rows.states)} do not match ({fe_ids.numel()}, {t.config.embedding_dim}) / {sorted(widths)}"
+            )
+        for key, w in widths.items():
+            if rows.states[key].numel() != fe_ids.numel() * w:
+                raise DataError(f"plan step {step}, table '{name}': staged state '{key}' has a wrong shape")
+        return rows
+
+    @torch.no_grad()
+    def _move(self, t: _Table, c: Dict[str, Any]) -> None:
+        kernel = self._kernels[t.group]
+        weights, states = kernel.weights(t.local), kernel.states(t.local)
+        store = t.store
+        assert store is not None and t.slot_to_id is not None
+        ev_ids, ev_slots, fe_ids, fe_slots = c["ev_ids"], c["ev_slots"], c["fe_ids"], c["fe_slots"]
+        if ev_ids.numel():
+            dev_slots = ev_slots.to(self._device)
+            store.scatter(
+                ev_ids,
+                weights.index_select(0, dev_slots).cpu(),
+                {k: v.index_select(0, dev_slots).cpu() for k, v in states.items()},
+            )
+        if fe_ids.numel():
+            if c["staged"] is not None:
+                fw, fs = c["staged"].weights, c["staged"].states
+            else:
+                fw, fs = store.gather(fe_ids)
+            dev_slots = fe_slots.to(self._device)
+            weights.index_copy_(0, dev_slots, fw.to(self._device, weights.dtype, non_blocking=True))
+            for k, v in states.items():
+                v.index_copy_(
+                    0, dev_slots, fs[k].reshape(-1, v.shape[1]).to(self._device, v.dtype, non_blocking=True)
+                )
+        t.slot_to_id.copy_(c["after"])
+        slots = c["slots"]
+        row_bytes = store.row_width * 4
+        cnt = t.counters
+        cnt["steps"] += 1
+        cnt["lookups"] += slots.numel()
+        cnt["hits"] += int((~torch.isin(slots, fe_slots)).sum()) if fe_slots.numel() else slots.numel()
+        cnt["rows_fetched"] += fe_ids.numel()
+        cnt["rows_written_back"] += ev_ids.numel()
+        cnt["bytes_moved"] += (fe_ids.numel() + ev_ids.numel()) * row_bytes
+
+    # ------------------------------------------------------------------------------------------------------
+    # durability and statistics
+    # ------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Write every cached row and its optimizer state back to its store, then flush the stores.
+
+        Rows stay cached: training continues with the same plan stream.
+        """
+        for t in self._tables.values():
+            if t.store is None or t.slot_to_id is None:
+                continue
+            occupied = (t.slot_to_id >= 0).nonzero().flatten()
+            if occupied.numel():
+                kernel = self._kernels[t.group]
+                dev = occupied.to(self._device)
+                t.store.scatter(
+                    t.slot_to_id.index_select(0, occupied),
+                    kernel.weights(t.local).index_select(0, dev).cpu(),
+                    {k: v.index_select(0, dev).cpu() for k, v in kernel.states(t.local).items()},
+                )
+                t.counters["rows_flushed"] += occupied.numel()
+                t.counters["bytes_moved"] += occupied.numel() * t.store.row_width * 4
+            t.store.flush()
+
+    def invalidate(self) -> None:
+        """Forget every cached row WITHOUT writing it back (call :meth:`flush` first to keep updates).
+
+        Afterwards the cache is empty, so the plan stream must restart from an empty cache (a fresh oracle).
+        """
+        for t in self._tables.values():
+            if t.slot_to_id is not None:
+                t.slot_to_id.fill_(-1)
+
+    def stats(self) -> Dict[str, Dict[str, int]]:
+        """Per cached table: steps, lookups, hits, rows_fetched, rows_written_back, rows_flushed, bytes_moved.
+
+        ``hits`` counts lookups served by a row already cached before the step's fetches; ``lookups - hits``
+        were served by a row fetched for the step.
+        """
+        return {n: dict(t.counters) for n, t in self._tables.items() if t.cached}
+
+    def reset_stats(self) -> None:
+        """Zero every counter."""
+        for t in self._tables.values():
+            t.counters = dict.fromkeys(_COUNTERS, 0)
+
+    # ------------------------------------------------------------------------------------------------------
+    # checkpoints: full tables
+    # ------------------------------------------------------------------------------------------------------
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        self.flush()
+        for name, t in self._tables.items():
+            key = f"{prefix}embedding_bags.{name}."
+            if t.store is not None:
+                destination[key + "weight"] = t.store.full_weights()
+                for s, v in t.store.full_states().items():
+                    destination[key + s] = v
+            else:
+                kernel = self._kernels[t.group]
+                destination[key + "weight"] = kernel.weights(t.local).detach()
+                for s, v in kernel.states(t.local).items():
+                    destination[key + s] = v.detach()
+        destination[prefix + "optimizer_step"] = torch.tensor(self._kernels[0].get_step(), dtype=torch.int64)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Dict[str, Any],
+        prefix: str,
+        local_metadata: Dict[str, Any],
+        strict: bool,
+        missing_keys: List[str],
+        unexpected_keys: List[str],
+        error_msgs: List[str],
+    ) -> None:
+        expected: Dict[str, tuple] = {}
+        for name, t in self._tables.items():
+            dim, n = t.config.embedding_dim, t.config.num_embeddings
+            expected[f"{prefix}embedding_bags.{name}.weight"] = (n, dim)
+            for s, w in self._optimizer_config.state_widths(dim).items():
+                expected[f"{prefix}embedding_bags.{name}.{s}"] = (n, w)
+        expected[prefix + "optimizer_step"] = ()
+        errors = len(error_msgs)
+        for key, shape in expected.items():
+            if key not in state_dict:
+                missing_keys.append(key)
+            elif tuple(state_dict[key].shape) != shape and not (
+                len(shape) == 2 and shape[1] == 1 and tuple(state_dict[key].shape) == shape[:1]
+            ):
+                error_msgs.append(f"{key}: expected shape {shape} but got {tuple(state_dict[key].shape)}")
+        if strict:
+            ours = prefix + "embedding_bags."
+            for key in state_dict:
+                if key.startswith(ours) and key not in expected:
+                    unexpected_keys.append(key)
+        if len(error_msgs) > errors:
+            return
+        with torch.no_grad():
+            for name, t in self._tables.items():
+                key = f"{prefix}embedding_bags.{name}."
+                if key + "weight" not in state_dict:
+                    continue
+                widths = self._optimizer_config.state_widths(t.config.embedding_dim)
+                states = {s: state_dict[key + s] for s in widths if key + s in state_dict}
+                if t.store is not None:
+                    t.store.load(state_dict[key + "weight"], states)
+                else:
+                    kernel = self._kernels[t.group]
+                    kernel.weights(t.local).copy_(state_dict[key + "weight"])
+                    for s, v in kernel.states(t.local).items():
+                        if s in states:
+                            v.copy_(states[s].reshape(v.shape))
+                        else:
+                            v.zero_()
+            if prefix + "optimizer_step" in state_dict:
+                for kernel in self._kernels:
+                    kernel.set_step(int(state_dict[prefix + "optimizer_step"]))
+        self.invalidate()
+
+    @classmethod
+    def from_ebc(
+        cls,
+        ebc: nn.Module,
+        capacity: Mapping[str, int],
+        optimizer: Optional[CacheOptimizerConfig] = None,
+        stores: Optional[Mapping[str, EmbeddingStore]] = None,
+        seed: int = 0,
+        device: Optional[torch.device] = None,
+    ) -> CachedEmbeddingBagCollection:
+        """Build a cached collection with the tables of a ``torchrec.EmbeddingBagCollection``.
+
+        The new collection starts from the seeded initial values (not the EBC's weights); load a state dict to
+        copy trained weights.
+
+        Args:
+            ebc: an ``EmbeddingBagCollection`` (any device, ``meta`` included).
+            capacity: table name -> cache rows.
+            optimizer: fused sparse optimizer.
+            stores: optional stores of cached tables.
+            seed: seed of the initial values.
+            device: device of the cache.
+
+        Returns:
+            The cached collection.
+        """
+        return cls(
+            ebc.embedding_bag_configs(),  # type: ignore[operator]
+            capacity,
+            optimizer=optimizer,
+            stores=stores,
+            seed=seed,
+            device=device,
+            is_weighted=bool(ebc.is_weighted()),  # type: ignore[operator]
+        )

@@ -1,0 +1,125 @@
+"""From a batch's KeyedJaggedTensor to per-table ids (oracle input) and back to slots (cache input).
+
+Several features may share one table. A table's ids in a batch are the concatenation of its features' values
+in KJT key order; the plan's ``slots`` follow the same order::
+
+    kjt keys:    f_a (table t0)   f_b (table t1)   f_c (table t0)
+    values:      [3, 9]           [4]              [9, 5, 1]
+    ids of t0:   [3, 9, 9, 5, 1]                   (f_a then f_c)
+    slots of t0: [0, 2, 2, 1, 3]  ->  remapped values [0, 2] [4] [2, 1, 3]
+"""
+
+from __future__ import annotations
+
+from typing import Collection, Dict, List, Mapping, Optional
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lookahead.errors import ConfigError, DataError
+from torchrec_lookahead.oracle.types import BatchPlan
+
+__all__ = ["table_ids", "remap_kjt"]
+
+
+def table_ids(
+    kjt: KeyedJaggedTensor,
+    feature_to_table: Mapping[str, str],
+    tables: Optional[Collection[str]] = None,
+) -> Dict[str, torch.Tensor]:
+    """Per table, the ids the batch looks up, concatenated over its features in KJT key order.
+
+    Args:
+        kjt: the batch's sparse features.
+        feature_to_table: feature name -> table name; features not listed are ignored.
+        tables: restrict to these tables (default: every table some feature maps to).
+
+    Returns:
+        table name -> (n,) int64 ids (an empty tensor for a table none of the batch's features use).
+
+    Example:
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(
+        ...     keys=["f_a", "f_b", "f_c"], values=torch.tensor([3, 9, 4, 9, 5, 1]),
+        ...     lengths=torch.tensor([2, 0, 1, 0, 2, 1]))
+        >>> {k: v.tolist() for k, v in table_ids(kjt, {"f_a": "t0", "f_b": "t1", "f_c": "t0"}).items()}
+        {'t0': [3, 9, 9, 5, 1], 't1': [4]}
+    """
+    wanted = set(feature_to_table.values()) if tables is None else set(tables)
+    values = kjt.values()
+    bounds = kjt.offset_per_key()
+    parts: Dict[str, List[torch.Tensor]] = {t: [] for t in sorted(wanted)}
+    for i, key in enumerate(kjt.keys()):
+        table = feature_to_table.get(key)
+        if table in parts:
+            parts[table].append(values[bounds[i] : bounds[i + 1]])
+    return {
+        t: torch.cat(p).to(torch.int64) if p else torch.empty(0, dtype=torch.int64, device=values.device)
+        for t, p in parts.items()
+    }
+
+
+def remap_kjt(
+    kjt: KeyedJaggedTensor,
+    plan: BatchPlan,
+    feature_to_table: Mapping[str, str],
+    cached_tables: Collection[str],
+) -> KeyedJaggedTensor:
+    """Replace the ids of cached tables' features by their cache slots from the plan.
+
+    Args:
+        kjt: the batch's sparse features (ids).
+        plan: the step's plan.
+        feature_to_table: feature name -> table name.
+        cached_tables: tables whose features are remapped (the others keep their ids).
+
+    Returns:
+        A KJT with the same keys, lengths and weights, and slot values for cached features.
+
+    Raises:
+        ConfigError: the plan names a table that is not cached.
+        DataError: a cached table used by the batch has no plan, or its plan's ``slots`` length differs from
+            the number of ids the batch looks up in it.
+    """
+    unknown = set(plan.tables) - set(cached_tables)
+    if unknown:
+        raise ConfigError(
+            f"plan step {plan.step} names tables {sorted(unknown)} that are not cached; cached tables: "
+            f"{sorted(cached_tables)}"
+        )
+    values = kjt.values()
+    bounds = kjt.offset_per_key()
+    new_values = values.clone()
+    used: Dict[str, int] = {}
+    for i, key in enumerate(kjt.keys()):
+        table = feature_to_table.get(key)
+        if table is None or table not in cached_tables:
+            continue
+        lo, hi = bounds[i], bounds[i + 1]
+        pos = used.get(table, 0)
+        if hi > lo:
+            table_plan = plan.tables.get(table)
+            if table_plan is None:
+                raise DataError(
+                    f"batch of step {plan.step} looks up cached table '{table}' (feature '{key}') but the plan "
+                    "has no entry for it; plan every cached table the batch uses"
+                )
+            if table_plan.slots.numel() < pos + hi - lo:
+                raise DataError(
+                    f"plan step {plan.step} has {table_plan.slots.numel()} slots for table '{table}' but the "
+                    f"batch looks up more ids in it; the plan was made for another batch"
+                )
+            new_values[lo:hi] = table_plan.slots[pos : pos + hi - lo].to(values.dtype)
+        used[table] = pos + hi - lo
+    for table, table_plan in plan.tables.items():
+        if table_plan.slots.numel() != used.get(table, 0):
+            raise DataError(
+                f"plan step {plan.step} has {table_plan.slots.numel()} slots for table '{table}' but the batch "
+                f"looks up {used.get(table, 0)} ids in it; the plan was made for another batch"
+            )
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=new_values,
+        weights=kjt.weights_or_none(),
+        lengths=kjt.lengths(),
+        offsets=kjt.offsets(),
+    )

@@ -1,0 +1,38 @@
+"""Data types exchanged between the stager (background gathers) and the cache (which applies plans)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+import torch
+
+__all__ = ["StagedTable", "StagedRows"]
+
+
+@dataclass(frozen=True)
+class StagedTable:
+    """Rows of one table gathered ahead of the step that loads them.
+
+    Attributes:
+        ids: (F,) the ids, equal to the plan's ``fetch_ids``.
+        weights: (F, D) their weights.
+        states: per optimizer state name, (F, w) values.
+    """
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+    states: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StagedRows:
+    """Pre-gathered fetch rows of one step, handed to ``CachedEmbeddingBagCollection.apply_plan``.
+
+    Attributes:
+        step: the plan's step.
+        tables: table name -> rows (tables without fetches may be absent).
+    """
+
+    step: int
+    tables: Dict[str, StagedTable] = field(default_factory=dict)

@@ -1,0 +1,26 @@
+"""The lookahead oracle: plans a bounded embedding cache over a stream of future batches.
+
+Pure tensor code (torch and numpy); no TorchRec, no Lightning.
+
+Example:
+    >>> import torch
+    >>> from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+    >>> oracle = LookaheadOracle(OracleConfig(capacity={"t0": 8}, horizon=2))
+    >>> plans = list(oracle.plan_stream([{"t0": torch.tensor([5, 6])}, {"t0": torch.tensor([6])}]))
+    >>> plans[1].tables["t0"].slots.tolist()
+    [1]
+"""
+
+from torchrec_lookahead.oracle.config import OracleConfig, Policy
+from torchrec_lookahead.oracle.oracle import LookaheadOracle, min_capacity
+from torchrec_lookahead.oracle.types import BatchPlan, RankAnnotation, TablePlan
+
+__all__ = [
+    "LookaheadOracle",
+    "OracleConfig",
+    "Policy",
+    "BatchPlan",
+    "TablePlan",
+    "RankAnnotation",
+    "min_capacity",
+]

@@ -1,0 +1,428 @@
+"""Private: per-table planner state shared by every policy.
+
+A ``_TablePlanner`` holds, for one cached table:
+
+* the cache: ``id_of_slot`` (C,), ``slot_of`` (one entry per table row, -1 when not resident), a stack of
+  free slots, per-slot ``res_next`` (next use of the resident id, ``INF`` beyond the horizon) and ``rk``
+  (recency key ``last_use << 32 | position in that batch's unique ids``);
+* the lookahead window: the unique ids of every read but not yet planned batch and, per unique id, the step
+  of its next occurrence (a flat buffer of ``next`` pointers filled in as later batches arrive, so a batch
+  costs O(its unique ids), never O(horizon x batch));
+* an LRU queue of (slot, id, rk) in ascending rk with lazy deletion.
+
+Unique ids of a batch are listed in order of first occurrence (deterministic, and a dense-array dedup is
+several times faster than a sort on CPU).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from torchrec_lookahead.errors import CapacityError, InvalidIdError
+from torchrec_lookahead.oracle.config import OracleConfig
+from torchrec_lookahead.oracle.ranks import RankInfo, annotate, readers
+from torchrec_lookahead.oracle.types import TablePlan
+
+__all__: List[str] = []
+
+INF = np.int64(1 << 62)
+FREE = np.int64(-1)
+_LOW32 = np.int64(0xFFFFFFFF)
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+
+class _Record:
+    """One read batch of one table inside the lookahead window."""
+
+    __slots__ = ("step", "uniq", "inv", "prev_step", "ranks")
+
+    def __init__(
+        self, step: int, uniq: np.ndarray, inv: np.ndarray, prev_step: np.ndarray, ranks: Any
+    ) -> None:
+        self.step = step
+        self.uniq = uniq
+        self.inv = inv
+        self.prev_step = prev_step
+        self.ranks: Optional[RankInfo] = ranks
+
+
+class _TablePlanner:
+    """Base class: lookahead window, slot maps, free stack and LRU queue of one table."""
+
+    #: policies with a fixed capacity check the prefetch window's working set when a batch is read.
+    fixed_capacity = True
+    #: keep ``res_next`` of resident ids up to date as batches arrive.
+    track_next = True
+    #: a table whose rows all fit (``num_embeddings <= capacity``) is mapped slot = id and never evicts.
+    supports_direct = True
+    policy_name = "base"
+
+    def __init__(self, name: str, config: OracleConfig) -> None:
+        self.name = name
+        self.capacity = int(config.capacity[name])
+        self.horizon = config.horizon
+        self.depth = config.prefetch_depth
+        self.num_ranks = config.num_ranks
+        rows = None if config.num_embeddings is None else config.num_embeddings.get(name)
+        self.rows: Optional[int] = None if rows is None else int(rows)
+        n = self.rows if self.rows is not None else 1024
+        # np.full touches every page now: first touches in the hot loop cost page faults
+        self.slot_of = np.full(n, -1, dtype=np.int64)
+        self.last_occ = np.full(n, -1, dtype=np.int64)
+        self.scratch = np.full(n, -1, dtype=np.int32)
+        self._arange = np.arange(1024, dtype=np.int32)
+        cap = self.capacity
+        self.id_of_slot = np.full(cap, -1, dtype=np.int64)
+        self.res_next = np.full(cap, FREE, dtype=np.int64)
+        self.rk = np.zeros(cap, dtype=np.int64)
+        self.free = np.arange(cap - 1, -1, -1, dtype=np.int64)
+        self.n_free = cap
+        self.next_step = 0
+        self.recs: Deque[_Record] = collections.deque()
+        self.occ = np.empty(4096, dtype=np.int64)
+        self.lo = 0
+        self.hi = 0
+        self.ring = np.zeros(self.horizon + 2, dtype=np.int64)
+        self.q_slot = _EMPTY
+        self.q_id = _EMPTY
+        self.q_rk = _EMPTY
+        self.q_head = 0
+        self.q_pending: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.q_len = 0
+        self.direct = (
+            self.supports_direct
+            and self.rows is not None
+            and self.rows <= self.capacity
+            and self.num_ranks == 1
+        )
+        self.stats: Dict[str, int] = dict(
+            steps=0, lookups=0, unique=0, hits=0, fetches=0, evictions=0, peak_rows=0
+        )
+
+    # ------------------------------------------------------------------ ids
+    def arange(self, n: int) -> np.ndarray:
+        if n > self._arange.size:
+            self._arange = np.arange(max(n, 2 * self._arange.size), dtype=np.int32)
+        return self._arange[:n]
+
+    def check_ids(self, ids: np.ndarray, step: int) -> None:
+        """Refuse negative or out-of-range ids; grow the per-id arrays when the table size is unknown."""
+        if ids.size == 0:
+            return
+        low, high = int(ids.min()), int(ids.max())
+        limit = self.rows if self.rows is not None else (1 << 62)
+        if low < 0 or high >= limit:
+            bad = low if low < 0 else high
+            valid = f"[0, {self.rows})" if self.rows is not None else "[0, 2**62)"
+            raise InvalidIdError(
+                f"table {self.name!r}: id {bad} in batch {step} is outside the valid range {valid}; fix the input "
+                f"ids or set num_embeddings[{self.name!r}] to the table's number of rows"
+            )
+        if high >= self.slot_of.size:
+            self._grow(high + 1)
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * self.slot_of.size)
+        old = self.slot_of.size
+        for attr, fill in (("slot_of", -1), ("last_occ", -1), ("scratch", -1)):
+            arr = getattr(self, attr)
+            new = np.full(n, fill, dtype=arr.dtype)
+            new[:old] = arr
+            setattr(self, attr, new)
+
+    def dedup(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Unique ids in order of first occurrence, and the index of each input id among them."""
+        n = ids.size
+        pos = self.arange(n)
+        scratch = self.scratch
+        scratch[ids[::-1]] = pos[::-1]
+        first = np.flatnonzero(scratch[ids] == pos)
+        uniq = ids[first]
+        scratch[uniq] = self.arange(uniq.size)
+        return uniq, scratch[ids]
+
+    # ------------------------------------------------------------ lookahead
+    def push(
+        self, step: int, ids: np.ndarray, samples: Optional[np.ndarray], batch_size: Optional[int]
+    ) -> None:
+        """Read batch ``step`` of this table into the lookahead window."""
+        if self.direct:
+            self.recs.append(_Record(step, ids, _EMPTY, _EMPTY, None))
+            return
+        uniq, inv = self.dedup(ids)
+        n = uniq.size
+        prev = self.last_occ[uniq]
+        self.last_occ[uniq] = (np.int64(step) << np.int64(32)) | self.arange(n)
+        prev_step = prev >> np.int64(32)
+        inw = np.flatnonzero(prev_step >= self.next_step)
+        if inw.size:
+            p = prev[inw]
+            self.occ[self.ring[prev_step[inw] % self.ring.size] + (p & _LOW32)] = step
+        base = self._alloc(n)
+        self.ring[step % self.ring.size] = base
+        if self.track_next and n:
+            sl = self.slot_of[uniq]
+            sl = sl[sl >= 0]
+            sl = sl[self.res_next[sl] == INF]
+            self.res_next[sl] = step
+            self.note_next_changed(sl)
+        ranks = readers(inv, samples, batch_size, n, self.num_ranks) if self.num_ranks > 1 else None
+        self.recs.append(_Record(step, uniq, inv, prev_step, ranks))
+        if self.fixed_capacity:
+            self._check_window(step)
+
+    def _alloc(self, n: int) -> int:
+        if self.hi + n > self.occ.size:
+            live = self.hi - self.lo
+            if live + n <= self.occ.size // 2:  # shift in place: fresh memory costs page faults
+                self.occ[:live] = self.occ[self.lo : self.hi].copy()
+            else:
+                new = np.empty(4 * (live + n), dtype=np.int64)
+                new[:live] = self.occ[self.lo : self.hi]
+                self.occ = new
+            self.ring -= self.lo
+            self.hi, self.lo = live, 0
+        base = self.hi
+        self.occ[base : base + n] = INF
+        self.hi += n
+        return base
+
+    def _check_window(self, step: int) -> None:
+        first = step - self.depth
+        recs = [r for r in list(self.recs)[-(self.depth + 1) :] if r.step >= first]
+        need = sum(int(np.count_nonzero(r.prev_step < first)) for r in recs)
+        if need > self.capacity:
+            lo = recs[0].step
+            raise CapacityError(
+                f"table {self.name!r}: batches {lo}..{step} (a batch and the next prefetch_depth={self.depth}) "
+                f"need {need} cache rows but capacity[{self.name!r}] is {self.capacity}; raise "
+                f"capacity[{self.name!r}] to at least {need}, lower prefetch_depth, or use smaller batches"
+            )
+
+    def consume(self) -> Tuple[_Record, np.ndarray]:
+        """Pop the oldest window batch; returns it and the next-use step of each of its unique ids."""
+        rec = self.recs.popleft()
+        n = rec.uniq.size
+        base = int(self.ring[rec.step % self.ring.size])
+        nxt = self.occ[base : base + n].copy()
+        self.lo = base + n
+        return rec, nxt
+
+    # ---------------------------------------------------------------- slots
+    def pop_free(self, k: int) -> np.ndarray:
+        out = self.free[self.n_free - k : self.n_free][::-1].copy()
+        self.n_free -= k
+        return out
+
+    def push_free(self, slots: np.ndarray) -> None:
+        k = slots.size
+        self.free[self.n_free : self.n_free + k] = slots[::-1]
+        self.n_free += k
+
+    def evict(self, slots: np.ndarray) -> np.ndarray:
+        """Free ``slots``; returns the ids they held."""
+        ids = self.id_of_slot[slots]
+        self.slot_of[ids] = -1
+        self.id_of_slot[slots] = -1
+        self.res_next[slots] = FREE
+        self.push_free(slots)
+        return ids
+
+    def place(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        self.slot_of[ids] = slots
+        self.id_of_slot[slots] = ids
+
+    # ---------------------------------------------------------------- queue
+    def q_append(self, slots: np.ndarray, ids: np.ndarray, rks: np.ndarray) -> None:
+        if slots.size:
+            self.q_pending.append((slots, ids, rks))
+            self.q_len += slots.size
+        if self.q_len > 2 * self.capacity + 65536:
+            self._q_consolidate()
+            keep = np.flatnonzero(
+                (self.id_of_slot[self.q_slot] == self.q_id) & (self.rk[self.q_slot] == self.q_rk)
+            )
+            self.q_slot, self.q_id, self.q_rk = self.q_slot[keep], self.q_id[keep], self.q_rk[keep]
+            self.q_len = keep.size
+
+    def _q_consolidate(self) -> None:
+        h = self.q_head
+        parts = [(self.q_slot[h:], self.q_id[h:], self.q_rk[h:])] + self.q_pending
+        self.q_slot = np.concatenate([p[0] for p in parts])
+        self.q_id = np.concatenate([p[1] for p in parts])
+        self.q_rk = np.concatenate([p[2] for p in parts])
+        self.q_head = 0
+        self.q_pending = []
+
+    def q_pop(
+        self, need: int, valid: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+    ) -> np.ndarray:
+        """Take the first ``need`` entries that pass ``valid``; entries skipped on the way are dropped."""
+        out: List[np.ndarray] = []
+        while need > 0:
+            if self.q_head >= self.q_slot.size:
+                if not self.q_pending:
+                    break
+                self._q_consolidate()
+            h = self.q_head
+            end = min(self.q_slot.size, h + max(2 * need, 1024))
+            s = self.q_slot[h:end]
+            ok = np.flatnonzero(valid(s, self.q_id[h:end], self.q_rk[h:end]))
+            if ok.size >= need:
+                take = ok[:need]
+                out.append(s[take])
+                self.q_head = h + int(take[-1]) + 1
+                self.q_len -= int(take[-1]) + 1
+                need = 0
+            else:
+                out.append(s[ok])
+                need -= ok.size
+                self.q_len -= end - h
+                self.q_head = end
+        return np.concatenate(out) if out else _EMPTY
+
+    def rebuild_queue(self) -> None:
+        res = np.flatnonzero(self.id_of_slot >= 0)
+        res = res[np.argsort(self.rk[res], kind="stable")]
+        self.q_slot, self.q_id, self.q_rk = res, self.id_of_slot[res], self.rk[res]
+        self.q_head, self.q_pending, self.q_len = 0, [], res.size
+
+    # ----------------------------------------------------------------- plan
+    def plan_direct(self) -> TablePlan:
+        """A table that fits: fetch ids on first use into slot = id, never evict (uniques are not counted)."""
+        t = self.next_step
+        rec = self.recs.popleft()
+        ids = rec.uniq
+        new = np.flatnonzero(self.slot_of[ids] < 0)
+        fetch = self.dedup(ids[new])[0] if new.size else _EMPTY
+        self.place(fetch, fetch)
+        self.n_free -= fetch.size
+        self.rk[fetch] = (np.int64(t) << np.int64(32)) | self.arange(fetch.size)
+        st = self.stats
+        st["steps"] += 1
+        st["lookups"] += ids.size
+        st["fetches"] += fetch.size
+        st["peak_rows"] = max(st["peak_rows"], self.resident_rows())
+        self.next_step = t + 1
+        return TablePlan(
+            evict_ids=_tensor(_EMPTY),
+            evict_slots=_tensor(_EMPTY),
+            fetch_ids=_tensor(fetch),
+            fetch_slots=_tensor(fetch.copy()),
+            slots=_tensor(ids.copy()),
+        )
+
+    def plan(self) -> TablePlan:
+        """Plan the oldest window batch (a fixed-capacity policy: belady or lru)."""
+        if self.direct:
+            return self.plan_direct()
+        t = self.next_step
+        rec, nxt = self.consume()
+        uniq = rec.uniq
+        n = uniq.size
+        sl = self.slot_of[uniq]
+        miss = np.flatnonzero(sl < 0)
+        m = miss.size
+        ev_slots, ev_ids = _EMPTY, _EMPTY
+        if m > self.n_free:
+            ev_slots = self.victims(t, m - self.n_free)
+            ev_ids = self.evict(ev_slots)
+        fetch_ids = uniq[miss]
+        fetch_slots = self.pop_free(m)
+        self.place(fetch_ids, fetch_slots)
+        sl[miss] = fetch_slots
+        self.res_next[sl] = nxt
+        rks = (np.int64(t) << np.int64(32)) | self.arange(n)
+        self.rk[sl] = rks
+        self.after_step(sl, uniq, rks, nxt)
+        return self.finish_plan(t, rec, nxt, sl, ev_ids, ev_slots, fetch_ids, fetch_slots)
+
+    def victims(self, t: int, need: int) -> np.ndarray:
+        """Choose ``need`` resident slots to evict at step ``t``; the policy's rule."""
+        raise NotImplementedError
+
+    def note_next_changed(self, slots: np.ndarray) -> None:
+        """Policy hook: the next use of these resident slots became finite or changed."""
+
+    def after_step(self, sl: np.ndarray, uniq: np.ndarray, rks: np.ndarray, nxt: np.ndarray) -> None:
+        """Policy hook after the batch's ids were placed (queue bookkeeping)."""
+
+    def finish_plan(
+        self,
+        t: int,
+        rec: _Record,
+        nxt: np.ndarray,
+        sl: np.ndarray,
+        ev_ids: np.ndarray,
+        ev_slots: np.ndarray,
+        fetch_ids: np.ndarray,
+        fetch_slots: np.ndarray,
+    ) -> TablePlan:
+        st = self.stats
+        n = rec.uniq.size
+        st["steps"] += 1
+        st["lookups"] += rec.inv.size
+        st["unique"] += n
+        st["hits"] += n - fetch_ids.size
+        st["fetches"] += fetch_ids.size
+        st["evictions"] += ev_ids.size
+        st["peak_rows"] = max(st["peak_rows"], self.resident_rows())
+        self.next_step = t + 1
+        ranks = annotate(rec.uniq, rec.ranks, nxt, t) if rec.ranks is not None else None
+        return TablePlan(
+            evict_ids=_tensor(ev_ids),
+            evict_slots=_tensor(ev_slots),
+            fetch_ids=_tensor(fetch_ids),
+            fetch_slots=_tensor(fetch_slots),
+            slots=_tensor(sl[rec.inv]),
+            ranks=ranks,
+        )
+
+    def resident_rows(self) -> int:
+        return self.capacity - self.n_free
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> Dict[str, Any]:
+        """Committed state after the last planned step (the lookahead window is not part of it)."""
+        return {
+            "policy": self.policy_name,
+            "capacity": self.capacity,
+            "next_step": self.next_step,
+            "id_of_slot": torch.from_numpy(self.id_of_slot.copy()),
+            "rk": torch.from_numpy(self.rk.copy()),
+            "free": torch.from_numpy(self.free[: self.n_free].copy()),
+            "stats": dict(self.stats),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the lookahead window starts empty at ``next_step``."""
+        self.next_step = int(state["next_step"])
+        self.id_of_slot = state["id_of_slot"].numpy().astype(np.int64).copy()
+        self.rk = state["rk"].numpy().astype(np.int64).copy()
+        free = state["free"].numpy().astype(np.int64)
+        self.free = np.zeros(self.capacity, dtype=np.int64)
+        self.free[: free.size] = free
+        self.n_free = free.size
+        self.stats = {k: int(v) for k, v in state["stats"].items()}
+        res = np.flatnonzero(self.id_of_slot >= 0)
+        ids = self.id_of_slot[res]
+        self.slot_of[:] = -1
+        self.last_occ[:] = -1
+        if ids.size:
+            self.check_ids(ids, self.next_step)
+            self.slot_of[ids] = res
+        self.res_next[:] = FREE
+        self.res_next[res] = INF
+        if self.direct:
+            self.n_free = self.capacity - res.size
+        self.recs.clear()
+        self.lo = self.hi = 0
+        self.rebuild_queue()

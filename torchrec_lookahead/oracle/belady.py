@@ -1,0 +1,146 @@
+"""Belady over the lookahead horizon: a fixed-capacity cache that evicts the furthest next use.
+
+On a miss the oracle evicts resident ids in the order
+
+1. ids with no use within the horizon (next use ``INF``), least recently used first;
+2. then ids by next use, furthest first, ties least recently used first;
+
+and never an id whose next use is at most ``step + prefetch_depth`` (the current batch and the batches the
+stager is already loading), so a row is never fetched before its write-back landed. "Least recently used"
+compares ``(last use step, position of the id among that batch's unique ids in order of first occurrence)``.
+
+Example:
+    >>> import torch
+    >>> from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+    >>> oracle = LookaheadOracle(OracleConfig(capacity={"t": 3}, horizon=4, prefetch_depth=0))
+    >>> batches = [{"t": torch.tensor(b)} for b in ([1, 2, 3], [4, 1], [2, 5], [1])]
+    >>> [p.tables["t"].evict_ids.tolist() for p in oracle.plan_stream(batches)]
+    [[], [3], [4], []]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from torchrec_lookahead.errors import CapacityError
+from torchrec_lookahead.oracle._table import INF, _TablePlanner
+
+__all__: List[str] = ["BeladyPlanner"]
+
+
+def _top(cand: np.ndarray, keys_next: np.ndarray, keys_rk: np.ndarray, k: int) -> np.ndarray:
+    """Indices into ``cand`` of its ``k`` best victims: largest next use, then smallest recency key."""
+    if cand.size <= k:
+        return np.arange(cand.size)
+    kth = cand.size - k
+    thr = np.partition(keys_next, kth)[kth]
+    above = np.flatnonzero(keys_next > thr)
+    tie = np.flatnonzero(keys_next == thr)
+    tie = tie[np.argsort(keys_rk[tie], kind="stable")[: k - above.size]]
+    return np.concatenate([above, tie])
+
+
+class BeladyPlanner(_TablePlanner):
+    """Per-table Belady planner (see the module docstring for the exact eviction order).
+
+    Finite-next-use victims come from a pool: the best ``M`` candidates of the last full scan plus every slot
+    whose next use changed since (``arrivals``). Every resident outside pool and arrivals ranks below the
+    pool's weakest member ``kappa``, so while at least ``need`` candidates rank at or above ``kappa`` the pool
+    gives exactly the victims a full scan would; otherwise the oracle rescans all slots.
+    """
+
+    policy_name = "belady"
+    #: below this capacity a full scan is cheaper than pool bookkeeping.
+    pool_min_capacity = 1 << 16
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._drop_pool()
+        self.mark = np.zeros(self.capacity, dtype=np.int64)
+
+    def _drop_pool(self) -> None:
+        self.pool: Optional[np.ndarray] = None
+        self.kappa = (0, 0)
+        self.arrivals: List[np.ndarray] = []
+        self.n_arrivals = 0
+
+    def note_next_changed(self, slots: np.ndarray) -> None:
+        """Log slots whose next use became finite or changed (pool bookkeeping)."""
+        if self.pool is None or not slots.size:
+            return
+        self.arrivals.append(slots)
+        self.n_arrivals += slots.size
+        if self.n_arrivals > self.capacity:
+            self._drop_pool()
+
+    def victims(self, t: int, need: int) -> np.ndarray:
+        """Slots to evict at step ``t``: ``INF`` ids by recency, then furthest next use.
+
+        Args:
+            t: the planned step.
+            need: how many slots to free.
+
+        Returns:
+            (need,) slots.
+
+        Raises:
+            CapacityError: fewer evictable ids than ``need`` (the window check normally raised earlier).
+        """
+        id_of_slot, rk, res_next = self.id_of_slot, self.rk, self.res_next
+        out = self.q_pop(need, lambda s, i, r: (id_of_slot[s] == i) & (rk[s] == r) & (res_next[s] == INF))
+        rest = need - out.size
+        if rest <= 0:
+            return out
+        res_next[out] = -2  # taken, exclude from the candidates below
+        limit = t + self.depth
+        if self.pool is not None:
+            cand = np.concatenate([self.pool] + self.arrivals)
+            pos = np.arange(cand.size, dtype=np.int64)
+            self.mark[cand[::-1]] = pos[::-1]
+            cand = cand[self.mark[cand] == pos]  # drop repeated slots
+            nx, rr = res_next[cand], rk[cand]
+            kn, kr = self.kappa
+            ok = (nx > limit) & (nx < INF) & ((nx > kn) | ((nx == kn) & (rr <= kr)))
+            good = np.flatnonzero(ok)
+            if good.size >= rest:
+                cand, nx, rr = cand[good], nx[good], rr[good]
+                pick = _top(cand, nx, rr, rest)
+                keep = np.ones(cand.size, dtype=bool)
+                keep[pick] = False
+                self.pool, self.arrivals, self.n_arrivals = cand[keep], [], 0
+                return np.concatenate([out, cand[pick]])
+        cand = np.flatnonzero((res_next > limit) & (res_next < INF))
+        if cand.size < rest:
+            raise CapacityError(
+                f"table {self.name!r}: step {t} needs {need} evictable rows but only {out.size + cand.size} are "
+                f"not needed within prefetch_depth={self.depth}; raise capacity[{self.name!r}]"
+            )
+        size = min(cand.size, rest + max(4 * rest, self.capacity // 32))
+        nx, rr = res_next[cand], rk[cand]
+        best = _top(cand, nx, rr, size)
+        cand, nx, rr = cand[best], nx[best], rr[best]
+        pick = _top(cand, nx, rr, rest)
+        keep = np.ones(cand.size, dtype=bool)
+        keep[pick] = False
+        if keep.any() and self.capacity >= self.pool_min_capacity:
+            worst = np.flatnonzero(nx == nx.min())
+            w = worst[np.argmax(rr[worst])]
+            self.pool, self.kappa = cand[keep], (int(nx[w]), int(rr[w]))
+            self.arrivals, self.n_arrivals = [], 0
+        else:
+            self._drop_pool()
+        return np.concatenate([out, cand[pick]])
+
+    def after_step(self, sl: np.ndarray, uniq: np.ndarray, rks: np.ndarray, nxt: np.ndarray) -> None:
+        """Queue the ids with no use within the horizon; log the others as pool arrivals."""
+        beyond = nxt == INF
+        idx = np.flatnonzero(beyond)
+        self.q_append(sl[idx], uniq[idx], rks[idx])
+        self.note_next_changed(sl[~beyond])
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore the base state; the victim pool is rebuilt on demand."""
+        super().load_state_dict(state)
+        self._drop_pool()

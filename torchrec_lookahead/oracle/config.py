@@ -1,0 +1,194 @@
+"""Configuration of the lookahead oracle: :class:`OracleConfig` and the :class:`Policy` enum.
+
+Example:
+    >>> from torchrec_lookahead.oracle import OracleConfig, Policy
+    >>> cfg = OracleConfig(capacity={"t0": 4096}, horizon=50, policy="ttl")
+    >>> cfg.policy is Policy.TTL
+    True
+"""
+
+from __future__ import annotations
+
+import enum
+import numbers
+from dataclasses import dataclass
+from typing import Mapping, Optional, Union
+
+from torchrec_lookahead.errors import ConfigError
+
+__all__ = ["Policy", "OracleConfig", "MAX_RANKS"]
+
+#: Largest ``num_ranks`` a reader bit mask in an int64 can hold.
+MAX_RANKS = 63
+
+
+class Policy(str, enum.Enum):
+    """Cache replacement policy of the oracle.
+
+    Attributes:
+        BELADY: fixed capacity, evict the id whose next use within the horizon is furthest (default).
+        TTL: Bagpipe's oracle cacher: keep an id iff it is used again within the horizon; capacity is an
+            upper bound, the rows actually used are reported by ``stats()``.
+        WINDOW: cDLRM: every ``window`` batches, place the window's ids in a set-associative cache.
+        LRU: least recently used with ``prefetch_depth`` batches of prefetch (FBGEMM-like baseline).
+    """
+
+    BELADY = "belady"
+    TTL = "ttl"
+    WINDOW = "window"
+    LRU = "lru"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, minimum: int, fix: str) -> int:
+    if not _is_int(value) or int(value) < minimum:  # type: ignore[call-overload]
+        raise ConfigError(f"{name} must be an integer >= {minimum} but got {value!r}; {fix}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _next_prime_at_most(n: int) -> int:
+    """Largest prime <= n (n >= 2)."""
+    for p in range(n, 1, -1):
+        if all(p % d for d in range(2, int(p**0.5) + 1)):
+            return p
+    return 2
+
+
+@dataclass
+class OracleConfig:
+    """What the oracle plans and how.
+
+    Args:
+        capacity: cache rows per cached table; a table absent from the mapping is resident and not planned.
+        horizon: how many batches ahead of the current one the oracle reads (next uses are known up to
+            ``step + horizon``).
+        prefetch_depth: the stager loads rows this many steps ahead; ids of the current batch and of the next
+            ``prefetch_depth`` batches are never evicted. Must be ``<= horizon``.
+        policy: a :class:`Policy` or its string value.
+        num_embeddings: optional rows per table, to refuse out-of-range ids; without it the oracle's per-id
+            arrays grow to the largest id seen.
+        feature_to_table: optional feature name -> table name; features absent map to a table of their own name
+            when this is ``None``. Several features may share a table.
+        window: cDLRM window length L (policy ``window``).
+        ways: ways per set of the set-associative cache (policy ``window``).
+        victim_rows: rows kept aside for set conflicts (policy ``window``); default ``capacity // 8``.
+        seed: seed of the random way choice (policy ``window``).
+        num_ranks: number of data-parallel ranks W; when W > 1 every table plan carries a ``RankAnnotation``.
+
+    Raises:
+        ConfigError: any value out of range, an unknown policy, ``horizon < prefetch_depth``.
+    """
+
+    capacity: Mapping[str, int]
+    horizon: int = 200
+    prefetch_depth: int = 1
+    policy: Union[Policy, str] = Policy.BELADY
+    num_embeddings: Optional[Mapping[str, int]] = None
+    feature_to_table: Optional[Mapping[str, str]] = None
+    window: int = 8
+    ways: int = 8
+    victim_rows: Optional[int] = None
+    seed: int = 0
+    num_ranks: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.capacity, Mapping):
+            raise ConfigError(
+                f"capacity must be a mapping table name -> rows but got {type(self.capacity).__name__}; "
+                "pass e.g. capacity={'t0': 4096}"
+            )
+        self.capacity = dict(self.capacity)
+        for table, rows in self.capacity.items():
+            _check_int(f"capacity[{table!r}]", rows, 1, "give every cached table a positive number of rows")
+        try:
+            self.policy = Policy(self.policy)
+        except ValueError:
+            valid = ", ".join(repr(p.value) for p in Policy)
+            raise ConfigError(
+                f"policy must be one of {valid} but got {self.policy!r}; pick one of them"
+            ) from None
+        self.horizon = _check_int("horizon", self.horizon, 0, "set a non-negative lookahead in batches")
+        self.prefetch_depth = _check_int("prefetch_depth", self.prefetch_depth, 0, "set 0, 1 or more")
+        if self.horizon < self.prefetch_depth:
+            raise ConfigError(
+                f"horizon must be >= prefetch_depth={self.prefetch_depth} but got horizon={self.horizon}; "
+                "the oracle must see every batch the stager prefetches: raise horizon or lower prefetch_depth"
+            )
+        if self.policy is Policy.TTL and self.horizon < self.prefetch_depth + 1:
+            raise ConfigError(
+                f"horizon must be >= prefetch_depth + 1 = {self.prefetch_depth + 1} for policy 'ttl' but got "
+                f"horizon={self.horizon}; ttl writes back an id after its last use within the horizon, so the "
+                "horizon must cover the next step and the prefetched ones: raise horizon"
+            )
+        self.window = _check_int("window", self.window, 1, "set the cDLRM window length in batches")
+        self.ways = _check_int("ways", self.ways, 1, "set the associativity of the window cache")
+        self.seed = _check_int("seed", self.seed, 0, "set a non-negative seed")
+        self.num_ranks = _check_int("num_ranks", self.num_ranks, 1, "set the data-parallel world size")
+        if self.num_ranks > MAX_RANKS:
+            raise ConfigError(
+                f"num_ranks must be <= {MAX_RANKS} (the reader bit mask is an int64) but got {self.num_ranks}; "
+                "annotate at most 63 ranks"
+            )
+        if self.num_embeddings is not None:
+            self.num_embeddings = dict(self.num_embeddings)
+            for table, rows in self.num_embeddings.items():
+                _check_int(
+                    f"num_embeddings[{table!r}]", rows, 1, "give every table a positive number of rows"
+                )
+        if self.feature_to_table is not None:
+            self.feature_to_table = dict(self.feature_to_table)
+        if self.victim_rows is not None:
+            _check_int(
+                "victim_rows", self.victim_rows, 0, "set the number of conflict rows of the window cache"
+            )
+        if self.policy is Policy.WINDOW:
+            self._validate_window()
+
+    def _validate_window(self) -> None:
+        if self.horizon < self.window - 1:
+            raise ConfigError(
+                f"horizon must be >= window - 1 = {self.window - 1} for policy 'window' but got "
+                f"horizon={self.horizon}; the oracle must see the whole window: raise horizon or lower window"
+            )
+        for table, cap in self.capacity.items():
+            if self.direct_mapped(table):
+                continue
+            victims = self.victim_rows if self.victim_rows is not None else cap // 8
+            if (cap - victims) // self.ways < 2:
+                raise ConfigError(
+                    f"capacity[{table!r}]={cap} leaves {cap - victims} rows after {victims} victim rows, fewer "
+                    f"than 2 sets of ways={self.ways}; raise the capacity or lower ways/victim_rows"
+                )
+
+    def direct_mapped(self, table: str) -> bool:
+        """Whether the window policy maps ``table`` directly (slot = id): its rows fit in its capacity.
+
+        Args:
+            table: a cached table.
+
+        Returns:
+            ``True`` when ``num_embeddings[table] <= capacity[table]``.
+        """
+        rows = None if self.num_embeddings is None else self.num_embeddings.get(table)
+        return rows is not None and rows <= self.capacity[table]
+
+    def num_sets(self, table: str) -> int:
+        """Sets of the window policy's set-associative cache for ``table``.
+
+        The largest prime ``S`` with ``S * ways <= capacity - victim_rows``; the rows left over
+        (``capacity - S * ways``) are all victim rows. 0 when the table is direct mapped.
+
+        Args:
+            table: a cached table.
+
+        Returns:
+            The number of sets.
+        """
+        if self.direct_mapped(table):
+            return 0
+        cap = self.capacity[table]
+        victims = self.victim_rows if self.victim_rows is not None else cap // 8
+        return _next_prime_at_most(max(2, (cap - victims) // self.ways))

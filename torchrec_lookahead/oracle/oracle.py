@@ -1,0 +1,204 @@
+"""The lookahead oracle: reads batches ahead and plans, per cached table, what to evict, fetch and where.
+
+Example:
+    >>> import torch
+    >>> from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+    >>> oracle = LookaheadOracle(OracleConfig(capacity={"t0": 4}, horizon=3, prefetch_depth=1))
+    >>> batches = [{"t0": torch.tensor([1, 2, 1]), "t1": torch.tensor([7])},
+    ...            {"t0": torch.tensor([3, 2])}, {"t0": torch.tensor([4, 5])}, {"t0": torch.tensor([1])}]
+    >>> for plan in oracle.plan_stream(batches):
+    ...     tp = plan.tables["t0"]
+    ...     print(plan.step, tp.evict_ids.tolist(), tp.fetch_ids.tolist(), tp.slots.tolist())
+    0 [] [1, 2] [0, 1, 0]
+    1 [] [3] [2, 1]
+    2 [3] [4, 5] [2, 3]
+    3 [] [] [0]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Iterator, List, Type
+
+import numpy as np
+
+from torchrec_lookahead.errors import CheckpointError
+from torchrec_lookahead.oracle._batch import split_batch
+from torchrec_lookahead.oracle._table import _TablePlanner
+from torchrec_lookahead.oracle.belady import BeladyPlanner
+from torchrec_lookahead.oracle.config import OracleConfig, Policy
+from torchrec_lookahead.oracle.lru import LRUPlanner
+from torchrec_lookahead.oracle.ttl import TTLPlanner
+from torchrec_lookahead.oracle.types import BatchPlan
+from torchrec_lookahead.oracle.window import WindowPlanner
+
+__all__ = ["LookaheadOracle", "min_capacity"]
+
+_PLANNERS: Dict[Policy, Type[_TablePlanner]] = {
+    Policy.BELADY: BeladyPlanner,
+    Policy.TTL: TTLPlanner,
+    Policy.WINDOW: WindowPlanner,
+    Policy.LRU: LRUPlanner,
+}
+
+
+class LookaheadOracle:
+    """Plans a cache for each table of ``config.capacity`` over a stream of batches.
+
+    A batch is a mapping ``feature -> LongTensor`` of ids (or ``feature -> (ids, lengths)``), or any object
+    with ``keys()`` and ``to_dict()`` whose values have ``values()`` (and ``lengths()``), such as a
+    ``KeyedJaggedTensor``. Features map to tables through ``config.feature_to_table`` (identity when
+    ``None``); the ids of features sharing a table are concatenated in key order, and ``slots`` follows
+    that concatenation. Tables absent from ``config.capacity`` are resident and ignored.
+
+    Plans come out in stream order, ``horizon`` batches behind the reader. A plan is applied as: write back
+    ``evict_ids`` from ``evict_slots``, load ``fetch_ids`` into ``fetch_slots``, run the step on ``slots``.
+    When the stream ends, the rows still cached stay cached: flushing them is the cache's job.
+
+    Resume: :meth:`state_dict` is the state after the last plan handed out (step ``k``); to resume, build an
+    oracle with the same config, :meth:`load_state_dict` it, and feed the batches from ``k + 1`` on (that is
+    ``state["next_step"]``): the plans are those of the uninterrupted run.
+
+    Args:
+        config: the :class:`OracleConfig`.
+    """
+
+    def __init__(self, config: OracleConfig) -> None:
+        self.config = config
+        planner = _PLANNERS[Policy(config.policy)]
+        self._tables: Dict[str, _TablePlanner] = {
+            name: planner(name, config) for name in sorted(config.capacity)
+        }
+        self._read = 0
+        self._next = 0
+
+    @property
+    def next_step(self) -> int:
+        """Index of the next plan to be handed out."""
+        return self._next
+
+    def feed(self, batch: Any) -> List[BatchPlan]:
+        """Read one batch; returns the plans that became ready (at most one).
+
+        Args:
+            batch: the batch (see the class docstring).
+
+        Returns:
+            Plans now complete, in step order.
+
+        Raises:
+            InvalidIdError: a negative or out-of-range id.
+            CapacityError: a prefetch window does not fit in a table's capacity.
+            ConfigError: a planned table missing from the batch, an unknown feature.
+            DataError: malformed ids or lengths.
+        """
+        names = list(self._tables)
+        parts = split_batch(batch, names, self.config.feature_to_table, self.config.num_ranks > 1)
+        step = self._read
+        for name in names:
+            self._tables[name].check_ids(parts[name][0], step)
+        for name in names:
+            self._tables[name].push(step, *parts[name])
+        self._read += 1
+        out = []
+        while self._read - self._next > self.config.horizon:
+            out.append(self._plan_one())
+        return out
+
+    def finish(self) -> List[BatchPlan]:
+        """The stream ended: plan every batch still in the lookahead window.
+
+        Returns:
+            The remaining plans, in step order.
+        """
+        out = []
+        while self._next < self._read:
+            out.append(self._plan_one())
+        return out
+
+    def plan_stream(self, batches: Iterable[Any]) -> Iterator[BatchPlan]:
+        """Plan a stream of batches, reading up to ``horizon`` batches ahead.
+
+        Args:
+            batches: the batches, in training order.
+
+        Yields:
+            One :class:`BatchPlan` per batch, in order.
+        """
+        for batch in batches:
+            yield from self.feed(batch)
+        yield from self.finish()
+
+    def _plan_one(self) -> BatchPlan:
+        step = self._next
+        tables = {name: tab.plan() for name, tab in self._tables.items()}
+        self._next += 1
+        return BatchPlan(step=step, tables=tables)
+
+    def stats(self) -> Dict[str, Dict[str, int]]:
+        """Counters per table: steps, lookups, unique, hits, fetches, evictions, peak_rows.
+
+        Returns:
+            table -> counter -> value (``peak_rows``: most rows ever resident, the ttl policy's capacity need).
+        """
+        return {name: dict(tab.stats) for name, tab in self._tables.items()}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """State after the last plan handed out; re-feed batches from ``state["next_step"]`` on.
+
+        Returns:
+            Plain values and CPU tensors.
+        """
+        return {
+            "policy": Policy(self.config.policy).value,
+            "next_step": self._next,
+            "tables": {name: tab.state_dict() for name, tab in self._tables.items()},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the oracle then expects the batch ``state["next_step"]`` next.
+
+        Args:
+            state: a :meth:`state_dict` of an oracle with the same config.
+
+        Raises:
+            CheckpointError: the state belongs to another policy or other tables or capacities.
+        """
+        if state.get("policy") != Policy(self.config.policy).value or set(state.get("tables", {})) != set(
+            self._tables
+        ):
+            raise CheckpointError(
+                f"oracle state for policy {state.get('policy')!r} and tables {sorted(state.get('tables', {}))} "
+                f"does not match this oracle (policy {Policy(self.config.policy).value!r}, tables "
+                f"{sorted(self._tables)}); load it into an oracle built with the same OracleConfig"
+            )
+        for name, tab in self._tables.items():
+            if int(state["tables"][name]["capacity"]) != tab.capacity:
+                raise CheckpointError(
+                    f"oracle state has capacity {state['tables'][name]['capacity']} for table {name!r} but this "
+                    f"oracle has {tab.capacity}; use the same capacity"
+                )
+            tab.load_state_dict(state["tables"][name])
+        self._next = self._read = int(state["next_step"])
+
+
+def min_capacity(batches: Iterable[Any], prefetch_depth: int, config: OracleConfig) -> Dict[str, int]:
+    """Smallest capacity per planned table: the largest working set of a batch and the next ``prefetch_depth``.
+
+    Args:
+        batches: the stream (read once, fully).
+        prefetch_depth: P.
+        config: gives the planned tables and ``feature_to_table``.
+
+    Returns:
+        table -> rows.
+    """
+    names = sorted(config.capacity)
+    hist: Dict[str, List[np.ndarray]] = {n: [] for n in names}
+    best = {n: 0 for n in names}
+    for batch in batches:
+        parts = split_batch(batch, names, config.feature_to_table, False)
+        for n in names:
+            hist[n].append(np.unique(parts[n][0]))
+            hist[n] = hist[n][-(prefetch_depth + 1) :]
+            best[n] = max(best[n], int(np.unique(np.concatenate(hist[n])).size))
+    return best

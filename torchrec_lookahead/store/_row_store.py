@@ -1,0 +1,245 @@
+"""Shared implementation of stores that keep one float32 row ``[weight | states]`` per id."""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
+from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
+from torchrec_lookahead.store.types import EmbeddingStore
+
+__all__: List[str] = []
+
+
+def _check_sizes(name: str, num_embeddings: int, embedding_dim: int, state_widths: Mapping[str, int]) -> None:
+    if int(num_embeddings) <= 0:
+        raise ConfigError(f"num_embeddings for table '{name}' must be > 0 but got {num_embeddings}")
+    if int(embedding_dim) <= 0:
+        raise ConfigError(f"embedding_dim for table '{name}' must be > 0 but got {embedding_dim}")
+    for key, width in state_widths.items():
+        if not isinstance(key, str) or int(width) <= 0:
+            raise ConfigError(
+                f"state_widths for table '{name}' must map names to positive widths but got {key!r}: {width}"
+            )
+
+
+class _RowStore(EmbeddingStore):
+    """Store over a (N, D + S) float32 tensor whose chunks of ``chunk_rows`` rows are initialised lazily.
+
+    Subclasses provide the tensor (RAM or memory-mapped) and the per-chunk "initialised" flags.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        num_embeddings: int,
+        embedding_dim: int,
+        state_widths: Optional[Mapping[str, int]],
+        seed: int,
+        chunk_rows: int,
+    ) -> None:
+        widths = dict(state_widths or {})
+        _check_sizes(name, num_embeddings, embedding_dim, widths)
+        if chunk_rows <= 0 or chunk_rows % INIT_BLOCK_ROWS != 0:
+            raise ConfigError(
+                f"chunk_rows must be a positive multiple of {INIT_BLOCK_ROWS} but got {chunk_rows}"
+            )
+        self._name = str(name)
+        self._num = int(num_embeddings)
+        self._dim = int(embedding_dim)
+        self._widths: Dict[str, int] = {k: int(v) for k, v in widths.items()}
+        self._seed = int(seed)
+        self._chunk_rows = int(chunk_rows)
+        self._num_chunks = -(-self._num // self._chunk_rows)
+        self._cols: Dict[str, Tuple[int, int]] = {}
+        col = self._dim
+        for key, width in self._widths.items():
+            self._cols[key] = (col, col + width)
+            col += width
+        self._init_lock = threading.Lock()
+        self._all_init = False
+
+    # -- to provide in subclasses -------------------------------------------------------------------------
+    def _rows(self) -> torch.Tensor:
+        """The (N, D + S) float32 backing tensor."""
+        raise NotImplementedError
+
+    def _chunk_flags(self) -> torch.Tensor:
+        """(num_chunks,) uint8 tensor, 1 where the chunk holds initial (or later) values."""
+        raise NotImplementedError
+
+    # -- properties ----------------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def num_embeddings(self) -> int:
+        return self._num
+
+    @property
+    def embedding_dim(self) -> int:
+        return self._dim
+
+    @property
+    def state_widths(self) -> Dict[str, int]:
+        return dict(self._widths)
+
+    @property
+    def seed(self) -> int:
+        """Seed of the initial values."""
+        return self._seed
+
+    # -- lazy initialisation -------------------------------------------------------------------------------
+    def _init_chunk(self, chunk: int) -> None:
+        lo = chunk * self._chunk_rows
+        hi = min(lo + self._chunk_rows, self._num)
+        rows = self._rows()
+        rows[lo:hi, : self._dim] = init_rows(self._seed, self._name, lo, hi, self._dim, self._num)
+        rows[lo:hi, self._dim :] = 0.0
+
+    def _ensure_init(self, ids: Optional[torch.Tensor]) -> None:
+        """Initialise the chunks ``ids`` touch (every chunk when ``ids`` is None)."""
+        if self._all_init:
+            return
+        flags = self._chunk_flags()
+        if ids is None:
+            chunks = torch.arange(self._num_chunks)
+        else:
+            chunks = torch.unique(torch.div(ids, self._chunk_rows, rounding_mode="floor"))
+        missing = chunks[flags[chunks] == 0]
+        if missing.numel() > 0:
+            with self._init_lock:
+                for chunk in missing.tolist():
+                    if int(flags[chunk]) == 0:
+                        self._init_chunk(chunk)
+                        self._mark_init(chunk)
+        if bool((flags != 0).all()):
+            self._all_init = True
+
+    def _mark_init(self, chunk: int) -> None:
+        self._chunk_flags()[chunk] = 1
+
+    # -- validation ----------------------------------------------------------------------------------------
+    def _check_ids(self, ids: torch.Tensor, unique: bool) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+            desc = (
+                f"tensor of shape {tuple(ids.shape)} and dtype {ids.dtype}"
+                if isinstance(ids, torch.Tensor)
+                else type(ids).__name__
+            )
+            raise InvalidIdError(f"ids for table '{self._name}' must be a 1-D integer tensor but got {desc}")
+        ids = ids.to(device="cpu", dtype=torch.int64)
+        if ids.numel() == 0:
+            return ids
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self._num:
+            bad = lo if lo < 0 else hi
+            raise InvalidIdError(
+                f"id {bad} of table '{self._name}' is out of range [0, {self._num}); "
+                "remap or hash ids into the table before training"
+            )
+        if unique and torch.unique(ids).numel() != ids.numel():
+            raise InvalidIdError(
+                f"scatter into table '{self._name}' got repeated ids; pass each id at most once"
+            )
+        return ids
+
+    def _pack(
+        self, n: int, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        states = dict(states or {})
+        if set(states) != set(self._widths):
+            raise DataError(
+                f"states for table '{self._name}' must have exactly the keys {sorted(self._widths)} "
+                f"but got {sorted(states)}"
+            )
+        if tuple(weights.shape) != (n, self._dim):
+            raise DataError(
+                f"weights for table '{self._name}' must have shape ({n}, {self._dim}) but got {tuple(weights.shape)}"
+            )
+        parts = [weights.detach().to(device="cpu", dtype=torch.float32)]
+        for key, width in self._widths.items():
+            val = states[key].detach()
+            if width == 1 and val.dim() == 1:
+                val = val.unsqueeze(1)
+            if tuple(val.shape) != (n, width):
+                raise DataError(
+                    f"state '{key}' for table '{self._name}' must have shape ({n}, {width}) but got "
+                    f"{tuple(states[key].shape)}"
+                )
+            parts.append(val.to(device="cpu", dtype=torch.float32))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def _split(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        return rows[:, : self._dim], {k: rows[:, a:b] for k, (a, b) in self._cols.items()}
+
+    # -- EmbeddingStore --------------------------------------------------------------------------------------
+    def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        ids = self._check_ids(ids, unique=False)
+        self._ensure_init(ids)
+        return self._split(self._rows().index_select(0, ids))
+
+    def scatter(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        states: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> None:
+        ids = self._check_ids(ids, unique=True)
+        packed = self._pack(ids.numel(), weights, states)
+        if ids.numel() == 0:
+            return
+        self._ensure_init(ids)
+        self._rows().index_copy_(0, ids, packed)
+
+    def full_weights(self) -> torch.Tensor:
+        self._ensure_init(None)
+        return self._split(self._rows())[0]
+
+    def full_states(self) -> Dict[str, torch.Tensor]:
+        self._ensure_init(None)
+        return self._split(self._rows())[1]
+
+    def load(self, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+        states = dict(states or {})
+        unknown = set(states) - set(self._widths)
+        if unknown:
+            raise DataError(
+                f"load into table '{self._name}' got unknown states {sorted(unknown)}; expected {sorted(self._widths)}"
+            )
+        if tuple(weights.shape) != (self._num, self._dim):
+            raise DataError(
+                f"load into table '{self._name}' expects weights of shape ({self._num}, {self._dim}) but got "
+                f"{tuple(weights.shape)}"
+            )
+        for key, val in states.items():
+            width = self._widths[key]
+            shape = tuple(val.shape)
+            if shape != (self._num, width) and not (width == 1 and shape == (self._num,)):
+                raise DataError(
+                    f"load into table '{self._name}' expects state '{key}' of shape ({self._num}, {width}) but "
+                    f"got {shape}"
+                )
+        rows = self._rows()
+        with torch.no_grad():
+            for chunk in range(self._num_chunks):
+                lo = chunk * self._chunk_rows
+                hi = min(lo + self._chunk_rows, self._num)
+                rows[lo:hi, : self._dim] = weights[lo:hi].to(device="cpu", dtype=torch.float32)
+                for key, (a, b) in self._cols.items():
+                    if key in states:
+                        rows[lo:hi, a:b] = states[key][lo:hi].reshape(hi - lo, b - a).to("cpu", torch.float32)
+                    else:
+                        rows[lo:hi, a:b] = 0.0
+                self._mark_init(chunk)
+        self._all_init = True
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self._name!r}, num_embeddings={self._num}, "
+            f"embedding_dim={self._dim}, state_widths={self._widths})"
+        )

@@ -1,0 +1,66 @@
+"""In-RAM embedding store."""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from torchrec_lookahead.store._row_store import _RowStore
+
+__all__ = ["TensorStore"]
+
+
+class TensorStore(_RowStore):
+    """A table and its per-row optimizer state in one host tensor.
+
+    Chunks are initialised on first touch, so creating a large store is cheap; the memory itself is allocated
+    up front (uninitialised, ``torch.empty``).
+
+    Args:
+        num_embeddings: rows of the table.
+        embedding_dim: width of a row.
+        state_widths: optimizer state name -> columns per row (``{"momentum1": 1}`` for row-wise Adagrad).
+        name: table name (seeds the initial values; appears in errors).
+        seed: global seed of the initial values.
+        chunk_rows: rows initialised at a time; a multiple of
+            :data:`~torchrec_lookahead.store.init.INIT_BLOCK_ROWS`.
+        pin_memory: allocate in pinned memory (faster host-to-device copies; needs CUDA).
+
+    Raises:
+        ConfigError: a size is not positive.
+
+    Example:
+        >>> import torch
+        >>> store = TensorStore(100, 4, {"momentum1": 1}, name="t0", seed=0)
+        >>> w, s = store.gather(torch.tensor([3, 7]))
+        >>> w.shape, s["momentum1"].shape, float(s["momentum1"].sum())
+        (torch.Size([2, 4]), torch.Size([2, 1]), 0.0)
+        >>> store.scatter(torch.tensor([3]), torch.ones(1, 4), {"momentum1": torch.full((1, 1), 2.0)})
+        >>> store.gather(torch.tensor([3]))[0].tolist(), store.nbytes
+        ([[1.0, 1.0, 1.0, 1.0]], 2000)
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        state_widths: Optional[Mapping[str, int]] = None,
+        *,
+        name: str = "table",
+        seed: int = 0,
+        chunk_rows: int = 65536,
+        pin_memory: bool = False,
+    ) -> None:
+        super().__init__(name, num_embeddings, embedding_dim, state_widths, seed, chunk_rows)
+        self._data = torch.empty(self._num, self.row_width, dtype=torch.float32, pin_memory=pin_memory)
+        self._flags = torch.zeros(self._num_chunks, dtype=torch.uint8)
+
+    def _rows(self) -> torch.Tensor:
+        return self._data
+
+    def _chunk_flags(self) -> torch.Tensor:
+        return self._flags
+
+    def flush(self) -> None:
+        """Nothing to do: RAM is the store."""

@@ -1,0 +1,122 @@
+"""Abstract contract of a host-side embedding store.
+
+A store holds the full rows of one embedding table and, next to every row, that row's optimizer state, so
+that a row evicted from the device cache and fetched again later continues its optimizer trajectory exactly.
+The device cache (:mod:`torchrec_lookahead.modules`) moves rows between the store and its slots with
+:meth:`EmbeddingStore.gather` and :meth:`EmbeddingStore.scatter`.
+
+Layout of one stored row (``D = embedding_dim``, the state columns in ``state_widths`` order)::
+
+    | weight[0:D] | state_0[0:w_0] | state_1[0:w_1] | ...
+
+Contracts every implementation keeps:
+
+* ids are validated (integer, 1-D, ``0 <= id < num_embeddings``) before anything is written, and a failing
+  call leaves the store unchanged;
+* ``gather`` and ``scatter`` are vectorised and may run concurrently from different threads on disjoint ids;
+* initial weights come from :func:`torchrec_lookahead.store.init_rows` (deterministic in the seed, the table
+  name and the row index, whatever the chunking), initial optimizer state is zero.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+__all__ = ["EmbeddingStore"]
+
+
+class EmbeddingStore(abc.ABC):
+    """Host-side backing store of one embedding table and its per-row optimizer state."""
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """Table name, used in error messages and to seed the initial values."""
+
+    @property
+    @abc.abstractmethod
+    def num_embeddings(self) -> int:
+        """Number of rows of the table."""
+
+    @property
+    @abc.abstractmethod
+    def embedding_dim(self) -> int:
+        """Width ``D`` of one embedding row."""
+
+    @property
+    @abc.abstractmethod
+    def state_widths(self) -> Dict[str, int]:
+        """Optimizer state name -> number of float32 columns per row (``{}`` for SGD)."""
+
+    @abc.abstractmethod
+    def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """Read rows and their optimizer state.
+
+        Args:
+            ids: (n,) integer ids, each in ``[0, num_embeddings)``; duplicates allowed.
+
+        Returns:
+            ``(weights, states)``: weights (n, D) float32 and, per state name, an (n, w) float32 tensor. The
+            tensors are new memory (never views of the store).
+
+        Raises:
+            InvalidIdError: an id is negative or not below ``num_embeddings``, or ``ids`` is not a 1-D integer
+                tensor.
+        """
+
+    @abc.abstractmethod
+    def scatter(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        states: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> None:
+        """Write rows and their optimizer state.
+
+        Args:
+            ids: (n,) distinct integer ids in ``[0, num_embeddings)``.
+            weights: (n, D) new weights.
+            states: per state name of ``state_widths``, an (n, w) tensor ((n,) accepted when ``w == 1``); may be
+                omitted only when ``state_widths`` is empty.
+
+        Raises:
+            InvalidIdError: an id is out of range or repeated; nothing is written.
+            DataError: a shape or a state name does not match; nothing is written.
+        """
+
+    @abc.abstractmethod
+    def full_weights(self) -> torch.Tensor:
+        """The whole table as an (N, D) tensor view of the store (no copy; writes go to the store)."""
+
+    @abc.abstractmethod
+    def full_states(self) -> Dict[str, torch.Tensor]:
+        """Per state name the whole (N, w) state as a tensor view of the store."""
+
+    @abc.abstractmethod
+    def load(self, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+        """Overwrite the whole table (for checkpoint restore), chunk by chunk.
+
+        Args:
+            weights: (N, D) weights.
+            states: per state name an (N, w) tensor; states omitted are reset to zero.
+
+        Raises:
+            DataError: a shape or a state name does not match; nothing is written.
+        """
+
+    @abc.abstractmethod
+    def flush(self) -> None:
+        """Make every write durable (a no-op for in-memory stores)."""
+
+    @property
+    def row_width(self) -> int:
+        """Number of float32 columns of one stored row: ``D + sum(state_widths)``."""
+        return self.embedding_dim + sum(self.state_widths.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the table and its optimizer state occupy in the store."""
+        return self.num_embeddings * self.row_width * 4
