@@ -3,7 +3,7 @@
 PY ?= python3
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
-CONFIG ?= configs/dlrm_synthetic.yaml
+CONFIG ?= configs/dlrm_lookahead.yaml
 LOGDIR ?= logs
 PYTEST_ARGS ?=
 

@@ -74,3 +74,57 @@ def fit(
     trainer = pl.Trainer(callbacks=callbacks or [], **kw)
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return trainer, model
+
+
+TINY_CAPACITY = {"t_cat_2": 140, "t_cat_11": 120, "t_cat_15": 110}
+
+
+def fit_cached(
+    tmp_path: Any,
+    max_steps: int,
+    capacity: Optional[Dict[str, int]] = None,
+    policy: str = "belady",
+    emb: str = "rowwise_adagrad",
+    data: Optional[Dict[str, Any]] = None,
+    ckpt_path: Optional[str] = None,
+    callbacks: Optional[List[pl.Callback]] = None,
+    wrap: bool = True,
+    **trainer_kw: Any,
+) -> tuple[pl.Trainer, DLRMModule]:
+    """Train the tiny model with ``capacity`` cached (resident when empty), as the CLI would."""
+    from torchrec_lookahead.data import LookaheadDataModule
+    from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+    from torchrec_lookahead.strategies import TorchRecStrategy
+
+    capacity = TINY_CAPACITY if capacity is None else capacity
+    pl.seed_everything(0, verbose=False)
+    inner = CriteoSyntheticDataModule(**tiny_data_args(**(data or {})))
+    dm: pl.LightningDataModule = inner
+    sharders = None
+    if capacity:
+        sharders = [LookaheadEmbeddingBagCollectionSharder(capacity=capacity)]
+        if wrap:
+            dm = LookaheadDataModule(inner, horizon=8, prefetch_depth=1, policy=policy)
+    model = make_model(inner, emb=emb)
+    kw: Dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    kw.update(trainer_kw)
+    trainer = pl.Trainer(strategy=TorchRecStrategy(sharders=sharders), callbacks=callbacks or [], **kw)
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def weights(model: DLRMModule) -> Dict[str, torch.Tensor]:
+    """Comparable weights of a cached or resident model (see ``torchrec_lookahead.verify``)."""
+    from torchrec_lookahead.verify import comparable_state
+
+    return comparable_state(model)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
@@ -57,7 +57,7 @@ def comparable_state(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _build(config: str, overrides: Sequence[str]) -> Any:
+def _build(config: Union[str, Sequence[str]], overrides: Sequence[str]) -> Any:
     from torchrec_lookahead.cli import LookaheadCLI
     from torchrec_lookahead.models import DLRMModule
 
@@ -67,7 +67,8 @@ def _build(config: str, overrides: Sequence[str]) -> Any:
         subclass_mode_model=True,
         subclass_mode_data=True,
         run=False,
-        args=["--config", config, *overrides],
+        args=[a for c in ([config] if isinstance(config, str) else config) for a in ("--config", c)]
+        + list(overrides),
     )
 
 
@@ -153,7 +154,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m torchrec_lookahead verify", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--config", required=True, help="a LightningCLI YAML config with a lookahead sharder")
+    p.add_argument(
+        "--config",
+        required=True,
+        action="append",
+        help="LightningCLI YAML config(s) with a lookahead sharder",
+    )
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--tolerance", type=float, default=1e-5)
     args, overrides = p.parse_known_args(argv)

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,13 @@ from ..conftest import REPO, shared_data
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
+def clean_env() -> dict:
+    """The environment without the launcher variables an in-process Trainer of an earlier test may have set
+    (a child would otherwise try to listen on this process's MASTER_PORT)."""
+    drop = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def run_cli(*args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torchrec_lookahead", *args],
@@ -16,6 +24,7 @@ def run_cli(*args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.Comp
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=clean_env(),
     )
 
 

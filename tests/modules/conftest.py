@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 import pytest
@@ -16,9 +15,8 @@ def gloo_pg() -> Iterator[None]:
     """Initialise a 1-rank gloo group for the test module (reusing one that already exists)."""
     created = False
     if not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # init_method instead of MASTER_* variables, which subprocesses of later tests would inherit
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         created = True
     yield
     if created and dist.is_initialized():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from ..cli.test_cli import clean_env
 from ..conftest import REPO, free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -25,7 +26,7 @@ def torchrun(nproc: int, *args: str, timeout: int = 400) -> subprocess.Completed
         "torchrec_lookahead",
         *args,
     ]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=clean_env())
 
 
 def _ckpt_args(dirpath: Path, every: int) -> list:

@@ -240,7 +240,7 @@ class LookaheadLoader:
                 self._planned = plan.step
                 while not stop.is_set():
                     try:
-                        out.put(item, timeout=0.1)
+                        out.put(item, timeout=0.05)
                         break
                     except queue.Full:
                         continue
@@ -262,7 +262,7 @@ class LookaheadLoader:
             need = plan.step - self.prefetch_depth - 1
             with self._cond:
                 while self._applied < need and not stop.is_set():
-                    self._cond.wait(timeout=0.1)
+                    self._cond.wait(timeout=0.05)
             if stop.is_set():
                 fut.cancel()
                 return

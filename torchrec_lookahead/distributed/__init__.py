@@ -1,4 +1,5 @@
-"""TorchRec integration: the lookahead sharder, its sharded module and sharding plans with cached tables."""
+"""TorchRec integration: the lookahead sharder, its sharded module, sharding plans with cached tables, and
+(:mod:`torchrec_lookahead.distributed.planner`) the planner that sizes caches for a device budget."""
 
 from torchrec_lookahead.distributed.plan import embedding_tables, lookahead_sharding_plan
 from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection

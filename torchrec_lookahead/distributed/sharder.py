@@ -15,10 +15,11 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
@@ -85,6 +86,11 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         seed: seed of the initial table values (identical to a resident model initialised with
             :func:`~torchrec_lookahead.modules.init_embedding_bag_tables_` and the same seed); default: the
             ``torchrec`` strategy's ``init_seed``, else 0.
+        device_budget_bytes: instead of ``capacity``, a device memory budget: the ``torchrec`` strategy runs
+            the :class:`~torchrec_lookahead.distributed.planner.LookaheadPlanner` on sampled training batches
+            to choose resident tables and cache sizes (:meth:`plan_capacity`).
+        planner_options: keyword arguments of the planner (``horizon``, ``prefetch_depth``, ``policy``,
+            ``num_sample_batches``, ...).
         fused_params: TorchRec fused parameters for the resident tables.
         qcomm_codecs_registry: TorchRec communication codecs.
     """
@@ -96,6 +102,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         stores: Optional[Dict[str, EmbeddingStore]] = None,
         store_dir: Optional[str] = None,
         seed: Optional[int] = None,
+        device_budget_bytes: Optional[int] = None,
+        planner_options: Optional[Dict[str, Any]] = None,
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> None:
@@ -106,10 +114,49 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         for t, c in self.capacity.items():
             if c < 1:
                 raise ConfigError(f"capacity of table '{t}' must be a positive number of rows but got {c}")
+        if device_budget_bytes is not None and device_budget_bytes <= 0:
+            raise ConfigError(f"Expected device_budget_bytes > 0 but got {device_budget_bytes}")
+        if device_budget_bytes is not None and self.capacity:
+            raise ConfigError(
+                "Give either capacity or device_budget_bytes to the lookahead sharder, not both"
+            )
+        self.device_budget_bytes = device_budget_bytes
+        self.planner_options = dict(planner_options or {})
+        self.cache_plan: Optional[Any] = None
         self.optimizer = optimizer
         self.stores = dict(stores or {})
         self.store_dir = store_dir
         self.seed = seed
+
+    def plan_capacity(self, module: nn.Module, sample_batches: Iterable[Any]) -> Any:
+        """Size the caches of every EmbeddingBagCollection in ``module`` for ``device_budget_bytes``.
+
+        Sets :attr:`capacity` (cached tables only) and :attr:`cache_plan` (the planner's report) and returns
+        the plan.
+
+        Raises:
+            ConfigError: no budget was given.
+            CapacityError: the budget cannot hold even the smallest feasible caches.
+        """
+        from torchrec_lookahead.distributed.planner import LookaheadPlanner
+
+        if self.device_budget_bytes is None:
+            raise ConfigError("plan_capacity() needs device_budget_bytes")
+        ebcs = [m for m in module.modules() if isinstance(m, EmbeddingBagCollection)]
+        tables = [c for m in ebcs for c in m.embedding_bag_configs()]
+        names = [c.name for c in tables]
+        optimizer = self.optimizer
+        for m in ebcs:
+            optimizer = optimizer or cache_optimizer_from_module(m, names)
+        optimizer = optimizer or CacheOptimizerConfig()
+        # Leave 25% above the sampled working set by default: batches after the sample can need more rows.
+        planner = LookaheadPlanner(
+            self.device_budget_bytes, **{"floor_headroom": 1.25, **self.planner_options}
+        )
+        plan = planner.plan(tables, optimizer, sample_batches)
+        self.capacity = dict(plan.capacity)
+        self.cache_plan = plan
+        return plan
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         kernels = list(super().compute_kernels(sharding_type, compute_device_type))

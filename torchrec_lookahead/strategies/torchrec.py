@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -198,6 +198,10 @@ class TorchRecStrategy(DDPStrategy):
             local_world_size=self.num_processes,
         )
         lookahead = [s for s in sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)]
+        for s in lookahead:
+            if s.device_budget_bytes is not None and not s.capacity:
+                plan_report = s.plan_capacity(module, self._sample_batches())
+                log.info("Lookahead cache plan:\n%s", plan_report)
         cached: Dict[str, int] = {k: v for s in lookahead for k, v in s.capacity.items()}
         for s in lookahead:
             if s.seed is None:
@@ -233,6 +237,19 @@ class TorchRecStrategy(DDPStrategy):
         if self._init_seed is not None:
             init_embedding_bag_tables_(dmp, [c for c in tables if c.name not in cached], seed=self._init_seed)
         return dmp
+
+    def _sample_batches(self) -> Iterator[Any]:
+        """Training batches of the (unwrapped) DataModule, for sizing caches; identical on every rank."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        dm = getattr(trainer, "datamodule", None)
+        inner = getattr(dm, "datamodule", dm)
+        if inner is None:
+            raise ConfigError(
+                "The lookahead sharder has a device budget but no DataModule to sample batches from; pass a "
+                "DataModule to the Trainer or give the sharder explicit capacities"
+            )
+        for batch in inner.train_dataloader():
+            yield batch.sparse_features
 
     # ---------------------------------------------------------------------------------------- the cache
     def cached_modules(self) -> List[ShardedLookaheadEmbeddingBagCollection]:
