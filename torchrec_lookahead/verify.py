@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from torchrec_lookahead.errors import ConfigError
@@ -41,14 +42,23 @@ _WRAPPERS = frozenset({"_dmp_wrapped_module", "module", "cache", "resident"})
 
 def comparable_state(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Weights by a key that is the same for the cached and the resident model (wrapper names removed,
-    sharded tensors replaced by this rank's shard); optimizer-state entries are left out."""
+    sharded tensors gathered whole; with several ranks a collective, complete on rank 0); optimizer-state
+    entries are left out."""
     out: Dict[str, torch.Tensor] = {}
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     for key, value in module.state_dict().items():
         if isinstance(value, ShardedTensor):
-            shards = value.local_shards()
-            if not shards:
-                continue
-            value = shards[0].tensor
+            if multi:
+                full = torch.zeros(value.size()) if dist.get_rank() == 0 else None
+                value.gather(0, full)
+                if full is None:
+                    continue
+                value = full
+            else:
+                shards = value.local_shards()
+                if not shards:
+                    continue
+                value = shards[0].tensor
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             continue
         if "embedding_bags." in key and not key.endswith(".weight"):
@@ -129,6 +139,8 @@ def verify(
     seed = int(cached_cli.config.get("seed_everything") or 0)
     cached_w, cached_l = _train(cached_cli, resident=False, steps=steps, seed=seed)
     resident_w, resident_l = _train(_build(config, overrides), resident=True, steps=steps, seed=seed)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return {"passed": True, "rank": dist.get_rank()}
     missing = sorted(set(resident_w) ^ set(cached_w))
     if missing:
         raise ConfigError(f"The cached and resident models have different weights: {missing[:10]}")
@@ -164,6 +176,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tolerance", type=float, default=1e-5)
     args, overrides = p.parse_known_args(argv)
     result = verify(args.config, args.steps, args.tolerance, overrides)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        holder = [result]
+        dist.broadcast_object_list(holder, src=0)  # rank 0 holds the whole comparison
+        result = holder[0]
+        if dist.get_rank() != 0:
+            return 0 if result["passed"] else 1
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0 if result["passed"] else 1

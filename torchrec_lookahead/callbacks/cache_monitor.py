@@ -3,7 +3,10 @@
 Logged every ``log_every_n_steps`` training steps, under ``cache/<table>/...``: ``hit_rate`` (lookups served
 by rows already cached before the step's fetches), ``rows_fetched`` and ``rows_written_back`` per step,
 ``bytes_moved`` per step; and ``cache/oracle_lead`` (batches planned ahead of training) and
-``cache/stager_wait_ms`` (time the training step waited for staged rows, per step).
+``cache/stager_wait_ms`` (time the training step waited for staged rows, per step). With several ranks
+(LRPP), per step: ``cache/sync/rows_synced_critical`` (rows refreshed or gradient-synchronised before or
+within the step), ``cache/sync/rows_refreshed``, ``cache/sync/rows_grad_synced`` and
+``cache/sync/rows_skipped`` (rows updated by one rank only, never synchronised).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class CacheMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self._last: Dict[str, Dict[str, int]] = {}
         self._last_wait = 0.0
+        self._last_sync: Dict[str, int] = {}
         self._last_step = 0
         self.last_metrics: Dict[str, float] = {}
 
@@ -54,9 +58,19 @@ class CacheMonitor(Callback):
                 out.update(m.cache.stats())
         return out
 
+    def _sync(self, trainer: pl.Trainer) -> Dict[str, int]:
+        s = self._strategy(trainer)
+        out: Dict[str, int] = {}
+        if s is not None:
+            for m in s.cached_modules():
+                for k, v in getattr(m, "sync_counters", {}).items():
+                    out[k] = out.get(k, 0) + v
+        return out
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = self._stats(trainer)
+        self._last_sync = self._sync(trainer)
         self._last_step = trainer.global_step
 
     @override
@@ -77,6 +91,10 @@ class CacheMonitor(Callback):
             metrics[f"cache/{table}/rows_fetched"] = d.get("rows_fetched", 0) / steps
             metrics[f"cache/{table}/rows_written_back"] = d.get("rows_written_back", 0) / steps
             metrics[f"cache/{table}/bytes_moved"] = d.get("bytes_moved", 0) / steps
+        sync = self._sync(trainer)
+        for k, v in sync.items():
+            metrics[f"cache/sync/{k}"] = (v - self._last_sync.get(k, 0)) / steps
+        self._last_sync = sync
         loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
         if loader is not None and hasattr(loader, "oracle_lead"):
             metrics["cache/oracle_lead"] = float(loader.oracle_lead())

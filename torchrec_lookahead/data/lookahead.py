@@ -26,8 +26,9 @@ import torch
 from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
+from torchrec_lookahead.distributed.lrpp import LRPPTracker, gather_global_kjt, slice_samples
 from torchrec_lookahead.errors import CheckpointError, ConfigError
-from torchrec_lookahead.modules import remap_kjt, stage_rows
+from torchrec_lookahead.modules import remap_kjt, stage_rows, table_ids
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, Policy
 from torchrec_lookahead.oracle.types import BatchPlan
@@ -51,6 +52,7 @@ class LookaheadBatch(Batch):
     plan: Optional[BatchPlan] = None
     staged: Optional[Future[StagedRows]] = None
     loader: Optional[LookaheadLoader] = field(default=None, repr=False)
+    lrpp: Optional[Any] = None
 
     def to(self, device: torch.device, non_blocking: bool = False) -> LookaheadBatch:
         return LookaheadBatch(
@@ -60,6 +62,7 @@ class LookaheadBatch(Batch):
             plan=self.plan,
             staged=self.staged,
             loader=self.loader,
+            lrpp=self.lrpp,
         )
 
     def wait_staged(self) -> Optional[StagedRows]:
@@ -75,7 +78,10 @@ class LookaheadBatch(Batch):
     def mark_applied(self) -> None:
         """Tell the loader that this batch's plan has been applied (its write-backs have landed)."""
         if self.loader is not None and self.plan is not None:
-            self.loader.mark_applied(self.plan.step)
+            # With several ranks, other ranks' write-backs of step s have landed only once this rank's step s
+            # has finished (its backward's collectives wait for every rank): count a step when the next applies.
+            lag = 1 if self.loader.target.num_ranks > 1 else 0
+            self.loader.mark_applied(self.plan.step - lag)
 
 
 @dataclass(frozen=True)
@@ -87,12 +93,18 @@ class CacheTarget:
         feature_to_table: feature -> table, for every cached table's features.
         num_embeddings: rows per cached table.
         stores: host store per cached table.
+        num_ranks: data-parallel ranks (LRPP when > 1: every rank plans the global batch).
+        rank: this rank.
+        group: process group on which the planner thread gathers the other ranks' ids.
     """
 
     capacity: Mapping[str, int]
     feature_to_table: Mapping[str, str]
     num_embeddings: Mapping[str, int]
     stores: Mapping[str, EmbeddingStore]
+    num_ranks: int = 1
+    rank: int = 0
+    group: Optional[Any] = None
 
 
 _END = object()
@@ -134,6 +146,8 @@ class LookaheadLoader:
             num_embeddings=dict(target.num_embeddings),
             **(oracle_kwargs or {}),
         )
+        if target.num_ranks > 1:
+            self._oracle_kwargs["num_ranks"] = target.num_ranks
         self.config = OracleConfig(feature_to_table=dict(target.feature_to_table), **self._oracle_kwargs)
         self.prefetch_depth = prefetch_depth
         self.queue_depth = max(queue_depth, prefetch_depth + 2)
@@ -209,12 +223,17 @@ class LookaheadLoader:
             oracle: Optional[LookaheadOracle] = None
             batches: queue.Queue[Batch] = queue.Queue()
 
+            multi = self.target.num_ranks > 1
+
             def sparse() -> Iterator[Any]:
                 for b in self.loader:
                     if stop.is_set():
                         return
                     batches.put(b)
-                    yield b.sparse_features
+                    if multi:  # every rank plans the global batch: gather the ids (not the dense features)
+                        yield gather_global_kjt(b.sparse_features, self.target.num_ranks, self.target.group)
+                    else:
+                        yield b.sparse_features
 
             stream = sparse()
             first = next(stream, None)
@@ -231,12 +250,29 @@ class LookaheadLoader:
                 yield from stream
 
             cached = sorted(self.target.capacity)
-            for plan in oracle.plan_stream(restream()):
+            f2t_cached = dict(self.target.feature_to_table)
+            tracker = LRPPTracker(self.target.capacity, self.target.num_ranks) if multi else None
+            globals_: queue.Queue[Any] = queue.Queue()
+
+            def record() -> Iterator[Any]:
+                for kjt in restream():
+                    globals_.put(kjt)
+                    yield kjt
+
+            for plan in oracle.plan_stream(record()):
                 b = batches.get()
                 fut: Future[StagedRows] = Future()
                 to_stage.put((plan, fut))
-                kjt = remap_kjt(b.sparse_features, plan, dict(self.target.feature_to_table), cached)
-                item = LookaheadBatch(b.dense_features, kjt, b.labels, plan=plan, staged=fut, loader=self)
+                global_kjt = globals_.get()
+                kjt = remap_kjt(global_kjt, plan, f2t_cached, cached)
+                lrpp = None
+                if tracker is not None:
+                    lrpp = tracker.step(plan, table_ids(global_kjt, f2t_cached, cached))
+                    stride = b.sparse_features.stride()
+                    kjt = slice_samples(kjt, self.target.rank * stride, (self.target.rank + 1) * stride)
+                item = LookaheadBatch(
+                    b.dense_features, kjt, b.labels, plan=plan, staged=fut, loader=self, lrpp=lrpp
+                )
                 self._planned = plan.step
                 while not stop.is_set():
                     try:

@@ -14,11 +14,13 @@ flushed once and rows are read from the stores.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import (
     Awaitable,
@@ -31,6 +33,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore
 from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection
 from torchrec_lookahead.modules.types import StagedRows
@@ -68,6 +71,9 @@ class ShardedLookaheadEmbeddingBagCollection(
         resident: Optional[nn.Module],
         cache: CachedEmbeddingBagCollection,
         is_weighted: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        process_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         super().__init__()
         self._tables = list(tables)
@@ -80,6 +86,26 @@ class ShardedLookaheadEmbeddingBagCollection(
         self._resident_features = [f for f in self._feature_names if f not in self._cached_features]
         self._plan_pending = False
         self._eval_flushed = False
+        self.rank = rank
+        self.world_size = world_size
+        self._pg = process_group
+        self._lrpp: Optional[LRPPPlan] = None
+        self.sync_counters: Dict[str, int] = {}
+        if world_size > 1:
+            for name, store in cache.stores.items():
+                if not isinstance(store, WriterFilteredStore):
+                    raise SetupError(
+                        f"table '{name}': multi-rank caches need WriterFilteredStore views of a shared store"
+                    )
+            for g, kernel in enumerate(cache._kernels):
+                if not hasattr(kernel, "grads_hook"):
+                    raise SetupError(
+                        "multi-rank caches need the PyTorch cache kernel (CacheOptimizerConfig(kernel='torch'))"
+                    )
+                names = {t.local: n for n, t in cache._tables.items() if t.group == g}
+                kernel.grads_hook = self._make_grads_hook(names)
+            self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module.flush())
+            self.register_load_state_dict_post_hook(lambda module, incompatible: module._barrier())
 
     @property
     def unsharded_module_type(self) -> type:
@@ -91,20 +117,145 @@ class ShardedLookaheadEmbeddingBagCollection(
         """Names of the tables trained through the cache."""
         return sorted(self.cache.capacity)
 
-    def apply_plan(self, plan: BatchPlan, staged: Optional[StagedRows] = None) -> None:
-        """Apply the cached tables' part of a step's plan (write-backs, then loads)."""
+    def apply_plan(
+        self, plan: BatchPlan, staged: Optional[StagedRows] = None, lrpp: Optional[LRPPPlan] = None
+    ) -> None:
+        """Apply the cached tables' part of a step's plan (write-backs, then loads; with several ranks also
+        the refresh of invalid replicas, and the gradient synchronisation of the coming backward)."""
         mine = {t: p for t, p in plan.tables.items() if t in self.cache.capacity}
         sub = BatchPlan(plan.step, mine)
         sub_staged = None
         if staged is not None:
             sub_staged = StagedRows(staged.step, {t: r for t, r in staged.tables.items() if t in mine})
-        self.cache.apply_plan(sub, sub_staged)
+        if self.world_size > 1:
+            if lrpp is None or lrpp.step != plan.step:
+                raise SetupError(f"multi-rank step {plan.step} has no LRPP synchronisation plan")
+            stores = self.cache.stores
+            for t, tp in mine.items():
+                store = stores[t]
+                assert isinstance(store, WriterFilteredStore)
+                store.allowed = tp.evict_ids[lrpp.tables[t].evict_writer == self.rank]
+            try:
+                self.cache.apply_plan(sub, sub_staged)
+            finally:
+                for t in mine:
+                    stores[t].allowed = None  # type: ignore[attr-defined]
+            self._refresh(lrpp)
+            self._lrpp = lrpp
+            for k, v in lrpp.counters().items():
+                self.sync_counters[k] = self.sync_counters.get(k, 0) + v
+        else:
+            self.cache.apply_plan(sub, sub_staged)
         self._plan_pending = True
         self._eval_flushed = False
 
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self._pg)
+
     def flush(self) -> None:
-        """Write every cached row and its optimizer state back to the stores."""
-        self.cache.flush()
+        """Write every cached row and its optimizer state back to the stores (with several ranks: each row once,
+        by a rank holding its current value, then a barrier so that every rank reads the landed rows)."""
+        if self.world_size == 1:
+            self.cache.flush()
+            return
+        if self._lrpp is not None:
+            stores = self.cache.stores
+            for t, tp in self._lrpp.tables.items():
+                slot_ids = self.cache.slot_ids(t)
+                mine = (tp.writer.to(torch.int64) == self.rank) & (slot_ids >= 0)
+                stores[t].allowed = slot_ids[mine]  # type: ignore[attr-defined]
+            try:
+                self.cache.flush()
+            finally:
+                for t in self._lrpp.tables:
+                    stores[t].allowed = None  # type: ignore[attr-defined]
+        self._barrier()
+
+    def invalidate(self) -> None:
+        """Empty the cache (after :meth:`flush`); the next plan stream starts from an empty cache."""
+        self.cache.invalidate()
+        self._lrpp = None
+
+    # ------------------------------------------------------------------------------------------------ LRPP
+    def _refresh(self, lrpp: LRPPPlan) -> None:
+        """Give every rank the current value of the rows it reads but holds only as a stale replica: the
+        holder contributes the row (and its optimizer state), the others zeros, in one compacted all-reduce."""
+        parts: List[Tuple[str, torch.Tensor, torch.Tensor, List[str], int]] = []
+        total = 0
+        for t, tp in lrpp.tables.items():
+            n = int(tp.refresh_slots.numel())
+            if n == 0:
+                continue
+            states = self.cache.cache_states(t)
+            names = sorted(states)
+            width = self.cache.cache_weights(t).shape[1] + sum(states[k].shape[1] for k in names)
+            parts.append((t, tp.refresh_slots, tp.refresh_source, names, width))
+            total += n * width
+        if total == 0:
+            return
+        buf = torch.zeros(total, device=self.cache.device)
+        off = 0
+        for t, slots, source, names, _width in parts:
+            rows = torch.cat(
+                [self.cache.cache_weights(t)[slots], *(self.cache.cache_states(t)[k][slots] for k in names)],
+                1,
+            )
+            rows = rows * (source == self.rank).to(rows.dtype).unsqueeze(1)
+            buf[off : off + rows.numel()] = rows.reshape(-1)
+            off += rows.numel()
+        dist.all_reduce(buf, group=self._pg)
+        off = 0
+        with torch.no_grad():
+            for t, slots, _, names, width in parts:
+                rows = buf[off : off + slots.numel() * width].view(-1, width)
+                off += rows.numel()
+                w = self.cache.cache_weights(t)
+                d = w.shape[1]
+                w[slots] = rows[:, :d]
+                col = d
+                for k in names:
+                    st = self.cache.cache_states(t)[k]
+                    st[slots] = rows[:, col : col + st.shape[1]]
+                    col += st.shape[1]
+
+    def _make_grads_hook(self, local_to_table: Dict[int, str]) -> Any:
+        def hook(
+            per_table: List[Tuple[int, torch.Tensor, torch.Tensor]],
+        ) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
+            lrpp = self._lrpp
+            if lrpp is None:
+                raise SetupError("a multi-rank backward ran without the step's LRPP plan")
+            # TorchRec divides sharded embedding gradients by the world size (comm_ops.GRADIENT_DIVISION, to
+            # match DDP's averaging of dense gradients): the cache does the same.
+            scale = 1.0 / self.world_size if get_gradient_division() else 1.0
+            shared = [lrpp.tables[local_to_table[t]].shared_slots for t, _, _ in per_table]
+            sizes = [int(s.numel()) * g.shape[1] for s, (_, _, g) in zip(shared, per_table)]
+            located = []
+            buf = torch.zeros(sum(sizes), device=per_table[0][2].device)
+            off = 0
+            for s, (_, uniq, gsum), size in zip(shared, per_table, sizes):
+                view = buf[off : off + size].view(-1, gsum.shape[1])
+                pos = hit = None
+                if s.numel() and uniq.numel():
+                    pos = torch.searchsorted(s, uniq).clamp(max=s.numel() - 1)
+                    hit = s[pos] == uniq
+                    view[pos[hit]] = gsum[hit]
+                located.append((view, pos, hit))
+                off += size
+            if sizes and sum(sizes):
+                # One compacted collective: the per-rank gradients of every row read by several ranks are
+                # summed (TorchRec's sharded tables sum the gradients of the global batch the same way).
+                dist.all_reduce(buf, group=self._pg)
+            out = []
+            for (t, uniq, gsum), (view, pos, hit) in zip(per_table, located):
+                gsum = gsum * scale
+                if hit is not None and pos is not None and bool(hit.any()):
+                    gsum[hit] = view[pos[hit]] * scale
+                out.append((t, uniq, gsum))
+            return out
+
+        return hook
 
     # ---------------------------------------------------------------------------------- ShardedModule API
     def create_context(self) -> NullShardedModuleContext:
@@ -148,7 +299,7 @@ class ShardedLookaheadEmbeddingBagCollection(
     def _eval_lookup(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings of ids (not slots), read from the stores after one flush per evaluation."""
         if not self._eval_flushed:
-            self.cache.flush()
+            self.flush()
             self._eval_flushed = True
         stores = self.cache.stores
         f2t = self.cache.feature_to_table

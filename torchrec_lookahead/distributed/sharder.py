@@ -14,10 +14,15 @@ Example:
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import os
+import shutil
+import tempfile
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
+import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -25,8 +30,9 @@ from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, S
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
 from torchrec_lookahead.distributed.sharded import CUSTOMIZED, ShardedLookaheadEmbeddingBagCollection
-from torchrec_lookahead.errors import ConfigError, SetupError
+from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig
 from torchrec_lookahead.store import MmapStore
 from torchrec_lookahead.store.types import EmbeddingStore
@@ -197,12 +203,6 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 f"Tables {missing} are planned for the lookahead cache but have no capacity; pass "
                 f"capacity={{table: rows}} to LookaheadEmbeddingBagCollectionSharder (known: {sorted(self.capacity)})"
             )
-        if env.world_size > 1:
-            raise SetupError(
-                f"The lookahead cache trains on one rank (world size {env.world_size} given); multi-rank cached "
-                "training needs LRPP synchronisation, which is not available yet. Keep these tables resident "
-                "or train on one rank"
-            )
         optimizer = self.optimizer or cache_optimizer_from_module(module, cached)
         if optimizer is None:
             fp = dict(self.fused_params or {})
@@ -234,7 +234,13 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 sub, {c.name: params[c.name] for c in resident_cfgs}, env, device, module_fqn
             )
         cached_cfgs = [c for c in configs if c.name in cached]
-        stores = {c.name: s for c in cached_cfgs if (s := self._store(c, optimizer)) is not None}
+        if env.world_size > 1:
+            # LRPP: one shared host store per table; the PyTorch kernel, whose backward can combine the
+            # gradients of rows read by several ranks before the update.
+            optimizer = dataclasses.replace(optimizer, kernel="torch")
+            stores: Dict[str, EmbeddingStore] = self._shared_stores(cached_cfgs, optimizer, env)
+        else:
+            stores = {c.name: s for c in cached_cfgs if (s := self._store(c, optimizer)) is not None}
         cache = CachedEmbeddingBagCollection(
             cached_cfgs,
             capacity={t: self.capacity[t] for t in cached},
@@ -244,4 +250,46 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             device=device,
             is_weighted=module.is_weighted(),
         )
-        return ShardedLookaheadEmbeddingBagCollection(configs, resident, cache, module.is_weighted())
+        return ShardedLookaheadEmbeddingBagCollection(
+            configs,
+            resident,
+            cache,
+            module.is_weighted(),
+            rank=env.rank,
+            world_size=env.world_size,
+            process_group=env.process_group,
+        )
+
+    def _shared_stores(
+        self, cfgs: List[Any], optimizer: CacheOptimizerConfig, env: ShardingEnv
+    ) -> Dict[str, EmbeddingStore]:
+        """Memory-mapped stores shared by the ranks of one host: rank 0 creates and initialises them in a
+        fresh directory (under ``store_dir``, else ``/dev/shm``), the others open them after a barrier."""
+        pg = env.process_group
+        holder: List[Optional[str]] = [None]
+        if env.rank == 0:
+            if self.stores:
+                raise ConfigError("explicit stores= are not supported with several ranks; use store_dir=")
+            base = self.store_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+            if base is not None:
+                os.makedirs(base, exist_ok=True)
+            created = tempfile.mkdtemp(prefix="torchrec_lookahead_stores_", dir=base)
+            atexit.register(shutil.rmtree, created, True)
+            holder[0] = created
+        dist.broadcast_object_list(holder, src=0, group=pg)
+        directory = str(holder[0])
+        stores: Dict[str, EmbeddingStore] = {}
+        for c in cfgs:
+            path = os.path.join(directory, f"{c.name}.bin")
+            if env.rank == 0:
+                store = MmapStore(path, c.num_embeddings, c.embedding_dim, optimizer.state_widths(c.embedding_dim),
+                                  name=c.name, seed=self.seed or 0)  # fmt: skip
+                for lo in range(0, c.num_embeddings, 1 << 16):  # initialise every chunk before sharing
+                    store.gather(torch.arange(lo, min(lo + (1 << 16), c.num_embeddings)))
+                store.flush()
+                stores[c.name] = WriterFilteredStore(store)
+        dist.barrier(group=pg)
+        if env.rank != 0:
+            for c in cfgs:
+                stores[c.name] = WriterFilteredStore(MmapStore.open(os.path.join(directory, f"{c.name}.bin")))
+        return stores

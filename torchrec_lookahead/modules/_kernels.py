@@ -13,7 +13,7 @@ cache uses this kernel for Adam, and tests check it against FBGEMM for SGD and A
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +158,14 @@ class _TorchKernel(_CacheKernel):
             widths = self.config.state_widths(d)
             self._states.append({k: torch.zeros(r, w, device=self.device) for k, w in widths.items()})
         self._step = 0
+        # Called in backward with [(table, unique rows, summed gradients)] for every table of the kernel
+        # (empty ones included, so that a collective inside runs on every rank); returns the same list with
+        # the rows and gradients to apply (multi-rank LRPP combines shared rows' gradients here).
+        self.grads_hook: Optional[
+            Callable[
+                [List[Tuple[int, torch.Tensor, torch.Tensor]]], List[Tuple[int, torch.Tensor, torch.Tensor]]
+            ]
+        ] = None
         self._placeholder = torch.zeros(1, device=self.device, requires_grad=True)
         self._mode = "mean" if self.pooling == PoolingMode.MEAN else "sum"
 
@@ -235,16 +243,19 @@ class _TorchKernel(_CacheKernel):
             rows[t].append(indices[lo:hi])
             grads[t].append(g)
             col += dim
+        per_table: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
         for t in range(len(self.rows)):
-            if not rows[t]:
-                continue
-            ids = torch.cat(rows[t])
-            if ids.numel() == 0:
-                continue
+            ids = torch.cat(rows[t]) if rows[t] else torch.zeros(0, dtype=torch.int64, device=grad.device)
             uniq, inverse = torch.unique(ids, return_inverse=True)
             gsum = torch.zeros(uniq.numel(), self.dims[t], device=grad.device, dtype=grad.dtype)
-            gsum.index_add_(0, inverse, torch.cat(grads[t]))
-            self._apply(t, uniq, gsum)
+            if ids.numel():
+                gsum.index_add_(0, inverse, torch.cat(grads[t]))
+            per_table.append((t, uniq, gsum))
+        if self.grads_hook is not None:
+            per_table = self.grads_hook(per_table)
+        for t, uniq, gsum in per_table:
+            if uniq.numel():
+                self._apply(t, uniq, gsum)
 
     def _apply(self, t: int, ids: torch.Tensor, g: torch.Tensor) -> None:
         cfg = self.config

@@ -41,6 +41,7 @@ from torchrec_lookahead.distributed import (
     ShardedLookaheadEmbeddingBagCollection,
     lookahead_sharding_plan,
 )
+from torchrec_lookahead.distributed.lrpp import gather_global_kjt
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import init_embedding_bag_tables_
 
@@ -124,6 +125,7 @@ class TorchRecStrategy(DDPStrategy):
         self._module_name = module_name
         self._plan = plan
         self._init_seed = init_seed
+        self._id_group: Optional[dist.ProcessGroup] = None
         self.dmp: Optional[DistributedModelParallel] = None
 
     @classmethod
@@ -249,7 +251,10 @@ class TorchRecStrategy(DDPStrategy):
                 "DataModule to the Trainer or give the sharder explicit capacities"
             )
         for batch in inner.train_dataloader():
-            yield batch.sparse_features
+            if self.world_size > 1:  # caches are planned for the global batch: gather every rank's ids
+                yield gather_global_kjt(batch.sparse_features, self.world_size, None)
+            else:
+                yield batch.sparse_features
 
     # ---------------------------------------------------------------------------------------- the cache
     def cached_modules(self) -> List[ShardedLookaheadEmbeddingBagCollection]:
@@ -276,7 +281,15 @@ class TorchRecStrategy(DDPStrategy):
             rows.update(
                 {c.name: c.num_embeddings for c in cache.embedding_bag_configs() if c.name in cache.capacity}
             )
-        return CacheTarget(capacity=capacity, feature_to_table=f2t, num_embeddings=rows, stores=stores)
+        return CacheTarget(
+            capacity=capacity,
+            feature_to_table=f2t,
+            num_embeddings=rows,
+            stores=stores,
+            num_ranks=self.world_size,
+            rank=self.global_rank,
+            group=self._id_group,
+        )
 
     def flush_caches(self) -> None:
         """Write every cached row and its optimizer state back to the host stores (contract: nothing lost)."""
@@ -287,7 +300,7 @@ class TorchRecStrategy(DDPStrategy):
         """Flush, then empty the caches (a new plan stream starts from an empty cache)."""
         for m in self.cached_modules():
             m.flush()
-            m.cache.invalidate()
+            m.invalidate()
 
     @override
     def batch_to_device(
@@ -297,7 +310,7 @@ class TorchRecStrategy(DDPStrategy):
         if isinstance(batch, LookaheadBatch) and batch.plan is not None and lm is not None and lm.training:
             staged = batch.wait_staged()
             for m in self.cached_modules():
-                m.apply_plan(batch.plan, staged)
+                m.apply_plan(batch.plan, staged, batch.lrpp)
             batch.mark_applied()
         return super().batch_to_device(batch, device, dataloader_idx)
 
@@ -329,6 +342,9 @@ class TorchRecStrategy(DDPStrategy):
             )
         self.dmp = self.shard(module)
         setattr(lm, self._module_name, self.dmp)
+        if self.world_size > 1 and self.cached_modules():
+            # The lookahead loader's planner thread gathers every rank's ids on a group of its own.
+            self._id_group = dist.new_group(backend="gloo")
         log.info("TorchRec sharding plan:\n%s", self.dmp.plan)
 
     @override

@@ -1,0 +1,271 @@
+"""LRPP: a logically replicated, physically partitioned cache over W data-parallel ranks (Bagpipe).
+
+Every rank plans the *global* batch with the same oracle, so cache slots are laid out identically on every
+rank without messages. What differs between ranks is which replicas of a slot hold the current row:
+
+* a row read at step ``t`` by one rank only is updated by that rank alone; the other replicas become invalid;
+* a row read by several ranks has its per-rank gradients summed in one compacted all-reduce inside the
+  backward pass (exactly what TorchRec's sharded tables compute), and every reader applies the same update;
+* before step ``t``, rows that a reading rank holds only as an invalid replica are refreshed from a rank
+  holding the current row (one compacted all-reduce on the critical path);
+* a row leaving the cache (eviction, flush) is written to the shared host store by one rank holding it.
+
+:class:`LRPPTracker` derives all of this from the plans (a pure function of the plan stream, identical on every
+rank); :class:`WriterFilteredStore` makes each rank write back only the rows it is responsible for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lookahead.errors import DataError, SetupError
+from torchrec_lookahead.oracle.types import BatchPlan
+from torchrec_lookahead.store.types import EmbeddingStore
+
+__all__ = [
+    "LRPPTablePlan",
+    "LRPPPlan",
+    "LRPPTracker",
+    "WriterFilteredStore",
+    "lowest_rank",
+    "gather_global_kjt",
+    "slice_samples",
+]
+
+
+def lowest_rank(mask: np.ndarray) -> np.ndarray:
+    """Index of the lowest set bit of each int64 mask (-1 where the mask is 0).
+
+    Example:
+        >>> lowest_rank(np.array([0, 1, 6, 8])).tolist()
+        [-1, 0, 1, 3]
+    """
+    mask = np.asarray(mask, dtype=np.int64)
+    low = mask & -mask
+    out = np.full(mask.shape, -1, dtype=np.int64)
+    nz = low != 0
+    out[nz] = np.frexp(low[nz].astype(np.float64))[1] - 1
+    return out
+
+
+@dataclass(frozen=True)
+class LRPPTablePlan:
+    """One table's synchronisation at one step.
+
+    Attributes:
+        evict_writer: (E,) rank writing back each evicted row (aligned with the plan's ``evict_ids``).
+        refresh_slots: (R,) slots some reading rank holds only as an invalid replica, sorted.
+        refresh_source: (R,) a rank holding each of those rows.
+        shared_slots: (S,) slots read by two or more ranks, sorted: their gradients are all-reduced.
+        writer: (capacity,) rank responsible for writing back each slot after the step (-1: empty).
+        rows_read: unique rows read at the step.
+    """
+
+    evict_writer: torch.Tensor
+    refresh_slots: torch.Tensor
+    refresh_source: torch.Tensor
+    shared_slots: torch.Tensor
+    writer: torch.Tensor
+    rows_read: int
+
+
+@dataclass(frozen=True)
+class LRPPPlan:
+    """The synchronisation of one step, per cached table."""
+
+    step: int
+    tables: Dict[str, LRPPTablePlan] = field(default_factory=dict)
+
+    def counters(self) -> Dict[str, int]:
+        """Rows synchronised on the critical path (refreshed + gradient all-reduced) and skipped (local only)."""
+        shared = sum(int(t.shared_slots.numel()) for t in self.tables.values())
+        refresh = sum(int(t.refresh_slots.numel()) for t in self.tables.values())
+        read = sum(t.rows_read for t in self.tables.values())
+        return {"rows_synced_critical": shared + refresh, "rows_refreshed": refresh,
+                "rows_grad_synced": shared, "rows_skipped": read - shared}  # fmt: skip
+
+
+class LRPPTracker:
+    """Replica validity per cached slot, advanced plan by plan (identical on every rank).
+
+    Args:
+        capacity: cache rows per cached table.
+        num_ranks: W (at most 62).
+
+    Example:
+        >>> from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+        >>> oracle = LookaheadOracle(OracleConfig(capacity={"t": 4}, horizon=2, num_ranks=2))
+        >>> batches = [{"t": (torch.tensor([1, 2]), torch.tensor([1, 1]))},
+        ...            {"t": (torch.tensor([2, 1]), torch.tensor([1, 1]))}]
+        >>> tracker = LRPPTracker({"t": 4}, num_ranks=2)
+        >>> ids = [b["t"][0] for b in batches]
+        >>> plans = [tracker.step(p, {"t": i}) for p, i in zip(oracle.plan_stream(batches), ids)]
+        >>> plans[1].tables["t"].refresh_slots.numel()  # each rank now reads the row the other one updated
+        2
+    """
+
+    def __init__(self, capacity: Mapping[str, int], num_ranks: int) -> None:
+        if not 1 <= num_ranks <= 62:
+            raise SetupError(f"LRPP supports 1 to 62 ranks but got {num_ranks}")
+        self.num_ranks = num_ranks
+        self._all = (1 << num_ranks) - 1
+        self._valid = {t: np.zeros(int(c), dtype=np.int64) for t, c in capacity.items()}
+
+    def step(self, plan: BatchPlan, table_ids: Mapping[str, torch.Tensor]) -> LRPPPlan:
+        """Advance over ``plan`` (whose tables carry rank annotations) and return the step's synchronisation.
+
+        Args:
+            plan: the step's global plan (``OracleConfig(num_ranks=W)``).
+            table_ids: the global batch's ids per cached table, in the order of the plan's ``slots``.
+        """
+        out: Dict[str, LRPPTablePlan] = {}
+        for name, tp in plan.tables.items():
+            valid = self._valid[name]
+            ann = tp.ranks
+            if ann is None:
+                raise SetupError(
+                    f"plan step {plan.step} has no rank annotation for table '{name}'; plan with num_ranks > 1"
+                )
+            ev = tp.evict_slots.numpy()
+            evict_writer = lowest_rank(valid[ev])
+            valid[ev] = 0
+            valid[tp.fetch_slots.numpy()] = self._all
+            ids = table_ids[name].numpy()
+            slots = tp.slots.numpy()
+            uniq_ids = ann.unique_ids.numpy()
+            order = np.argsort(ids, kind="stable")
+            pos = np.searchsorted(ids[order], uniq_ids)
+            uslots = slots[order[pos]] if uniq_ids.size else np.zeros(0, dtype=np.int64)
+            readers = ann.reader_mask.numpy()
+            need = readers & ~valid[uslots]
+            stale = need != 0
+            refresh = uslots[stale]
+            source = lowest_rank(valid[refresh])
+            if (source < 0).any():
+                raise SetupError(f"table '{name}' step {plan.step}: a read slot holds no valid replica")
+            ro = np.argsort(refresh)
+            shared = np.sort(uslots[~ann.single_rank.numpy()])
+            valid[uslots] = readers
+            out[name] = LRPPTablePlan(
+                evict_writer=torch.from_numpy(evict_writer),
+                refresh_slots=torch.from_numpy(refresh[ro]),
+                refresh_source=torch.from_numpy(source[ro]),
+                shared_slots=torch.from_numpy(shared),
+                writer=torch.from_numpy(lowest_rank(valid).astype(np.int8)),
+                rows_read=int(uniq_ids.size),
+            )
+        return LRPPPlan(plan.step, out)
+
+
+class WriterFilteredStore(EmbeddingStore):
+    """A view of a shared store through which a rank writes only the rows it is responsible for.
+
+    ``allowed`` (set by the LRPP coordinator before each write-back or flush) lists the ids this rank may
+    write; writes of other ids are dropped, and with ``allowed=None`` nothing is written. Reads pass through.
+    """
+
+    def __init__(self, store: EmbeddingStore) -> None:
+        self.inner = store
+        self.allowed: Optional[torch.Tensor] = None
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.inner.num_embeddings
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.inner.embedding_dim
+
+    @property
+    def state_widths(self) -> Dict[str, int]:
+        return self.inner.state_widths
+
+    def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        return self.inner.gather(ids)
+
+    def scatter(
+        self, ids: torch.Tensor, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None
+    ) -> None:
+        if self.allowed is None or ids.numel() == 0:
+            return
+        keep = torch.isin(ids, self.allowed)
+        if bool(keep.all()):
+            self.inner.scatter(ids, weights, states)
+        elif bool(keep.any()):
+            self.inner.scatter(ids[keep], weights[keep], {k: v[keep] for k, v in (states or {}).items()})
+
+    def full_weights(self) -> torch.Tensor:
+        return self.inner.full_weights()
+
+    def full_states(self) -> Dict[str, torch.Tensor]:
+        return self.inner.full_states()
+
+    def load(self, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+        self.inner.load(weights, states)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
+def gather_global_kjt(
+    kjt: KeyedJaggedTensor, world_size: int, group: Optional[dist.ProcessGroup]
+) -> KeyedJaggedTensor:
+    """The global batch's sparse features: every rank's slice, in rank order (ids and lengths only, no dense
+    features). A collective on ``group``; every rank must call it for every batch.
+
+    Raises:
+        DataError: the ranks' slices have different keys or batch sizes (use ``drop_last`` for the last batch).
+    """
+
+    local = (list(kjt.keys()), kjt.values().cpu(), kjt.lengths().cpu(), int(kjt.stride()))
+    parts: list = [None] * world_size
+    dist.all_gather_object(parts, local, group=group)
+    keys = parts[0][0]
+    if any(p[0] != keys for p in parts):
+        raise DataError(f"ranks hold different sparse features: {[p[0] for p in parts]}")
+    strides = [p[3] for p in parts]
+    if len(set(strides)) != 1:
+        raise DataError(
+            f"ranks hold slices of different sizes {strides} (a ragged final batch); the multi-rank cache needs "
+            "equal slices: use drop_last=True (the default of our DataModules with several ranks)"
+        )
+    values, lengths = [], []
+    for i in range(len(keys)):
+        for p in parts:
+            lens = p[2].view(len(keys), -1)[i]
+            offs = torch.cat([torch.zeros(1, dtype=torch.int64), p[2].view(len(keys), -1).sum(1).cumsum(0)])
+            values.append(p[1][int(offs[i]) : int(offs[i]) + int(lens.sum())])
+            lengths.append(lens)
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def slice_samples(kjt: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor:
+    """Samples ``[lo, hi)`` of every feature of ``kjt``."""
+    keys = kjt.keys()
+    stride = kjt.stride()
+    lengths = kjt.lengths().view(len(keys), stride)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), kjt.lengths().cumsum(0)])
+    values = []
+    for i in range(len(keys)):
+        start = int(offsets[i * stride + lo])
+        end = int(offsets[i * stride + hi])
+        values.append(kjt.values()[start:end])
+    weights = None
+    if kjt.weights_or_none() is not None:
+        w = kjt.weights()
+        weights = torch.cat(
+            [w[int(offsets[i * stride + lo]) : int(offsets[i * stride + hi])] for i in range(len(keys))]
+        )
+    return KeyedJaggedTensor(
+        keys=keys, values=torch.cat(values), lengths=lengths[:, lo:hi].reshape(-1), weights=weights
+    )
