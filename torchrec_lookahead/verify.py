@@ -136,11 +136,18 @@ def verify(
     if steps < 1:
         raise ConfigError(f"Expected steps >= 1 but got {steps}")
     cached_cli = _build(config, overrides)
-    seed = int(cached_cli.config.get("seed_everything") or 0)
+    seed = cached_cli.config.get("seed_everything")
+    if isinstance(seed, bool) or seed is None:
+        # seed_everything true/false would give the two runs different random dense weights: fix it.
+        seed = 0
+        cached_cli = _build(config, [*overrides, "--seed_everything=0"])
+    seed = int(seed)
+    overrides = [*overrides, f"--seed_everything={seed}"]
     cached_w, cached_l = _train(cached_cli, resident=False, steps=steps, seed=seed)
     resident_w, resident_l = _train(_build(config, overrides), resident=True, steps=steps, seed=seed)
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        return {"passed": True, "rank": dist.get_rank()}
+        # The comparison is complete on rank 0 only; main() broadcasts it.
+        return {"passed": None, "rank": dist.get_rank()}
     missing = sorted(set(resident_w) ^ set(cached_w))
     if missing:
         raise ConfigError(f"The cached and resident models have different weights: {missing[:10]}")

@@ -138,3 +138,23 @@ def test_lookahead_datamodule_validates_its_arguments():
     with pytest.raises(ConfigError, match="policy"):
         LookaheadDataModule(inner, policy="fifo")
     assert LookaheadDataModule(inner).num_embeddings_per_feature == inner.num_embeddings_per_feature
+
+
+def test_a_model_left_in_eval_mode_during_fit_is_refused(tmp_path):
+    class EvalOnStart(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            pl_module.eval()
+
+    with pytest.raises(SetupError, match="eval mode"):
+        fit_cached(tmp_path, 3, callbacks=[EvalOnStart()])
+
+
+def test_stopping_mid_epoch_stops_the_background_threads(tmp_path):
+    import threading
+    import time
+
+    t0 = time.perf_counter()
+    fit_cached(tmp_path, 4)  # 12 batches per epoch: stops with the loader mid-stream
+    assert time.perf_counter() - t0 < 30
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("lookahead-")]
+    assert not alive, alive

@@ -91,3 +91,22 @@ def test_writer_filtered_store_writes_only_allowed_rows():
     store.scatter(torch.tensor([1, 2]), torch.ones(2, 4))
     after, _ = inner.gather(torch.tensor([1, 2]))
     assert torch.equal(after[0], before[1]) and torch.equal(after[1], torch.ones(4))
+
+
+def test_gather_global_kjt_keeps_weights_on_one_rank():
+    import torch.distributed as dist
+
+    from torchrec_lookahead.distributed.lrpp import gather_global_kjt
+
+    from ..conftest import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    kjt = KeyedJaggedTensor(
+        keys=["a"],
+        values=torch.tensor([1, 2, 3]),
+        lengths=torch.tensor([1, 2]),
+        weights=torch.tensor([0.5, 2.0, 3.0]),
+    )
+    out = gather_global_kjt(kjt, 1, None)
+    assert out.values().tolist() == [1, 2, 3] and out.weights().tolist() == [0.5, 2.0, 3.0]

@@ -71,6 +71,7 @@ class CacheMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = self._stats(trainer)
         self._last_sync = self._sync(trainer)
+        self._last_wait = 0.0
         self._last_step = trainer.global_step
 
     @override

@@ -13,21 +13,23 @@ Validation and test loaders are the wrapped DataModule's own: evaluation reads i
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
 from torchrec_lookahead.distributed.lrpp import LRPPTracker, gather_global_kjt, slice_samples
-from torchrec_lookahead.errors import CheckpointError, ConfigError
+from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import remap_kjt, stage_rows, table_ids
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, Policy
@@ -66,22 +68,37 @@ class LookaheadBatch(Batch):
         )
 
     def wait_staged(self) -> Optional[StagedRows]:
-        """The staged rows (blocks until the stager has gathered them); the wait is counted by the loader."""
+        """The staged rows (blocks until the stager has gathered them); the wait is counted by the loader.
+
+        Raises:
+            SetupError: the loader was stopped before the rows were gathered (the batch is from a finished
+                iteration).
+        """
         if self.staged is None:
             return None
         t0 = time.perf_counter()
-        rows = self.staged.result()
+        try:
+            rows = self.staged.result()
+        except CancelledError:
+            raise SetupError(
+                f"the staged rows of step {self.plan.step if self.plan else '?'} were cancelled: the lookahead "
+                "loader that produced this batch has been stopped"
+            ) from None
         if self.loader is not None:
             self.loader.stats_wait_s += time.perf_counter() - t0
         return rows
 
+    def mark_started(self) -> None:
+        """Call before waiting for the staged rows. With several ranks, this rank finishing step ``t - 1``
+        (whose backward collectives wait for every rank) proves that every rank applied plan ``t - 1``, so
+        its write-backs have landed in the shared store."""
+        if self.loader is not None and self.plan is not None and self.loader.target.num_ranks > 1:
+            self.loader.mark_applied(self.plan.step - 1)
+
     def mark_applied(self) -> None:
-        """Tell the loader that this batch's plan has been applied (its write-backs have landed)."""
-        if self.loader is not None and self.plan is not None:
-            # With several ranks, other ranks' write-backs of step s have landed only once this rank's step s
-            # has finished (its backward's collectives wait for every rank): count a step when the next applies.
-            lag = 1 if self.loader.target.num_ranks > 1 else 0
-            self.loader.mark_applied(self.plan.step - lag)
+        """Call after applying the plan: on one rank, its write-backs have landed."""
+        if self.loader is not None and self.plan is not None and self.loader.target.num_ranks == 1:
+            self.loader.mark_applied(self.plan.step)
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,52 @@ class CacheTarget:
 
 
 _END = object()
+
+
+class _Run:
+    """The queues, stop flag and threads of one iteration of a :class:`LookaheadLoader`."""
+
+    def __init__(self, queue_depth: int) -> None:
+        self.out: queue.Queue[Any] = queue.Queue(maxsize=queue_depth)
+        self.to_stage: queue.Queue[Any] = queue.Queue()
+        self._stop = threading.Event()
+        self.threads: List[threading.Thread] = []
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self, plan: Any, stage: Any) -> None:
+        self.threads = [
+            threading.Thread(target=plan, args=(self,), daemon=True, name="lookahead-oracle"),
+            threading.Thread(target=stage, args=(self,), daemon=True, name="lookahead-stager"),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def put(self, item: Any) -> bool:
+        """Hand an item to the training thread; ``False`` once the run is stopped."""
+        while not self.stopped:
+            try:
+                self.out.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self) -> Any:
+        return self.out.get()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join(timeout=30)
+                if t.is_alive():
+                    log.warning(
+                        "lookahead thread %s did not stop within 30 s (blocked in the wrapped loader?)",
+                        t.name,
+                    )
 
 
 class LookaheadLoader:
@@ -157,8 +220,7 @@ class LookaheadLoader:
         self._applied = -1
         self._planned = -1
         self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._threads: List[threading.Thread] = []
+        self._run: Optional[_Run] = None
         self.stats_wait_s = 0.0
 
     def __len__(self) -> int:
@@ -175,40 +237,36 @@ class LookaheadLoader:
         return max(self._planned - self._applied, 0)
 
     # ------------------------------------------------------------------------------------------ iteration
-    def _stop_threads(self) -> None:
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        for t in self._threads:
-            t.join(timeout=10)
-        self._threads = []
-        self._stop = threading.Event()
+    def close(self) -> None:
+        """Stop the background threads of the current iteration (the strategy or DataModule calls it when
+        training stops before the epoch ends; a new iteration starts fresh threads)."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.stop()
 
     def __iter__(self) -> Iterator[LookaheadBatch]:
-        self._stop_threads()
+        self.close()
         start, self._resume_from = self._resume_from, 0
-        if start and hasattr(self.loader, "load_state_dict"):
+        if start:
+            if not hasattr(self.loader, "load_state_dict"):
+                raise CheckpointError(
+                    f"Resuming mid-epoch (batch {start}) needs a wrapped loader with load_state_dict(); "
+                    f"{type(self.loader).__name__} would replay the epoch from its first batch. Use a resumable "
+                    "loader (e.g. torchrec_lookahead.data.ResumableBatchLoader) or resume from an end-of-epoch "
+                    "checkpoint"
+                )
             self.loader.load_state_dict({"batches_yielded": start})
         if self.on_epoch_start is not None:
             self.on_epoch_start()
         self._yielded = start
         self._applied = -1
         self._planned = -1
-        out: queue.Queue[Any] = queue.Queue(maxsize=self.queue_depth)
-        to_stage: queue.Queue[Any] = queue.Queue()
-        stop = self._stop
-        planner = threading.Thread(
-            target=self._plan, args=(out, to_stage, stop), daemon=True, name="lookahead-oracle"
-        )
-        stager = threading.Thread(
-            target=self._stage, args=(to_stage, stop), daemon=True, name="lookahead-stager"
-        )
-        self._threads = [planner, stager]
-        planner.start()
-        stager.start()
+        run = _Run(self.queue_depth)
+        self._run = run
+        run.start(self._plan, self._stage)
         try:
             while True:
-                item = out.get()
+                item = run.get()
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
@@ -216,96 +274,95 @@ class LookaheadLoader:
                 self._yielded += 1
                 yield item
         finally:
-            self._stop_threads()
+            run.stop()
+            if self._run is run:
+                self._run = None
 
-    def _plan(self, out: queue.Queue[Any], to_stage: queue.Queue[Any], stop: threading.Event) -> None:
+    def _plan(self, run: _Run) -> None:
         try:
-            oracle: Optional[LookaheadOracle] = None
-            batches: queue.Queue[Batch] = queue.Queue()
-
-            multi = self.target.num_ranks > 1
-
-            def sparse() -> Iterator[Any]:
-                for b in self.loader:
-                    if stop.is_set():
-                        return
-                    batches.put(b)
-                    if multi:  # every rank plans the global batch: gather the ids (not the dense features)
-                        yield gather_global_kjt(b.sparse_features, self.target.num_ranks, self.target.group)
-                    else:
-                        yield b.sparse_features
-
-            stream = sparse()
-            first = next(stream, None)
-            if first is None:
-                out.put(_END)
-                to_stage.put(None)
-                return
-            # Features of tables the cache does not plan (other modules' features too) are ignored.
-            f2t = {k: self.target.feature_to_table.get(k, f"__unplanned__/{k}") for k in first.keys()}
-            oracle = LookaheadOracle(OracleConfig(feature_to_table=f2t, **self._oracle_kwargs))
-
-            def restream() -> Iterator[Any]:
-                yield first
-                yield from stream
-
-            cached = sorted(self.target.capacity)
-            f2t_cached = dict(self.target.feature_to_table)
-            tracker = LRPPTracker(self.target.capacity, self.target.num_ranks) if multi else None
-            globals_: queue.Queue[Any] = queue.Queue()
-
-            def record() -> Iterator[Any]:
-                for kjt in restream():
-                    globals_.put(kjt)
-                    yield kjt
-
-            for plan in oracle.plan_stream(record()):
-                b = batches.get()
-                fut: Future[StagedRows] = Future()
-                to_stage.put((plan, fut))
-                global_kjt = globals_.get()
-                kjt = remap_kjt(global_kjt, plan, f2t_cached, cached)
-                lrpp = None
-                if tracker is not None:
-                    lrpp = tracker.step(plan, table_ids(global_kjt, f2t_cached, cached))
-                    stride = b.sparse_features.stride()
-                    kjt = slice_samples(kjt, self.target.rank * stride, (self.target.rank + 1) * stride)
-                item = LookaheadBatch(
-                    b.dense_features, kjt, b.labels, plan=plan, staged=fut, loader=self, lrpp=lrpp
-                )
-                self._planned = plan.step
-                while not stop.is_set():
-                    try:
-                        out.put(item, timeout=0.05)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            out.put(_END)
+            self._plan_stream(run)
+            run.put(_END)
         except BaseException as e:  # handed to the training thread
-            to_stage.put(None)
-            out.put(e)
-        else:
-            to_stage.put(None)
+            run.put(e)
+        finally:
+            run.to_stage.put(None)
 
-    def _stage(self, to_stage: queue.Queue[Any], stop: threading.Event) -> None:
-        while not stop.is_set():
-            item = to_stage.get()
+    def _plan_stream(self, run: _Run) -> None:
+        batches: queue.Queue[Batch] = queue.Queue()
+        multi = self.target.num_ranks > 1
+
+        def sparse() -> Iterator[Any]:
+            for b in self.loader:
+                if run.stopped:
+                    return
+                batches.put(b)
+                if multi:  # every rank plans the global batch: gather the ids (not the dense features)
+                    yield gather_global_kjt(b.sparse_features, self.target.num_ranks, self.target.group)
+                else:
+                    yield b.sparse_features
+
+        stream = sparse()
+        first = next(stream, None)
+        if first is None:
+            return
+        # Features of tables the cache does not plan (other modules' features too) are ignored.
+        f2t = {k: self.target.feature_to_table.get(k, f"__unplanned__/{k}") for k in first.keys()}
+        oracle = LookaheadOracle(OracleConfig(feature_to_table=f2t, **self._oracle_kwargs))
+        cached = sorted(self.target.capacity)
+        f2t_cached = dict(self.target.feature_to_table)
+        tracker = LRPPTracker(self.target.capacity, self.target.num_ranks) if multi else None
+        globals_: queue.Queue[Any] = queue.Queue()
+
+        def record() -> Iterator[Any]:
+            for kjt in itertools.chain([first], stream):
+                globals_.put(kjt)
+                yield kjt
+
+        for plan in oracle.plan_stream(record()):
+            b = batches.get()
+            fut: Future[StagedRows] = Future()
+            run.to_stage.put((plan, fut))
+            global_kjt = globals_.get()
+            kjt = remap_kjt(global_kjt, plan, f2t_cached, cached)
+            lrpp = None
+            if tracker is not None:
+                lrpp = tracker.step(plan, table_ids(global_kjt, f2t_cached, cached))
+                stride = b.sparse_features.stride()
+                kjt = slice_samples(kjt, self.target.rank * stride, (self.target.rank + 1) * stride)
+            item = LookaheadBatch(
+                b.dense_features, kjt, b.labels, plan=plan, staged=fut, loader=self, lrpp=lrpp
+            )
+            self._planned = plan.step
+            if not run.put(item):
+                return
+
+    def _stage(self, run: _Run) -> None:
+        while not run.stopped:
+            try:
+                item = run.to_stage.get(timeout=0.05)
+            except queue.Empty:
+                continue
             if item is None:
                 return
             plan, fut = item
             need = plan.step - self.prefetch_depth - 1
             with self._cond:
-                while self._applied < need and not stop.is_set():
+                while self._applied < need and not run.stopped:
                     self._cond.wait(timeout=0.05)
-            if stop.is_set():
+            if run.stopped:
                 fut.cancel()
-                return
+                break
             try:
                 fut.set_result(stage_rows(plan, self.target.stores))
             except BaseException as e:
                 fut.set_exception(e)
+        while True:  # cancel what is left, so that no one waits for it
+            try:
+                item = run.to_stage.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[1].cancel()
 
     # ------------------------------------------------------------------------------------------ resumption
     def state_dict(self) -> Dict[str, int]:
@@ -390,6 +447,8 @@ class LookaheadDataModule(pl.LightningDataModule):
 
     @override
     def teardown(self, stage: str) -> None:
+        if self.loader is not None:
+            self.loader.close()
         self.datamodule.teardown(stage)
 
     def _target(self) -> Optional[CacheTarget]:
@@ -404,7 +463,9 @@ class LookaheadDataModule(pl.LightningDataModule):
         inner = self.datamodule.train_dataloader()
         target = self._target()
         if target is None or not target.capacity:
-            log.warning("LookaheadDataModule: the model has no cached tables; batches pass through unplanned")
+            rank_zero_warn(
+                "LookaheadDataModule: the model has no cached tables; batches pass through unplanned"
+            )
             return inner
         strategy = self.trainer.strategy  # type: ignore[union-attr]
         self.loader = LookaheadLoader(

@@ -220,14 +220,20 @@ class WriterFilteredStore(EmbeddingStore):
 def gather_global_kjt(
     kjt: KeyedJaggedTensor, world_size: int, group: Optional[dist.ProcessGroup]
 ) -> KeyedJaggedTensor:
-    """The global batch's sparse features: every rank's slice, in rank order (ids and lengths only, no dense
-    features). A collective on ``group``; every rank must call it for every batch.
+    """The global batch's sparse features: every rank's slice, in rank order (ids, lengths and per-id weights;
+    no dense features). A collective on ``group``; every rank must call it for every batch.
 
     Raises:
         DataError: the ranks' slices have different keys or batch sizes (use ``drop_last`` for the last batch).
     """
-
-    local = (list(kjt.keys()), kjt.values().cpu(), kjt.lengths().cpu(), int(kjt.stride()))
+    weights = kjt.weights_or_none()
+    local = (
+        list(kjt.keys()),
+        kjt.values().cpu(),
+        kjt.lengths().cpu(),
+        int(kjt.stride()),
+        None if weights is None else weights.cpu(),
+    )
     parts: list = [None] * world_size
     dist.all_gather_object(parts, local, group=group)
     keys = parts[0][0]
@@ -239,14 +245,29 @@ def gather_global_kjt(
             f"ranks hold slices of different sizes {strides} (a ragged final batch); the multi-rank cache needs "
             "equal slices: use drop_last=True (the default of our DataModules with several ranks)"
         )
-    values, lengths = [], []
-    for i in range(len(keys)):
-        for p in parts:
-            lens = p[2].view(len(keys), -1)[i]
-            offs = torch.cat([torch.zeros(1, dtype=torch.int64), p[2].view(len(keys), -1).sum(1).cumsum(0)])
-            values.append(p[1][int(offs[i]) : int(offs[i]) + int(lens.sum())])
-            lengths.append(lens)
-    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+    weighted = parts[0][4] is not None
+    if any((p[4] is not None) != weighted for p in parts):
+        raise DataError("some ranks' sparse features carry per-id weights and others do not")
+    num_keys, stride = len(keys), strides[0]
+    per_rank = []
+    for p in parts:
+        lengths = p[2].view(num_keys, stride)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.sum(1).cumsum(0)])
+        per_rank.append((lengths, offsets))
+    values, lengths_out, weights_out = [], [], []
+    for i in range(num_keys):
+        for p, (lengths, offsets) in zip(parts, per_rank):
+            lo, hi = int(offsets[i]), int(offsets[i + 1])
+            values.append(p[1][lo:hi])
+            lengths_out.append(lengths[i])
+            if weighted:
+                weights_out.append(p[4][lo:hi])
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat(values),
+        lengths=torch.cat(lengths_out),
+        weights=torch.cat(weights_out) if weighted else None,
+    )
 
 
 def slice_samples(kjt: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor:

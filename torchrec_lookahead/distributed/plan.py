@@ -3,8 +3,10 @@ data-parallel ``CUSTOMIZED_KERNEL`` entries that :class:`LookaheadEmbeddingBagCo
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional
+import dataclasses
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -30,6 +32,45 @@ def embedding_tables(module: nn.Module) -> List[str]:
         if isinstance(m, EmbeddingBagCollection)
         for c in m.embedding_bag_configs()
     ]
+
+
+def _cache_sized(ebc: EmbeddingBagCollection, cached: Mapping[str, int]) -> EmbeddingBagCollection:
+    tables = [
+        dataclasses.replace(c, num_embeddings=min(int(cached[c.name]), c.num_embeddings))
+        if c.name in cached
+        else c
+        for c in ebc.embedding_bag_configs()
+    ]
+    proxy = EmbeddingBagCollection(tables=tables, is_weighted=ebc.is_weighted(), device=torch.device("meta"))
+    for name, p in ebc.embedding_bags.named_parameters():
+        q = proxy.embedding_bags.get_parameter(name)
+        for attr in ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers"):
+            if hasattr(p, attr):
+                setattr(q, attr, getattr(p, attr))
+    return proxy
+
+
+def _with_cache_sized_tables(
+    module: nn.Module, cached: Mapping[str, int]
+) -> Tuple[nn.Module, Callable[[], None]]:
+    """``module`` with every collection holding cached tables swapped for one whose cached tables have
+    ``capacity`` rows, and the function that swaps the originals back."""
+    if isinstance(module, EmbeddingBagCollection):
+        return _cache_sized(module, cached), lambda: None
+    swaps = []
+    for parent in list(module.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, EmbeddingBagCollection) and any(
+                c.name in cached for c in child.embedding_bag_configs()
+            ):
+                setattr(parent, child_name, _cache_sized(child, cached))
+                swaps.append((parent, child_name, child))
+
+    def restore() -> None:
+        for parent, child_name, child in swaps:
+            setattr(parent, child_name, child)
+
+    return module, restore
 
 
 def lookahead_sharding_plan(
@@ -62,10 +103,16 @@ def lookahead_sharding_plan(
         elif compute_kernel is not None:
             cons.setdefault(t, ParameterConstraints(sharding_types=types, compute_kernels=[compute_kernel]))
     planner = EmbeddingShardingPlanner(topology=topology, constraints=cons)
-    if pg is not None:
-        plan = planner.collective_plan(module, sharders, pg)
-    else:
-        plan = planner.plan(module, sharders)
+    # TorchRec's planner sees cached tables at their cache size: a cached table may be far larger than any
+    # device (that is the point), and only `capacity` rows of it will ever be on one.
+    target, restore = _with_cache_sized_tables(module, cached)
+    try:
+        if pg is not None:
+            plan = planner.collective_plan(target, sharders, pg)
+        else:
+            plan = planner.plan(target, sharders)
+    finally:
+        restore()
     ranks = list(range(topology.world_size))
     for module_plan in plan.plan.values():
         if not isinstance(module_plan, EmbeddingModuleShardingPlan):

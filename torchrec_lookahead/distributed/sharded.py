@@ -153,9 +153,10 @@ class ShardedLookaheadEmbeddingBagCollection(
         if self.world_size > 1:
             dist.barrier(group=self._pg)
 
-    def flush(self) -> None:
+    def flush(self, barrier: bool = True) -> None:
         """Write every cached row and its optimizer state back to the stores (with several ranks: each row once,
-        by a rank holding its current value, then a barrier so that every rank reads the landed rows)."""
+        by a rank holding its current value, then, with ``barrier``, a barrier so that every rank reads the
+        landed rows)."""
         if self.world_size == 1:
             self.cache.flush()
             return
@@ -170,7 +171,8 @@ class ShardedLookaheadEmbeddingBagCollection(
             finally:
                 for t in self._lrpp.tables:
                     stores[t].allowed = None  # type: ignore[attr-defined]
-        self._barrier()
+        if barrier:
+            self._barrier()
 
     def invalidate(self) -> None:
         """Empty the cache (after :meth:`flush`); the next plan stream starts from an empty cache."""
@@ -201,7 +203,7 @@ class ShardedLookaheadEmbeddingBagCollection(
                 [self.cache.cache_weights(t)[slots], *(self.cache.cache_states(t)[k][slots] for k in names)],
                 1,
             )
-            rows = rows * (source == self.rank).to(rows.dtype).unsqueeze(1)
+            rows = torch.where((source == self.rank).unsqueeze(1), rows, torch.zeros_like(rows))
             buf[off : off + rows.numel()] = rows.reshape(-1)
             off += rows.numel()
         dist.all_reduce(buf, group=self._pg)
@@ -232,7 +234,9 @@ class ShardedLookaheadEmbeddingBagCollection(
             shared = [lrpp.tables[local_to_table[t]].shared_slots for t, _, _ in per_table]
             sizes = [int(s.numel()) * g.shape[1] for s, (_, _, g) in zip(shared, per_table)]
             located = []
-            buf = torch.zeros(sum(sizes), device=per_table[0][2].device)
+            # At least one element: every backward then holds a collective of every rank, which the stager's
+            # "no stale read" argument relies on even when no row is shared.
+            buf = torch.zeros(max(sum(sizes), 1), device=per_table[0][2].device)
             off = 0
             for s, (_, uniq, gsum), size in zip(shared, per_table, sizes):
                 view = buf[off : off + size].view(-1, gsum.shape[1])
@@ -243,10 +247,9 @@ class ShardedLookaheadEmbeddingBagCollection(
                     view[pos[hit]] = gsum[hit]
                 located.append((view, pos, hit))
                 off += size
-            if sizes and sum(sizes):
-                # One compacted collective: the per-rank gradients of every row read by several ranks are
-                # summed (TorchRec's sharded tables sum the gradients of the global batch the same way).
-                dist.all_reduce(buf, group=self._pg)
+            # One compacted collective: the per-rank gradients of every row read by several ranks are summed
+            # (TorchRec's sharded tables sum the gradients of the global batch the same way).
+            dist.all_reduce(buf, group=self._pg)
             out = []
             for (t, uniq, gsum), (view, pos, hit) in zip(per_table, located):
                 gsum = gsum * scale
@@ -287,6 +290,11 @@ class ShardedLookaheadEmbeddingBagCollection(
                 self._plan_pending = False
                 parts.update(self.cache(kjt).to_dict())
             else:
+                if self._plan_pending:
+                    raise SetupError(
+                        "The lookahead cache received a planned (slot-remapped) training batch while it is in eval "
+                        "mode; keep the model in training mode during fit (call model.train())"
+                    )
                 parts.update(self._eval_lookup(kjt).to_dict())
         values = torch.cat([parts[f] for f in self._feature_names], dim=1)
         return KeyedTensor(keys=list(self._feature_names), length_per_key=list(self._dims), values=values)

@@ -65,7 +65,7 @@ def cache_optimizer_from_module(
             ) from None
         found[table] = CacheOptimizerConfig(
             opt,
-            learning_rate=float(kw.get("lr", kw.get("learning_rate", 0.01)) or 0.01),
+            learning_rate=float(kw["lr"] if "lr" in kw else kw.get("learning_rate", 0.01)),
             eps=float(kw.get("eps", 1e-8)),
             beta1=float(kw.get("beta1", 0.9)),
             beta2=float(kw.get("beta2", 0.999)),
@@ -132,6 +132,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self.optimizer = optimizer
         self.stores = dict(stores or {})
         self.store_dir = store_dir
+        self._run_dir: Optional[str] = None
         self.seed = seed
 
     def plan_capacity(self, module: nn.Module, sample_batches: Iterable[Any]) -> Any:
@@ -175,9 +176,12 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             return self.stores[cfg.name]
         if self.store_dir is None:
             return None
-        os.makedirs(self.store_dir, exist_ok=True)
+        if self._run_dir is None:
+            # A fresh directory per run: reopening an earlier run's files would silently continue its training.
+            os.makedirs(self.store_dir, exist_ok=True)
+            self._run_dir = tempfile.mkdtemp(prefix="stores-", dir=self.store_dir)
         return MmapStore(
-            os.path.join(self.store_dir, f"{cfg.name}.bin"),
+            os.path.join(self._run_dir, f"{cfg.name}.bin"),
             cfg.num_embeddings,
             cfg.embedding_dim,
             optimizer.state_widths(cfg.embedding_dim),
@@ -266,10 +270,17 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         """Memory-mapped stores shared by the ranks of one host: rank 0 creates and initialises them in a
         fresh directory (under ``store_dir``, else ``/dev/shm``), the others open them after a barrier."""
         pg = env.process_group
+        if self.stores:  # checked on every rank, before any collective
+            raise ConfigError("explicit stores= are not supported with several ranks; use store_dir=")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+        if local != env.world_size:
+            raise ConfigError(
+                f"The lookahead cache shares one host store between the ranks of a host; {env.world_size} ranks "
+                f"on several hosts ({local} per host) are not supported yet: keep the tables resident (TorchRec "
+                "shards them across hosts) or train on one host"
+            )
         holder: List[Optional[str]] = [None]
         if env.rank == 0:
-            if self.stores:
-                raise ConfigError("explicit stores= are not supported with several ranks; use store_dir=")
             base = self.store_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
             if base is not None:
                 os.makedirs(base, exist_ok=True)

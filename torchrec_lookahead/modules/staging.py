@@ -17,7 +17,7 @@ def stage_rows(plan: BatchPlan, stores: Mapping[str, EmbeddingStore], pin_memory
 
     The caller must make sure every write-back that could change those rows (evictions of earlier steps) has
     landed before calling: the oracle never evicts an id needed within the prefetch window, so gathering for
-    step ``t`` after applying plan ``t - P`` suffices.
+    step ``t`` after applying plan ``t - P - 1`` suffices.
 
     Args:
         plan: the step's plan.

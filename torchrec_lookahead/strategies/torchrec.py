@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import get_default_sharders
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
@@ -237,7 +238,12 @@ class TorchRecStrategy(DDPStrategy):
             plan=plan,
         )
         if self._init_seed is not None:
-            init_embedding_bag_tables_(dmp, [c for c in tables if c.name not in cached], seed=self._init_seed)
+            # Only TorchRec's sharded collections (resident tables): the caches' stores start from the same
+            # values already, and their state_dict() would flush and touch every row.
+            resident = [c for c in tables if c.name not in cached]
+            for m in dmp.modules():
+                if isinstance(m, ShardedEmbeddingBagCollection):
+                    init_embedding_bag_tables_(m, resident, seed=self._init_seed)
         return dmp
 
     def _sample_batches(self) -> Iterator[Any]:
@@ -275,6 +281,15 @@ class TorchRecStrategy(DDPStrategy):
         stores: Dict[str, Any] = {}
         for m in mods:
             cache = m.cache
+            clash = sorted(set(capacity) & set(cache.capacity))
+            clash += sorted(
+                f for f in cache.feature_to_table if f in f2t and f2t[f] != cache.feature_to_table[f]
+            )
+            if clash:
+                raise ConfigError(
+                    f"Two cached collections share table or feature names {clash}; give every cached table and "
+                    "feature a unique name"
+                )
             capacity.update(cache.capacity)
             stores.update(cache.stores)
             f2t.update({f: t for f, t in cache.feature_to_table.items() if t in cache.capacity})
@@ -307,7 +322,10 @@ class TorchRecStrategy(DDPStrategy):
         self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0
     ) -> Any:
         lm = self.lightning_module
-        if isinstance(batch, LookaheadBatch) and batch.plan is not None and lm is not None and lm.training:
+        trainer = lm._trainer if lm is not None else None
+        training = trainer is not None and trainer.training
+        if isinstance(batch, LookaheadBatch) and batch.plan is not None and training:
+            batch.mark_started()
             staged = batch.wait_staged()
             for m in self.cached_modules():
                 m.apply_plan(batch.plan, staged, batch.lrpp)
@@ -322,7 +340,9 @@ class TorchRecStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         try:
-            self.flush_caches()
+            # Other ranks may be inside a collective: flush without a barrier (nobody reads afterwards).
+            for m in self.cached_modules():
+                m.flush(barrier=False)
         finally:
             super().on_exception(exception)
 
@@ -342,10 +362,12 @@ class TorchRecStrategy(DDPStrategy):
             )
         self.dmp = self.shard(module)
         setattr(lm, self._module_name, self.dmp)
-        if self.world_size > 1 and self.cached_modules():
+        log.info("TorchRec sharding plan:\n%s", self.dmp.plan)
+
+    def _ensure_id_group(self) -> None:
+        if self.world_size > 1 and self._id_group is None and self.cached_modules():
             # The lookahead loader's planner thread gathers every rank's ids on a group of its own.
             self._id_group = dist.new_group(backend="gloo")
-        log.info("TorchRec sharding plan:\n%s", self.dmp.plan)
 
     @override
     def model_to_device(self) -> None:
@@ -364,6 +386,7 @@ class TorchRecStrategy(DDPStrategy):
             raise SetupError("No model attached to the strategy")
         self.precision_plugin.convert_module(self.model)
         self._shard_lightning_module()
+        self._ensure_id_group()
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -376,7 +399,10 @@ class TorchRecStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self.flush_caches()
+        # A safety net after on_train_end's flush (or after an exception): no barrier, since another rank may
+        # be gone or inside a collective.
+        for m in self.cached_modules():
+            m.flush(barrier=False)
         lm = self.lightning_module
         unmaterialised = lm is not None and any(p.is_meta for p in lm.parameters())
         on_cpu = all(d.type == "cpu" for d in self.parallel_devices or [])

@@ -1,0 +1,425 @@
+"""Step time of cached vs resident training of the same model, data and optimizer, side by side.
+
+The default job (``configs/dlrm_synthetic.yaml``: DLRM, 26 Criteo-shaped tables, dim 16, batch 2,048,
+row-wise Adagrad embeddings, Adagrad dense) is trained alternately with every table resident (TorchRec's
+fused kernel) and with the tables of more than ``--min-cached-rows`` rows behind the lookahead cache
+(``LookaheadEmbeddingBagCollectionSharder``, ``LookaheadDataModule``, belady, horizon 64, prefetch depth 1)
+at ``--fraction`` of their rows, in one process: resident, cached, resident, cached, ... The figure is the
+median step time of each kind over all runs after warm-up, and their ratio (JSON ``step_time_ratio``).
+``--profile`` adds a cProfile breakdown of a few cached steps (training thread and background threads).
+
+    python benchmarks/cache_overhead.py [--quick] [--json PATH] [--profile]
+
+The helpers here (``build``, ``train``, ``capacities``) are shared by ``memory.py``, ``scale.py`` and
+``gpu.py``.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import gc
+import io
+import os
+import pstats
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import StepTimer, machine, median, parser, table, write_json  # noqa: E402
+
+from torchrec_lookahead.cli import LookaheadCLI  # noqa: E402
+from torchrec_lookahead.data import LookaheadDataModule  # noqa: E402
+from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder  # noqa: E402
+from torchrec_lookahead.models import DLRMModule  # noqa: E402
+from torchrec_lookahead.oracle import OracleConfig, min_capacity  # noqa: E402
+from torchrec_lookahead.strategies import TorchRecStrategy  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(REPO, "configs", "dlrm_synthetic.yaml")
+
+_QUIET = [
+    "--trainer.logger=false",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.limit_val_batches=0",
+    "--trainer.enable_model_summary=false",
+]
+
+
+def build(config: str = CONFIG, overrides: Sequence[str] = ()) -> Any:
+    """A fresh model and DataModule of ``config`` (LightningCLI, not run)."""
+    return LookaheadCLI(
+        DLRMModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        args=["--config", config, *_QUIET, *overrides],
+    )
+
+
+def batch_size(dm: Any) -> int:
+    """Samples per batch of a (possibly wrapped) synthetic DataModule."""
+    inner = dm.datamodule if isinstance(dm, LookaheadDataModule) else dm
+    cfg = getattr(inner, "config", None)
+    return int(cfg.batch_size if cfg is not None else inner.hparams["batch_size"])
+
+
+def table_rows(dm: Any) -> Dict[str, int]:
+    """Table name (``t_<feature>``, as DLRMModule names them) -> rows."""
+    return {f"t_{f}": int(n) for f, n in dm.num_embeddings_per_feature.items()}
+
+
+def capacities(
+    dm: Any, fraction: float, min_cached_rows: int, prefetch_depth: int = 1, batches: int = 0
+) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """Capacity per cached table: ``fraction`` of its rows, bumped to the oracle's minimum where below it.
+
+    The minimum (largest number of distinct ids in a batch and the next ``prefetch_depth``) is measured on the
+    first ``batches`` training batches (all of them when 0). Returns ``(capacity, bumped)``; ``bumped`` maps the
+    tables whose capacity was raised to the rows they would have had.
+    """
+    rows = table_rows(dm)
+    cached = {t: n for t, n in rows.items() if n > min_cached_rows}
+    cap = {t: max(1, int(n * fraction)) for t, n in cached.items()}
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+
+    def stream() -> Any:
+        for i, b in enumerate(loader):
+            if batches and i >= batches:
+                return
+            yield b.sparse_features
+
+    f2t = {f: f"t_{f}" for f in dm.num_embeddings_per_feature}
+    need = min_capacity(stream(), prefetch_depth, OracleConfig(capacity=cap, feature_to_table=f2t))
+    bumped = {t: cap[t] for t in cap if cap[t] < need[t]}
+    cap.update({t: need[t] for t in bumped})
+    return cap, bumped
+
+
+def train(
+    cli: Any,
+    capacity: Optional[Dict[str, int]],
+    steps: int,
+    warmup: int = 3,
+    horizon: int = 64,
+    prefetch_depth: int = 1,
+    policy: str = "belady",
+    store_dir: Optional[str] = None,
+    callbacks: Sequence[pl.Callback] = (),
+    accelerator: str = "cpu",
+) -> Dict[str, Any]:
+    """Train ``cli``'s model for ``warmup + steps`` timed steps, resident (``capacity=None``) or cached.
+
+    Returns the per-step times (after warm-up), samples/s, the strategy and the trainer.
+    """
+    dm = cli.datamodule
+    if isinstance(dm, LookaheadDataModule):
+        dm = dm.datamodule
+    if capacity is not None:
+        sharders = [LookaheadEmbeddingBagCollectionSharder(capacity=capacity, store_dir=store_dir)]
+        dm = LookaheadDataModule(dm, horizon=horizon, prefetch_depth=prefetch_depth, policy=policy)
+        strategy = TorchRecStrategy(sharders=sharders, init_seed=0)
+    else:
+        strategy = TorchRecStrategy(init_seed=0)
+    timer = StepTimer(warmup=warmup)
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        strategy=strategy,
+        max_steps=steps + warmup + 1,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[timer, *callbacks],
+    )
+    pl.seed_everything(0, verbose=False)
+    t0 = time.perf_counter()
+    trainer.fit(cli.model, datamodule=dm)
+    wall = time.perf_counter() - t0
+    batch = batch_size(dm)
+    step = median(timer.times)
+    return {
+        "times": list(timer.times),
+        "step_ms": step * 1e3,
+        "samples_per_s": batch / step,
+        "fit_s": wall,
+        "strategy": strategy,
+        "trainer": trainer,
+        "datamodule": dm,
+    }
+
+
+def cache_counters(strategy: TorchRecStrategy) -> Dict[str, int]:
+    """Counters of every cached table, summed."""
+    out: Dict[str, int] = {}
+    for m in strategy.cached_modules():
+        for st in m.cache.stats().values():
+            for k, v in st.items():
+                out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+class _Profile(pl.Callback):
+    """cProfile of the training thread over steps ``start`` .. ``start + count``."""
+
+    def __init__(self, start: int, count: int) -> None:
+        self.start, self.count = start, count
+        self.prof = cProfile.Profile()
+        self.wall = 0.0
+        self._t0 = 0.0
+        self._active = False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if not self._active and trainer.global_step == self.start:
+            self._t0 = time.perf_counter()
+            self._active = True
+            self.prof.enable()
+        elif self._active and trainer.global_step >= self.start + self.count:
+            self.prof.disable()
+            self.wall = time.perf_counter() - self._t0
+            self._active = False
+
+
+def _profiled_threads() -> Tuple[Dict[str, cProfile.Profile], Any]:
+    """Profile the lookahead loader's oracle and stager threads; returns the profiles and an undo function."""
+    from torchrec_lookahead.data import lookahead as la
+
+    profiles: Dict[str, cProfile.Profile] = {}
+    orig = {"_plan": la.LookaheadLoader._plan, "_stage": la.LookaheadLoader._stage}
+
+    def wrap(name: str, fn: Any) -> Any:
+        def run(self: Any, *a: Any) -> Any:
+            prof = cProfile.Profile()
+            profiles[name] = prof
+            prof.enable()
+            try:
+                return fn(self, *a)
+            finally:
+                prof.disable()
+
+        return run
+
+    for attr, fn in orig.items():
+        setattr(la.LookaheadLoader, attr, wrap(attr, fn))
+
+    def undo() -> None:
+        for attr, fn in orig.items():
+            setattr(la.LookaheadLoader, attr, fn)
+
+    return profiles, undo
+
+
+def _cum(prof: cProfile.Profile, path: str, fn: str) -> Tuple[float, int]:
+    """(cumulative seconds, calls) of the function ``fn`` defined in a file ending with ``path``."""
+    best = (0.0, 0)
+    for (file, _line, name), (_cc, nc, _tt, ct, _callers) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+        if name == fn and file.replace("\\", "/").endswith(path):
+            best = max(best, (ct, nc))
+    return best
+
+
+_MAIN_PARTS = {
+    "next batch (data generation / planned queue)": [
+        ("lightning/pytorch/loops/fetchers.py", "__next__"),
+    ],
+    "batch_to_device (cached: apply_plan)": [
+        ("torchrec_lookahead/strategies/torchrec.py", "batch_to_device")
+    ],
+    "  apply_plan: validate the plan": [("torchrec_lookahead/modules/cached_ebc.py", "_validate")],
+    "  apply_plan: write back + load rows": [("torchrec_lookahead/modules/cached_ebc.py", "_move")],
+    "forward (training_step)": [("torchrec_lookahead/models/dlrm.py", "training_step")],
+    "  cached tables' lookup": [("torchrec_lookahead/modules/cached_ebc.py", "forward")],
+    "backward (+ fused embedding update)": [("lightning/pytorch/strategies/strategy.py", "backward")],
+    "optimizer step incl. closure": [("torchrec_lookahead/optim.py", "step")],
+}
+_THREAD_PARTS = {
+    "oracle thread: synthetic batch generation": ("torchrec_lookahead/data/synthetic.py", "batch"),
+    "oracle thread: oracle planning": ("torchrec_lookahead/oracle/oracle.py", "feed"),
+    "oracle thread: remap ids -> slots": ("torchrec_lookahead/modules/remap.py", "remap_kjt"),
+    "stager thread: gather rows from the stores": ("torchrec_lookahead/modules/staging.py", "stage_rows"),
+}
+
+
+def profile_pair(config: str, capacity: Dict[str, int], steps: int) -> Dict[str, Any]:
+    """cProfile of ``steps`` steps of a resident and a cached run (after 5 steps), side by side: per-step
+    milliseconds of the parts of a step (training thread), and per-batch milliseconds of the background
+    threads' work (whole cached run)."""
+    out: Dict[str, Dict[str, float]] = {}
+    threads: Dict[str, cProfile.Profile] = {}
+    for kind in ("resident", "cached"):
+        cb = _Profile(start=5, count=steps)
+        undo = None
+        if kind == "cached":
+            threads, undo = _profiled_threads()
+        try:
+            train(build(config), capacity if kind == "cached" else None, steps + 6, warmup=3, callbacks=[cb])
+        finally:
+            if undo is not None:
+                undo()
+        parts = {"wall per step (profiled)": cb.wall / steps * 1e3}
+        for label, keys in _MAIN_PARTS.items():
+            parts[label] = max(_cum(cb.prof, p, f)[0] for p, f in keys) / steps * 1e3
+        out[kind] = parts
+        out[kind + "_profile"] = cb.prof  # type: ignore[assignment]
+    thread_rows = {}
+    for label, (path, fn) in _THREAD_PARTS.items():
+        prof = threads.get("_stage" if label.startswith("stager") else "_plan")
+        if prof is not None:
+            ct, nc = _cum(prof, path, fn)
+            thread_rows[label] = ct / max(nc, 1) * 1e3
+    return {"parts": out, "threads": thread_rows, "thread_profiles": threads}
+
+
+def _top(prof: cProfile.Profile, n: int = 25) -> str:
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(n)
+    return s.getvalue()
+
+
+def quiet() -> None:
+    """Silence the warnings and info lines that Lightning and TorchRec print for every run."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchrec", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger().setLevel(logging.ERROR)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    sys.argv = sys.argv[:1]  # LightningCLI(args=...) warns about unrelated command-line arguments
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--config", default=CONFIG)
+    p.add_argument("--fraction", type=float, default=0.05, help="cache rows / table rows of cached tables")
+    p.add_argument("--min-cached-rows", type=int, default=5000, help="cache tables with more rows than this")
+    p.add_argument("--pairs", type=int, default=None, help="(resident, cached) run pairs")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--profile", action="store_true", help="add a cProfile breakdown (resident vs cached steps)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
+    )
+    args = p.parse_args()
+    quiet()
+    if args.threads:
+        # Lightning's DDP set-up resets torch's threads to cores / processes unless OMP_NUM_THREADS is set
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)
+    pairs = args.pairs or (2 if args.quick else 5)
+    steps = args.steps or (20 if args.quick else 60)
+
+    probe = build(args.config)
+    capacity, bumped = capacities(probe.datamodule, args.fraction, args.min_cached_rows)
+    rows = table_rows(probe.datamodule)
+    batch = batch_size(probe.datamodule)
+    del probe
+    cached_rows = sum(rows[t] for t in capacity)
+    print(
+        f"{len(capacity)} cached tables ({cached_rows:,} of {sum(rows.values()):,} rows), capacity "
+        f"{sum(capacity.values()):,} rows ({100 * sum(capacity.values()) / cached_rows:.1f} % of them); "
+        f"bumped to the oracle's minimum: {bumped or 'none'} -> "
+        f"{ {t: capacity[t] for t in bumped} if bumped else '' }",
+        flush=True,
+    )
+
+    results: List[Dict[str, Any]] = []
+    times: Dict[str, List[float]] = {"resident": [], "cached": []}
+    pair_ratios: List[float] = []
+    counters: Dict[str, int] = {}
+    for r in range(pairs):
+        pair: Dict[str, float] = {}
+        for kind in ("resident", "cached"):
+            gc.collect()
+            res = train(build(args.config), None if kind == "resident" else capacity, steps, args.warmup)
+            times[kind] += res["times"]
+            pair[kind] = res["step_ms"]
+            row: Dict[str, Any] = {
+                "run": r,
+                "kind": kind,
+                "step_ms": res["step_ms"],
+                "samples/s": res["samples_per_s"],
+            }
+            if kind == "cached":
+                c = cache_counters(res["strategy"])
+                counters = c
+                n = max(c["steps"] // len(capacity), 1)
+                row["fetch/step"] = c["rows_fetched"] / n
+                row["hit rate"] = c["hits"] / max(c["lookups"], 1)
+                row["stager wait ms/step"] = res["datamodule"].loader.stats_wait_s / n * 1e3
+            results.append(row)
+            print(table([row]).splitlines()[-1], flush=True)
+            del res
+        pair_ratios.append(pair["cached"] / pair["resident"])
+    print()
+    print(
+        table(
+            results, ["run", "kind", "step_ms", "samples/s", "fetch/step", "hit rate", "stager wait ms/step"]
+        )
+    )
+    res_ms = median(times["resident"]) * 1e3
+    cac_ms = median(times["cached"]) * 1e3
+    figures: Dict[str, Any] = {
+        "step_time_ratio": cac_ms / res_ms,
+        "step_time_ratio_median_of_pairs": median(pair_ratios),
+        "pair_ratios": pair_ratios,
+        "resident_step_ms": res_ms,
+        "cached_step_ms": cac_ms,
+        "resident_samples_per_s": batch / res_ms * 1e3,
+        "cached_samples_per_s": batch / cac_ms * 1e3,
+        "batch_size": batch,
+        "pairs": pairs,
+        "steps_per_run": steps,
+        "warmup_steps": args.warmup,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_at_end": os.getloadavg(),
+        "capacity": capacity,
+        "bumped_from": bumped,
+        "cached_table_rows": {t: rows[t] for t in capacity},
+        "last_cached_run_counters": counters,
+    }
+    print(
+        f"\nmedian step over all runs: resident {res_ms:.1f} ms ({figures['resident_samples_per_s']:,.0f} "
+        f"samples/s), cached {cac_ms:.1f} ms ({figures['cached_samples_per_s']:,.0f} samples/s)\n"
+        f"cached / resident = {figures['step_time_ratio']:.3f} (per pair: "
+        f"{', '.join(f'{x:.2f}' for x in pair_ratios)})  on {machine()['cpu']}, {machine()['threads']} threads"
+    )
+    if args.profile:
+        n = 10 if args.quick else 30
+        prof = profile_pair(args.config, capacity, n)
+        parts = prof["parts"]
+        rows_out = [
+            {"part": k, "resident ms": parts["resident"][k], "cached ms": parts["cached"][k]}
+            for k in parts["resident"]
+        ]
+        print(f"\ncProfile, training thread, ms per step ({n} steps each; profiling inflates times):")
+        print(table(rows_out))
+        print("\nbackground threads of the cached run, ms per batch:")
+        print(table([{"work": k, "ms/batch": v} for k, v in prof["threads"].items()]))
+        print("\ncached run, training thread, top functions by own time:")
+        print(_top(parts["cached_profile"], 25))
+        for name, tp in prof["thread_profiles"].items():
+            print(f"--- {name} thread, top functions by own time ---")
+            print(_top(tp, 12))
+        figures["profile_ms_per_step"] = {
+            k: {"resident": parts["resident"][k], "cached": parts["cached"][k]} for k in parts["resident"]
+        }
+        figures["profile_threads_ms_per_batch"] = prof["threads"]
+    write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Cached vs resident vs naive host-embedding training of the default DLRM on one CUDA GPU.
+
+Not run by CI and not yet run on a GPU (see docs/benchmarks.md for the set-up). Three ways to train the same
+model (``configs/dlrm_synthetic.yaml``: 26 Criteo-shaped tables, dim 16, batch 2,048, row-wise Adagrad
+embeddings, Adagrad dense) on ``--device`` (default ``cuda``), alternated in one process:
+
+* ``resident``: every table on the GPU, TorchRec's fused FBGEMM kernel (``strategy="torchrec"``);
+* ``cached``: tables above ``--min-cached-rows`` rows in host stores, a GPU cache of ``--fraction`` of their
+  rows planned by the lookahead oracle (``LookaheadEmbeddingBagCollectionSharder`` + ``LookaheadDataModule``);
+* ``host``: the naive way to train tables that do not fit: every table on the CPU (``EmbeddingBagCollection``
+  on CPU, Adagrad on CPU), the pooled embeddings copied to the GPU each step and their gradients back; dense
+  layers on the GPU. A plain PyTorch loop (no Lightning).
+
+Figures: median step time and samples/s of each, and the ratios cached / resident and host / resident
+(JSON ``cached_over_resident``, ``host_over_resident``, ``*_samples_per_s``). Add ``--scale 1.0`` for the
+Kaggle-sized tables (33.8 M rows; the host baseline then moves the dense gradient of every table each step,
+which is why it is naive).
+
+``--device cpu`` runs the same three code paths on the CPU (a smoke test of the script where there is no GPU);
+``--dry-run`` only computes and prints the cache capacities (no training).
+
+    python benchmarks/gpu.py [--quick] [--json PATH] [--device cuda|cpu] [--scale 0.01] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import machine, median, parser, table, write_json  # noqa: E402
+from cache_overhead import CONFIG, batch_size, build, capacities, quiet, table_rows, train  # noqa: E402
+
+
+class _ToDevice(nn.Module):
+    """Runs the sparse arch on the CPU and copies its pooled output to ``device`` (autograd copies back)."""
+
+    def __init__(self, inner: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.inner = inner
+        self.device = device
+
+    def forward(self, features: Any) -> torch.Tensor:
+        return self.inner(features).to(self.device, non_blocking=True)
+
+
+def host_embedding_run(cli: Any, device: torch.device, steps: int, warmup: int) -> Dict[str, Any]:
+    """The naive baseline: tables and their optimizer on the CPU, dense layers on ``device``."""
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_lookahead.modules import init_embedding_bag_tables_
+
+    lm = cli.model
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=lm.tables, device=torch.device("cpu"))
+    init_embedding_bag_tables_(ebc, lm.tables, seed=0)
+    model = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=lm.num_dense_features,
+        dense_arch_layer_sizes=lm.dense_arch_layer_sizes,
+        over_arch_layer_sizes=lm.over_arch_layer_sizes,
+        dense_device=device,
+    )
+    model.sparse_arch = _ToDevice(model.sparse_arch, device)
+    emb_params = list(ebc.parameters())
+    emb_ids = {id(p) for p in emb_params}
+    dense_params = [p for p in model.parameters() if id(p) not in emb_ids]
+    emb_lr = float(lm.embedding_optimizer.optimizer_kwargs().get("lr", 0.05))
+    emb_opt = torch.optim.Adagrad(emb_params, lr=emb_lr)
+    dense_opt = lm.dense_optimizer.build(dense_params)
+    loss_fn = nn.BCEWithLogitsLoss()
+    dm = cli.datamodule
+    dm.setup("fit")
+    times: List[float] = []
+    last = time.perf_counter()
+    for i, batch in enumerate(dm.train_dataloader()):
+        if i >= steps + warmup:
+            break
+        dense = batch.dense_features.to(device, non_blocking=True)
+        labels = batch.labels.to(device, non_blocking=True)
+        logits = model(dense, batch.sparse_features).squeeze(-1)
+        loss = loss_fn(logits, labels)
+        emb_opt.zero_grad(set_to_none=True)
+        dense_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        emb_opt.step()
+        dense_opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        if i >= warmup:
+            times.append(now - last)
+        last = now
+    step = median(times)
+    return {"times": times, "step_ms": step * 1e3, "samples_per_s": batch_size(dm) / step}
+
+
+class _Sync:
+    """Lightning callback factory: synchronise CUDA at each step end so step times are real."""
+
+    @staticmethod
+    def make(device: torch.device) -> Any:
+        import lightning.pytorch as pl
+
+        class Sync(pl.Callback):
+            def on_train_batch_end(self, *args: Any) -> None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+
+        return Sync()
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--config", default=CONFIG)
+    p.add_argument(
+        "--scale", type=float, default=None, help="table sizes = Kaggle sizes x scale (config: 0.01)"
+    )
+    p.add_argument("--fraction", type=float, default=0.05, help="cache rows / rows of each cached table")
+    p.add_argument("--min-cached-rows", type=int, default=5000)
+    p.add_argument("--rounds", type=int, default=None, help="rounds of (resident, cached, host)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--dry-run", action="store_true", help="only compute and print the capacities")
+    args = p.parse_args()
+    quiet()
+    rounds = args.rounds or (1 if args.quick else 3)
+    steps = args.steps or (20 if args.quick else 100)
+    overrides = ["--data.init_args.num_train_batches=100000"]
+    if args.scale is not None:
+        overrides.append(f"--data.init_args.scale={args.scale}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
+        sys.exit(
+            "benchmarks/gpu.py: torch sees no CUDA device (torch.cuda.is_available() is False). Install a CUDA "
+            "build of torch with fbgemm-gpu and torchrec (docs/benchmarks.md), or pass --device cpu to run the "
+            "same code paths on the CPU, or --dry-run to only plan the capacities."
+        )
+
+    probe = build(args.config, overrides)
+    capacity, bumped = capacities(probe.datamodule, args.fraction, args.min_cached_rows, batches=steps + 200)
+    rows = table_rows(probe.datamodule)
+    print(
+        f"device {device}; {len(capacity)} cached tables ({sum(rows[t] for t in capacity):,} of "
+        f"{sum(rows.values()):,} rows), cache {sum(capacity.values()):,} rows; bumped: {bumped or 'none'}"
+    )
+    figures: Dict[str, Any] = {"device": str(device), "capacity": capacity, "bumped_from": bumped}
+    if args.dry_run:
+        write_json(args.json, figures)
+        return
+    accelerator = "gpu" if device.type == "cuda" else "cpu"
+    times: Dict[str, List[float]] = {"resident": [], "cached": [], "host": []}
+    out_rows: List[Dict[str, Any]] = []
+    for r in range(rounds):
+        for kind in ("resident", "cached", "host"):
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            cli = build(args.config, overrides)
+            if kind == "host":
+                res = host_embedding_run(cli, device, steps, args.warmup)
+            else:
+                res = train(
+                    cli,
+                    capacity if kind == "cached" else None,
+                    steps,
+                    warmup=args.warmup,
+                    callbacks=[_Sync.make(device)],
+                    accelerator=accelerator,
+                )
+            times[kind] += res["times"]
+            row = {"round": r, "kind": kind, "step_ms": res["step_ms"], "samples/s": res["samples_per_s"]}
+            out_rows.append(row)
+            print(table([row]).splitlines()[-1], flush=True)
+            del res, cli
+    batch = batch_size(build(args.config, overrides).datamodule)
+    med = {k: median(v) * 1e3 for k, v in times.items()}
+    figures.update(
+        {
+            **{f"{k}_step_ms": v for k, v in med.items()},
+            **{f"{k}_samples_per_s": batch / v * 1e3 for k, v in med.items()},
+            "cached_over_resident": med["cached"] / med["resident"],
+            "host_over_resident": med["host"] / med["resident"],
+            "rounds": rounds,
+            "steps_per_run": steps,
+        }
+    )
+    print()
+    print(table(out_rows))
+    print(
+        f"\nmedian step: resident {med['resident']:.2f} ms, cached {med['cached']:.2f} ms, host {med['host']:.2f} ms;"
+        f" cached / resident {figures['cached_over_resident']:.3f}, host / resident "
+        f"{figures['host_over_resident']:.3f}  on {machine()['cuda'] or machine()['cpu']}"
+    )
+    write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()
