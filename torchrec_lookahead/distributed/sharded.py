@@ -118,7 +118,11 @@ class ShardedLookaheadEmbeddingBagCollection(
         return sorted(self.cache.capacity)
 
     def apply_plan(
-        self, plan: BatchPlan, staged: Optional[StagedRows] = None, lrpp: Optional[LRPPPlan] = None
+        self,
+        plan: BatchPlan,
+        staged: Optional[StagedRows] = None,
+        lrpp: Optional[LRPPPlan] = None,
+        trusted: bool = False,
     ) -> None:
         """Apply the cached tables' part of a step's plan (write-backs, then loads; with several ranks also
         the refresh of invalid replicas, and the gradient synchronisation of the coming backward)."""
@@ -136,7 +140,7 @@ class ShardedLookaheadEmbeddingBagCollection(
                 assert isinstance(store, WriterFilteredStore)
                 store.allowed = tp.evict_ids[lrpp.tables[t].evict_writer == self.rank]
             try:
-                self.cache.apply_plan(sub, sub_staged)
+                self.cache.apply_plan(sub, sub_staged, trusted=trusted)
             finally:
                 for t in mine:
                     stores[t].allowed = None  # type: ignore[attr-defined]
@@ -145,7 +149,7 @@ class ShardedLookaheadEmbeddingBagCollection(
             for k, v in lrpp.counters().items():
                 self.sync_counters[k] = self.sync_counters.get(k, 0) + v
         else:
-            self.cache.apply_plan(sub, sub_staged)
+            self.cache.apply_plan(sub, sub_staged, trusted=trusted)
         self._plan_pending = True
         self._eval_flushed = False
 

@@ -391,7 +391,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         """Gather the rows ``plan`` fetches from the stores (see :func:`~.staging.stage_rows`)."""
         return stage_rows(plan, self.stores, pin_memory=pin_memory)
 
-    def apply_plan(self, plan: BatchPlan, staged: Optional[StagedRows] = None) -> None:
+    def apply_plan(self, plan: BatchPlan, staged: Optional[StagedRows] = None, trusted: bool = False) -> None:
         """Write back the plan's evicted rows and load its fetched rows, with their optimizer state.
 
         The whole plan is validated before anything moves, so a refused plan leaves cache and stores unchanged.
@@ -401,6 +401,10 @@ class CachedEmbeddingBagCollection(nn.Module):
                 (after construction, :meth:`invalidate` or ``load_state_dict``).
             staged: rows gathered ahead by :meth:`stage` / :func:`stage_rows`; when absent, fetches are gathered
                 from the stores now.
+            trusted: the plan comes from this cache's own :class:`~torchrec_lookahead.oracle.LookaheadOracle`
+                (as in :class:`~torchrec_lookahead.data.LookaheadDataModule`): only the cheap checks (shapes,
+                slot and id ranges, staged rows) run, not the O(capacity) consistency checks against the cache
+                contents, which the oracle's property tests guarantee.
 
         Raises:
             ConfigError: the plan names an unknown or resident table.
@@ -420,11 +424,13 @@ class CachedEmbeddingBagCollection(nn.Module):
                 raise ConfigError(
                     f"plan step {plan.step} names table '{name}' which is {what}; cached tables: {sorted(self.capacity)}"
                 )
-            checked[name] = self._validate(plan.step, t, table_plan, staged)
+            checked[name] = self._validate(plan.step, t, table_plan, staged, trusted)
         for name, c in checked.items():
             self._move(self._tables[name], c)
 
-    def _validate(self, step: int, t: _Table, tp: TablePlan, staged: Optional[StagedRows]) -> Dict[str, Any]:
+    def _validate(
+        self, step: int, t: _Table, tp: TablePlan, staged: Optional[StagedRows], trusted: bool = False
+    ) -> Dict[str, Any]:
         name, cap, n = t.config.name, t.rows, t.config.num_embeddings
         ev_ids, ev_slots = (
             _as_index(name, "evict_ids", tp.evict_ids),
@@ -455,6 +461,14 @@ class CachedEmbeddingBagCollection(nn.Module):
                 )
         s2i = t.slot_to_id
         assert s2i is not None  # cached tables only (checked by the caller)
+        if trusted:
+            rows = (
+                self._check_staged(step, t, fe_ids, ev_ids, staged)
+                if staged is not None and fe_ids.numel()
+                else None
+            )
+            return {"ev_ids": ev_ids, "ev_slots": ev_slots, "fe_ids": fe_ids, "fe_slots": fe_slots,
+                    "slots": slots, "after": None, "staged": rows}  # fmt: skip
         sync_hint = "plans must be applied in order, each once, starting from an empty cache"
         if (
             torch.unique(ev_slots).numel() != ev_slots.numel()
@@ -556,7 +570,11 @@ class CachedEmbeddingBagCollection(nn.Module):
                 v.index_copy_(
                     0, dev_slots, fs[k].reshape(-1, v.shape[1]).to(self._device, v.dtype, non_blocking=True)
                 )
-        t.slot_to_id.copy_(c["after"])
+        if c["after"] is not None:
+            t.slot_to_id.copy_(c["after"])
+        else:  # trusted plan: update the slot map in place
+            t.slot_to_id[ev_slots] = -1
+            t.slot_to_id[fe_slots] = fe_ids
         slots = c["slots"]
         row_bytes = store.row_width * 4
         cnt = t.counters

@@ -328,7 +328,8 @@ class TorchRecStrategy(DDPStrategy):
             batch.mark_started()
             staged = batch.wait_staged()
             for m in self.cached_modules():
-                m.apply_plan(batch.plan, staged, batch.lrpp)
+                # Plans from the LookaheadDataModule's own oracle: the O(capacity) re-checks are skipped.
+                m.apply_plan(batch.plan, staged, batch.lrpp, trusted=True)
             batch.mark_applied()
         return super().batch_to_device(batch, device, dataloader_idx)
 
