@@ -37,6 +37,7 @@ from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharde
 from torchrec_lookahead.models import DLRMModule  # noqa: E402
 from torchrec_lookahead.oracle import OracleConfig, min_capacity  # noqa: E402
 from torchrec_lookahead.strategies import TorchRecStrategy  # noqa: E402
+from torchrec_lookahead.verify import QUIET_TRAINER_ARGS  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "dlrm_synthetic.yaml")
@@ -133,14 +134,8 @@ def train(
         devices=1,
         strategy=strategy,
         max_steps=steps + warmup + 1,
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[timer, *callbacks],
+        **QUIET_TRAINER_ARGS,
     )
     pl.seed_everything(0, verbose=False)
     t0 = time.perf_counter()

@@ -46,6 +46,25 @@ def make_model(dm: CriteoSyntheticDataModule, emb: str = "rowwise_adagrad", **kw
     )
 
 
+def _trainer(
+    tmp_path: Any, max_steps: int, callbacks: Optional[List[pl.Callback]], **trainer_kw: Any
+) -> pl.Trainer:
+    """A quiet one-process CPU Trainer (tests override any argument, e.g. ``limit_val_batches``)."""
+    from torchrec_lookahead.verify import QUIET_TRAINER_ARGS
+
+    kw: Dict[str, Any] = {
+        **QUIET_TRAINER_ARGS,
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": max_steps,
+        "max_epochs": None,
+        "enable_checkpointing": True,
+        "default_root_dir": str(tmp_path),
+    }
+    kw.update(trainer_kw)
+    return pl.Trainer(callbacks=callbacks or [], **kw)
+
+
 def fit(
     tmp_path: Any,
     max_steps: int,
@@ -58,20 +77,7 @@ def fit(
     pl.seed_everything(0, verbose=False)
     dm = CriteoSyntheticDataModule(**tiny_data_args(**(data or {})))
     model = make_model(dm, emb=emb)
-    kw: Dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        strategy="torchrec",
-        max_steps=max_steps,
-        default_root_dir=str(tmp_path),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    kw.update(trainer_kw)
-    trainer = pl.Trainer(callbacks=callbacks or [], **kw)
+    trainer = _trainer(tmp_path, max_steps, callbacks, **{"strategy": "torchrec", **trainer_kw})
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return trainer, model
 
@@ -106,19 +112,9 @@ def fit_cached(
         if wrap:
             dm = LookaheadDataModule(inner, horizon=8, prefetch_depth=1, policy=policy)
     model = make_model(inner, emb=emb)
-    kw: Dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        default_root_dir=str(tmp_path),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+    trainer = _trainer(
+        tmp_path, max_steps, callbacks, strategy=TorchRecStrategy(sharders=sharders), **trainer_kw
     )
-    kw.update(trainer_kw)
-    trainer = pl.Trainer(strategy=TorchRecStrategy(sharders=sharders), callbacks=callbacks or [], **kw)
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return trainer, model
 

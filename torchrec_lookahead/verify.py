@@ -23,7 +23,18 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["verify", "comparable_state", "main"]
+__all__ = ["verify", "comparable_state", "main", "QUIET_TRAINER_ARGS"]
+
+QUIET_TRAINER_ARGS: Dict[str, Any] = dict(
+    max_epochs=-1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    limit_val_batches=0,
+    num_sanity_val_steps=0,
+)
+"""Trainer arguments of a measurement run: training steps only, nothing logged, saved or validated."""
 
 
 class _LossRecorder(pl.Callback):
@@ -109,14 +120,8 @@ def _train(cli: Any, resident: bool, steps: int, seed: int) -> Tuple[Dict[str, t
         num_nodes=cli.trainer.num_nodes,
         strategy=strategy,
         max_steps=steps,
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[recorder],
+        **QUIET_TRAINER_ARGS,
     )
     pl.seed_everything(seed, verbose=False)
     trainer.fit(cli.model, datamodule=dm)
