@@ -23,5 +23,6 @@ else
 fi
 pip install "$fbgemm"
 pip install --no-deps "torchrec==${TORCHREC_VERSION}"
+# pip reports that torchrec "requires fbgemm-gpu" and "torchmetrics==1.0.3": expected, see the header.
 pip install -e ".[dev]"
 "$VENV/bin/python" -c "import torchrec, fbgemm_gpu, lightning, torchrec_lookahead; print('environment ready:', '$fbgemm', 'torchrec', torchrec.__version__ if hasattr(torchrec, '__version__') else '$TORCHREC_VERSION')"
