@@ -18,20 +18,14 @@ import lightning.pytorch as pl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import StepTimer, machine, median, parser, table, write_json  # noqa: E402
 
-from torchrec_lookahead.cli import LookaheadCLI  # noqa: E402
-from torchrec_lookahead.models import DLRMModule  # noqa: E402
+from torchrec_lookahead.cli import build_cli  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def one_run(config: str, steps: int, warmup: int) -> Dict[str, float]:
-    cli = LookaheadCLI(
-        DLRMModule,
-        pl.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        run=False,
-        args=[
+    cli = build_cli(
+        [
             "--config",
             config,
             "--trainer.logger=false",
@@ -39,7 +33,7 @@ def one_run(config: str, steps: int, warmup: int) -> Dict[str, float]:
             "--trainer.enable_checkpointing=false",
             "--trainer.limit_val_batches=0",
             "--trainer.enable_model_summary=false",
-        ],  # fmt: skip
+        ]
     )
     timer = StepTimer(warmup=warmup)
     trainer = pl.Trainer(

@@ -31,10 +31,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import StepTimer, machine, median, parser, table, write_json  # noqa: E402
 
-from torchrec_lookahead.cli import LookaheadCLI  # noqa: E402
+from torchrec_lookahead.cli import build_cli  # noqa: E402
 from torchrec_lookahead.data import LookaheadDataModule  # noqa: E402
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder  # noqa: E402
-from torchrec_lookahead.models import DLRMModule  # noqa: E402
 from torchrec_lookahead.oracle import OracleConfig, min_capacity  # noqa: E402
 from torchrec_lookahead.strategies import TorchRecStrategy  # noqa: E402
 from torchrec_lookahead.verify import QUIET_TRAINER_ARGS  # noqa: E402
@@ -53,14 +52,7 @@ _QUIET = [
 
 def build(config: str = CONFIG, overrides: Sequence[str] = ()) -> Any:
     """A fresh model and DataModule of ``config`` (LightningCLI, not run)."""
-    return LookaheadCLI(
-        DLRMModule,
-        pl.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        run=False,
-        args=["--config", config, *_QUIET, *overrides],
-    )
+    return build_cli(["--config", config, *_QUIET, *overrides])
 
 
 def batch_size(dm: Any) -> int:

@@ -9,7 +9,7 @@ logs are and the final metrics.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -18,7 +18,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead.models import DLRMModule
 
-__all__ = ["LookaheadCLI", "main"]
+__all__ = ["LookaheadCLI", "build_cli", "main"]
 
 
 class LookaheadCLI(LightningCLI):
@@ -61,6 +61,20 @@ class LookaheadCLI(LightningCLI):
         self._summary()
 
 
+def build_cli(args: Sequence[str], run: bool = False) -> LookaheadCLI:
+    """The CLI over ``args`` (``--config ...`` and overrides); with ``run=False`` it only instantiates the
+    Trainer, model and DataModule (``cli.trainer``, ``cli.model``, ``cli.datamodule``)."""
+    return LookaheadCLI(
+        DLRMModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=list(args),
+        run=run,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
 def main(args: Optional[List[str]] = None) -> None:
     """Run the CLI (``args`` defaults to ``sys.argv[1:]``); ``verify`` compares cached and resident training."""
     argv = list(sys.argv[1:] if args is None else args)
@@ -68,11 +82,4 @@ def main(args: Optional[List[str]] = None) -> None:
         from torchrec_lookahead.verify import main as verify_main
 
         raise SystemExit(verify_main(argv[1:]))
-    LookaheadCLI(
-        DLRMModule,
-        pl.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=argv,
-        save_config_kwargs={"overwrite": True},
-    )
+    build_cli(argv, run=True)

@@ -79,18 +79,10 @@ def comparable_state(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _build(config: Union[str, Sequence[str]], overrides: Sequence[str]) -> Any:
-    from torchrec_lookahead.cli import LookaheadCLI
-    from torchrec_lookahead.models import DLRMModule
+    from torchrec_lookahead.cli import build_cli
 
-    return LookaheadCLI(
-        DLRMModule,
-        pl.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        run=False,
-        args=[a for c in ([config] if isinstance(config, str) else config) for a in ("--config", c)]
-        + list(overrides),
-    )
+    configs = [config] if isinstance(config, str) else list(config)
+    return build_cli([a for c in configs for a in ("--config", c)] + list(overrides))
 
 
 def _train(cli: Any, resident: bool, steps: int, seed: int) -> Tuple[Dict[str, torch.Tensor], List[float]]:
