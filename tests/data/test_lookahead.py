@@ -158,3 +158,29 @@ def test_stopping_mid_epoch_stops_the_background_threads(tmp_path):
     assert time.perf_counter() - t0 < 30
     alive = [t.name for t in threading.enumerate() if t.name.startswith("lookahead-")]
     assert not alive, alive
+
+
+def test_sigterm_flushes_every_cached_row_to_the_store(tmp_path):
+    import os
+    import signal
+
+    holder = {}
+
+    class TermAtStep4(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            holder["modules"] = trainer.strategy.cached_modules()
+
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(BaseException) as raised:  # Lightning turns SIGTERM into an exception in the loop
+        fit_cached(tmp_path, 10, callbacks=[TermAtStep4()])
+    assert "SIGTERM" in type(raised.value).__name__ or "SIGTERM" in str(raised.value)
+    (module,) = holder["modules"]
+    cache = module.cache
+    for table in cache.capacity:
+        slots = cache.slot_ids(table)
+        held = (slots >= 0).nonzero().flatten()
+        stored, _ = cache.stores[table].gather(slots[held])
+        assert torch.equal(stored, cache.cache_weights(table)[held])
