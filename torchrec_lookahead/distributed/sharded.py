@@ -34,7 +34,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore
-from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan
@@ -74,8 +74,14 @@ class ShardedLookaheadEmbeddingBagCollection(
         rank: int = 0,
         world_size: int = 1,
         process_group: Optional[dist.ProcessGroup] = None,
+        average_every: Optional[int] = None,
     ) -> None:
         super().__init__()
+        if average_every is not None and average_every < 1:
+            raise ConfigError(
+                f"Expected average_every to be a positive number of steps but got {average_every}"
+            )
+        self.average_every = average_every
         self._tables = list(tables)
         self.resident = resident
         self.cache = cache
@@ -135,16 +141,23 @@ class ShardedLookaheadEmbeddingBagCollection(
             if lrpp is None or lrpp.step != plan.step:
                 raise SetupError(f"multi-rank step {plan.step} has no LRPP synchronisation plan")
             stores = self.cache.stores
+            averaging = self.average_every is not None
+            if averaging and plan.step > 0 and plan.step % int(self.average_every) == 0:  # type: ignore[arg-type]
+                self._average()
             for t, tp in mine.items():
                 store = stores[t]
                 assert isinstance(store, WriterFilteredStore)
-                store.allowed = tp.evict_ids[lrpp.tables[t].evict_writer == self.rank]
+                if averaging:  # cDLRM: replicas agree only after averaging; rank 0's copy is written back
+                    store.allowed = tp.evict_ids if self.rank == 0 else tp.evict_ids[:0]
+                else:
+                    store.allowed = tp.evict_ids[lrpp.tables[t].evict_writer == self.rank]
             try:
                 self.cache.apply_plan(sub, sub_staged, trusted=trusted)
             finally:
                 for t in mine:
                     stores[t].allowed = None  # type: ignore[attr-defined]
-            self._refresh(lrpp)
+            if not averaging:
+                self._refresh(lrpp)
             self._lrpp = lrpp
             for k, v in lrpp.counters().items():
                 self.sync_counters[k] = self.sync_counters.get(k, 0) + v
@@ -166,9 +179,16 @@ class ShardedLookaheadEmbeddingBagCollection(
             return
         if self._lrpp is not None:
             stores = self.cache.stores
+            if self.average_every is not None and barrier:
+                self._average()  # a collective: not on the exception path (barrier=False)
             for t, tp in self._lrpp.tables.items():
                 slot_ids = self.cache.slot_ids(t)
-                mine = (tp.writer.to(torch.int64) == self.rank) & (slot_ids >= 0)
+                writer = (
+                    torch.zeros_like(slot_ids)
+                    if self.average_every is not None
+                    else tp.writer.to(torch.int64)
+                )
+                mine = (writer == self.rank) & (slot_ids >= 0)
                 stores[t].allowed = slot_ids[mine]  # type: ignore[attr-defined]
             try:
                 self.cache.flush()
@@ -184,6 +204,32 @@ class ShardedLookaheadEmbeddingBagCollection(
         self._lrpp = None
 
     # ------------------------------------------------------------------------------------------------ LRPP
+    def _average(self) -> None:
+        """cDLRM: average every cached row and its optimizer state over the ranks (replicas diverge between
+        averages because each rank applies only its own gradients)."""
+        parts = []
+        for t in sorted(self.cache.capacity):
+            occupied = (self.cache.slot_ids(t) >= 0).nonzero().flatten()
+            states = self.cache.cache_states(t)
+            tensors = [self.cache.cache_weights(t), *(states[k] for k in sorted(states))]
+            parts.append((occupied, tensors))
+        flat = [x[occ].reshape(-1) for occ, tensors in parts for x in tensors]
+        if not flat:
+            return
+        buf = torch.cat(flat)
+        dist.all_reduce(buf, group=self._pg)
+        buf /= self.world_size
+        off = 0
+        with torch.no_grad():
+            for occ, tensors in parts:
+                for x in tensors:
+                    n = occ.numel() * x.shape[1]
+                    x[occ] = buf[off : off + n].view(-1, x.shape[1])
+                    off += n
+        self.sync_counters["rows_averaged"] = self.sync_counters.get("rows_averaged", 0) + sum(
+            int(occ.numel()) for occ, _ in parts
+        )
+
     def _refresh(self, lrpp: LRPPPlan) -> None:
         """Give every rank the current value of the rows it reads but holds only as a stale replica: the
         holder contributes the row (and its optimizer state), the others zeros, in one compacted all-reduce."""
@@ -232,6 +278,11 @@ class ShardedLookaheadEmbeddingBagCollection(
             lrpp = self._lrpp
             if lrpp is None:
                 raise SetupError("a multi-rank backward ran without the step's LRPP plan")
+            if self.average_every is not None:
+                # cDLRM: every rank applies its own gradients; the caches are averaged every few steps. The
+                # 1-element all-reduce keeps a collective in every backward (see the stager's argument).
+                dist.all_reduce(torch.zeros(1, device=per_table[0][2].device), group=self._pg)
+                return per_table
             # TorchRec divides sharded embedding gradients by the world size (comm_ops.GRADIENT_DIVISION, to
             # match DDP's averaging of dense gradients): the cache does the same.
             scale = 1.0 / self.world_size if get_gradient_division() else 1.0

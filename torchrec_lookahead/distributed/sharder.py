@@ -97,6 +97,10 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             to choose resident tables and cache sizes (:meth:`plan_capacity`).
         planner_options: keyword arguments of the planner (``horizon``, ``prefetch_depth``, ``policy``,
             ``num_sample_batches``, ...).
+        cdlrm_average_every: with several ranks, cDLRM's scheme instead of LRPP: each rank updates its cache
+            replica with its own gradients only, and the replicas (rows and optimizer state) are averaged every
+            this many steps, before evictions (use the ``window`` policy with ``window`` equal to it).
+            **Approximate by design** (exact only for SGD averaged every step); see docs/design.md.
         fused_params: TorchRec fused parameters for the resident tables.
         qcomm_codecs_registry: TorchRec communication codecs.
     """
@@ -110,6 +114,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         seed: Optional[int] = None,
         device_budget_bytes: Optional[int] = None,
         planner_options: Optional[Dict[str, Any]] = None,
+        cdlrm_average_every: Optional[int] = None,
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> None:
@@ -126,6 +131,9 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             raise ConfigError(
                 "Give either capacity or device_budget_bytes to the lookahead sharder, not both"
             )
+        if cdlrm_average_every is not None and cdlrm_average_every < 1:
+            raise ConfigError(f"Expected cdlrm_average_every >= 1 but got {cdlrm_average_every}")
+        self.cdlrm_average_every = cdlrm_average_every
         self.device_budget_bytes = device_budget_bytes
         self.planner_options = dict(planner_options or {})
         self.cache_plan: Optional[Any] = None
@@ -262,6 +270,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             rank=env.rank,
             world_size=env.world_size,
             process_group=env.process_group,
+            average_every=self.cdlrm_average_every if env.world_size > 1 else None,
         )
 
     def _shared_stores(
