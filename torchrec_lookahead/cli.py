@@ -18,7 +18,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead.models import DLRMModule
 
-__all__ = ["LookaheadCLI", "build_cli", "main"]
+__all__ = ["LookaheadCLI", "build_cli", "main", "shutdown_distributed"]
 
 
 class LookaheadCLI(LightningCLI):
@@ -61,6 +61,27 @@ class LookaheadCLI(LightningCLI):
         self._summary()
 
 
+def shutdown_distributed(exit_code: Optional[int] = None) -> None:
+    """Destroy the process groups before the interpreter exits. With several ranks and ``exit_code`` given,
+    also end the process right away (after the atexit handlers and a flush of the standard streams): the
+    interpreter's own teardown of gloo's threads after a lookahead run with several ranks was seen to abort
+    ("terminate called without an active exception") after all work had finished."""
+    import atexit
+    import os
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    multi = dist.get_world_size() > 1
+    dist.destroy_process_group()
+    if multi and exit_code is not None:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+
+
 def build_cli(args: Sequence[str], run: bool = False) -> LookaheadCLI:
     """The CLI over ``args`` (``--config ...`` and overrides); with ``run=False`` it only instantiates the
     Trainer, model and DataModule (``cli.trainer``, ``cli.model``, ``cli.datamodule``)."""
@@ -83,3 +104,4 @@ def main(args: Optional[List[str]] = None) -> None:
 
         raise SystemExit(verify_main(argv[1:]))
     build_cli(argv, run=True)
+    shutdown_distributed(exit_code=0)

@@ -179,6 +179,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--tolerance", type=float, default=1e-5)
     args, overrides = p.parse_known_args(argv)
+    from torchrec_lookahead.cli import shutdown_distributed
+
+    code = _run_and_report(args, overrides)
+    shutdown_distributed(exit_code=code)
+    return code
+
+
+def _run_and_report(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     result = verify(args.config, args.steps, args.tolerance, overrides)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         holder = [result]

@@ -82,11 +82,15 @@ def test_device_count_that_does_not_match_torchrun_is_refused(tmp_path):
     assert "SetupError" in out.stderr and "devices=2" in out.stderr
 
 
+# The multi-rank cached runs below stop at epoch ends (12 batches per epoch): a run stopped mid-epoch can
+# leave a planner thread inside an id all-gather its peer never joins (CHANGELOG, known limitations).
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 def test_two_rank_lrpp_cache_equals_torchrec_resident_training(optimizer):
     """torchrun verify: the cached model on 2 ranks (LRPP) against TorchRec's own 2-rank DMP training."""
     out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-                   "--steps", "30", f"--model.init_args.embedding_optimizer.name={optimizer}")  # fmt: skip
+                   "--steps", "24", f"--model.init_args.embedding_optimizer.name={optimizer}")  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["passed"] and result["max_abs_weight_diff"] <= 1e-5, result
@@ -94,16 +98,16 @@ def test_two_rank_lrpp_cache_equals_torchrec_resident_training(optimizer):
 
 def test_two_rank_cached_checkpoint_resumes_the_same_weights(tmp_path):
     common = ["fit", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-              "--trainer.limit_val_batches=0", "--trainer.max_steps=8"]  # fmt: skip
+              "--trainer.limit_val_batches=0", "--trainer.max_steps=12"]  # fmt: skip
     full = torchrun(
-        2, *common, f"--trainer.default_root_dir={tmp_path}/a", *_ckpt_args(tmp_path / "a_ckpt", 4)
+        2, *common, f"--trainer.default_root_dir={tmp_path}/a", *_ckpt_args(tmp_path / "a_ckpt", 6)
     )
     assert full.returncode == 0, full.stderr[-4000:]
     resumed = torchrun(2, *common, f"--trainer.default_root_dir={tmp_path}/b",
-                       f"--ckpt_path={tmp_path / 'a_ckpt' / 'epoch=0-step=4.ckpt'}", *_ckpt_args(tmp_path / "b_ckpt", 4))  # fmt: skip
+                       f"--ckpt_path={tmp_path / 'a_ckpt' / 'epoch=0-step=6.ckpt'}", *_ckpt_args(tmp_path / "b_ckpt", 6))  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    a = _full_state(tmp_path / "a_ckpt" / "epoch=0-step=8.ckpt", tmp_path)
-    b = _full_state(tmp_path / "b_ckpt" / "epoch=0-step=8.ckpt", tmp_path)
+    a = _full_state(tmp_path / "a_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
+    b = _full_state(tmp_path / "b_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
     cached = [k for k in a if ".cache.embedding_bags." in k and k.endswith(".weight")]
     assert cached and a.keys() == b.keys()
     for k in a:
@@ -119,6 +123,6 @@ def test_two_rank_cdlrm_mode_trains_and_is_exact_for_sgd_averaged_every_step():
         "t_cat_15: 110}, cdlrm_average_every: 1}}]"
     )
     out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-                   "--steps", "20", "--model.init_args.embedding_optimizer.name=sgd", sharder)  # fmt: skip
+                   "--steps", "24", "--model.init_args.embedding_optimizer.name=sgd", sharder)  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["passed"]
