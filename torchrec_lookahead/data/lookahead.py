@@ -211,7 +211,9 @@ class LookaheadLoader:
         )
         if target.num_ranks > 1:
             self._oracle_kwargs["num_ranks"] = target.num_ranks
-        self.config = OracleConfig(feature_to_table=dict(target.feature_to_table), **self._oracle_kwargs)
+        # Validate the arguments here, in the training thread; the planner thread builds the oracle per
+        # iteration, once it has seen the batches' feature names.
+        OracleConfig(feature_to_table=dict(target.feature_to_table), **self._oracle_kwargs)
         self.prefetch_depth = prefetch_depth
         self.queue_depth = max(queue_depth, prefetch_depth + 2)
         self.on_epoch_start = on_epoch_start

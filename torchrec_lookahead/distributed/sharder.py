@@ -42,6 +42,19 @@ __all__ = ["LookaheadEmbeddingBagCollectionSharder", "cache_optimizer_from_modul
 _IN_BACKWARD_ATTRS = ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers")
 
 
+def _cache_optimizer(optimizer: Any, kw: Dict[str, Any]) -> CacheOptimizerConfig:
+    """A cache optimizer from FBGEMM-named arguments (``lr`` as TorchRec's in-backward kwargs name it, or
+    ``learning_rate`` as fused params do)."""
+    return CacheOptimizerConfig(
+        optimizer,
+        learning_rate=float(kw["lr"] if "lr" in kw else kw.get("learning_rate", 0.01)),
+        eps=float(kw.get("eps", 1e-8)),
+        beta1=float(kw.get("beta1", 0.9)),
+        beta2=float(kw.get("beta2", 0.999)),
+        weight_decay=float(kw.get("weight_decay", 0.0)),
+    )
+
+
 def cache_optimizer_from_module(
     module: EmbeddingBagCollection, tables: List[str]
 ) -> Optional[CacheOptimizerConfig]:
@@ -63,14 +76,7 @@ def cache_optimizer_from_module(
             raise ConfigError(
                 f"Table '{table}' declares optimizer {cls.__name__}, which the cache does not support"
             ) from None
-        found[table] = CacheOptimizerConfig(
-            opt,
-            learning_rate=float(kw["lr"] if "lr" in kw else kw.get("learning_rate", 0.01)),
-            eps=float(kw.get("eps", 1e-8)),
-            beta1=float(kw.get("beta1", 0.9)),
-            beta2=float(kw.get("beta2", 0.999)),
-            weight_decay=float(kw.get("weight_decay", 0.0)),
-        )
+        found[table] = _cache_optimizer(opt, kw)
     distinct = set(found.values())
     if len(distinct) > 1:
         raise ConfigError(
@@ -223,14 +229,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                     "No optimizer for the cached tables: declare one with apply_optimizer_in_backward, or pass "
                     "optimizer=CacheOptimizerConfig(...) to the sharder"
                 )
-            optimizer = CacheOptimizerConfig(
-                fp["optimizer"],
-                learning_rate=float(fp.get("learning_rate", 0.01)),
-                eps=float(fp.get("eps", 1e-8)),
-                beta1=float(fp.get("beta1", 0.9)),
-                beta2=float(fp.get("beta2", 0.999)),
-                weight_decay=float(fp.get("weight_decay", 0.0)),
-            )
+            optimizer = _cache_optimizer(fp["optimizer"], fp)
         resident_cfgs = [c for c in configs if c.name not in cached]
         resident = None
         if resident_cfgs:

@@ -40,6 +40,7 @@ from torchrec_lookahead.data.lookahead import CacheTarget, LookaheadBatch
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
     ShardedLookaheadEmbeddingBagCollection,
+    embedding_tables,
     lookahead_sharding_plan,
 )
 from torchrec_lookahead.distributed.lrpp import gather_global_kjt
@@ -70,14 +71,6 @@ def _check_cpu_fused_optimizers(module: nn.Module) -> None:
                         "those, train on CUDA, or train the table through the lookahead cache, whose optimizer "
                         "runs on any device"
                     )
-
-
-def _embedding_tables(module: nn.Module) -> List[str]:
-    names: List[str] = []
-    for m in module.modules():
-        if isinstance(m, EmbeddingBagCollection):
-            names.extend(cfg.name for cfg in m.embedding_bag_configs())
-    return names
 
 
 class TorchRecStrategy(DDPStrategy):
@@ -170,7 +163,7 @@ class TorchRecStrategy(DDPStrategy):
 
     def _constraints_for(self, module: nn.Module) -> Dict[str, ParameterConstraints]:
         out = dict(self._constraints)
-        tables = _embedding_tables(module)
+        tables = embedding_tables(module)
         unknown = sorted(set(out) - set(tables))
         if unknown:
             raise ConfigError(
