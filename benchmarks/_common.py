@@ -74,9 +74,11 @@ class StepTimer(pl.Callback):
         self.warmup = warmup
         self.times: List[float] = []
         self._last: Optional[float] = None
+        self.torch_threads = 0
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         now = time.perf_counter()
+        self.torch_threads = torch.get_num_threads()  # during training (LookaheadDataModule may lower it)
         if self._last is not None and trainer.global_step > self.warmup:
             self.times.append(now - self._last)
         self._last = now

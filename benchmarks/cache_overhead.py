@@ -140,6 +140,7 @@ def train(
         "step_ms": step * 1e3,
         "samples_per_s": batch / step,
         "fit_s": wall,
+        "torch_threads": timer.torch_threads,
         "strategy": strategy,
         "trainer": trainer,
         "datamodule": dm,
@@ -326,6 +327,7 @@ def main() -> None:
     results: List[Dict[str, Any]] = []
     times: Dict[str, List[float]] = {"resident": [], "cached": []}
     pair_ratios: List[float] = []
+    threads: Dict[str, int] = {}
     counters: Dict[str, int] = {}
     for r in range(pairs):
         pair: Dict[str, float] = {}
@@ -340,6 +342,7 @@ def main() -> None:
                 "step_ms": res["step_ms"],
                 "samples/s": res["samples_per_s"],
             }
+            threads[kind] = res["torch_threads"]
             if kind == "cached":
                 c = cache_counters(res["strategy"])
                 counters = c
@@ -371,7 +374,8 @@ def main() -> None:
         "pairs": pairs,
         "steps_per_run": steps,
         "warmup_steps": args.warmup,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": threads["resident"],
+        "cached_torch_threads": threads["cached"],
         "load_average_at_end": os.getloadavg(),
         "capacity": capacity,
         "bumped_from": bumped,
@@ -382,7 +386,8 @@ def main() -> None:
         f"\nmedian step over all runs: resident {res_ms:.1f} ms ({figures['resident_samples_per_s']:,.0f} "
         f"samples/s), cached {cac_ms:.1f} ms ({figures['cached_samples_per_s']:,.0f} samples/s)\n"
         f"cached / resident = {figures['step_time_ratio']:.3f} (per pair: "
-        f"{', '.join(f'{x:.2f}' for x in pair_ratios)})  on {machine()['cpu']}, {machine()['threads']} threads"
+        f"{', '.join(f'{x:.2f}' for x in pair_ratios)})  on {machine()['cpu']}, {machine()['threads']} threads; "
+        f"torch threads resident {threads['resident']}, cached {threads['cached']}"
     )
     if args.profile:
         n = 10 if args.quick else 30

@@ -28,6 +28,11 @@ from torchrec_lookahead.modules.config import CacheOptimizerConfig
 
 __all__: List[str] = []
 
+# FBGEMM TBE buffers behind split_embedding_weights() / split_optimizer_states().
+_TBE_BUFFERS = tuple(
+    f"{p}_{loc}" for p in ("weights", "momentum1", "momentum2") for loc in ("dev", "host", "uvm")
+)
+
 
 class _CacheKernel(abc.ABC):
     """Pooled lookup with a fused sparse optimizer over a group of tables."""
@@ -91,6 +96,9 @@ class _FbgemmKernel(_CacheKernel):
             table_names=list(table_names),
             **self.config.fused_params(),
         )
+        self._cached_views: Optional[
+            Tuple[Tuple[int, ...], List[torch.Tensor], List[Dict[str, torch.Tensor]]]
+        ] = None
         for table in range(len(self.rows)):
             for state in self.states(table).values():
                 state.zero_()
@@ -100,15 +108,33 @@ class _FbgemmKernel(_CacheKernel):
     ) -> torch.Tensor:
         return self.tbe(indices, offsets, per_sample_weights=weights)
 
+    def _storage_key(self) -> Tuple[int, ...]:
+        """Addresses of the TBE's weight and optimizer-state buffers (the per-table views depend on them)."""
+        return tuple(
+            v.data_ptr()
+            for v in (getattr(self.tbe, n, None) for n in _TBE_BUFFERS)
+            if isinstance(v, torch.Tensor)
+        )
+
+    def _views(self) -> Tuple[List[torch.Tensor], List[Dict[str, torch.Tensor]]]:
+        # FBGEMM rebuilds the per-table views on every split_*() call (tens of microseconds per table); they
+        # are cached until a buffer is replaced.
+        key = self._storage_key()
+        if self._cached_views is None or self._cached_views[0] != key:
+            weights = list(self.tbe.split_embedding_weights())
+            states: List[Dict[str, torch.Tensor]] = [{} for _ in weights]
+            if self.state_names:
+                for table, views in enumerate(self.tbe.split_optimizer_states()):
+                    rows = self.rows[table]
+                    states[table] = {n: views[i].view(rows, -1) for i, n in enumerate(self.state_names)}
+            self._cached_views = (key, weights, states)
+        return self._cached_views[1], self._cached_views[2]
+
     def weights(self, table: int) -> torch.Tensor:
-        return self.tbe.split_embedding_weights()[table]
+        return self._views()[0][table]
 
     def states(self, table: int) -> Dict[str, torch.Tensor]:
-        if not self.state_names:
-            return {}
-        views = self.tbe.split_optimizer_states()[table]
-        rows = self.rows[table]
-        return {name: views[i].view(rows, -1) for i, name in enumerate(self.state_names)}
+        return dict(self._views()[1][table])
 
     def get_step(self) -> int:
         return int(self.tbe.iter.item())

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Union
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode  # (older FBGEMM too)
 
 from torchrec_lookahead.errors import ConfigError
 
