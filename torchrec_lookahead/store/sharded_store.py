@@ -275,7 +275,7 @@ class RowShardedStore(EmbeddingStore):
             return InvalidIdError(
                 f"ids for table '{self.name}' must be a 1-D integer tensor but got {desc}"
             ), empty
-        ids = ids.to(device="cpu", dtype=torch.int64)
+        ids = ids.to(device="cpu", dtype=torch.int64).contiguous()
         if ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self._num:
