@@ -126,3 +126,47 @@ def test_two_rank_cdlrm_mode_trains_and_is_exact_for_sgd_averaged_every_step():
                    "--steps", "24", "--model.init_args.embedding_optimizer.name=sgd", sharder)  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["passed"]
+
+
+_ROW_WISE = (
+    "--trainer.strategy.init_args.sharders=[{class_path: torchrec_lookahead.distributed."
+    "LookaheadEmbeddingBagCollectionSharder, init_args: {capacity: {t_cat_2: 140, t_cat_11: 120, "
+    "t_cat_15: 110}, store_sharding: row_wise}}]"
+)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_two_rank_cache_over_row_sharded_stores_equals_torchrec_resident_training(optimizer):
+    """Each rank holds half of every cached table's rows and reaches the other half with collectives (the
+    stager's gathers on a group of their own): still exactly TorchRec's 2-rank DMP training."""
+    out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
+                   "--steps", "24", f"--model.init_args.embedding_optimizer.name={optimizer}", _ROW_WISE)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["passed"] and result["max_abs_weight_diff"] <= 1e-5, result
+
+
+def test_two_hosts_shard_the_stores_by_host_and_equal_torchrec_resident_training():
+    """Two torchrun launchers of one rank each (two "hosts"): the default store_sharding='host' shards the
+    cached tables over the hosts (formerly refused), and training still equals TorchRec's."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+           "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "torchrec_lookahead", "verify",
+           "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=1", "--trainer.num_nodes=2",
+           "--steps", "12"]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            cmd[:5] + [f"--node_rank={i}"] + cmd[5:],
+            cwd=REPO,
+            env=clean_env(),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=400) for p in procs]
+    for p, (_stdout, stderr) in zip(procs, outs):
+        assert p.returncode == 0, stderr[-4000:]
+    result = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert result["passed"] and result["max_abs_weight_diff"] <= 1e-5, result

@@ -34,6 +34,7 @@ from torchrec_lookahead.modules import remap_kjt, stage_rows, table_ids
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, Policy
 from torchrec_lookahead.oracle.types import BatchPlan
+from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, collective_channel
 from torchrec_lookahead.store.types import EmbeddingStore
 
 __all__ = ["LookaheadBatch", "LookaheadDataModule", "LookaheadLoader", "CacheTarget"]
@@ -355,7 +356,11 @@ class LookaheadLoader:
                 fut.cancel()
                 break
             try:
-                fut.set_result(stage_rows(plan, self.target.stores))
+                # A row-sharded store's gathers are collectives: on a process group of the stager's own,
+                # so they never interleave with the training thread's write-backs.
+                with collective_channel(STAGE_CHANNEL):
+                    rows = stage_rows(plan, self.target.stores)
+                fut.set_result(rows)
             except BaseException as e:
                 fut.set_exception(e)
         while True:  # cancel what is left, so that no one waits for it

@@ -168,6 +168,8 @@ class WriterFilteredStore(EmbeddingStore):
 
     ``allowed`` (set by the LRPP coordinator before each write-back or flush) lists the ids this rank may
     write; writes of other ids are dropped, and with ``allowed=None`` nothing is written. Reads pass through.
+    Over a collective store (:class:`~torchrec_lookahead.store.RowShardedStore`) every write still reaches
+    the store, with the rows this rank may write (possibly none), so that every rank joins the collective.
     """
 
     def __init__(self, store: EmbeddingStore) -> None:
@@ -196,6 +198,15 @@ class WriterFilteredStore(EmbeddingStore):
     def scatter(
         self, ids: torch.Tensor, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None
     ) -> None:
+        if getattr(self.inner, "collective", False):
+            # A collective store (RowShardedStore): every rank takes part in every write, if only with no rows.
+            keep = (
+                torch.zeros(ids.numel(), dtype=torch.bool)
+                if self.allowed is None
+                else torch.isin(ids, self.allowed)
+            )
+            self.inner.scatter(ids[keep], weights[keep], {k: v[keep] for k, v in (states or {}).items()})
+            return
         if self.allowed is None or ids.numel() == 0:
             return
         keep = torch.isin(ids, self.allowed)

@@ -14,6 +14,7 @@ flushed once and rows are read from the stores.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -40,6 +41,8 @@ from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan
 
 __all__ = ["ShardedLookaheadEmbeddingBagCollection", "CUSTOMIZED"]
+
+log = logging.getLogger(__name__)
 
 CUSTOMIZED = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 
@@ -92,6 +95,7 @@ class ShardedLookaheadEmbeddingBagCollection(
         self._resident_features = [f for f in self._feature_names if f not in self._cached_features]
         self._plan_pending = False
         self._eval_flushed = False
+        self._dirty = False  # a plan was applied since the last complete flush
         self.rank = rank
         self.world_size = world_size
         self._pg = process_group
@@ -165,6 +169,13 @@ class ShardedLookaheadEmbeddingBagCollection(
             self.cache.apply_plan(sub, sub_staged, trusted=trusted)
         self._plan_pending = True
         self._eval_flushed = False
+        self._dirty = True
+
+    @property
+    def collective_stores(self) -> bool:
+        """Whether the cached tables' stores are row-sharded over the ranks (their reads and writes are
+        collectives of every rank)."""
+        return any(getattr(getattr(s, "inner", s), "collective", False) for s in self.cache.stores.values())
 
     def _barrier(self) -> None:
         if self.world_size > 1:
@@ -173,9 +184,19 @@ class ShardedLookaheadEmbeddingBagCollection(
     def flush(self, barrier: bool = True) -> None:
         """Write every cached row and its optimizer state back to the stores (with several ranks: each row once,
         by a rank holding its current value, then, with ``barrier``, a barrier so that every rank reads the
-        landed rows)."""
+        landed rows). ``barrier=False`` is the exception path: with row-sharded stores (whose writes are
+        collectives other ranks may never join) it writes nothing."""
         if self.world_size == 1:
             self.cache.flush()
+            return
+        if not barrier and self.collective_stores:
+            # Row-sharded stores are written with collectives, which another rank (gone, or inside another
+            # collective on this exception path) may never join: keep the last checkpoint instead of hanging.
+            if self._dirty:
+                log.warning(
+                    "not flushing the lookahead cache to its row-sharded stores on this exit path (peers may be "
+                    "gone); updates since the last checkpoint are lost"
+                )
             return
         if self._lrpp is not None:
             stores = self.cache.stores
@@ -195,6 +216,7 @@ class ShardedLookaheadEmbeddingBagCollection(
             finally:
                 for t in self._lrpp.tables:
                     stores[t].allowed = None  # type: ignore[attr-defined]
+        self._dirty = False
         if barrier:
             self._barrier()
 

@@ -34,10 +34,14 @@ from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
 from torchrec_lookahead.distributed.sharded import CUSTOMIZED, ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig
-from torchrec_lookahead.store import MmapStore
+from torchrec_lookahead.store import MmapStore, RowShardedStore, TensorStore, row_bounds
+from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, EmptyShardStore
 from torchrec_lookahead.store.types import EmbeddingStore
 
-__all__ = ["LookaheadEmbeddingBagCollectionSharder", "cache_optimizer_from_module"]
+__all__ = ["LookaheadEmbeddingBagCollectionSharder", "cache_optimizer_from_module", "STORE_SHARDINGS"]
+
+STORE_SHARDINGS = ("host", "row_wise")
+"""Values of the sharder's ``store_sharding`` option."""
 
 _IN_BACKWARD_ATTRS = ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers")
 
@@ -107,6 +111,15 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             replica with its own gradients only, and the replicas (rows and optimizer state) are averaged every
             this many steps, before evictions (use the ``window`` policy with ``window`` equal to it).
             **Approximate by design** (exact only for SGD averaged every step); see docs/design.md.
+        store_sharding: where the host stores of a multi-rank job live. ``"host"`` (the default): one copy of
+            each table per host, in memory the host's ranks share (``/dev/shm``, or ``store_dir``); on one host
+            that is one shared store, with several hosts the table is sharded row-wise over the hosts (one
+            shard per host, each rank serving its own host's shard to the same local rank of the other
+            hosts), reached with torch.distributed collectives
+            (:class:`~torchrec_lookahead.store.RowShardedStore`). ``"row_wise"``: one shard per rank, in the
+            rank's own memory (a memory-mapped file under ``store_dir`` when given), also on one host (how
+            the sharded store is tested on one machine, and a way to spread the tables over the ranks' memory).
+            Ignored with one rank.
         fused_params: TorchRec fused parameters for the resident tables.
         qcomm_codecs_registry: TorchRec communication codecs.
     """
@@ -121,6 +134,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device_budget_bytes: Optional[int] = None,
         planner_options: Optional[Dict[str, Any]] = None,
         cdlrm_average_every: Optional[int] = None,
+        store_sharding: Optional[str] = None,
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> None:
@@ -140,6 +154,12 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if cdlrm_average_every is not None and cdlrm_average_every < 1:
             raise ConfigError(f"Expected cdlrm_average_every >= 1 but got {cdlrm_average_every}")
         self.cdlrm_average_every = cdlrm_average_every
+        if store_sharding is not None and store_sharding not in STORE_SHARDINGS:
+            raise ConfigError(
+                f"store_sharding must be one of {list(STORE_SHARDINGS)} but got {store_sharding!r}"
+            )
+        self.store_sharding = store_sharding or "host"
+        self._store_groups: Optional[Dict[str, Any]] = None
         self.device_budget_bytes = device_budget_bytes
         self.planner_options = dict(planner_options or {})
         self.cache_plan: Optional[Any] = None
@@ -275,18 +295,29 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     def _shared_stores(
         self, cfgs: List[Any], optimizer: CacheOptimizerConfig, env: ShardingEnv
     ) -> Dict[str, EmbeddingStore]:
-        """Memory-mapped stores shared by the ranks of one host: rank 0 creates and initialises them in a
-        fresh directory (under ``store_dir``, else ``/dev/shm``), the others open them after a barrier."""
-        pg = env.process_group
+        """The host stores of a multi-rank job (see ``store_sharding``): one memory-mapped store per table
+        shared by the ranks of the host, or row shards reached with collectives."""
         if self.stores:  # checked on every rank, before any collective
             raise ConfigError("explicit stores= are not supported with several ranks; use store_dir=")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-        if local != env.world_size:
+        if self.store_sharding == "row_wise":
+            return self._sharded_stores(cfgs, optimizer, env, list(range(env.world_size)))
+        if local == env.world_size:
+            return self._one_host_stores(cfgs, optimizer, env)
+        if local < 1 or env.world_size % local != 0:
             raise ConfigError(
-                f"The lookahead cache shares one host store between the ranks of a host; {env.world_size} ranks "
-                f"on several hosts ({local} per host) are not supported yet: keep the tables resident (TorchRec "
-                "shards them across hosts) or train on one host"
+                f"{env.world_size} ranks with LOCAL_WORLD_SIZE={local} do not form equal hosts; the host-sharded "
+                "store needs the same number of ranks on every host (or use store_sharding='row_wise')"
             )
+        # torchrun numbers the ranks of a host contiguously: host h holds ranks [h * local, (h + 1) * local).
+        return self._sharded_stores(cfgs, optimizer, env, [r // local for r in range(env.world_size)])
+
+    def _one_host_stores(
+        self, cfgs: List[Any], optimizer: CacheOptimizerConfig, env: ShardingEnv
+    ) -> Dict[str, EmbeddingStore]:
+        """Memory-mapped stores shared by the ranks of one host: rank 0 creates and initialises them in a
+        fresh directory (under ``store_dir``, else ``/dev/shm``), the others open them after a barrier."""
+        pg = env.process_group
         holder: List[Optional[str]] = [None]
         if env.rank == 0:
             base = self.store_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -311,4 +342,73 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if env.rank != 0:
             for c in cfgs:
                 stores[c.name] = WriterFilteredStore(MmapStore.open(os.path.join(directory, f"{c.name}.bin")))
+        return stores
+
+    def _groups(self) -> Dict[str, Any]:
+        """The sharded stores' process groups (created once, in the same order on every rank): the default
+        one for the training thread, one for the lookahead stager's gathers. gloo: rows are CPU tensors."""
+        if self._store_groups is None:
+            self._store_groups = {
+                "default": dist.new_group(backend="gloo"),
+                STAGE_CHANNEL: dist.new_group(backend="gloo"),
+            }
+        return self._store_groups
+
+    def _sharded_stores(
+        self, cfgs: List[Any], optimizer: CacheOptimizerConfig, env: ShardingEnv, shard_of_rank: List[int]
+    ) -> Dict[str, EmbeddingStore]:
+        """Row shards: shard ``shard_of_rank[r]`` is served by rank ``r``. A shard served by one rank lives in
+        its memory (a memory-mapped file under ``store_dir`` when given); a shard served by several ranks (one
+        per host) in a memory-mapped file the first of them creates under ``store_dir``, else ``/dev/shm``."""
+        pg = env.process_group
+        groups = self._groups()
+        num_shards = max(shard_of_rank) + 1
+        shard = shard_of_rank[env.rank]
+        servers = [r for r, s in enumerate(shard_of_rank) if s == shard]
+        shared = len(servers) > 1
+        creator = env.rank == servers[0]
+        seed = self.seed or 0
+        directory: Optional[str] = None
+        if creator and (shared or self.store_dir is not None):
+            base = self.store_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+            if base is not None:
+                os.makedirs(base, exist_ok=True)
+            directory = tempfile.mkdtemp(prefix=f"torchrec_lookahead_shard{shard}_", dir=base)
+            if self.store_dir is None:
+                atexit.register(shutil.rmtree, directory, True)
+        locals_: Dict[str, EmbeddingStore] = {}
+        for c in cfgs:
+            lo, hi = row_bounds(c.num_embeddings, num_shards)[shard : shard + 2]
+            widths = optimizer.state_widths(c.embedding_dim)
+            if hi == lo:  # fewer rows than shards: this shard is empty, no id is ever routed to it
+                locals_[c.name] = EmptyShardStore(c.name, c.embedding_dim, widths)
+            elif directory is not None:
+                store = MmapStore(os.path.join(directory, f"{c.name}.bin"), hi - lo, c.embedding_dim, widths,
+                                  name=c.name, seed=seed, row_offset=lo, table_rows=c.num_embeddings)  # fmt: skip
+                if shared:  # initialise every chunk before the other ranks of the host open it
+                    for a in range(0, hi - lo, 1 << 16):
+                        store.gather(torch.arange(a, min(a + (1 << 16), hi - lo)))
+                    store.flush()
+                locals_[c.name] = store
+            elif not shared:
+                locals_[c.name] = TensorStore(hi - lo, c.embedding_dim, widths, name=c.name, seed=seed,
+                                              row_offset=lo, table_rows=c.num_embeddings)  # fmt: skip
+        if env.world_size > num_shards:  # some shard has several servers (the same on every rank)
+            paths: List[Any] = [None] * env.world_size
+            dist.all_gather_object(paths, directory, group=pg)
+            dist.barrier(group=pg)
+            for c in cfgs:
+                if c.name not in locals_:
+                    locals_[c.name] = MmapStore.open(os.path.join(str(paths[servers[0]]), f"{c.name}.bin"))
+        stores: Dict[str, EmbeddingStore] = {}
+        for c in cfgs:
+            sharded = RowShardedStore(
+                locals_[c.name],
+                c.num_embeddings,
+                row_bounds(c.num_embeddings, num_shards),
+                shard_of_rank,
+                group=groups["default"],
+                channel_groups={STAGE_CHANNEL: groups[STAGE_CHANNEL]},
+            )
+            stores[c.name] = WriterFilteredStore(sharded)
         return stores

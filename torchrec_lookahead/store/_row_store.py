@@ -40,9 +40,17 @@ class _RowStore(EmbeddingStore):
         state_widths: Optional[Mapping[str, int]],
         seed: int,
         chunk_rows: int,
+        row_offset: int = 0,
+        table_rows: Optional[int] = None,
     ) -> None:
         widths = dict(state_widths or {})
         _check_sizes(name, num_embeddings, embedding_dim, widths)
+        total = int(num_embeddings) if table_rows is None else int(table_rows)
+        if row_offset < 0 or int(row_offset) + int(num_embeddings) > total:
+            raise ConfigError(
+                f"a shard of table '{name}' with row_offset={row_offset} and {num_embeddings} rows does not fit in "
+                f"table_rows={total}"
+            )
         if chunk_rows <= 0 or chunk_rows % INIT_BLOCK_ROWS != 0:
             raise ConfigError(
                 f"chunk_rows must be a positive multiple of {INIT_BLOCK_ROWS} but got {chunk_rows}"
@@ -52,6 +60,8 @@ class _RowStore(EmbeddingStore):
         self._dim = int(embedding_dim)
         self._widths: Dict[str, int] = {k: int(v) for k, v in widths.items()}
         self._seed = int(seed)
+        self._row_offset = int(row_offset)
+        self._table_rows = total
         self._chunk_rows = int(chunk_rows)
         self._num_chunks = -(-self._num // self._chunk_rows)
         self._cols: Dict[str, Tuple[int, int]] = {}
@@ -93,12 +103,25 @@ class _RowStore(EmbeddingStore):
         """Seed of the initial values."""
         return self._seed
 
+    @property
+    def row_offset(self) -> int:
+        """Row of the whole table that local row 0 holds (0 unless the store is a row shard)."""
+        return self._row_offset
+
+    @property
+    def table_rows(self) -> int:
+        """Rows of the whole table (``num_embeddings`` unless the store is a row shard)."""
+        return self._table_rows
+
     # -- lazy initialisation -------------------------------------------------------------------------------
     def _init_chunk(self, chunk: int) -> None:
         lo = chunk * self._chunk_rows
         hi = min(lo + self._chunk_rows, self._num)
         rows = self._rows()
-        rows[lo:hi, : self._dim] = init_rows(self._seed, self._name, lo, hi, self._dim, self._num)
+        off = self._row_offset
+        rows[lo:hi, : self._dim] = init_rows(
+            self._seed, self._name, off + lo, off + hi, self._dim, self._table_rows
+        )
         rows[lo:hi, self._dim :] = 0.0
 
     def _ensure_init(self, ids: Optional[torch.Tensor]) -> None:

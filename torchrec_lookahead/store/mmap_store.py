@@ -46,9 +46,13 @@ class MmapStore(_RowStore):
         seed: global seed of the initial values.
         chunk_rows: rows initialised at a time; a multiple of
             :data:`~torchrec_lookahead.store.init.INIT_BLOCK_ROWS`.
+        row_offset: for a row shard of a larger table (see
+            :class:`~torchrec_lookahead.store.RowShardedStore`): the table row held by local row 0 (ids stay
+            local; the initial values are the whole table's).
+        table_rows: rows of the whole table when the store is a shard (default ``num_embeddings``).
 
     Raises:
-        ConfigError: a size is not positive, or an existing file was created with other sizes, layout, name or
+        ConfigError: a size is not positive, the shard does not fit in ``table_rows``, or an existing file was created with other sizes, layout, name or
             seed.
 
     Example:
@@ -73,8 +77,12 @@ class MmapStore(_RowStore):
         name: str = "table",
         seed: int = 0,
         chunk_rows: int = 65536,
+        row_offset: int = 0,
+        table_rows: Optional[int] = None,
     ) -> None:
-        super().__init__(name, num_embeddings, embedding_dim, state_widths, seed, chunk_rows)
+        super().__init__(
+            name, num_embeddings, embedding_dim, state_widths, seed, chunk_rows, row_offset, table_rows
+        )
         self._path = os.fspath(path)
         meta = self._meta()
         meta_path = self._path + ".meta.json"
@@ -136,10 +144,12 @@ class MmapStore(_RowStore):
             name=meta["name"],
             seed=meta["seed"],
             chunk_rows=meta["chunk_rows"],
+            row_offset=meta.get("row_offset", 0),
+            table_rows=meta.get("table_rows"),
         )
 
     def _meta(self) -> Dict[str, Any]:
-        return {
+        meta: Dict[str, Any] = {
             "format": _FORMAT,
             "version": _VERSION,
             "name": self._name,
@@ -150,6 +160,9 @@ class MmapStore(_RowStore):
             "chunk_rows": self._chunk_rows,
             "dtype": "float32",
         }
+        if self._row_offset != 0 or self._table_rows != self._num:  # a row shard (absent: a whole table)
+            meta.update(row_offset=self._row_offset, table_rows=self._table_rows)
+        return meta
 
     @property
     def path(self) -> str:

@@ -26,9 +26,13 @@ class TensorStore(_RowStore):
         chunk_rows: rows initialised at a time; a multiple of
             :data:`~torchrec_lookahead.store.init.INIT_BLOCK_ROWS`.
         pin_memory: allocate in pinned memory (faster host-to-device copies; needs CUDA).
+        row_offset: for a row shard of a larger table (see
+            :class:`~torchrec_lookahead.store.RowShardedStore`): the table row held by local row 0. Ids stay local
+            (``0 <= id < num_embeddings``); only the initial values follow the whole table's rows.
+        table_rows: rows of the whole table when the store is a shard (default ``num_embeddings``).
 
     Raises:
-        ConfigError: a size is not positive.
+        ConfigError: a size is not positive, or the shard does not fit in ``table_rows``.
 
     Example:
         >>> import torch
@@ -51,8 +55,12 @@ class TensorStore(_RowStore):
         seed: int = 0,
         chunk_rows: int = 65536,
         pin_memory: bool = False,
+        row_offset: int = 0,
+        table_rows: Optional[int] = None,
     ) -> None:
-        super().__init__(name, num_embeddings, embedding_dim, state_widths, seed, chunk_rows)
+        super().__init__(
+            name, num_embeddings, embedding_dim, state_widths, seed, chunk_rows, row_offset, table_rows
+        )
         self._data = torch.empty(self._num, self.row_width, dtype=torch.float32, pin_memory=pin_memory)
         self._flags = torch.zeros(self._num_chunks, dtype=torch.uint8)
 
