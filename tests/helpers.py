@@ -95,6 +95,7 @@ def fit_cached(
     ckpt_path: Optional[str] = None,
     callbacks: Optional[List[pl.Callback]] = None,
     wrap: bool = True,
+    lookahead_kw: Optional[Dict[str, Any]] = None,
     **trainer_kw: Any,
 ) -> tuple[pl.Trainer, DLRMModule]:
     """Train the tiny model with ``capacity`` cached (resident when empty), as the CLI would."""
@@ -110,7 +111,9 @@ def fit_cached(
     if capacity:
         sharders = [LookaheadEmbeddingBagCollectionSharder(capacity=capacity)]
         if wrap:
-            dm = LookaheadDataModule(inner, horizon=8, prefetch_depth=1, policy=policy)
+            dm = LookaheadDataModule(
+                inner, horizon=8, prefetch_depth=1, policy=policy, **(lookahead_kw or {})
+            )
     model = make_model(inner, emb=emb)
     trainer = _trainer(
         tmp_path, max_steps, callbacks, strategy=TorchRecStrategy(sharders=sharders), **trainer_kw

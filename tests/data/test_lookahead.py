@@ -184,3 +184,94 @@ def test_sigterm_flushes_every_cached_row_to_the_store(tmp_path):
         held = (slots >= 0).nonzero().flatten()
         stored, _ = cache.stores[table].gather(slots[held])
         assert torch.equal(stored, cache.cache_weights(table)[held])
+
+
+def _late_window_capacity(table: str, batches: int, early: int):
+    """A capacity for ``table`` that holds every window of the first ``early`` batches but not a later one."""
+    import numpy as np
+
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
+
+    from ..conftest import tiny_data_args
+
+    dm = CriteoSyntheticDataModule(**tiny_data_args(num_train_batches=batches))
+    dm.setup("fit")
+    feature = table[len("t_") :]
+    ids = [np.unique(b.sparse_features[feature].values().numpy()) for b in dm.train_dataloader()]
+    need = [len(ids[0])] + [len(np.union1d(a, b)) for a, b in zip(ids, ids[1:])]
+    cap = max(need[:early])
+    assert max(need) > cap, need  # the data has such a late window
+    return cap
+
+
+@pytest.mark.parametrize("check, fails_before_training", [("epoch", True), ("lookahead", False)])
+def test_a_late_window_that_does_not_fit(tmp_path, check, fails_before_training):
+    table, batches = "t_cat_11", 40
+    cap = _late_window_capacity(table, batches, early=14)
+    steps = []
+
+    class Count(pl.Callback):
+        def on_train_batch_start(self, *args):
+            steps.append(1)
+
+    with pytest.raises(
+        CapacityError, match=rf"{table}.*need \d+ cache rows but capacity\['{table}'\] is {cap}"
+    ):
+        fit_cached(
+            tmp_path,
+            batches,
+            capacity={table: cap},
+            data={"num_train_batches": batches},
+            callbacks=[Count()],
+            lookahead_kw={"capacity_check": check},
+        )
+    assert (len(steps) == 0) == fails_before_training, len(steps)
+
+
+def test_check_stream_matches_the_oracle_minimum_and_refuses_bad_ids():
+    from torchrec_lookahead.data.capacity import check_stream
+    from torchrec_lookahead.oracle import OracleConfig, min_capacity
+
+    gen = torch.Generator().manual_seed(3)
+    stream = [{"a": torch.randint(0, 50, (20,), generator=gen), "b": torch.randint(0, 9, (7,), generator=gen)}
+              for _ in range(30)]  # fmt: skip
+    f2t = {"a": "ta", "b": "tb"}
+    for depth in (0, 1, 3):
+        want = min_capacity(stream, depth, OracleConfig(capacity={"ta": 1, "tb": 1}, feature_to_table=f2t))
+        got = check_stream(stream, want, f2t, {"ta": 50, "tb": 9}, depth)
+        assert got == want
+        short = {"ta": want["ta"] - 1, "tb": want["tb"]}
+        with pytest.raises(CapacityError, match=rf"'ta'.*largest windows need \{{'ta': {want['ta']}\}}"):
+            check_stream(stream, short, f2t, {"ta": 50, "tb": 9}, depth)
+    bad = stream[:5] + [{"a": torch.tensor([3, 50]), "b": torch.tensor([1])}]
+    with pytest.raises(InvalidIdError, match="'ta': batch 5 holds id 50"):
+        check_stream(bad, {"ta": 100, "tb": 100}, f2t, {"ta": 50, "tb": 9}, 1)
+    with pytest.raises(InvalidIdError, match="id -1"):
+        check_stream(
+            [{"a": torch.tensor([-1]), "b": torch.tensor([1])}],
+            {"ta": 9, "tb": 9},
+            f2t,
+            {"ta": 50, "tb": 9},
+            1,
+        )
+
+
+def test_preserved_rng_keeps_a_shuffling_loaders_order():
+    from torch.utils.data import DataLoader
+
+    from torchrec_lookahead.data.capacity import preserved_rng
+
+    loader = DataLoader(list(range(20)), batch_size=4, shuffle=True)
+    torch.manual_seed(0)
+    with preserved_rng():
+        scanned = [b.tolist() for b in loader]
+    after = [b.tolist() for b in loader]
+    torch.manual_seed(0)
+    assert after == [b.tolist() for b in loader] == scanned
+
+
+def test_capacity_check_value_is_validated():
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
+
+    with pytest.raises(ConfigError, match="capacity_check"):
+        LookaheadDataModule(CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), capacity_check="never")

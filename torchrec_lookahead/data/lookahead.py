@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
+from torchrec_lookahead.data.capacity import check_stream, preserved_rng
 from torchrec_lookahead.distributed.lrpp import LRPPTracker, gather_global_kjt, slice_samples
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import remap_kjt, stage_rows, table_ids
@@ -393,6 +394,13 @@ class LookaheadDataModule(pl.LightningDataModule):
         queue_depth: planned batches kept ready.
         window: batches per window of the ``window`` policy.
         ways: associativity of the ``window`` policy.
+        capacity_check: ``"epoch"`` (default): before training, read the epoch's sparse features once and
+            raise :class:`~torchrec_lookahead.errors.CapacityError` / :class:`~torchrec_lookahead.errors.InvalidIdError`
+            if any window does not fit its cache or an id is out of range (costs one pass over the training
+            data; torch's, numpy's and Python's random states are restored, so a shuffling loader keeps its
+            order). ``"lookahead"``: no pre-scan; such errors surface when the oracle (``horizon`` batches ahead of
+            training) reaches the window, possibly mid-training, after a flush. Loaders without ``len()`` and
+            the ``window`` policy (set-associative: its own placement rules) are planned with ``"lookahead"``.
 
     Example:
         >>> from torchrec_lookahead.data import CriteoSyntheticDataModule
@@ -410,8 +418,11 @@ class LookaheadDataModule(pl.LightningDataModule):
         queue_depth: int = 8,
         window: Optional[int] = None,
         ways: Optional[int] = None,
+        capacity_check: str = "epoch",
     ) -> None:
         super().__init__()
+        if capacity_check not in ("epoch", "lookahead"):
+            raise ConfigError(f"Expected capacity_check 'epoch' or 'lookahead' but got {capacity_check!r}")
         if horizon < 1:
             raise ConfigError(f"Expected horizon >= 1 but got {horizon}")
         if prefetch_depth < 0 or prefetch_depth > horizon:
@@ -433,6 +444,7 @@ class LookaheadDataModule(pl.LightningDataModule):
             self.oracle_kwargs["window"] = window
         if ways is not None:
             self.oracle_kwargs["ways"] = ways
+        self.capacity_check = capacity_check
         self.loader: Optional[LookaheadLoader] = None
 
     @property
@@ -475,6 +487,7 @@ class LookaheadDataModule(pl.LightningDataModule):
             )
             return inner
         strategy = self.trainer.strategy  # type: ignore[union-attr]
+        self._check_epoch(inner, target)
         self.loader = LookaheadLoader(
             inner,
             target,
@@ -486,6 +499,34 @@ class LookaheadDataModule(pl.LightningDataModule):
             oracle_kwargs=self.oracle_kwargs,
         )
         return self.loader
+
+    def _check_epoch(self, inner: Any, target: CacheTarget) -> None:
+        """``capacity_check="epoch"``: fail before training if a window of the epoch does not fit (contract 2)."""
+        if self.capacity_check != "epoch" or self.policy == Policy.WINDOW.value:
+            return
+        try:
+            len(inner)
+        except TypeError:
+            rank_zero_warn(
+                "LookaheadDataModule: the training loader has no len(), so its windows are checked as the oracle "
+                "reaches them (capacity_check='lookahead')"
+            )
+            return
+
+        def sparse() -> Iterator[Any]:
+            for b in inner:
+                if target.num_ranks > 1:  # every rank plans the global batch
+                    yield gather_global_kjt(b.sparse_features, target.num_ranks, target.group)
+                else:
+                    yield b.sparse_features
+
+        t0 = time.perf_counter()
+        with preserved_rng():
+            need = check_stream(
+                sparse(), target.capacity, target.feature_to_table, target.num_embeddings, self.prefetch_depth
+            )
+        log.info("capacity check of %d batches in %.1f s: largest windows %s", len(inner),
+                 time.perf_counter() - t0, need)  # fmt: skip
 
     @override
     def val_dataloader(self) -> Any:

@@ -1,0 +1,105 @@
+"""Checking a training stream against the cache before training starts (contract 2: bounded, fail early).
+
+The oracle raises :class:`~torchrec_lookahead.errors.CapacityError` when a window (a batch and the next
+``prefetch_depth``) needs more rows than a table's cache holds, but it plans only ``horizon`` batches ahead of
+training, so a window late in an epoch would surface mid-training. :func:`check_stream` scans the whole epoch
+first: the same per-window working sets, ids checked against the table sizes, and nothing planned or moved.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Any, Deque, Dict, Iterable, Mapping, Tuple
+
+import numpy as np
+import torch
+
+from torchrec_lookahead.errors import CapacityError, InvalidIdError
+from torchrec_lookahead.oracle._batch import split_batch
+
+__all__ = ["check_stream", "preserved_rng"]
+
+
+class preserved_rng:
+    """Context manager restoring torch's, numpy's and Python's global random state on exit, so that reading a
+    loader once (e.g. a shuffling ``DataLoader``, which draws its seed from torch) leaves the order of the next
+    iteration as it would have been."""
+
+    def __enter__(self) -> preserved_rng:
+        self._torch = torch.get_rng_state()
+        self._numpy = np.random.get_state()
+        self._python = random.getstate()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_rng_state(self._torch)
+        np.random.set_state(self._numpy)
+        random.setstate(self._python)
+
+
+def check_stream(
+    batches: Iterable[Any],
+    capacity: Mapping[str, int],
+    feature_to_table: Mapping[str, str],
+    num_embeddings: Mapping[str, int],
+    prefetch_depth: int,
+) -> Dict[str, int]:
+    """Scan a stream of sparse features (KJTs or mappings) and fail at the first window a cache cannot hold.
+
+    Args:
+        batches: the stream (read once).
+        capacity: cache rows per cached table.
+        feature_to_table: feature -> table for the cached tables' features (other features are ignored).
+        num_embeddings: rows per cached table (ids must be in ``[0, rows)``).
+        prefetch_depth: P: a window is a batch and the next P batches.
+
+    Returns:
+        The largest window working set per table (the smallest capacity that would do).
+
+    Raises:
+        CapacityError: a window needs more rows than a table's capacity (names the first such window, the
+            rows it needs and the rows available, and the largest window of each short table).
+        InvalidIdError: an id is negative or not below the table's size (names the table and the batch).
+
+    Example:
+        >>> import torch
+        >>> stream = [{"f": torch.tensor([1, 2])}, {"f": torch.tensor([3])}, {"f": torch.tensor([3, 4])}]
+        >>> check_stream(stream, {"t": 3}, {"f": "t"}, {"t": 10}, prefetch_depth=1)
+        {'t': 3}
+    """
+    names = sorted(capacity)
+    hist: Dict[str, Deque[np.ndarray]] = {n: deque(maxlen=prefetch_depth + 1) for n in names}
+    best = {n: 0 for n in names}
+    first: Dict[str, Tuple[int, int, int]] = {}
+    f2t: Dict[str, str] = {}
+    for step, batch in enumerate(batches):
+        keys = batch.keys() if hasattr(batch, "keys") else list(batch)
+        for k in keys:
+            if k not in f2t:
+                f2t[k] = feature_to_table.get(k, f"__unplanned__/{k}")
+        parts = split_batch(batch, names, f2t, False)
+        for n in names:
+            uniq = np.unique(parts[n][0])
+            if uniq.size and (int(uniq[0]) < 0 or int(uniq[-1]) >= int(num_embeddings[n])):
+                bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
+                raise InvalidIdError(
+                    f"table {n!r}: batch {step} holds id {bad} outside [0, {int(num_embeddings[n])}); remap or "
+                    "hash ids into the table before training"
+                )
+            hist[n].append(uniq)
+            need = int(np.unique(np.concatenate(list(hist[n]))).size) if len(hist[n]) > 1 else int(uniq.size)
+            best[n] = max(best[n], need)
+            if need > int(capacity[n]) and n not in first:
+                first[n] = (step - len(hist[n]) + 1, step, need)
+    if first:
+        n = sorted(first)[0]
+        lo, hi, need = first[n]
+        short = {t: best[t] for t in sorted(first)}
+        raise CapacityError(
+            f"table {n!r}: batches {lo}..{hi} (a batch and the next prefetch_depth={prefetch_depth}) need {need} "
+            f"cache rows but capacity[{n!r}] is {int(capacity[n])}; the epoch's largest windows need {short} "
+            "rows: raise those capacities, lower prefetch_depth, or use smaller batches (found before training "
+            "by LookaheadDataModule(capacity_check='epoch'))"
+        )
+    return best
