@@ -82,8 +82,16 @@ def test_device_count_that_does_not_match_torchrun_is_refused(tmp_path):
     assert "SetupError" in out.stderr and "devices=2" in out.stderr
 
 
-# The multi-rank cached runs below stop at epoch ends (12 batches per epoch): a run stopped mid-epoch can
-# leave a planner thread inside an id all-gather its peer never joins (CHANGELOG, known limitations).
+def test_two_rank_cached_run_stopped_mid_epoch_exits_cleanly_and_equals_torchrec():
+    """max_steps in the middle of the second epoch (12 batches per epoch): the planner threads stop their id
+    all-gathers in lockstep, the process exits with status 0, and the flushed weights equal TorchRec's resident
+    2-rank DMP run stopped at the same step."""
+    out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
+                   "--steps", "17", timeout=200)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["passed"] and result["steps"] == 17 and result["max_abs_weight_diff"] <= 1e-5, result
+    assert "was not joined" not in out.stderr
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
