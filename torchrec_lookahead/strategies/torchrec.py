@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
@@ -177,8 +178,9 @@ class TorchRecStrategy(DDPStrategy):
         self.set_world_ranks()
         env = self.cluster_environment
         assert env is not None
-        store = dist.TCPStore(env.main_address, env.main_port, is_master=False, timeout=self._timeout)
-        kwargs: Dict[str, Any] = {"timeout": self._timeout}
+        timeout = self._timeout or timedelta(minutes=30)
+        store = dist.TCPStore(env.main_address, env.main_port, is_master=False, timeout=timeout)
+        kwargs: Dict[str, Any] = {"timeout": timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         log.info("torchrun restart %d: process group on the agent's store under a prefix of its own", restart)
