@@ -8,8 +8,12 @@ logs are and the final metrics.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+import traceback
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -18,7 +22,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead.models import DLRMModule
 
-__all__ = ["LookaheadCLI", "build_cli", "main", "shutdown_distributed"]
+__all__ = ["LookaheadCLI", "build_cli", "main", "shutdown_distributed", "fail_fast_on_error"]
 
 
 class LookaheadCLI(LightningCLI):
@@ -66,9 +70,6 @@ def shutdown_distributed(exit_code: Optional[int] = None) -> None:
     also end the process right away (after the atexit handlers and a flush of the standard streams): the
     interpreter's own teardown of gloo's threads after a lookahead run with several ranks was seen to abort
     ("terminate called without an active exception") after all work had finished."""
-    import atexit
-    import os
-
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -80,6 +81,32 @@ def shutdown_distributed(exit_code: Optional[int] = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)
+
+
+@contextlib.contextmanager
+def fail_fast_on_error() -> Iterator[None]:
+    """With several ranks, end the process as soon as the wrapped code raises: print the traceback, run the
+    atexit handlers (which remove the shared stores), flush the standard streams and exit with status 1.
+
+    A rank that fails must not wait for its peers at exit: a collective left unjoined (a peer stuck in a step's
+    all-reduce, or an id all-gather the lookahead planner abandoned) keeps the interpreter's teardown of gloo
+    waiting until the peer goes, and the peer waits for this rank, while ``torchrun`` ends the other ranks only
+    once one of them has exited.
+    """
+    import torch.distributed as dist
+
+    try:
+        yield
+    except BaseException as e:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            raise
+        code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
+        if code:
+            traceback.print_exc()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def build_cli(args: Sequence[str], run: bool = False) -> LookaheadCLI:
@@ -102,6 +129,9 @@ def main(args: Optional[List[str]] = None) -> None:
     if argv[:1] == ["verify"]:
         from torchrec_lookahead.verify import main as verify_main
 
-        raise SystemExit(verify_main(argv[1:]))
-    build_cli(argv, run=True)
+        with fail_fast_on_error():
+            code = verify_main(argv[1:])
+        raise SystemExit(code)
+    with fail_fast_on_error():
+        build_cli(argv, run=True)
     shutdown_distributed(exit_code=0)

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Sequence
 
 import pytest
 import torch
@@ -16,13 +16,16 @@ from ..conftest import REPO, free_port
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, *args: str, timeout: int = 400, launcher: Sequence[str] = ()
+) -> subprocess.CompletedProcess:
+    rdzv = list(launcher) or [f"--master_port={free_port()}"]
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
+        *rdzv,
         "-m",
         "torchrec_lookahead",
         *args,
@@ -82,8 +85,16 @@ def test_device_count_that_does_not_match_torchrun_is_refused(tmp_path):
     assert "SetupError" in out.stderr and "devices=2" in out.stderr
 
 
-# The multi-rank cached runs below stop at epoch ends (12 batches per epoch): a run stopped mid-epoch can
-# leave a planner thread inside an id all-gather its peer never joins (CHANGELOG, known limitations).
+def test_two_rank_cached_run_stopped_mid_epoch_exits_cleanly_and_equals_torchrec():
+    """max_steps in the middle of the second epoch (12 batches per epoch): the planner threads stop their id
+    all-gathers in lockstep, the process exits with status 0, and the flushed weights equal TorchRec's resident
+    2-rank DMP run stopped at the same step."""
+    out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
+                   "--steps", "17", timeout=200)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["passed"] and result["steps"] == 17 and result["max_abs_weight_diff"] <= 1e-5, result
+    assert "was not joined" not in out.stderr
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
@@ -170,3 +181,35 @@ def test_two_hosts_shard_the_stores_by_host_and_equal_torchrec_resident_training
         assert p.returncode == 0, stderr[-4000:]
     result = json.loads(outs[0][0].strip().splitlines()[-1])
     assert result["passed"] and result["max_abs_weight_diff"] <= 1e-5, result
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_a_rank_killed_under_max_restarts_resumes_from_the_last_checkpoint_with_nothing_lost(
+    tmp_path, rendezvous
+):
+    """Rank 1 is SIGKILLed after step 6 of 12 in the first attempt; torchrun restarts both ranks, which resume
+    from the last checkpoint (step 4) with ``--ckpt_path=last`` and end with the weights of an uninterrupted
+    run. Under both rendezvous torchrun hands the restarted attempt the first attempt's store: the strategy
+    sets the restarted process group up under a prefix of its own (docs/design.md, resilience)."""
+    common = ["fit", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
+              "--trainer.limit_val_batches=0", "--trainer.max_steps=12", "--ckpt_path=last"]  # fmt: skip
+
+    launcher = [f"--master_port={free_port()}"] if rendezvous == "static" else ["--standalone"]
+
+    def run(name: str, *extra: str) -> subprocess.CompletedProcess:
+        ckpt = [*_ckpt_args(tmp_path / f"{name}_ckpt", 4), "--trainer.callbacks.save_last=true"]
+        return torchrun(2, *common, f"--trainer.default_root_dir={tmp_path}/{name}", *ckpt, *extra,
+                        launcher=[*launcher, "--max-restarts=1"], timeout=120)  # fmt: skip
+
+    full = run("a")
+    assert full.returncode == 0, full.stderr[-4000:]
+    killed = run("b", "--trainer.callbacks+=tests.strategies.faults.KillAtStep", "--trainer.callbacks.step=6")
+    assert killed.returncode == 0, killed.stderr[-4000:]
+    assert "exitcode: -9" in killed.stderr  # the first attempt did lose rank 1
+    assert "Restored all states from the checkpoint" in killed.stdout + killed.stderr
+    a = _full_state(tmp_path / "a_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
+    b = _full_state(tmp_path / "b_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
+    cached = [k for k in a if ".cache.embedding_bags." in k and k.endswith(".weight")]
+    assert cached and a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k

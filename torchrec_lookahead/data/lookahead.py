@@ -9,6 +9,10 @@ been applied (the oracle never evicts an id needed within the prefetch window, s
 touch them). The ``torchrec`` strategy applies each batch's plan right before its training step.
 
 Validation and test loaders are the wrapped DataModule's own: evaluation reads ids, not slots.
+
+With several ranks, the planner threads all-gather every batch's ids in lockstep (an
+:class:`~torchrec_lookahead.distributed.lrpp.IdGatherer`): all ranks stop gathering at the same batch, whether
+the epoch ends, a rank's loader runs out early (a typed error on every rank) or a rank stops training.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import CancelledError, Future
@@ -29,7 +34,7 @@ from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
 from torchrec_lookahead.data.capacity import check_stream, preserved_rng
-from torchrec_lookahead.distributed.lrpp import LRPPTracker, gather_global_kjt, slice_samples
+from torchrec_lookahead.distributed.lrpp import IdGatherer, LRPPTracker, slice_samples
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import remap_kjt, stage_rows, table_ids
 from torchrec_lookahead.modules.types import StagedRows
@@ -132,11 +137,14 @@ _END = object()
 class _Run:
     """The queues, stop flag and threads of one iteration of a :class:`LookaheadLoader`."""
 
-    def __init__(self, queue_depth: int) -> None:
+    def __init__(self, queue_depth: int, join_timeout_s: float = 30.0) -> None:
         self.out: queue.Queue[Any] = queue.Queue(maxsize=queue_depth)
         self.to_stage: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
         self.threads: List[threading.Thread] = []
+        self.join_timeout_s = join_timeout_s
+        #: an error of the planner thread's shutdown (its last id all-gather was not joined by every rank)
+        self.shutdown_error: Optional[BaseException] = None
 
     @property
     def stopped(self) -> bool:
@@ -163,16 +171,19 @@ class _Run:
     def get(self) -> Any:
         return self.out.get()
 
-    def stop(self) -> None:
+    def stop(self) -> Optional[BaseException]:
+        """Stop and join the threads; returns the planner thread's shutdown error, if any."""
         self._stop.set()
         for t in self.threads:
             if t is not threading.current_thread():
-                t.join(timeout=30)
+                t.join(timeout=self.join_timeout_s)
                 if t.is_alive():
                     log.warning(
-                        "lookahead thread %s did not stop within 30 s (blocked in the wrapped loader?)",
+                        "lookahead thread %s did not stop within %g s (blocked in the wrapped loader?)",
                         t.name,
+                        self.join_timeout_s,
                     )
+        return self.shutdown_error
 
 
 class LookaheadLoader:
@@ -188,6 +199,9 @@ class LookaheadLoader:
         on_epoch_start: called at every new iteration (the strategy flushes and empties the cache there, so
             that a fresh oracle starts from an empty cache).
         oracle_kwargs: extra :class:`~torchrec_lookahead.oracle.OracleConfig` fields (``window``, ``ways``, ...).
+        stop_timeout_s: with several ranks, how long a rank that stopped training waits for the others to join
+            its planner thread's last id all-gather before it gives up with a
+            :class:`~torchrec_lookahead.errors.SetupError` (a peer failed or keeps training).
     """
 
     def __init__(
@@ -200,8 +214,12 @@ class LookaheadLoader:
         queue_depth: int = 8,
         on_epoch_start: Optional[Any] = None,
         oracle_kwargs: Optional[Dict[str, Any]] = None,
+        stop_timeout_s: float = 60.0,
     ) -> None:
+        if not stop_timeout_s > 0:
+            raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s}")
         self.loader = loader
+        self.stop_timeout_s = float(stop_timeout_s)
         self.target = target
         self._oracle_kwargs: Dict[str, Any] = dict(
             capacity=dict(target.capacity),
@@ -225,6 +243,7 @@ class LookaheadLoader:
         self._planned = -1
         self._cond = threading.Condition()
         self._run: Optional[_Run] = None
+        self._stop_error: Optional[BaseException] = None
         self.stats_wait_s = 0.0
 
     def __len__(self) -> int:
@@ -243,10 +262,25 @@ class LookaheadLoader:
     # ------------------------------------------------------------------------------------------ iteration
     def close(self) -> None:
         """Stop the background threads of the current iteration (the strategy or DataModule calls it when
-        training stops before the epoch ends; a new iteration starts fresh threads)."""
+        training stops before the epoch ends; a new iteration starts fresh threads).
+
+        Raises:
+            SetupError: with several ranks, the planner thread's last id all-gather was not joined by every rank
+                within ``stop_timeout_s`` (raised unless another exception is being handled, in which case it
+                is logged).
+        """
         run, self._run = self._run, None
         if run is not None:
-            run.stop()
+            self._stopped(run)
+        err, self._stop_error = self._stop_error, None
+        if err is not None and sys.exc_info()[0] is None:
+            raise err
+
+    def _stopped(self, run: _Run) -> None:
+        err = run.stop()
+        if err is not None:
+            log.error("%s", err)
+            self._stop_error = err
 
     def __iter__(self) -> Iterator[LookaheadBatch]:
         self.close()
@@ -265,7 +299,7 @@ class LookaheadLoader:
         self._yielded = start
         self._applied = -1
         self._planned = -1
-        run = _Run(self.queue_depth)
+        run = _Run(self.queue_depth, join_timeout_s=self.stop_timeout_s + 30.0)
         self._run = run
         run.start(self._plan, self._stage)
         try:
@@ -278,32 +312,61 @@ class LookaheadLoader:
                 self._yielded += 1
                 yield item
         finally:
-            run.stop()
+            self._stopped(run)
             if self._run is run:
                 self._run = None
 
     def _plan(self, run: _Run) -> None:
+        gatherer = None
+        if self.target.num_ranks > 1:
+            gatherer = IdGatherer(
+                self.target.num_ranks, self.target.group, lambda: run.stopped, self.stop_timeout_s
+            )
         try:
-            self._plan_stream(run)
-            run.put(_END)
+            self._plan_stream(run, gatherer)
+            if gatherer is not None and gatherer.peer_stopped:
+                # Only seen by a rank that keeps training after another one stopped (not in lockstep).
+                run.put(
+                    SetupError(
+                        f"rank(s) {gatherer.peer_stopped} stopped training at batch {gatherer.count - 1} of the "
+                        f"epoch while rank {self.target.rank} still asks for batches: every rank must stop at the "
+                        "same step (did another rank fail?)"
+                    )
+                )
+            else:
+                run.put(_END)
         except BaseException as e:  # handed to the training thread
             run.put(e)
         finally:
             run.to_stage.put(None)
+            if gatherer is not None:
+                try:  # tell the other ranks, through the same collective, that this rank stops
+                    gatherer.stop()
+                except BaseException as e:
+                    run.shutdown_error = e
 
-    def _plan_stream(self, run: _Run) -> None:
+    def _plan_stream(self, run: _Run, gatherer: Optional[IdGatherer]) -> None:
         batches: queue.Queue[Batch] = queue.Queue()
-        multi = self.target.num_ranks > 1
+        multi = gatherer is not None
 
         def sparse() -> Iterator[Any]:
-            for b in self.loader:
+            it = iter(self.loader)
+            while not run.stopped:
+                b = next(it, None)
                 if run.stopped:
                     return
-                batches.put(b)
-                if multi:  # every rank plans the global batch: gather the ids (not the dense features)
-                    yield gather_global_kjt(b.sparse_features, self.target.num_ranks, self.target.group)
-                else:
+                if gatherer is None:
+                    if b is None:
+                        return
+                    batches.put(b)
                     yield b.sparse_features
+                    continue
+                # Every rank plans the global batch: gather the ids (not the dense features), in lockstep.
+                global_kjt = gatherer.gather(None if b is None else b.sparse_features)
+                if global_kjt is None or b is None:
+                    return
+                batches.put(b)
+                yield global_kjt
 
         stream = sparse()
         first = next(stream, None)
@@ -401,6 +464,8 @@ class LookaheadDataModule(pl.LightningDataModule):
             order). ``"lookahead"``: no pre-scan; such errors surface when the oracle (``horizon`` batches ahead of
             training) reaches the window, possibly mid-training, after a flush. Loaders without ``len()`` and
             the ``window`` policy (set-associative: its own placement rules) are planned with ``"lookahead"``.
+        stop_timeout_s: with several ranks, how long a rank that stopped training waits for the others to join
+            the planner's last id all-gather before it gives up with a typed error (a peer failed).
 
     Example:
         >>> from torchrec_lookahead.data import CriteoSyntheticDataModule
@@ -419,10 +484,14 @@ class LookaheadDataModule(pl.LightningDataModule):
         window: Optional[int] = None,
         ways: Optional[int] = None,
         capacity_check: str = "epoch",
+        stop_timeout_s: float = 60.0,
     ) -> None:
         super().__init__()
         if capacity_check not in ("epoch", "lookahead"):
             raise ConfigError(f"Expected capacity_check 'epoch' or 'lookahead' but got {capacity_check!r}")
+        if not stop_timeout_s > 0:
+            raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s}")
+        self.stop_timeout_s = float(stop_timeout_s)
         if horizon < 1:
             raise ConfigError(f"Expected horizon >= 1 but got {horizon}")
         if prefetch_depth < 0 or prefetch_depth > horizon:
@@ -497,6 +566,7 @@ class LookaheadDataModule(pl.LightningDataModule):
             self.queue_depth,
             on_epoch_start=getattr(strategy, "reset_caches", None),
             oracle_kwargs=self.oracle_kwargs,
+            stop_timeout_s=self.stop_timeout_s,
         )
         return self.loader
 
@@ -514,11 +584,18 @@ class LookaheadDataModule(pl.LightningDataModule):
             return
 
         def sparse() -> Iterator[Any]:
-            for b in inner:
-                if target.num_ranks > 1:  # every rank plans the global batch
-                    yield gather_global_kjt(b.sparse_features, target.num_ranks, target.group)
-                else:
-                    yield b.sparse_features
+            if target.num_ranks == 1:
+                yield from (b.sparse_features for b in inner)
+                return
+            # Every rank plans the global batch: the same lockstep gathers as the planner thread's.
+            gatherer = IdGatherer(target.num_ranks, target.group, lambda: False, self.stop_timeout_s)
+            batches = iter(inner)
+            while True:
+                b = next(batches, None)
+                kjt = gatherer.gather(None if b is None else b.sparse_features)
+                if kjt is None:
+                    return
+                yield kjt
 
         t0 = time.perf_counter()
         with preserved_rng():

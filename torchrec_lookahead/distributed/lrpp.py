@@ -16,8 +16,12 @@ rank); :class:`WriterFilteredStore` makes each rank write back only the rows it 
 
 from __future__ import annotations
 
+import enum
+import pickle
+import time
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -36,6 +40,8 @@ __all__ = [
     "lowest_rank",
     "gather_global_kjt",
     "slice_samples",
+    "GatherStatus",
+    "IdGatherer",
 ]
 
 
@@ -228,6 +234,17 @@ class WriterFilteredStore(EmbeddingStore):
         self.inner.flush()
 
 
+def _local_part(kjt: KeyedJaggedTensor) -> Tuple[Any, ...]:
+    weights = kjt.weights_or_none()
+    return (
+        list(kjt.keys()),
+        kjt.values().cpu(),
+        kjt.lengths().cpu(),
+        int(kjt.stride()),
+        None if weights is None else weights.cpu(),
+    )
+
+
 def gather_global_kjt(
     kjt: KeyedJaggedTensor, world_size: int, group: Optional[dist.ProcessGroup]
 ) -> KeyedJaggedTensor:
@@ -237,16 +254,12 @@ def gather_global_kjt(
     Raises:
         DataError: the ranks' slices have different keys or batch sizes (use ``drop_last`` for the last batch).
     """
-    weights = kjt.weights_or_none()
-    local = (
-        list(kjt.keys()),
-        kjt.values().cpu(),
-        kjt.lengths().cpu(),
-        int(kjt.stride()),
-        None if weights is None else weights.cpu(),
-    )
     parts: list = [None] * world_size
-    dist.all_gather_object(parts, local, group=group)
+    dist.all_gather_object(parts, _local_part(kjt), group=group)
+    return _merge_parts(parts)
+
+
+def _merge_parts(parts: List[Any]) -> KeyedJaggedTensor:
     keys = parts[0][0]
     if any(p[0] != keys for p in parts):
         raise DataError(f"ranks hold different sparse features: {[p[0] for p in parts]}")
@@ -301,3 +314,134 @@ def slice_samples(kjt: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor
     return KeyedJaggedTensor(
         keys=keys, values=torch.cat(values), lengths=lengths[:, lo:hi].reshape(-1), weights=weights
     )
+
+
+class GatherStatus(enum.IntEnum):
+    """What a rank brings to one lockstep id all-gather."""
+
+    BATCH = 0  #: the sparse features of its next batch
+    END = 1  #: its loader is exhausted (the end of the epoch)
+    STOP = 2  #: its training stopped (max_steps, an exception, a signal): no more gathers
+
+
+class IdGatherer:
+    """The id all-gathers of one epoch of the lookahead loader's planner thread, kept in lockstep.
+
+    Every gather carries, besides the rank's sparse ids, a :class:`GatherStatus`. The first gather in which any
+    rank does not bring a batch is the last one for every rank, so all ranks stop at the same gather and no rank
+    is left inside an all-gather its peers never join:
+
+    * every rank ``END``: the epoch is over;
+    * some ranks ``END`` and others ``BATCH``: the ranks' loaders have different lengths (a ragged or missing
+      final slice): :class:`~torchrec_lookahead.errors.DataError` on every rank;
+    * some rank ``STOP``: that rank stopped training; the others end their plan stream there (with the ranks
+      stopping in lockstep, as at ``max_steps``, no rank ever asks for a batch beyond it).
+
+    A rank that stops calls :meth:`stop`, which joins the gather its peers are in (or waits for them at the
+    next one). Each gather is one header all-gather (status and payload size) and, when every rank brings a
+    batch, one payload all-gather, both asynchronous: while the rank has not stopped, the wait is unbounded (a
+    peer's planner may be held by a full queue while its training thread validates or checkpoints); once it
+    has stopped (``stopped()`` is true), a gather that does not complete within ``stop_timeout_s`` is
+    abandoned with a :class:`~torchrec_lookahead.errors.SetupError` (a peer failed or keeps training).
+
+    Args:
+        world_size: ranks in ``group``.
+        group: the planner thread's gloo process group (``None``: the default group).
+        stopped: tells whether this rank's training has stopped.
+        stop_timeout_s: bound of the wait once stopped.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        group: Optional[dist.ProcessGroup],
+        stopped: Callable[[], bool],
+        stop_timeout_s: float = 60.0,
+    ) -> None:
+        self.world_size = world_size
+        self.group = group
+        self.stopped = stopped
+        self.stop_timeout_s = float(stop_timeout_s)
+        self.count = 0
+        self.finished = False
+        self.peer_stopped: List[int] = []
+
+    def gather(self, kjt: Optional[KeyedJaggedTensor]) -> Optional[KeyedJaggedTensor]:
+        """The global batch (``kjt``: this rank's slice; ``None``: its loader is exhausted), or ``None`` once
+        the gathers are over (every rank at the end of its loader, or some rank stopped: see
+        :attr:`peer_stopped`).
+
+        Raises:
+            DataError: the ranks' loaders have different lengths, or their slices differ in keys or sizes.
+            SetupError: this rank stopped and its peers did not join within ``stop_timeout_s``.
+        """
+        if self.finished:
+            return None
+        status = GatherStatus.BATCH if kjt is not None else GatherStatus.END
+        statuses, payloads = self._exchange(status, None if kjt is None else pickle.dumps(_local_part(kjt)))
+        n = self.count - 1
+        if all(s == GatherStatus.BATCH for s in statuses):
+            return _merge_parts([pickle.loads(p) for p in payloads])
+        self.finished = True
+        self.peer_stopped = [r for r, s in enumerate(statuses) if s == GatherStatus.STOP]
+        if self.peer_stopped:
+            return None
+        ended = [r for r, s in enumerate(statuses) if s == GatherStatus.END]
+        if len(ended) == self.world_size:
+            return None
+        raise DataError(
+            f"the ranks' training loaders have different lengths: ranks {ended} have no batch {n} while ranks "
+            f"{[r for r in range(self.world_size) if r not in ended]} have one (a ragged or empty final slice); "
+            "every rank must read the same number of batches: use drop_last=True (the default of this "
+            "package's DataModules with several ranks) or pad the data"
+        )
+
+    def stop(self) -> None:
+        """Tell the peers that this rank stopped (one ``STOP`` gather, unless the gathers are already over).
+
+        Raises:
+            SetupError: the peers did not join within ``stop_timeout_s``.
+        """
+        if self.finished:
+            return
+        self.finished = True
+        self._exchange(GatherStatus.STOP, None)
+
+    # ---------------------------------------------------------------------------------------------- helpers
+    def _wait(self, work: Any, what: str) -> None:
+        deadline: Optional[float] = None
+        while True:
+            try:
+                work.wait(timeout=timedelta(seconds=0.2))
+                return
+            except RuntimeError as e:
+                if "timed out" not in str(e).lower() or work.is_completed():
+                    raise
+            if self.stopped():
+                now = time.monotonic()
+                deadline = deadline if deadline is not None else now + self.stop_timeout_s
+                if now >= deadline:
+                    self.finished = True
+                    raise SetupError(
+                        f"id all-gather {self.count - 1} ({what}) of the lookahead planner was not joined by every "
+                        f"rank within {self.stop_timeout_s:g} s after this rank stopped training: another rank "
+                        "failed, or keeps training past the step at which this one stopped (every rank must stop "
+                        "at the same step)"
+                    )
+
+    def _exchange(self, status: GatherStatus, payload: Optional[bytes]) -> Tuple[List[int], List[bytes]]:
+        self.count += 1
+        header = torch.tensor([int(status), 0 if payload is None else len(payload)], dtype=torch.int64)
+        headers = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(headers, header, group=self.group, async_op=True), f"status {status.name}")
+        statuses = [int(h[0]) for h in headers]
+        if any(s != GatherStatus.BATCH for s in statuses):
+            return statuses, []
+        sizes = [int(h[1]) for h in headers]
+        size = max(sizes)
+        buf = torch.zeros(size, dtype=torch.uint8)
+        assert payload is not None
+        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(bufs, buf, group=self.group, async_op=True), "ids")
+        return statuses, [b[:n].numpy().tobytes() for b, n in zip(bufs, sizes)]

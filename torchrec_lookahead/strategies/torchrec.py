@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
@@ -156,6 +157,40 @@ class TorchRecStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         self._check_launcher()
         super().setup_environment()
+
+    @override
+    def setup_distributed(self) -> None:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        if restart > 0 and agent_store and dist.is_available() and not dist.is_initialized():
+            self._init_restarted_process_group(restart)
+        super().setup_distributed()  # returns early once the default group exists
+
+    def _init_restarted_process_group(self, restart: int) -> None:
+        """The default process group of attempt ``restart`` of a ``torchrun --max-restarts`` job, on the agent's
+        store under a prefix of its own.
+
+        torchrun hands every attempt the same store (static rendezvous keeps one; the c10d rendezvous shares one
+        server across rounds), and the workers' ``env://`` set-up uses no per-attempt prefix: a restarted rank
+        can read the previous attempt's gloo addresses before its peers overwrite them and fail with "Gloo
+        connectFullMesh failed ... Connection refused" or wait on a dead peer.
+        """
+        self.set_world_ranks()
+        env = self.cluster_environment
+        assert env is not None
+        timeout = self._timeout or timedelta(minutes=30)
+        store = dist.TCPStore(env.main_address, env.main_port, is_master=False, timeout=timeout)
+        kwargs: Dict[str, Any] = {"timeout": timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        log.info("torchrun restart %d: process group on the agent's store under a prefix of its own", restart)
+        dist.init_process_group(
+            self._get_process_group_backend(),
+            store=dist.PrefixStore(f"torchrec_lookahead/attempt_{restart}", store),
+            rank=env.global_rank(),
+            world_size=env.world_size(),
+            **kwargs,
+        )
 
     @override
     def _get_process_group_backend(self) -> str:

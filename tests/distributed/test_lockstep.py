@@ -1,0 +1,172 @@
+"""Two gloo ranks (spawned processes) running the lookahead loader's planner: the id all-gathers stop in
+lockstep whether the epoch ends, a rank's loader is ragged or empty, or a rank stops training early."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..conftest import free_port
+
+pytestmark = pytest.mark.distributed
+
+ROWS = 40
+
+
+def _batch(ids: List[int]) -> Any:
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor(ids, dtype=torch.int64),
+                            lengths=torch.ones(len(ids), dtype=torch.int32))  # fmt: skip
+    return Batch(torch.zeros(len(ids), 1), kjt, torch.zeros(len(ids)))
+
+
+def _batches(rank: int, n: int, size: int = 2) -> List[Any]:
+    g = torch.Generator().manual_seed(rank)
+    return [_batch(torch.randint(0, ROWS, (size,), generator=g).tolist()) for _ in range(n)]
+
+
+def _loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 20.0) -> Any:
+    from torchrec_lookahead.data.lookahead import CacheTarget, LookaheadLoader
+    from torchrec_lookahead.store import TensorStore
+
+    target = CacheTarget(capacity={"t": 16}, feature_to_table={"f": "t"}, num_embeddings={"t": ROWS},
+                         stores={"t": TensorStore(ROWS, 4, name="t")}, num_ranks=2, rank=rank, group=group)  # fmt: skip
+    return LookaheadLoader(batches, target, horizon=2, prefetch_depth=1, policy="belady", queue_depth=3,
+                           stop_timeout_s=stop_timeout_s)  # fmt: skip
+
+
+def _consume(it: Any, n: int) -> int:
+    done = 0
+    for _ in range(n):
+        b = next(it)
+        b.mark_started()
+        b.wait_staged()
+        done += 1
+    return done
+
+
+def _scenario(rank: int, name: str, group: Any) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    if name == "equal":  # two epochs of 6 batches each: both end at the same gather
+        loader = _loader(rank, _batches(rank, 6), group)
+        out["steps"] = [_consume(iter(loader), 6) for _ in range(2)]
+        loader.close()
+    elif name in ("ragged", "empty"):
+        batches = _batches(rank, 6)
+        if rank == 1:  # a missing final batch, or an empty final slice
+            batches = batches[:5] if name == "ragged" else batches[:5] + [_batch([])]
+        loader = _loader(rank, batches, group)
+        try:
+            for b in loader:
+                b.mark_started()
+                b.wait_staged()
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        loader.close()
+    elif name == "stop":  # both stop after 3 of 40 batches, at different moments
+        loader = _loader(rank, _batches(rank, 40), group)
+        it = iter(loader)
+        out["steps"] = _consume(it, 3)
+        time.sleep(0.5 * rank)
+        t0 = time.monotonic()
+        loader.close()
+        out["close_s"] = time.monotonic() - t0
+    elif name == "peer_stops":  # rank 1 stops after 2 batches, rank 0 keeps asking
+        loader = _loader(rank, _batches(rank, 40), group)
+        it = iter(loader)
+        try:
+            _consume(it, 2 if rank == 1 else 40)
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        loader.close()
+    elif name == "peer_gone":  # rank 1 stops; rank 0's planner never joins (its queue is full for 8 s)
+        loader = _loader(rank, _batches(rank, 40), group, stop_timeout_s=1.0)
+        it = iter(loader)
+        _consume(it, 2)
+        time.sleep(1.0)  # both planners fill their queues and wait in put()
+        t0 = time.monotonic()
+        if rank == 1:
+            try:
+                loader.close()
+            except Exception as e:
+                out["error"] = f"{type(e).__name__}: {e}"
+        else:
+            time.sleep(8)
+            loader.close()
+        out["close_s"] = time.monotonic() - t0
+    out["alive"] = [t.name for t in threading.enumerate() if t.name.startswith("lookahead-")]
+    return out
+
+
+SCENARIOS = ["equal", "ragged", "empty", "stop", "peer_stops", "peer_gone"]
+
+
+def _worker(rank: int, port: int, outdir: str) -> None:
+    os.environ["PYTHONWARNINGS"] = "ignore"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results = {}
+    for name in SCENARIOS:  # one pair of processes for all scenarios, a fresh planner group for each
+        t0 = time.monotonic()
+        results[name] = _scenario(rank, name, dist.new_group(backend="gloo"))
+        results[name]["wall_s"] = time.monotonic() - t0
+        dist.barrier()
+    Path(outdir, f"{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List[Dict[str, Any]]]:
+    outdir = tmp_path_factory.mktemp("lockstep")
+    mp.start_processes(_worker, args=(free_port(), str(outdir)), nprocs=2, start_method="spawn")
+    per_rank = [json.loads((outdir / f"{r}.json").read_text()) for r in range(2)]
+    return {name: [per_rank[0][name], per_rank[1][name]] for name in SCENARIOS}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_no_lookahead_thread_outlives_its_loader(results, name):
+    for r in results[name]:
+        assert not r["alive"], r
+
+
+def test_ranks_that_read_the_same_number_of_batches_end_every_epoch_together(results):
+    a, b = results["equal"]
+    assert a["steps"] == b["steps"] == [6, 6]
+
+
+@pytest.mark.parametrize("name", ["ragged", "empty"])
+def test_a_ragged_or_empty_final_slice_is_a_data_error_on_every_rank(results, name):
+    a, b = results[name]
+    for r in (a, b):
+        assert r.get("error", "").startswith("DataError"), r
+    match = "different lengths" if name == "ragged" else "different sizes"
+    assert match in a["error"] and match in b["error"]
+
+
+def test_ranks_stopping_mid_epoch_end_their_gathers_together(results):
+    a, b = results["stop"]
+    assert a["steps"] == b["steps"] == 3
+    # rank 0 stopped first and waited for rank 1 to join the last all-gather, then both ended
+    assert a["close_s"] < 10 and b["close_s"] < 10
+
+
+def test_a_rank_asking_for_batches_after_its_peer_stopped_gets_a_setup_error(results):
+    a, b = results["peer_stops"]
+    assert "error" not in b
+    assert a["error"].startswith("SetupError") and "rank(s) [1] stopped" in a["error"]
+
+
+def test_a_stopped_rank_whose_peer_never_joins_gives_up_within_its_timeout(results):
+    a, b = results["peer_gone"]
+    assert b["error"].startswith("SetupError") and "within 1 s" in b["error"], b
+    assert b["close_s"] < 5, b
