@@ -20,9 +20,11 @@ A naive numpy recount (per-rank ``np.unique`` and ``np.isin``) is checked agains
 steps of every W, and on a small uneven multi-hot batch (B % W != 0, two features sharing a table).
 
 ``--gloo`` also spawns 2 gloo processes on 127.0.0.1 and times, per step, an ``all_reduce`` of a float32
-buffer of (replicated rows x 16) vs (LRPP rows x 16) vs (critical rows x 16), with the W=2 per-step counts.
+buffer of (replicated rows x 16) vs (LRPP rows x 16) vs (critical rows x 16), with the W=2 per-step counts;
+and a step with delayed synchronisation off (every LRPP row blocking) vs on (critical rows blocking, delayed
+rows async on a second group, waited for after ``--gap-ms`` standing for the rest of the step).
 
-    python benchmarks/sync_volume.py [--quick] [--json PATH] [--gloo] [--scale 1.0] [--batch 16384]
+    python benchmarks/sync_volume.py [--quick] [--json PATH] [--gloo [--gap-ms 20]] [--scale 1.0] [--batch 16384]
 """
 
 from __future__ import annotations
@@ -303,7 +305,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _gloo_worker(rank: int, port: int, sizes: Dict[str, List[int]], warmup: int, queue: Any) -> None:
+def _gloo_worker(
+    rank: int, port: int, sizes: Dict[str, List[int]], warmup: int, gap_ms: float, queue: Any
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -328,19 +332,50 @@ def _gloo_worker(rank: int, port: int, sizes: Dict[str, List[int]], warmup: int,
                 dt = time.perf_counter() - t0
                 if t >= warmup:
                     times[kind].append(dt * 1e3)
+        # Delayed synchronisation off vs on, per step: off = one blocking all_reduce of every shared row; on =
+        # a blocking all_reduce of the critical rows, then an async one of the delayed rows on a group of its
+        # own, waited for after the rest of the step (a sleep of gap_ms standing for the dense backward and
+        # optimizer step, i.e. ideal overlap). "blocked" = time the training thread waits on collectives.
+        group = dist.new_group(backend="gloo")
+        second = torch.randn(biggest * DIM)
+        for kind in ("step_off", "step_on", "blocked_off", "blocked_on"):
+            times[kind] = []
+        for t in range(steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(pool[: sizes["lrpp"][t] * DIM])
+            t1 = time.perf_counter()
+            time.sleep(gap_ms / 1e3)
+            t2 = time.perf_counter()
+            dist.barrier()
+            t3 = time.perf_counter()
+            dist.all_reduce(pool[: sizes["critical"][t] * DIM])
+            delayed = sizes["lrpp"][t] - sizes["critical"][t]
+            work = dist.all_reduce(second[: delayed * DIM], group=group, async_op=True) if delayed else None
+            t4 = time.perf_counter()
+            time.sleep(gap_ms / 1e3)
+            t5 = time.perf_counter()
+            if work is not None:
+                work.wait()
+            t6 = time.perf_counter()
+            if t >= warmup:
+                times["blocked_off"].append((t1 - t0) * 1e3)
+                times["step_off"].append((t2 - t0) * 1e3)
+                times["blocked_on"].append((t4 - t3 + t6 - t5) * 1e3)
+                times["step_on"].append((t6 - t3) * 1e3)
         if rank == 0:
             queue.put({k: median(v) for k, v in times.items()})
     finally:
         dist.destroy_process_group()
 
 
-def gloo_times(sizes: Dict[str, List[int]], warmup: int) -> Dict[str, float]:
+def gloo_times(sizes: Dict[str, List[int]], warmup: int, gap_ms: float = 20.0) -> Dict[str, float]:
     import torch.multiprocessing as mp
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_gloo_worker, args=(free_port(), sizes, warmup, queue), nprocs=2, join=True)
+    mp.spawn(_gloo_worker, args=(free_port(), sizes, warmup, gap_ms, queue), nprocs=2, join=True)
     return queue.get()
 
 
@@ -348,6 +383,12 @@ def gloo_times(sizes: Dict[str, List[int]], warmup: int) -> Dict[str, float]:
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = parser(__doc__)
     p.add_argument("--gloo", action="store_true", help="also time all_reduce on 2 gloo processes")
+    p.add_argument(
+        "--gap-ms",
+        type=float,
+        default=20.0,
+        help="--gloo: rest of a training step (a sleep) that the delayed all_reduce overlaps",
+    )
     p.add_argument("--scale", type=float, default=1.0, help="table sizes = Kaggle sizes x scale (min 3 rows)")
     p.add_argument("--batch", type=int, default=16_384, help="global batch, split over the W ranks")
     p.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent")
@@ -459,7 +500,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.gloo:
         per = sims[2]["per_step"][args.warmup : -1]
         sizes = {k: [s[k] for s in per] for k in ("replicated", "lrpp", "critical")}
-        g = gloo_times(sizes, warmup=min(3, len(per) // 4))
+        g = gloo_times(sizes, warmup=min(3, len(per) // 4), gap_ms=args.gap_ms)
         figures["gloo_ms_replicated"] = g["replicated"]
         figures["gloo_ms_lrpp"] = g["lrpp"]
         figures["gloo_ms_critical"] = g["critical"]
@@ -476,6 +517,29 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 ]
             )
         )
+        figures["gloo_delayed_sync"] = {
+            "gap_ms": args.gap_ms,
+            "critical_path_rows_off": figures["gloo_rows"]["lrpp"],
+            "critical_path_rows_on": figures["gloo_rows"]["critical"],
+            "blocked_ms_off": g["blocked_off"],
+            "blocked_ms_on": g["blocked_on"],
+            "step_ms_off": g["step_off"],
+            "step_ms_on": g["step_on"],
+        }
+        print(
+            f"\ndelayed synchronisation on 2 gloo ranks: per step, one blocking all_reduce of every shared row "
+            f"(off) vs the critical rows blocking + the delayed rows async on their own group, waited for after "
+            f"the rest of the step (on; a {args.gap_ms:g} ms sleep); medians:"
+        )
+        print(
+            table(
+                [
+                    {"delayed sync": mode, "critical-path rows": figures["gloo_rows"][rows],
+                     "blocked in collectives ms": g[f"blocked_{mode}"], "step ms": g[f"step_{mode}"]}
+                    for mode, rows in (("off", "lrpp"), ("on", "critical"))
+                ]
+            )
+        )  # fmt: skip
     figures["seconds"] = time.perf_counter() - start
     print(f"\n{figures['seconds']:.0f} s; {machine()['cpu']}")
     write_json(args.json, figures)

@@ -28,7 +28,7 @@ def test_tracker_matches_a_naive_replica_simulation(world, capacity):
     # naive: per rank, the version of every slot it holds; the true version of each slot
     true_version = {}
     held = [dict() for _ in range(world)]
-    seen = {"single": 0, "shared": 0, "refresh": 0}
+    seen = {"single": 0, "shared": 0, "refresh": 0, "delayed": 0}
     for step, (batch_in, plan) in enumerate(zip(trace, oracle.plan_stream(trace))):
         ids = batch_in["t"][0]
         tp = plan.tables["t"]
@@ -56,6 +56,14 @@ def test_tracker_matches_a_naive_replica_simulation(world, capacity):
             for h in held:
                 h[s] = true_version[s]
         assert sync.shared_slots.tolist() == sorted(s for s, rs in readers.items() if len(rs) > 1)
+        # delayed: shared and not read by any rank at the next step (a slot keeps its id until evicted, and
+        # an id read at t + 1 is never evicted at t + 1)
+        nxt = set(trace[step + 1]["t"][0].tolist()) if step + 1 < len(trace) else set()
+        slot_id = dict(zip(tp.slots.tolist(), ids.tolist()))
+        assert sync.delayed_slots.tolist() == sorted(
+            s for s, rs in readers.items() if len(rs) > 1 and slot_id[s] not in nxt
+        )
+        seen["delayed"] += int(sync.delayed_slots.numel())
         for s, rs in readers.items():
             true_version[s] = (step, "update")
             for r in rs:
@@ -68,7 +76,47 @@ def test_tracker_matches_a_naive_replica_simulation(world, capacity):
                 assert held[w].get(s) == true_version[s]
             else:
                 assert w == -1
-    assert all(v > 0 for v in seen.values()), seen  # the trace exercises single, shared and refreshed rows
+    assert all(v > 0 for v in seen.values()), seen  # the trace exercises every kind of row
+    assert seen["delayed"] < seen["shared"]
+
+
+def test_horizon_zero_labels_every_shared_row_critical():
+    """With horizon 0 a step is planned before the next batch is read: nothing may be delayed."""
+    trace = _trace(3, 12, 8, 20)
+    for horizon in (0, 1):
+        oracle = LookaheadOracle(
+            OracleConfig(capacity={"t": 40}, horizon=horizon, prefetch_depth=0, num_ranks=2)
+        )
+        tracker = LRPPTracker({"t": 40}, 2)
+        delayed = shared = 0
+        for step, plan in enumerate(oracle.plan_stream(trace)):
+            ann = plan.tables["t"].ranks
+            assert torch.equal(ann.shared_next | ann.shared_delayed, ~ann.single_rank)
+            assert not bool((ann.shared_next & ann.shared_delayed).any())
+            lrpp = tracker.step(plan, {"t": trace[step]["t"][0]})
+            counters = lrpp.counters(delayed_sync=True)
+            assert counters["rows_synced_delayed"] == int(lrpp.tables["t"].delayed_slots.numel())
+            assert (
+                counters["rows_synced_critical"] + counters["rows_synced_delayed"]
+                == (lrpp.counters()["rows_synced_critical"])
+            )
+            delayed += int(ann.shared_delayed.sum())
+            shared += int((~ann.single_rank).sum())
+        assert shared > 0
+        assert (delayed == 0) if horizon == 0 else (0 < delayed < shared)
+
+
+def test_delayed_sync_needs_its_own_process_group():
+    from torchrec import EmbeddingBagConfig
+
+    from torchrec_lookahead.distributed import ShardedLookaheadEmbeddingBagCollection
+    from torchrec_lookahead.errors import SetupError
+    from torchrec_lookahead.modules import CachedEmbeddingBagCollection
+
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])]
+    cache = CachedEmbeddingBagCollection(tables, {"t": 4})
+    with pytest.raises(SetupError, match="delayed_group"):
+        ShardedLookaheadEmbeddingBagCollection(tables, None, cache, rank=0, world_size=2)
 
 
 def test_lowest_rank_and_sample_slicing():

@@ -5,8 +5,9 @@ by rows already cached before the step's fetches), ``rows_fetched`` and ``rows_w
 ``bytes_moved`` per step; and ``cache/oracle_lead`` (batches planned ahead of training) and
 ``cache/stager_wait_ms`` (time the training step waited for staged rows, per step). With several ranks
 (LRPP), per step: ``cache/sync/rows_synced_critical`` (rows refreshed or gradient-synchronised before or
-within the step), ``cache/sync/rows_refreshed``, ``cache/sync/rows_grad_synced`` and
-``cache/sync/rows_skipped`` (rows updated by one rank only, never synchronised).
+within the step), ``cache/sync/rows_synced_delayed`` (shared rows not read at the next step, whose gradients
+are all-reduced in the background), ``cache/sync/rows_refreshed``, ``cache/sync/rows_grad_synced`` (every
+shared row) and ``cache/sync/rows_skipped`` (rows updated by one rank only, never synchronised).
 """
 
 from __future__ import annotations

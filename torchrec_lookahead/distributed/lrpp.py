@@ -6,6 +6,8 @@ rank without messages. What differs between ranks is which replicas of a slot ho
 * a row read at step ``t`` by one rank only is updated by that rank alone; the other replicas become invalid;
 * a row read by several ranks has its per-rank gradients summed in one compacted all-reduce inside the
   backward pass (exactly what TorchRec's sharded tables compute), and every reader applies the same update;
+  with delayed synchronisation, the shared rows no rank reads at the next step are all-reduced in the
+  background instead, and their update lands before the next plan is applied;
 * before step ``t``, rows that a reading rank holds only as an invalid replica are refreshed from a rank
   holding the current row (one compacted all-reduce on the critical path);
 * a row leaving the cache (eviction, flush) is written to the shared host store by one rank holding it.
@@ -69,6 +71,9 @@ class LRPPTablePlan:
         refresh_slots: (R,) slots some reading rank holds only as an invalid replica, sorted.
         refresh_source: (R,) a rank holding each of those rows.
         shared_slots: (S,) slots read by two or more ranks, sorted: their gradients are all-reduced.
+        delayed_slots: (D,) the shared slots no rank reads at the next step, sorted (a subset of
+            ``shared_slots``): with delayed synchronisation their gradients are all-reduced in the background
+            and their update lands before the next step's plan is applied.
         writer: (capacity,) rank responsible for writing back each slot after the step (-1: empty).
         rows_read: unique rows read at the step.
     """
@@ -79,6 +84,7 @@ class LRPPTablePlan:
     shared_slots: torch.Tensor
     writer: torch.Tensor
     rows_read: int
+    delayed_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
 
 @dataclass(frozen=True)
@@ -88,13 +94,16 @@ class LRPPPlan:
     step: int
     tables: Dict[str, LRPPTablePlan] = field(default_factory=dict)
 
-    def counters(self) -> Dict[str, int]:
-        """Rows synchronised on the critical path (refreshed + gradient all-reduced) and skipped (local only)."""
+    def counters(self, delayed_sync: bool = False) -> Dict[str, int]:
+        """Rows synchronised on the critical path (refreshed, or gradient all-reduced inside the backward),
+        delayed (gradient all-reduced in the background; 0 without ``delayed_sync``) and skipped (read by one
+        rank only, never synchronised)."""
         shared = sum(int(t.shared_slots.numel()) for t in self.tables.values())
         refresh = sum(int(t.refresh_slots.numel()) for t in self.tables.values())
         read = sum(t.rows_read for t in self.tables.values())
-        return {"rows_synced_critical": shared + refresh, "rows_refreshed": refresh,
-                "rows_grad_synced": shared, "rows_skipped": read - shared}  # fmt: skip
+        delayed = sum(int(t.delayed_slots.numel()) for t in self.tables.values()) if delayed_sync else 0
+        return {"rows_synced_critical": shared - delayed + refresh, "rows_synced_delayed": delayed,
+                "rows_refreshed": refresh, "rows_grad_synced": shared, "rows_skipped": read - shared}  # fmt: skip
 
 
 class LRPPTracker:
@@ -157,6 +166,7 @@ class LRPPTracker:
                 raise SetupError(f"table '{name}' step {plan.step}: a read slot holds no valid replica")
             ro = np.argsort(refresh)
             shared = np.sort(uslots[~ann.single_rank.numpy()])
+            delayed = np.sort(uslots[ann.shared_delayed.numpy()])
             valid[uslots] = readers
             out[name] = LRPPTablePlan(
                 evict_writer=torch.from_numpy(evict_writer),
@@ -165,6 +175,7 @@ class LRPPTracker:
                 shared_slots=torch.from_numpy(shared),
                 writer=torch.from_numpy(lowest_rank(valid).astype(np.int8)),
                 rows_read=int(uniq_ids.size),
+                delayed_slots=torch.from_numpy(delayed),
             )
         return LRPPPlan(plan.step, out)
 

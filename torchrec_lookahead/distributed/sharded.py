@@ -14,7 +14,9 @@ flushed once and rows are read from the stores.
 
 from __future__ import annotations
 
+import datetime
 import logging
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -46,6 +48,9 @@ log = logging.getLogger(__name__)
 
 CUSTOMIZED = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 
+#: seconds a flush on the exception path waits for a pending delayed all-reduce (a peer may be gone)
+_EXCEPTION_PATH_WAIT = 60.0
+
 
 class _LazyNoWait(LazyAwaitable[KeyedTensor]):
     def __init__(self, value: KeyedTensor) -> None:
@@ -66,6 +71,15 @@ class ShardedLookaheadEmbeddingBagCollection(
         resident: TorchRec's sharded collection of the resident tables (``None`` when every table is cached).
         cache: the cached tables' collection.
         is_weighted: whether features carry per-id weights.
+        rank: this rank.
+        world_size: W; with W > 1 the cache is an LRPP cache (or cDLRM's with ``average_every``).
+        process_group: the group of the W ranks (critical-path collectives).
+        average_every: cDLRM's scheme: average the caches every this many steps instead of LRPP.
+        delayed_sync: with LRPP, all-reduce the gradients of shared rows that no rank reads at the next step
+            in the background, on ``delayed_group``, and apply their update before the next plan (see
+            docs/design.md, "Delayed synchronisation"); ``False``: every shared row on the critical path.
+        delayed_group: a process group of the same ranks used only for delayed synchronisation, created
+            identically on every rank (required when ``delayed_sync`` is on with W > 1 and no cDLRM).
     """
 
     def __init__(
@@ -78,6 +92,8 @@ class ShardedLookaheadEmbeddingBagCollection(
         world_size: int = 1,
         process_group: Optional[dist.ProcessGroup] = None,
         average_every: Optional[int] = None,
+        delayed_sync: bool = True,
+        delayed_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         super().__init__()
         if average_every is not None and average_every < 1:
@@ -101,6 +117,14 @@ class ShardedLookaheadEmbeddingBagCollection(
         self._pg = process_group
         self._lrpp: Optional[LRPPPlan] = None
         self.sync_counters: Dict[str, int] = {}
+        self.delayed_sync = bool(delayed_sync) and world_size > 1 and average_every is None
+        self._delayed_pg = delayed_group
+        self._pending: List[_PendingSync] = []
+        if self.delayed_sync and delayed_group is None:
+            raise SetupError(
+                "delayed_sync needs a process group of its own (delayed_group), created on every rank; build the "
+                "module with LookaheadEmbeddingBagCollectionSharder, or pass delayed_sync=False"
+            )
         if world_size > 1:
             for name, store in cache.stores.items():
                 if not isinstance(store, WriterFilteredStore):
@@ -113,8 +137,9 @@ class ShardedLookaheadEmbeddingBagCollection(
                         "multi-rank caches need the PyTorch cache kernel (CacheOptimizerConfig(kernel='torch'))"
                     )
                 names = {t.local: n for n, t in cache._tables.items() if t.group == g}
-                kernel.grads_hook = self._make_grads_hook(names)
+                kernel.grads_hook = self._make_grads_hook(names, kernel)
             self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module.flush())
+            self.register_load_state_dict_pre_hook(lambda module, *args: module.land_delayed())
             self.register_load_state_dict_post_hook(lambda module, incompatible: module._barrier())
 
     @property
@@ -144,6 +169,8 @@ class ShardedLookaheadEmbeddingBagCollection(
         if self.world_size > 1:
             if lrpp is None or lrpp.step != plan.step:
                 raise SetupError(f"multi-rank step {plan.step} has no LRPP synchronisation plan")
+            # The previous step's delayed rows land before this plan evicts, refreshes or loads anything.
+            self.land_delayed()
             stores = self.cache.stores
             averaging = self.average_every is not None
             if averaging and plan.step > 0 and plan.step % int(self.average_every) == 0:  # type: ignore[arg-type]
@@ -163,7 +190,7 @@ class ShardedLookaheadEmbeddingBagCollection(
             if not averaging:
                 self._refresh(lrpp)
             self._lrpp = lrpp
-            for k, v in lrpp.counters().items():
+            for k, v in lrpp.counters(self.delayed_sync).items():
                 self.sync_counters[k] = self.sync_counters.get(k, 0) + v
         else:
             self.cache.apply_plan(sub, sub_staged, trusted=trusted)
@@ -189,6 +216,15 @@ class ShardedLookaheadEmbeddingBagCollection(
         if self.world_size == 1:
             self.cache.flush()
             return
+        # Pending delayed rows land first. On the exception path (no barrier) a peer may be gone: wait a
+        # bounded time, and write back what this rank holds if the collective cannot finish.
+        if barrier:
+            self.land_delayed()
+        else:
+            try:
+                self.land_delayed(timeout=_EXCEPTION_PATH_WAIT)
+            except SetupError as e:
+                log.error("flush on the exception path: %s", e)
         if not barrier and self.collective_stores:
             # Row-sharded stores are written with collectives, which another rank (gone, or inside another
             # collective on this exception path) may never join: keep the last checkpoint instead of hanging.
@@ -222,6 +258,7 @@ class ShardedLookaheadEmbeddingBagCollection(
 
     def invalidate(self) -> None:
         """Empty the cache (after :meth:`flush`); the next plan stream starts from an empty cache."""
+        self.land_delayed()
         self.cache.invalidate()
         self._lrpp = None
 
@@ -293,7 +330,43 @@ class ShardedLookaheadEmbeddingBagCollection(
                     st[slots] = rows[:, col : col + st.shape[1]]
                     col += st.shape[1]
 
-    def _make_grads_hook(self, local_to_table: Dict[int, str]) -> Any:
+    def land_delayed(self, timeout: Optional[float] = None) -> int:
+        """Wait for the pending delayed all-reduces and apply the optimizer to their rows, each with the
+        iteration count of the step that computed its gradients (so the result is what the update inside that
+        step's backward would have been). Runs before anything reads or writes cached rows again: the next
+        :meth:`apply_plan`, :meth:`flush` (checkpoints, evaluation, the end of fit), :meth:`invalidate`.
+
+        Args:
+            timeout: seconds to wait for the collectives (``None``: as long as the process group allows).
+                Used on the exception path, where a peer may be gone.
+
+        Returns:
+            Rows updated.
+
+        Raises:
+            SetupError: a collective did not finish within ``timeout`` (its rows keep their value before
+                the step; the pending work is dropped).
+        """
+        pending, self._pending = self._pending, []
+        rows = 0
+        for p in pending:
+            assert p.work is not None
+            try:
+                if timeout is None:
+                    p.work.wait()
+                else:
+                    p.work.wait(timeout=datetime.timedelta(seconds=timeout))
+            except Exception as e:  # noqa: BLE001 - the collective's error type depends on the backend
+                raise SetupError(
+                    f"the delayed synchronisation of step {p.step} did not finish ({e}); "
+                    f"{sum(int(x[1].numel()) for x in p.entries)} shared rows keep their value before that step"
+                ) from e
+            for local, slots, pos, view in p.entries:
+                p.kernel.apply_rows(local, slots, view[pos] * p.scale, p.iteration)
+                rows += int(slots.numel())
+        return rows
+
+    def _make_grads_hook(self, local_to_table: Dict[int, str], kernel: Any) -> Any:
         def hook(
             per_table: List[Tuple[int, torch.Tensor, torch.Tensor]],
         ) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
@@ -308,25 +381,46 @@ class ShardedLookaheadEmbeddingBagCollection(
             # TorchRec divides sharded embedding gradients by the world size (comm_ops.GRADIENT_DIVISION, to
             # match DDP's averaging of dense gradients): the cache does the same.
             scale = 1.0 / self.world_size if get_gradient_division() else 1.0
-            shared = [lrpp.tables[local_to_table[t]].shared_slots for t, _, _ in per_table]
-            sizes = [int(s.numel()) * g.shape[1] for s, (_, _, g) in zip(shared, per_table)]
-            located = []
+            device = per_table[0][2].device
+            empty = torch.zeros(0, dtype=torch.int64)
+            plans = [lrpp.tables[local_to_table[t]] for t, _, _ in per_table]
+            if self.delayed_sync:
+                # Shared rows that no rank reads at the next step leave the critical path: their local
+                # gradient sums go to a buffer of their own, all-reduced in the background.
+                delayed = [tp.delayed_slots for tp in plans]
+                critical = [
+                    tp.shared_slots[~torch.isin(tp.shared_slots, d)] if d.numel() else tp.shared_slots
+                    for tp, d in zip(plans, delayed)
+                ]
+            else:
+                delayed = [empty for _ in plans]
+                critical = [tp.shared_slots for tp in plans]
+            pending: Optional[_PendingSync] = None
+            dbuf: Optional[torch.Tensor] = None
+            if sum(int(d.numel()) for d in delayed):
+                dbuf, dlocated = _pack(delayed, per_table, device, min_numel=0)
+                entries = []
+                kept = []
+                for (t, uniq, gsum), (view, pos, hit) in zip(per_table, dlocated):
+                    if hit is not None and pos is not None and bool(hit.any()):
+                        entries.append((t, uniq[hit], pos[hit], view))
+                        uniq, gsum = uniq[~hit], gsum[~hit]  # not updated in this backward
+                    kept.append((t, uniq, gsum))
+                per_table = kept
+                pending = _PendingSync(lrpp.step, kernel, int(kernel.get_step()), scale, None, entries)
             # At least one element: every backward then holds a collective of every rank, which the stager's
             # "no stale read" argument relies on even when no row is shared.
-            buf = torch.zeros(max(sum(sizes), 1), device=per_table[0][2].device)
-            off = 0
-            for s, (_, uniq, gsum), size in zip(shared, per_table, sizes):
-                view = buf[off : off + size].view(-1, gsum.shape[1])
-                pos = hit = None
-                if s.numel() and uniq.numel():
-                    pos = torch.searchsorted(s, uniq).clamp(max=s.numel() - 1)
-                    hit = s[pos] == uniq
-                    view[pos[hit]] = gsum[hit]
-                located.append((view, pos, hit))
-                off += size
-            # One compacted collective: the per-rank gradients of every row read by several ranks are summed
-            # (TorchRec's sharded tables sum the gradients of the global batch the same way).
+            buf, located = _pack(critical, per_table, device, min_numel=1)
+            # One compacted collective: the per-rank gradients of every row read by several ranks (and, with
+            # delayed synchronisation, needed at the next step) are summed, as TorchRec's sharded tables sum
+            # the global batch's gradients.
             dist.all_reduce(buf, group=self._pg)
+            if pending is not None:
+                # Launched after the critical collective, so that it does not compete with it. The training
+                # thread never touches dbuf again before land_delayed() has waited for the work.
+                assert dbuf is not None
+                pending.work = dist.all_reduce(dbuf, group=self._delayed_pg, async_op=True)
+                self._pending.append(pending)
             out = []
             for (t, uniq, gsum), (view, pos, hit) in zip(per_table, located):
                 gsum = gsum * scale
@@ -416,6 +510,48 @@ class ShardedLookaheadEmbeddingBagCollection(
         if mode:
             self._eval_flushed = False
         return self
+
+
+@dataclass
+class _PendingSync:
+    """A delayed all-reduce in flight: the rows of ``kernel`` it updates once it lands.
+
+    ``entries`` holds, per table of the kernel, (local table, slots this rank read, their rows in the reduced
+    buffer, the buffer's view of that table); ``iteration`` is the kernel's optimizer iteration of the step.
+    """
+
+    step: int
+    kernel: Any
+    iteration: int
+    scale: float
+    work: Optional[Any]
+    entries: List[Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _pack(
+    slot_sets: List[torch.Tensor],
+    per_table: List[Tuple[int, torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    min_numel: int,
+) -> Tuple[torch.Tensor, List[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]]:
+    """One zero buffer with a row per slot of each table's sorted ``slot_sets`` entry, this rank's gradient
+    sums copied into the rows of the slots it read. Returns the buffer and, per table, (its view, the row of
+    each of the rank's unique slots, whether that slot is in the set)."""
+    sizes = [int(s.numel()) * g.shape[1] for s, (_, _, g) in zip(slot_sets, per_table)]
+    buf = torch.zeros(max(sum(sizes), min_numel), device=device)
+    located: List[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+    off = 0
+    for s, (_, uniq, gsum), size in zip(slot_sets, per_table, sizes):
+        view = buf[off : off + size].view(-1, gsum.shape[1])
+        pos = hit = None
+        if s.numel() and uniq.numel():
+            s = s.to(uniq.device)
+            pos = torch.searchsorted(s, uniq).clamp(max=s.numel() - 1)
+            hit = s[pos] == uniq
+            view[pos[hit]] = gsum[hit]
+        located.append((view, pos, hit))
+        off += size
+    return buf, located
 
 
 def _select(kjt: KeyedJaggedTensor, keys: List[str]) -> KeyedJaggedTensor:

@@ -19,7 +19,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -120,6 +120,10 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             rank's own memory (a memory-mapped file under ``store_dir`` when given), also on one host (how
             the sharded store is tested on one machine, and a way to spread the tables over the ranks' memory).
             Ignored with one rank.
+        delayed_sync: with several ranks (LRPP), synchronise the gradients of shared rows that no rank reads
+            at the next step in the background, on a process group of their own, off the critical path; their
+            update lands before the next step's plan is applied, exactly as if applied in the step. ``False``:
+            every shared row is synchronised inside the backward.
         fused_params: TorchRec fused parameters for the resident tables.
         qcomm_codecs_registry: TorchRec communication codecs.
     """
@@ -135,6 +139,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         planner_options: Optional[Dict[str, Any]] = None,
         cdlrm_average_every: Optional[int] = None,
         store_sharding: Optional[str] = None,
+        delayed_sync: bool = True,
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> None:
@@ -160,6 +165,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             )
         self.store_sharding = store_sharding or "host"
         self._store_groups: Optional[Dict[str, Any]] = None
+        self.delayed_sync = bool(delayed_sync)
+        self._delayed_groups: Dict[Tuple[int, ...], Any] = {}
         self.device_budget_bytes = device_budget_bytes
         self.planner_options = dict(planner_options or {})
         self.cache_plan: Optional[Any] = None
@@ -272,6 +279,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             stores: Dict[str, EmbeddingStore] = self._shared_stores(cached_cfgs, optimizer, env)
         else:
             stores = {c.name: s for c in cached_cfgs if (s := self._store(c, optimizer)) is not None}
+        delayed = self.delayed_sync and env.world_size > 1 and self.cdlrm_average_every is None
         cache = CachedEmbeddingBagCollection(
             cached_cfgs,
             capacity={t: self.capacity[t] for t in cached},
@@ -290,7 +298,19 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             world_size=env.world_size,
             process_group=env.process_group,
             average_every=self.cdlrm_average_every if env.world_size > 1 else None,
+            delayed_sync=delayed,
+            delayed_group=self._delayed_group(env) if delayed else None,
         )
+
+    def _delayed_group(self, env: ShardingEnv) -> Any:
+        """The process group of delayed synchronisation: one per set of ranks, created once (by every rank,
+        in the same order, as sharding runs identically on every rank) with the backend of ``env``'s group."""
+        pg = env.process_group
+        ranks = tuple(dist.get_process_group_ranks(pg)) if pg is not None else tuple(range(env.world_size))
+        if ranks not in self._delayed_groups:
+            backend = dist.get_backend(pg) if pg is not None else dist.get_backend()
+            self._delayed_groups[ranks] = dist.new_group(ranks=list(ranks), backend=backend)
+        return self._delayed_groups[ranks]
 
     def _shared_stores(
         self, cfgs: List[Any], optimizer: CacheOptimizerConfig, env: ShardingEnv

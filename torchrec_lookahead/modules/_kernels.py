@@ -283,7 +283,15 @@ class _TorchKernel(_CacheKernel):
             if uniq.numel():
                 self._apply(t, uniq, gsum)
 
-    def _apply(self, t: int, ids: torch.Tensor, g: torch.Tensor) -> None:
+    @torch.no_grad()
+    def apply_rows(self, t: int, ids: torch.Tensor, g: torch.Tensor, step: int) -> None:
+        """Apply the optimizer to rows ``ids`` of table ``t`` with gradient sums ``g``, as the backward of
+        iteration ``step`` would have (Adam's bias correction uses ``step``): a row's update deferred past
+        its step (delayed synchronisation) lands bit for bit as if applied in that step's backward."""
+        if ids.numel():
+            self._apply(t, ids, g, step)
+
+    def _apply(self, t: int, ids: torch.Tensor, g: torch.Tensor, step: Optional[int] = None) -> None:
         cfg = self.config
         lr, wd, eps = cfg.learning_rate, cfg.weight_decay, cfg.eps  # wd: Adam only (checked by the config)
         w = self._weights[t].index_select(0, ids)
@@ -296,7 +304,7 @@ class _TorchKernel(_CacheKernel):
             m1.index_copy_(0, ids, acc)
             w.sub_(lr / (acc.sqrt() + eps) * g)
         else:
-            step = self._step
+            step = self._step if step is None else step
             b1, b2 = cfg.beta1, cfg.beta2
             m1s, m2s = self._states[t]["momentum1"], self._states[t]["momentum2"]
             m1 = m1s.index_select(0, ids).mul_(b1).add_(g, alpha=1.0 - b1)

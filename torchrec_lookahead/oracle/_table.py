@@ -376,7 +376,12 @@ class _TablePlanner:
         st["evictions"] += ev_ids.size
         st["peak_rows"] = max(st["peak_rows"], self.resident_rows())
         self.next_step = t + 1
-        ranks = annotate(rec.uniq, rec.ranks, nxt, t) if rec.ranks is not None else None
+        # With horizon 0, step t is planned before batch t + 1 is read: its next uses are unknown.
+        ranks = (
+            annotate(rec.uniq, rec.ranks, nxt, t, next_known=self.horizon >= 1)
+            if rec.ranks is not None
+            else None
+        )
         return TablePlan(
             evict_ids=_tensor(ev_ids),
             evict_slots=_tensor(ev_slots),

@@ -22,7 +22,8 @@ class RankAnnotation:
         unique_ids: (U,) the distinct ids of the table in the global batch, sorted ascending.
         reader_mask: (U,) int64 bit mask, bit r set when rank r's slice reads the id.
         single_rank: (U,) bool, read by exactly one rank (updated locally, never synchronised).
-        shared_next: (U,) bool, read by several ranks and needed again at the next step (critical path).
+        shared_next: (U,) bool, read by several ranks and needed again at the next step (critical path);
+            with horizon 0 the next step is unknown when a step is planned, and every shared id is labelled so.
         shared_delayed: (U,) bool, read by several ranks and not needed at the next step (delayed sync).
     """
 
