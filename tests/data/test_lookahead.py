@@ -275,3 +275,30 @@ def test_capacity_check_value_is_validated():
 
     with pytest.raises(ConfigError, match="capacity_check"):
         LookaheadDataModule(CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), capacity_check="never")
+
+
+def test_lookahead_threads_run_their_operators_single_threaded_without_changing_others():
+    import threading
+
+    from torchrec_lookahead.data.lookahead import single_threaded_ops
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        seen = {}
+
+        def planner():
+            single_threaded_ops()
+            seen["planner"] = torch.get_num_threads()
+
+        def later():
+            seen["later"] = torch.get_num_threads()
+
+        for fn in (planner, later):
+            t = threading.Thread(target=fn)
+            t.start()
+            t.join()
+        assert seen == {"planner": 1, "later": 2}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -134,6 +134,24 @@ class CacheTarget:
 _END = object()
 
 
+def single_threaded_ops() -> None:
+    """Run the calling thread's torch operators on one thread (the lookahead threads call it first).
+
+    With OpenMP, a parallel operator started from a thread other than the training thread gets a thread team of
+    its own, as large as torch's intra-op setting: the planner's and stager's small operators would add that
+    many spinning workers beside the training thread's team (oversubscription). ``torch.set_num_threads``
+    sets the calling thread's team size and also the default that threads initialising later start from;
+    the default is set back from a short-lived thread, so that only this thread changes.
+    """
+    default = torch.get_num_threads()
+    if default == 1:
+        return
+    torch.set_num_threads(1)
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="restore-num-threads")
+    restore.start()
+    restore.join()
+
+
 class _Run:
     """The queues, stop flag and threads of one iteration of a :class:`LookaheadLoader`."""
 
@@ -317,6 +335,7 @@ class LookaheadLoader:
                 self._run = None
 
     def _plan(self, run: _Run) -> None:
+        single_threaded_ops()
         gatherer = None
         if self.target.num_ranks > 1:
             gatherer = IdGatherer(
@@ -404,6 +423,7 @@ class LookaheadLoader:
                 return
 
     def _stage(self, run: _Run) -> None:
+        single_threaded_ops()
         while not run.stopped:
             try:
                 item = run.to_stage.get(timeout=0.05)

@@ -109,6 +109,8 @@ class ShardedLookaheadEmbeddingBagCollection(
         self._dims = [t.embedding_dim for t in self._tables for _ in t.feature_names]
         self._cached_features = set(cache.feature_names)
         self._resident_features = [f for f in self._feature_names if f not in self._cached_features]
+        self._cached_order = [f for f in self._feature_names if f in self._cached_features]
+        self._column_index: Dict[Tuple[str, ...], torch.Tensor] = {}
         self._plan_pending = False
         self._eval_flushed = False
         self._dirty = False  # a plan was applied since the last complete flush
@@ -441,16 +443,24 @@ class ShardedLookaheadEmbeddingBagCollection(
         return NoWait(NoWait(features))
 
     def compute(self, ctx: NullShardedModuleContext, dist_input: KeyedJaggedTensor) -> KeyedTensor:
-        parts: Dict[str, torch.Tensor] = {}
-        if self._resident_features:
+        # One permute (resident features, then cached ones) and a split, rather than one permute per part.
+        res_kjt: Optional[KeyedJaggedTensor] = None
+        cache_kjt: Optional[KeyedJaggedTensor] = None
+        nres, ncached = len(self._resident_features), len(self._cached_order)
+        if nres and ncached:
+            res_kjt, cache_kjt = _select(dist_input, self._resident_features + self._cached_order).split(
+                [nres, ncached]
+            )
+        elif nres:
+            res_kjt = _select(dist_input, self._resident_features)
+        else:
+            cache_kjt = _select(dist_input, self._cached_order)
+        outs: List[KeyedTensor] = []
+        if res_kjt is not None:
             assert self.resident is not None
-            kjt = _select(dist_input, self._resident_features)
-            out = self.resident(kjt)
-            out = out.wait() if hasattr(out, "wait") else out
-            parts.update(out.to_dict())
-        cached_features = [f for f in self._feature_names if f in self._cached_features]
-        if cached_features:
-            kjt = _select(dist_input, cached_features)
+            out = self.resident(res_kjt)
+            outs.append(out.wait() if hasattr(out, "wait") else out)
+        if cache_kjt is not None:
             if self.training:
                 if not self._plan_pending:
                     raise SetupError(
@@ -459,16 +469,37 @@ class ShardedLookaheadEmbeddingBagCollection(
                         "apply_plan() and feed slot-remapped features yourself)"
                     )
                 self._plan_pending = False
-                parts.update(self.cache(kjt).to_dict())
+                outs.append(self.cache(cache_kjt))
             else:
                 if self._plan_pending:
                     raise SetupError(
                         "The lookahead cache received a planned (slot-remapped) training batch while it is in eval "
                         "mode; keep the model in training mode during fit (call model.train())"
                     )
-                parts.update(self._eval_lookup(kjt).to_dict())
-        values = torch.cat([parts[f] for f in self._feature_names], dim=1)
+                outs.append(self._eval_lookup(cache_kjt))
+        values = torch.cat([o.values() for o in outs], dim=1) if len(outs) > 1 else outs[0].values()
+        keys = [k for o in outs for k in o.keys()]
+        if keys != self._feature_names:  # back to the collection's feature order: one column gather
+            values = values.index_select(
+                1, self._columns(keys, [d for o in outs for d in o.length_per_key()])
+            )
         return KeyedTensor(keys=list(self._feature_names), length_per_key=list(self._dims), values=values)
+
+    def _columns(self, keys: List[str], dims: List[int]) -> torch.Tensor:
+        """Column index that puts pooled embeddings concatenated in ``keys`` order into feature order."""
+        cache_key = tuple(keys)
+        cols = self._column_index.get(cache_key)
+        if cols is None:
+            starts: Dict[str, int] = {}
+            col = 0
+            for k, d in zip(keys, dims):
+                starts[k] = col
+                col += d
+            cols = torch.cat(
+                [torch.arange(starts[f], starts[f] + d) for f, d in zip(self._feature_names, self._dims)]
+            ).to(self.cache.device)
+            self._column_index[cache_key] = cols
+        return cols
 
     def output_dist(self, ctx: NullShardedModuleContext, output: KeyedTensor) -> LazyAwaitable[KeyedTensor]:
         return _LazyNoWait(output)
