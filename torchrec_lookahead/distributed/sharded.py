@@ -110,7 +110,7 @@ class ShardedLookaheadEmbeddingBagCollection(
         self._cached_features = set(cache.feature_names)
         self._resident_features = [f for f in self._feature_names if f not in self._cached_features]
         self._cached_order = [f for f in self._feature_names if f in self._cached_features]
-        self._column_index: Dict[Tuple[str, ...], torch.Tensor] = {}
+        self._column_runs: Dict[Tuple[Tuple[str, ...], ...], List[Tuple[int, int, int]]] = {}
         self._plan_pending = False
         self._eval_flushed = False
         self._dirty = False  # a plan was applied since the last complete flush
@@ -477,29 +477,33 @@ class ShardedLookaheadEmbeddingBagCollection(
                         "mode; keep the model in training mode during fit (call model.train())"
                     )
                 outs.append(self._eval_lookup(cache_kjt))
-        values = torch.cat([o.values() for o in outs], dim=1) if len(outs) > 1 else outs[0].values()
-        keys = [k for o in outs for k in o.keys()]
-        if keys != self._feature_names:  # back to the collection's feature order: one column gather
-            values = values.index_select(
-                1, self._columns(keys, [d for o in outs for d in o.length_per_key()])
-            )
+        if len(outs) == 1 and outs[0].keys() == self._feature_names:
+            values = outs[0].values()
+        else:  # back to the collection's feature order: one concatenation of column runs
+            values = torch.cat([outs[i].values()[:, a:b] for i, a, b in self._runs(outs)], dim=1)
         return KeyedTensor(keys=list(self._feature_names), length_per_key=list(self._dims), values=values)
 
-    def _columns(self, keys: List[str], dims: List[int]) -> torch.Tensor:
-        """Column index that puts pooled embeddings concatenated in ``keys`` order into feature order."""
-        cache_key = tuple(keys)
-        cols = self._column_index.get(cache_key)
-        if cols is None:
-            starts: Dict[str, int] = {}
-            col = 0
-            for k, d in zip(keys, dims):
-                starts[k] = col
-                col += d
-            cols = torch.cat(
-                [torch.arange(starts[f], starts[f] + d) for f, d in zip(self._feature_names, self._dims)]
-            ).to(self.cache.device)
-            self._column_index[cache_key] = cols
-        return cols
+    def _runs(self, outs: List[KeyedTensor]) -> List[Tuple[int, int, int]]:
+        """(part, first column, end column) runs that, concatenated, put the parts' pooled embeddings in
+        feature order (consecutive features of one part form one run)."""
+        layout = tuple(tuple(o.keys()) for o in outs)
+        runs = self._column_runs.get(layout)
+        if runs is None:
+            where: Dict[str, Tuple[int, int]] = {}
+            for i, o in enumerate(outs):
+                col = 0
+                for k, d in zip(o.keys(), o.length_per_key()):
+                    where[k] = (i, col)
+                    col += d
+            runs = []
+            for f, d in zip(self._feature_names, self._dims):
+                i, a = where[f]
+                if runs and runs[-1][0] == i and runs[-1][2] == a:
+                    runs[-1] = (i, runs[-1][1], a + d)
+                else:
+                    runs.append((i, a, a + d))
+            self._column_runs[layout] = runs
+        return runs
 
     def output_dist(self, ctx: NullShardedModuleContext, output: KeyedTensor) -> LazyAwaitable[KeyedTensor]:
         return _LazyNoWait(output)
