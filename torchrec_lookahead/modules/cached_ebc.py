@@ -127,6 +127,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         stores = dict(stores or {})
         self._check_configs(capacity, stores)
         self._tables: Dict[str, _Table] = {}
+        self._trusted_forward = False  # the last plan applied was trusted (see apply_plan)
         self._feature_names: List[str] = []
         self._feature_to_table: Dict[str, str] = {}
         groups: Dict[PoolingMode, List[EmbeddingBagConfig]] = {}
@@ -330,11 +331,12 @@ class CachedEmbeddingBagCollection(nn.Module):
             raise DataError(f"features {missing} are missing from the batch (it has {keys})")
         if self._is_weighted and features.weights_or_none() is None:
             raise DataError("the collection is weighted (is_weighted=True) but the batch carries no weights")
+        trusted, self._trusted_forward = self._trusted_forward, False  # one forward per trusted plan
         outputs: List[torch.Tensor] = []
         for g, kernel in enumerate(self._kernels):
             names = self._group_features[g]
             kjt = features if list(keys) == names else features.permute([keys.index(f) for f in names])
-            self._check_values(kjt)
+            self._check_values(kjt, skip_cached=trusted)
             weights = kjt.weights().float() if self._is_weighted else None
             outputs.append(
                 kernel.lookup(
@@ -356,7 +358,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             )
         return KeyedTensor(keys=list(self._feature_names), length_per_key=list(self._dims), values=values)
 
-    def _check_values(self, kjt: KeyedJaggedTensor) -> None:
+    def _check_values(self, kjt: KeyedJaggedTensor, skip_cached: bool = False) -> None:
         values = kjt.values()
         bounds = kjt.offset_per_key()
         for i, key in enumerate(kjt.keys()):
@@ -364,6 +366,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             if hi <= lo:
                 continue
             t = self._tables[self._feature_to_table[key]]
+            if skip_cached and t.slot_to_id is not None:
+                continue
             seg = values[lo:hi]
             vmin, vmax = int(seg.min()), int(seg.max())
             if t.slot_to_id is None:
@@ -404,7 +408,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             trusted: the plan comes from this cache's own :class:`~torchrec_lookahead.oracle.LookaheadOracle`
                 (as in :class:`~torchrec_lookahead.data.LookaheadDataModule`): only the cheap checks (shapes,
                 slot and id ranges, staged rows) run, not the O(capacity) consistency checks against the cache
-                contents, which the oracle's property tests guarantee.
+                contents, which the oracle's property tests guarantee; the next forward then skips its checks of
+                the cached features' slots (the loader remapped them with the same plan).
 
         Raises:
             ConfigError: the plan names an unknown or resident table.
@@ -427,6 +432,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             checked[name] = self._validate(plan.step, t, table_plan, staged, trusted)
         for name, c in checked.items():
             self._move(self._tables[name], c)
+        self._trusted_forward = trusted
 
     def _validate(
         self, step: int, t: _Table, tp: TablePlan, staged: Optional[StagedRows], trusted: bool = False
