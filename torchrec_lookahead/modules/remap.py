@@ -116,10 +116,23 @@ def remap_kjt(
                 f"plan step {plan.step} has {table_plan.slots.numel()} slots for table '{table}' but the batch "
                 f"looks up {used.get(table, 0)} ids in it; the plan was made for another batch"
             )
+    if kjt.variable_stride_per_key():
+        return KeyedJaggedTensor(
+            keys=kjt.keys(),
+            values=new_values,
+            weights=kjt.weights_or_none(),
+            lengths=kjt.lengths(),
+            offsets=kjt.offsets(),
+            stride_per_key_per_rank=kjt.stride_per_key_per_rank(),
+        )
     return KeyedJaggedTensor(
         keys=kjt.keys(),
         values=new_values,
         weights=kjt.weights_or_none(),
         lengths=kjt.lengths(),
         offsets=kjt.offsets(),
+        stride=kjt.stride(),
+        # computed here, in the planner thread, rather than again on the training thread
+        length_per_key=kjt.length_per_key(),
+        offset_per_key=bounds,
     )

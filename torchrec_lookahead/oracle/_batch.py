@@ -41,6 +41,16 @@ def _features(batch: Any) -> List[Tuple[str, Any, Any]]:
             else:
                 out.append((str(key), value, None))
         return out
+    if _is_plain_kjt(batch):
+        # Slices of the KJT's values and lengths (KeyedJaggedTensor.to_dict builds a JaggedTensor per feature,
+        # several times slower, and this runs for every batch in the planner thread).
+        keys, values, lengths, stride = batch.keys(), batch.values(), batch.lengths(), int(batch.stride())
+        out = []
+        off = 0
+        for i, (key, n) in enumerate(zip(keys, batch.length_per_key())):
+            out.append((str(key), values[off : off + n], lengths[i * stride : (i + 1) * stride]))
+            off += n
+        return out
     if hasattr(batch, "keys") and hasattr(batch, "to_dict"):
         jagged = batch.to_dict()
         out = []
@@ -53,6 +63,13 @@ def _features(batch: Any) -> List[Tuple[str, Any, Any]]:
         f"a batch must be a mapping name -> ids or a KeyedJaggedTensor-like object (keys(), to_dict()) but got "
         f"{type(batch).__name__}; convert it first"
     )
+
+
+def _is_plain_kjt(batch: Any) -> bool:
+    """A KeyedJaggedTensor-like object with one stride for every key (not variable-batch); duck-typed, as the
+    oracle does not depend on TorchRec."""
+    needed = ("keys", "values", "lengths", "stride", "length_per_key", "variable_stride_per_key")
+    return all(hasattr(batch, a) for a in needed) and not batch.variable_stride_per_key()
 
 
 def split_batch(
