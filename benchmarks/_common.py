@@ -82,3 +82,14 @@ class StepTimer(pl.Callback):
         if self._last is not None and trainer.global_step > self.warmup:
             self.times.append(now - self._last)
         self._last = now
+
+
+class StepTimeLog(StepTimer):
+    """:class:`StepTimer` that also logs each timed step's wall time to the Trainer's logger as
+    ``time/step_ms`` (rank 0), for runs in another process (e.g. under torchrun) read back from the logs."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        timed = len(self.times)
+        super().on_train_batch_end(trainer, *args)
+        if len(self.times) > timed and trainer.logger is not None and trainer.is_global_zero:
+            trainer.logger.log_metrics({"time/step_ms": self.times[-1] * 1e3}, step=trainer.global_step)
