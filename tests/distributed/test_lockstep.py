@@ -1,5 +1,6 @@
 """Two gloo ranks (spawned processes) running the lookahead loader's planner: the id all-gathers stop in
-lockstep whether the epoch ends, a rank's loader is ragged or empty, or a rank stops training early."""
+lockstep whether the epoch ends, a rank's loader is ragged or empty, or a rank stops training early; over a
+row-sharded store, the stager's row gathers (collectives too) stop in lockstep as well."""
 
 from __future__ import annotations
 
@@ -44,6 +45,35 @@ def _loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 2
                          stores={"t": TensorStore(ROWS, 4, name="t")}, num_ranks=2, rank=rank, group=group)  # fmt: skip
     return LookaheadLoader(batches, target, horizon=2, prefetch_depth=1, policy="belady", queue_depth=3,
                            stop_timeout_s=stop_timeout_s)  # fmt: skip
+
+
+def _sharded_loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 20.0) -> Any:
+    """The loader over a row-sharded store: each rank holds half of the rows, the stager's gathers are
+    collectives on a group of their own."""
+    from torchrec_lookahead.data.lookahead import CacheTarget, LookaheadLoader
+    from torchrec_lookahead.store import STAGE_CHANNEL, RowShardedStore, TensorStore, row_bounds
+
+    bounds = row_bounds(ROWS, 2)
+    lo, hi = bounds[rank : rank + 2]
+    groups = {"default": dist.new_group(backend="gloo"), STAGE_CHANNEL: dist.new_group(backend="gloo")}
+    store = RowShardedStore(TensorStore(hi - lo, 4, name="t", row_offset=lo, table_rows=ROWS), ROWS, bounds,
+                            [0, 1], group=groups["default"], channel_groups={STAGE_CHANNEL: groups[STAGE_CHANNEL]})  # fmt: skip
+    target = CacheTarget(capacity={"t": 16}, feature_to_table={"f": "t"}, num_embeddings={"t": ROWS},
+                         stores={"t": store}, num_ranks=2, rank=rank, group=group)  # fmt: skip
+    return LookaheadLoader(batches, target, horizon=2, prefetch_depth=1, policy="belady", queue_depth=3,
+                           stop_timeout_s=stop_timeout_s)  # fmt: skip
+
+
+def _staged_diff(b: Any) -> float:
+    """Max |staged - initial| of a batch's fetched rows (nothing is written back in these scenarios)."""
+    from torchrec_lookahead.store import TensorStore
+
+    rows = b.wait_staged()
+    ids = b.plan.tables["t"].fetch_ids
+    if not ids.numel():
+        return 0.0
+    want = TensorStore(ROWS, 4, name="t").gather(ids)[0]
+    return float((rows.tables["t"].weights - want).abs().max())
 
 
 def _consume(it: Any, n: int) -> int:
@@ -105,11 +135,74 @@ def _scenario(rank: int, name: str, group: Any) -> Dict[str, Any]:
             time.sleep(8)
             loader.close()
         out["close_s"] = time.monotonic() - t0
+    elif name == "sharded_equal":  # two epochs over a row-sharded store: rows as the unsharded table's
+        loader = _sharded_loader(rank, _batches(rank, 6), group)
+        out["steps"], out["diff"] = [], 0.0
+        for _ in range(2):
+            n = 0
+            for b in loader:
+                b.mark_started()
+                out["diff"] = max(out["diff"], _staged_diff(b))
+                n += 1
+            out["steps"].append(n)
+        loader.close()
+    elif name == "sharded_stop":  # both stop after 3 of 40 batches, at different moments
+        loader = _sharded_loader(rank, _batches(rank, 40), group)
+        out["steps"] = _consume(iter(loader), 3)
+        time.sleep(0.5 * rank)
+        t0 = time.monotonic()
+        loader.close()
+        out["close_s"] = time.monotonic() - t0
+    elif name == "stager_peer_stops":
+        # Rank 0 starts step 2 (plan 1 applied on rank 0), so its stager goes on to gather plan 3's rows; rank 1
+        # stops after step 1, before its stager reaches plan 3. Rank 0's stager must not be left inside a row
+        # gather rank 1 never joins: it learns that rank 1 stopped, and plan 3's rows fail with a SetupError.
+        loader = _sharded_loader(rank, _batches(rank, 40), group)
+        it = iter(loader)
+        _consume(it, 3 if rank == 0 else 2)
+        t0 = time.monotonic()
+        if rank == 1:
+            time.sleep(0.5)
+            loader.close()
+        else:
+            time.sleep(2.0)
+            try:
+                b = next(it)
+                out["plan"] = b.plan.step
+                b.wait_staged()
+            except Exception as e:
+                out["error"] = f"{type(e).__name__}: {e}"
+            loader.close()
+        out["close_s"] = time.monotonic() - t0
+    elif name == "stager_peer_gone":
+        # Rank 1's stager waits in the row gather of plan 2 for rank 0's, which never starts (rank 0 reads
+        # batches without starting their steps); once rank 1 stopped, it gives up within its timeout.
+        loader = _sharded_loader(rank, _batches(rank, 40), group, stop_timeout_s=1.0)
+        it = iter(loader)
+        if rank == 1:
+            _consume(it, 2)
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            try:
+                loader.close()
+            except Exception as e:
+                out["error"] = f"{type(e).__name__}: {e}"
+        else:
+            for _ in range(6):
+                next(it)
+            time.sleep(4.0)
+            t0 = time.monotonic()
+            try:
+                loader.close()
+            except Exception as e:
+                out["error"] = f"{type(e).__name__}: {e}"
+        out["close_s"] = time.monotonic() - t0
     out["alive"] = [t.name for t in threading.enumerate() if t.name.startswith("lookahead-")]
     return out
 
 
-SCENARIOS = ["equal", "ragged", "empty", "stop", "peer_stops", "peer_gone"]
+SCENARIOS = ["equal", "ragged", "empty", "stop", "peer_stops", "peer_gone", "sharded_equal", "sharded_stop",
+             "stager_peer_stops", "stager_peer_gone"]  # fmt: skip
 
 
 def _worker(rank: int, port: int, outdir: str) -> None:
@@ -169,4 +262,32 @@ def test_a_rank_asking_for_batches_after_its_peer_stopped_gets_a_setup_error(res
 def test_a_stopped_rank_whose_peer_never_joins_gives_up_within_its_timeout(results):
     a, b = results["peer_gone"]
     assert b["error"].startswith("SetupError") and "within 1 s" in b["error"], b
+    assert b["close_s"] < 5, b
+
+
+def test_row_gathers_over_a_sharded_store_end_every_epoch_together_with_the_unsharded_rows(results):
+    a, b = results["sharded_equal"]
+    assert a["steps"] == b["steps"] == [6, 6]
+    assert a["diff"] == b["diff"] == 0.0
+
+
+def test_ranks_stopping_mid_epoch_end_their_row_gathers_together(results):
+    a, b = results["sharded_stop"]
+    assert a["steps"] == b["steps"] == 3
+    assert a["close_s"] < 10 and b["close_s"] < 10
+    assert "error" not in a and "error" not in b
+
+
+def test_a_stager_whose_peer_stopped_ends_its_row_gathers_with_a_setup_error(results):
+    a, b = results["stager_peer_stops"]
+    assert "error" not in b, b
+    assert a["plan"] == 3 and a["error"].startswith("SetupError"), a
+    assert "rank(s) [1] stopped gathering rows before plan 3" in a["error"], a
+    assert a["close_s"] < 5 and b["close_s"] < 5
+
+
+def test_a_stopped_stager_whose_peer_never_joins_gives_up_within_its_timeout(results):
+    a, b = results["stager_peer_gone"]
+    assert b["error"].startswith("SetupError") and "row gather of the lookahead stager" in b["error"], b
+    assert "within 1 s" in b["error"], b
     assert b["close_s"] < 5, b

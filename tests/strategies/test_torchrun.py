@@ -157,6 +157,18 @@ def test_two_rank_cache_over_row_sharded_stores_equals_torchrec_resident_trainin
     assert result["passed"] and result["max_abs_weight_diff"] <= 1e-5, result
 
 
+def test_two_rank_run_over_row_sharded_stores_stopped_mid_epoch_exits_cleanly_and_equals_torchrec():
+    """max_steps in the middle of the second epoch over row-sharded stores: the stagers' row gathers (collectives)
+    stop in lockstep like the planners' id all-gathers, the process exits with status 0, and the flushed weights
+    equal TorchRec's resident 2-rank DMP run stopped at the same step."""
+    out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
+                   "--steps", "17", _ROW_WISE, timeout=200)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["passed"] and result["steps"] == 17 and result["max_abs_weight_diff"] <= 1e-5, result
+    assert "was not joined" not in out.stderr and "did not stop" not in out.stderr
+
+
 def test_two_hosts_shard_the_stores_by_host_and_equal_torchrec_resident_training():
     """Two torchrun launchers of one rank each (two "hosts"): the default store_sharding='host' shards the
     cached tables over the hosts (formerly refused), and training still equals TorchRec's."""

@@ -12,7 +12,9 @@ Validation and test loaders are the wrapped DataModule's own: evaluation reads i
 
 With several ranks, the planner threads all-gather every batch's ids in lockstep (an
 :class:`~torchrec_lookahead.distributed.lrpp.IdGatherer`): all ranks stop gathering at the same batch, whether
-the epoch ends, a rank's loader runs out early (a typed error on every rank) or a rank stops training.
+the epoch ends, a rank's loader runs out early (a typed error on every rank) or a rank stops training. When
+the stores are collectives (a row-sharded store), the stager threads keep their gathers in lockstep too (a
+:class:`~torchrec_lookahead.distributed.lrpp.StageGathers`: a status exchanged before each plan's gathers).
 """
 
 from __future__ import annotations
@@ -29,12 +31,19 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
 from torchrec_lookahead.data.capacity import check_stream, preserved_rng
-from torchrec_lookahead.distributed.lrpp import IdGatherer, LRPPTracker, slice_samples
+from torchrec_lookahead.distributed.lrpp import (
+    GatherStatus,
+    IdGatherer,
+    LRPPTracker,
+    StageGathers,
+    slice_samples,
+)
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import remap_kjt, stage_rows, table_ids
 from torchrec_lookahead.modules.types import StagedRows
@@ -161,8 +170,10 @@ class _Run:
         self._stop = threading.Event()
         self.threads: List[threading.Thread] = []
         self.join_timeout_s = join_timeout_s
-        #: an error of the planner thread's shutdown (its last id all-gather was not joined by every rank)
+        #: the first error of the planner's or the stager's shutdown (its last collective was not joined by every
+        #: rank)
         self.shutdown_error: Optional[BaseException] = None
+        self._lock = threading.Lock()
 
     @property
     def stopped(self) -> bool:
@@ -189,8 +200,14 @@ class _Run:
     def get(self) -> Any:
         return self.out.get()
 
+    def shutdown_failed(self, error: BaseException) -> None:
+        """Record an error of a thread's shutdown (the first one is kept)."""
+        with self._lock:
+            if self.shutdown_error is None:
+                self.shutdown_error = error
+
     def stop(self) -> Optional[BaseException]:
-        """Stop and join the threads; returns the planner thread's shutdown error, if any."""
+        """Stop and join the threads; returns the first shutdown error of the planner or the stager, if any."""
         self._stop.set()
         for t in self.threads:
             if t is not threading.current_thread():
@@ -218,8 +235,9 @@ class LookaheadLoader:
             that a fresh oracle starts from an empty cache).
         oracle_kwargs: extra :class:`~torchrec_lookahead.oracle.OracleConfig` fields (``window``, ``ways``, ...).
         stop_timeout_s: with several ranks, how long a rank that stopped training waits for the others to join
-            its planner thread's last id all-gather before it gives up with a
-            :class:`~torchrec_lookahead.errors.SetupError` (a peer failed or keeps training).
+            its planner thread's last id all-gather (and, over row-sharded stores, its stager's last row gather)
+            before it gives up with a :class:`~torchrec_lookahead.errors.SetupError` (a peer failed or keeps
+            training).
     """
 
     def __init__(
@@ -283,8 +301,8 @@ class LookaheadLoader:
         training stops before the epoch ends; a new iteration starts fresh threads).
 
         Raises:
-            SetupError: with several ranks, the planner thread's last id all-gather was not joined by every rank
-                within ``stop_timeout_s`` (raised unless another exception is being handled, in which case it
+            SetupError: with several ranks, the planner thread's last id all-gather (or the stager's last row
+                gather over row-sharded stores) was not joined by every rank within ``stop_timeout_s`` (raised unless another exception is being handled, in which case it
                 is logged).
         """
         run, self._run = self._run, None
@@ -362,7 +380,7 @@ class LookaheadLoader:
                 try:  # tell the other ranks, through the same collective, that this rank stops
                     gatherer.stop()
                 except BaseException as e:
-                    run.shutdown_error = e
+                    run.shutdown_failed(e)
 
     def _plan_stream(self, run: _Run, gatherer: Optional[IdGatherer]) -> None:
         batches: queue.Queue[Batch] = queue.Queue()
@@ -422,38 +440,79 @@ class LookaheadLoader:
             if not run.put(item):
                 return
 
+    def _stage_gathers(self, run: _Run) -> Optional[StageGathers]:
+        """Lockstep for the stager's gathers when they are collectives (a row-sharded store over several ranks):
+        they run on the stores' :data:`STAGE_CHANNEL` group, the status exchanges too."""
+        for store in self.target.stores.values():
+            inner = getattr(store, "inner", store)
+            if not getattr(inner, "collective", False):
+                continue
+            group = inner.channel_group(STAGE_CHANNEL) if hasattr(inner, "channel_group") else None
+            world = dist.get_world_size(group)
+            if world > 1:
+                return StageGathers(world, group, lambda: run.stopped, self.stop_timeout_s)
+        return None
+
     def _stage(self, run: _Run) -> None:
         single_threaded_ops()
-        while not run.stopped:
-            try:
-                item = run.to_stage.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if item is None:
-                return
-            plan, fut = item
-            need = plan.step - self.prefetch_depth - 1
-            with self._cond:
-                while self._applied < need and not run.stopped:
-                    self._cond.wait(timeout=0.05)
-            if run.stopped:
-                fut.cancel()
-                break
-            try:
-                # A row-sharded store's gathers are collectives: on a process group of the stager's own,
-                # so they never interleave with the training thread's write-backs.
-                with collective_channel(STAGE_CHANNEL):
-                    rows = stage_rows(plan, self.target.stores)
-                fut.set_result(rows)
-            except BaseException as e:
-                fut.set_exception(e)
-        while True:  # cancel what is left, so that no one waits for it
-            try:
-                item = run.to_stage.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                item[1].cancel()
+        gathers = self._stage_gathers(run)
+        wait = None if gathers is None else gathers.wait
+        status = GatherStatus.STOP
+        try:
+            while not run.stopped:
+                try:
+                    item = run.to_stage.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    status = GatherStatus.END
+                    return
+                plan, fut = item
+                need = plan.step - self.prefetch_depth - 1
+                with self._cond:
+                    while self._applied < need and not run.stopped:
+                        self._cond.wait(timeout=0.05)
+                if run.stopped:
+                    fut.cancel()
+                    return
+                try:
+                    if gathers is not None and not gathers.begin():
+                        fut.set_exception(
+                            SetupError(
+                                f"rank(s) {gathers.peer_stopped} stopped gathering rows before plan {plan.step} "
+                                f"while rank {self.target.rank} still trains: every rank must stop at the same step "
+                                "(did another rank fail?)"
+                            )
+                        )
+                        return
+                    # A row-sharded store's gathers are collectives: on a process group of the stager's own,
+                    # so they never interleave with the training thread's write-backs, and in lockstep.
+                    with collective_channel(STAGE_CHANNEL, wait):
+                        rows = stage_rows(plan, self.target.stores)
+                    fut.set_result(rows)
+                except BaseException as e:
+                    fut.set_exception(e)
+                    if (
+                        gathers is not None
+                    ):  # no further collective once one failed (the training thread raises)
+                        return
+        finally:
+            if gathers is not None:
+                try:  # tell the other ranks' stagers, through the same exchange, that this one stops
+                    gathers.stop(status)
+                except BaseException as e:
+                    run.shutdown_failed(e)
+                if (
+                    gathers.timed_out is not None
+                ):  # a gather abandoned after the stop (nobody waits for its rows)
+                    run.shutdown_failed(gathers.timed_out)
+            while True:  # cancel what is left, so that no one waits for it
+                try:
+                    item = run.to_stage.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[1].cancel()
 
     # ------------------------------------------------------------------------------------------ resumption
     def state_dict(self) -> Dict[str, int]:
@@ -485,7 +544,8 @@ class LookaheadDataModule(pl.LightningDataModule):
             training) reaches the window, possibly mid-training, after a flush. Loaders without ``len()`` and
             the ``window`` policy (set-associative: its own placement rules) are planned with ``"lookahead"``.
         stop_timeout_s: with several ranks, how long a rank that stopped training waits for the others to join
-            the planner's last id all-gather before it gives up with a typed error (a peer failed).
+            the planner's last id all-gather (and the stager's last row gather over row-sharded stores) before
+            it gives up with a typed error (a peer failed).
 
     Example:
         >>> from torchrec_lookahead.data import CriteoSyntheticDataModule

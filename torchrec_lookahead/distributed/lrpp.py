@@ -43,7 +43,9 @@ __all__ = [
     "gather_global_kjt",
     "slice_samples",
     "GatherStatus",
+    "LockstepGathers",
     "IdGatherer",
+    "StageGathers",
 ]
 
 
@@ -335,7 +337,97 @@ class GatherStatus(enum.IntEnum):
     STOP = 2  #: its training stopped (max_steps, an exception, a signal): no more gathers
 
 
-class IdGatherer:
+class LockstepGathers:
+    """Collectives of one background thread of every rank, kept in lockstep by a status exchanged first.
+
+    Each exchange is one header all-gather of ``[status, payload size]`` on ``group``; the first exchange in
+    which some rank does not bring :attr:`GatherStatus.BATCH` is the last one for every rank (:attr:`finished`),
+    so no rank is left inside a collective its peers never join. A rank that stops calls :meth:`stop`, which
+    joins the exchange its peers are in (or waits for them at the next one). Every collective of the thread is
+    asynchronous and waited for with :meth:`wait`: while the rank has not stopped (``stopped()`` is false) the
+    wait is unbounded (a peer's thread may be held while its training thread validates or checkpoints); once it
+    has stopped, a collective that does not complete within ``stop_timeout_s`` is abandoned with a
+    :class:`~torchrec_lookahead.errors.SetupError` (a peer failed or keeps training), and the exchanges are over.
+
+    :class:`IdGatherer` (the planner's id all-gathers) and :class:`StageGathers` (the stager's row gathers) are
+    built on it.
+
+    Args:
+        world_size: ranks in ``group``.
+        group: the thread's process group (``None``: the default group).
+        stopped: tells whether this rank's training has stopped.
+        stop_timeout_s: bound of the wait once stopped.
+        what: what the collectives are, for error messages.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        group: Optional[dist.ProcessGroup],
+        stopped: Callable[[], bool],
+        stop_timeout_s: float = 60.0,
+        what: str = "collective",
+    ) -> None:
+        self.world_size = world_size
+        self.group = group
+        self.stopped = stopped
+        self.stop_timeout_s = float(stop_timeout_s)
+        self.what = what
+        self.count = 0
+        self.finished = False
+        self.peer_stopped: List[int] = []
+        #: the error of an abandoned wait (see :meth:`wait`), once one was abandoned
+        self.timed_out: Optional[SetupError] = None
+
+    def stop(self, status: GatherStatus = GatherStatus.STOP) -> None:
+        """Tell the peers that this rank stops (one exchange with ``status``, ``STOP`` or ``END``, unless the
+        exchanges are already over).
+
+        Raises:
+            SetupError: the peers did not join within ``stop_timeout_s``.
+        """
+        if self.finished:
+            return
+        self.finished = True
+        self._statuses(status, 0)
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for the asynchronous collective ``work`` (see the class docstring for the bound).
+
+        Raises:
+            SetupError: this rank stopped and ``work`` did not complete within ``stop_timeout_s``.
+        """
+        deadline: Optional[float] = None
+        while True:
+            try:
+                work.wait(timeout=timedelta(seconds=0.2))
+                return
+            except RuntimeError as e:
+                if "timed out" not in str(e).lower() or work.is_completed():
+                    raise
+            if self.stopped():
+                now = time.monotonic()
+                deadline = deadline if deadline is not None else now + self.stop_timeout_s
+                if now >= deadline:
+                    self.finished = True
+                    self.timed_out = SetupError(
+                        f"{self.what} {self.count - 1} ({what}) was not joined by every rank within "
+                        f"{self.stop_timeout_s:g} s after this rank stopped training: another rank failed, or "
+                        "keeps training past the step at which this one stopped (every rank must stop at the "
+                        "same step)"
+                    )
+                    raise self.timed_out
+
+    def _statuses(self, status: GatherStatus, size: int) -> Tuple[List[int], List[int]]:
+        """One header exchange: every rank's status and payload size."""
+        self.count += 1
+        header = torch.tensor([int(status), size], dtype=torch.int64)
+        headers = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
+        self.wait(dist.all_gather(headers, header, group=self.group, async_op=True), f"status {status.name}")
+        return [int(h[0]) for h in headers], [int(h[1]) for h in headers]
+
+
+class IdGatherer(LockstepGathers):
     """The id all-gathers of one epoch of the lookahead loader's planner thread, kept in lockstep.
 
     Every gather carries, besides the rank's sparse ids, a :class:`GatherStatus`. The first gather in which any
@@ -369,13 +461,9 @@ class IdGatherer:
         stopped: Callable[[], bool],
         stop_timeout_s: float = 60.0,
     ) -> None:
-        self.world_size = world_size
-        self.group = group
-        self.stopped = stopped
-        self.stop_timeout_s = float(stop_timeout_s)
-        self.count = 0
-        self.finished = False
-        self.peer_stopped: List[int] = []
+        super().__init__(
+            world_size, group, stopped, stop_timeout_s, what="id all-gather of the lookahead planner"
+        )
 
     def gather(self, kjt: Optional[KeyedJaggedTensor]) -> Optional[KeyedJaggedTensor]:
         """The global batch (``kjt``: this rank's slice; ``None``: its loader is exhausted), or ``None`` once
@@ -407,52 +495,61 @@ class IdGatherer:
             "package's DataModules with several ranks) or pad the data"
         )
 
-    def stop(self) -> None:
-        """Tell the peers that this rank stopped (one ``STOP`` gather, unless the gathers are already over).
-
-        Raises:
-            SetupError: the peers did not join within ``stop_timeout_s``.
-        """
-        if self.finished:
-            return
-        self.finished = True
-        self._exchange(GatherStatus.STOP, None)
-
-    # ---------------------------------------------------------------------------------------------- helpers
-    def _wait(self, work: Any, what: str) -> None:
-        deadline: Optional[float] = None
-        while True:
-            try:
-                work.wait(timeout=timedelta(seconds=0.2))
-                return
-            except RuntimeError as e:
-                if "timed out" not in str(e).lower() or work.is_completed():
-                    raise
-            if self.stopped():
-                now = time.monotonic()
-                deadline = deadline if deadline is not None else now + self.stop_timeout_s
-                if now >= deadline:
-                    self.finished = True
-                    raise SetupError(
-                        f"id all-gather {self.count - 1} ({what}) of the lookahead planner was not joined by every "
-                        f"rank within {self.stop_timeout_s:g} s after this rank stopped training: another rank "
-                        "failed, or keeps training past the step at which this one stopped (every rank must stop "
-                        "at the same step)"
-                    )
-
     def _exchange(self, status: GatherStatus, payload: Optional[bytes]) -> Tuple[List[int], List[bytes]]:
-        self.count += 1
-        header = torch.tensor([int(status), 0 if payload is None else len(payload)], dtype=torch.int64)
-        headers = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
-        self._wait(dist.all_gather(headers, header, group=self.group, async_op=True), f"status {status.name}")
-        statuses = [int(h[0]) for h in headers]
+        statuses, sizes = self._statuses(status, 0 if payload is None else len(payload))
         if any(s != GatherStatus.BATCH for s in statuses):
             return statuses, []
-        sizes = [int(h[1]) for h in headers]
         size = max(sizes)
         buf = torch.zeros(size, dtype=torch.uint8)
         assert payload is not None
         buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._wait(dist.all_gather(bufs, buf, group=self.group, async_op=True), "ids")
+        self.wait(dist.all_gather(bufs, buf, group=self.group, async_op=True), "ids")
         return statuses, [b[:n].numpy().tobytes() for b, n in zip(bufs, sizes)]
+
+
+class StageGathers(LockstepGathers):
+    """The row gathers of one epoch of the lookahead loader's stager thread over collective stores (a
+    :class:`~torchrec_lookahead.store.RowShardedStore`), kept in lockstep.
+
+    Before the store collectives of each plan, every rank's stager exchanges a status (:meth:`begin`): when
+    every rank brings ``BATCH``, all of them run the plan's store gathers (the same tables, in the same order),
+    waited for with :meth:`wait` (pass it to :func:`~torchrec_lookahead.store.collective_channel`); the first
+    exchange in which some rank brings ``STOP`` (its training stopped) or ``END`` (its plan stream ended) is the
+    last one for every rank, so no stager is left inside a store gather its peers never join. A stager that
+    stops or runs out of plans calls :meth:`stop`. The waits are bounded once this rank has stopped training,
+    as for the planner's :class:`IdGatherer`.
+
+    Args:
+        world_size: ranks of the stores' stager group.
+        group: the process group the stores run the stager's collectives on (their ``STAGE_CHANNEL`` group).
+        stopped: tells whether this rank's training has stopped.
+        stop_timeout_s: bound of the wait once stopped.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        group: Optional[dist.ProcessGroup],
+        stopped: Callable[[], bool],
+        stop_timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__(
+            world_size, group, stopped, stop_timeout_s, what="row gather of the lookahead stager"
+        )
+
+    def begin(self) -> bool:
+        """Before one plan's store gathers: ``True`` when every rank gathers it, ``False`` once the gathers are
+        over (some rank stopped or ran out of plans: see :attr:`peer_stopped`; this rank then gathers no more).
+
+        Raises:
+            SetupError: this rank stopped and its peers did not join within ``stop_timeout_s``.
+        """
+        if self.finished:
+            return False
+        statuses, _ = self._statuses(GatherStatus.BATCH, 0)
+        if all(s == GatherStatus.BATCH for s in statuses):
+            return True
+        self.finished = True
+        self.peer_stopped = [r for r, s in enumerate(statuses) if s != GatherStatus.BATCH]
+        return False

@@ -13,9 +13,11 @@ from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_embedding_weight
 from torchrec_lookahead.store.mmap_store import MmapStore
 from torchrec_lookahead.store.sharded_store import (
     STAGE_CHANNEL,
+    CollectiveWait,
     EmptyShardStore,
     RowShardedStore,
     collective_channel,
+    current_wait,
     row_bounds,
 )
 from torchrec_lookahead.store.tensor_store import TensorStore
@@ -29,6 +31,8 @@ __all__ = [
     "EmptyShardStore",
     "row_bounds",
     "collective_channel",
+    "current_wait",
+    "CollectiveWait",
     "STAGE_CHANNEL",
     "INIT_BLOCK_ROWS",
     "init_rows",

@@ -22,7 +22,11 @@ A call whose ids all live in the caller's own shard on every rank skips step 2 a
 Two threads of one rank may use the store at the same time on disjoint rows (the lookahead stager gathers
 while the training thread writes back) as long as their collectives never share a process group: a call
 runs on the group of the calling thread's *channel* (:func:`collective_channel`), the default group
-otherwise. The stager runs under the :data:`STAGE_CHANNEL` channel.
+otherwise. The stager runs under the :data:`STAGE_CHANNEL` channel, with a wait of its own: its collectives are
+issued asynchronously and waited for by
+:class:`~torchrec_lookahead.distributed.lrpp.StageGathers`, which keeps the stagers of all ranks in lockstep
+(a status exchanged before each plan's gathers) and bounds the wait once the rank has stopped training. The
+training thread's calls wait without bound.
 
 Initial values are those of the unsharded table (shards are created with ``row_offset``/``table_rows``, so
 :func:`~torchrec_lookahead.store.init_rows` sees the table's own row indices), so a sharded run starts from
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +51,8 @@ __all__ = [
     "row_bounds",
     "collective_channel",
     "current_channel",
+    "current_wait",
+    "CollectiveWait",
     "STAGE_CHANNEL",
 ]
 
@@ -56,10 +62,21 @@ STAGE_CHANNEL = "stage"
 _local = threading.local()
 
 
+CollectiveWait = Callable[[Any, str], None]
+"""Waits for an asynchronous collective (a ``torch.distributed`` work handle) and names it for errors."""
+
+
 @contextlib.contextmanager
-def collective_channel(name: Optional[str]) -> Iterator[None]:
+def collective_channel(name: Optional[str], wait: Optional[CollectiveWait] = None) -> Iterator[None]:
     """Run the collectives of :class:`RowShardedStore` calls made by this thread, inside the block, on the
     process group the store has for ``name`` (the default group when it has none).
+
+    Args:
+        name: the channel (``None``: the default group).
+        wait: called with each of those collectives, issued asynchronously, and a short description; it
+            returns once the collective has completed, or raises (the lookahead stager's bounded wait after
+            its rank stopped, :class:`~torchrec_lookahead.distributed.lrpp.StageGathers`). ``None``: wait
+            without bound.
 
     Example:
         >>> with collective_channel(STAGE_CHANNEL):
@@ -68,17 +85,22 @@ def collective_channel(name: Optional[str]) -> Iterator[None]:
         >>> current_channel() is None
         True
     """
-    prev = getattr(_local, "name", None)
-    _local.name = name
+    prev = getattr(_local, "name", None), getattr(_local, "wait", None)
+    _local.name, _local.wait = name, wait
     try:
         yield
     finally:
-        _local.name = prev
+        _local.name, _local.wait = prev
 
 
 def current_channel() -> Optional[str]:
     """The channel set by the innermost :func:`collective_channel` of this thread (``None`` outside)."""
     return getattr(_local, "name", None)
+
+
+def current_wait() -> Optional[CollectiveWait]:
+    """The wait set by the innermost :func:`collective_channel` of this thread (``None``: unbounded)."""
+    return getattr(_local, "wait", None)
 
 
 def row_bounds(num_embeddings: int, num_shards: int) -> List[int]:
@@ -257,12 +279,25 @@ class RowShardedStore(EmbeddingStore):
         """``(lo, hi)``: the table rows of this rank's shard."""
         return self._lo, self._hi
 
-    # -- helpers -------------------------------------------------------------------------------------------
-    def _group(self) -> Optional[dist.ProcessGroup]:
-        name = current_channel()
+    def channel_group(self, name: Optional[str]) -> Optional[dist.ProcessGroup]:
+        """The process group the calls of channel ``name`` run on (``None``: the default group of
+        torch.distributed)."""
         if name is not None and name in self._channel_groups:
             return self._channel_groups[name]
         return self._group_default
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _group(self) -> Optional[dist.ProcessGroup]:
+        return self.channel_group(current_channel())
+
+    @staticmethod
+    def _run(what: str, op: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Issue one collective; with the thread's :func:`current_wait`, asynchronously and waited by it."""
+        wait = current_wait()
+        if wait is None:
+            op(*args, **kwargs)
+        else:
+            wait(op(*args, async_op=True, **kwargs), what)
 
     def _check_ids(self, ids: Any, unique: bool) -> Tuple[Optional[BaseException], torch.Tensor]:
         empty = torch.zeros(0, dtype=torch.int64)
@@ -338,7 +373,7 @@ class RowShardedStore(EmbeddingStore):
         """All-gather ``[status, counts per destination]``; raise ``error`` (or a peer's) on every rank."""
         mine = torch.cat([torch.tensor([0 if error is None else 1], dtype=torch.int64), counts])
         parts = [torch.zeros_like(mine) for _ in range(self._world)]
-        dist.all_gather(parts, mine, group=group)
+        self._run(f"header of table '{self.name}'", dist.all_gather, parts, mine, group=group)
         out = torch.stack(parts)
         if bool(out[:, 0].any()):
             errs: List[Any] = [None] * self._world
@@ -381,10 +416,12 @@ class RowShardedStore(EmbeddingStore):
         recv_counts = matrix[:, self._rank].tolist()
         send_counts = counts.tolist()
         recv = torch.empty(sum(recv_counts), dtype=torch.int64)
-        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+        self._run(f"ids of table '{self.name}'", dist.all_to_all_single, recv, send, recv_counts, send_counts,
+                  group=group)  # fmt: skip
         served = self._local_rows(recv - self._lo) if recv.numel() else torch.zeros(0, width)
         back = torch.empty(ids.numel(), width)
-        dist.all_to_all_single(back, served.contiguous(), send_counts, recv_counts, group=group)
+        self._run(f"rows of table '{self.name}'", dist.all_to_all_single, back, served.contiguous(), send_counts,
+                  recv_counts, group=group)  # fmt: skip
         rows = torch.empty_like(back)
         rows[order] = back
         return self._split(rows)
@@ -425,7 +462,8 @@ class RowShardedStore(EmbeddingStore):
         payload = torch.cat([ids[order].view(torch.float32).view(-1, 2), packed[order]], 1).contiguous()
         recv_counts = matrix[:, self._rank].tolist()
         recv = torch.empty(sum(recv_counts), payload.shape[1])
-        dist.all_to_all_single(recv, payload, recv_counts, counts.tolist(), group=group)
+        self._run(f"rows of table '{self.name}'", dist.all_to_all_single, recv, payload, recv_counts,
+                  counts.tolist(), group=group)  # fmt: skip
         if recv.numel():
             got_ids = recv[:, :2].reshape(-1).view(torch.int64)  # reshape: contiguous even for one row
             w, s = self._split(recv[:, 2:])
@@ -440,7 +478,7 @@ class RowShardedStore(EmbeddingStore):
         if n:
             mine[:n] = self._local_rows(torch.arange(n))
         parts = [torch.empty(rows, width) for _ in range(self._world)]
-        dist.all_gather(parts, mine, group=group)
+        self._run(f"shards of table '{self.name}'", dist.all_gather, parts, mine, group=group)
         out = torch.empty(self._num, width)
         for s, (a, b) in enumerate(zip(self._bounds, self._bounds[1:])):
             out[a:b] = parts[self._first_server[s]][: b - a]
