@@ -11,7 +11,7 @@ in KJT key order; the plan's ``slots`` follow the same order::
 
 from __future__ import annotations
 
-from typing import Collection, Dict, List, Mapping, Optional
+from typing import Any, Collection, Dict, List, Mapping, Optional
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -116,23 +116,17 @@ def remap_kjt(
                 f"plan step {plan.step} has {table_plan.slots.numel()} slots for table '{table}' but the batch "
                 f"looks up {used.get(table, 0)} ids in it; the plan was made for another batch"
             )
-    if kjt.variable_stride_per_key():
-        return KeyedJaggedTensor(
-            keys=kjt.keys(),
-            values=new_values,
-            weights=kjt.weights_or_none(),
-            lengths=kjt.lengths(),
-            offsets=kjt.offsets(),
-            stride_per_key_per_rank=kjt.stride_per_key_per_rank(),
-        )
+    # Per-key lengths and offsets are computed here, in the planner thread, not again on the training thread.
+    layout: Dict[str, Any] = (
+        {"stride_per_key_per_rank": kjt.stride_per_key_per_rank()}
+        if kjt.variable_stride_per_key()
+        else {"stride": kjt.stride(), "length_per_key": kjt.length_per_key(), "offset_per_key": bounds}
+    )
     return KeyedJaggedTensor(
         keys=kjt.keys(),
         values=new_values,
         weights=kjt.weights_or_none(),
         lengths=kjt.lengths(),
         offsets=kjt.offsets(),
-        stride=kjt.stride(),
-        # computed here, in the planner thread, rather than again on the training thread
-        length_per_key=kjt.length_per_key(),
-        offset_per_key=bounds,
+        **layout,
     )
