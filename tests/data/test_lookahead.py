@@ -302,3 +302,33 @@ def test_lookahead_threads_run_their_operators_single_threaded_without_changing_
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_preserved_rng_keeps_the_order_of_a_loader_with_its_own_generator():
+    from torch.utils.data import DataLoader
+
+    from torchrec_lookahead.data.capacity import preserved_rng
+
+    def order(seed_first_pass: bool):
+        loader = DataLoader(
+            list(range(20)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0)
+        )
+        if seed_first_pass:
+            with preserved_rng(loader):
+                [b.tolist() for b in loader]
+        return [b.tolist() for b in loader]
+
+    assert order(True) == order(False)
+
+
+def test_variable_batch_kjts_are_refused_by_the_cache():
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_lookahead import DataError
+    from torchrec_lookahead.modules import remap_kjt
+    from torchrec_lookahead.oracle.types import BatchPlan
+
+    vbe = KeyedJaggedTensor(keys=["f", "g"], values=torch.arange(5), lengths=torch.ones(5, dtype=torch.int32),
+                            stride_per_key_per_rank=[[2], [3]])  # fmt: skip
+    with pytest.raises(DataError, match="variable-batch"):
+        remap_kjt(vbe, BatchPlan(0, {}), {"f": "t"}, ["t"])

@@ -197,12 +197,28 @@ def _scenario(rank: int, name: str, group: Any) -> Dict[str, Any]:
             except Exception as e:
                 out["error"] = f"{type(e).__name__}: {e}"
         out["close_s"] = time.monotonic() - t0
+    elif name in ("scan", "scan_fails"):  # the capacity pre-scan: rank 1's loader fails at batch 3
+        from torchrec_lookahead.data.lookahead import scan_epoch
+
+        batches: Any = _batches(rank, 6)
+        if name == "scan_fails" and rank == 1:
+
+            def failing(first: List[Any]) -> Any:
+                yield from first
+                raise OSError("disk gone")
+
+            batches = failing(batches[:3])
+        target = _loader(rank, [], group).target
+        try:
+            out["need"] = scan_epoch(batches, target, prefetch_depth=1, stop_timeout_s=20.0)
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
     out["alive"] = [t.name for t in threading.enumerate() if t.name.startswith("lookahead-")]
     return out
 
 
 SCENARIOS = ["equal", "ragged", "empty", "stop", "peer_stops", "peer_gone", "sharded_equal", "sharded_stop",
-             "stager_peer_stops", "stager_peer_gone"]  # fmt: skip
+             "stager_peer_stops", "stager_peer_gone", "scan", "scan_fails"]  # fmt: skip
 
 
 def _worker(rank: int, port: int, outdir: str) -> None:
@@ -291,3 +307,13 @@ def test_a_stopped_stager_whose_peer_never_joins_gives_up_within_its_timeout(res
     assert b["error"].startswith("SetupError") and "row gather of the lookahead stager" in b["error"], b
     assert "within 1 s" in b["error"], b
     assert b["close_s"] < 5, b
+
+
+def test_the_capacity_pre_scan_checks_the_global_batches_and_a_rank_failing_in_it_fails_every_rank(results):
+    a, b = results["scan"]
+    assert a["need"] == b["need"] and 2 < a["need"]["t"] <= 8, (a, b)  # windows of 2 global batches of 4 ids
+    a, b = results["scan_fails"]
+    assert b["error"] == "OSError: disk gone", b
+    assert (
+        a["error"].startswith("SetupError") and "rank(s) [1] failed during the capacity check" in a["error"]
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from typing import Any, Deque, Dict, Iterable, Mapping, Tuple
+from typing import Any, Deque, Dict, Iterable, List, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -22,20 +22,38 @@ __all__ = ["check_stream", "preserved_rng"]
 
 
 class preserved_rng:
-    """Context manager restoring torch's, numpy's and Python's global random state on exit, so that reading a
-    loader once (e.g. a shuffling ``DataLoader``, which draws its seed from torch) leaves the order of the next
-    iteration as it would have been."""
+    """Context manager restoring, on exit, torch's, numpy's and Python's global random states and those of the
+    ``torch.Generator`` s of the given loaders (``loader.generator``, its sampler's, its batch sampler's
+    sampler's), so that reading a loader once (a shuffling ``DataLoader`` draws its order from its generator
+    or from torch's) leaves the order of its next iteration as it would have been.
+
+    Args:
+        loaders: loaders whose own generators to restore too.
+    """
+
+    def __init__(self, *loaders: Any) -> None:
+        self._generators: List[torch.Generator] = []
+        for loader in loaders:
+            for path in (("generator",), ("sampler", "generator"), ("batch_sampler", "sampler", "generator")):
+                obj: Any = loader
+                for attr in path:
+                    obj = getattr(obj, attr, None)
+                if isinstance(obj, torch.Generator) and all(obj is not g for g in self._generators):
+                    self._generators.append(obj)
 
     def __enter__(self) -> preserved_rng:
         self._torch = torch.get_rng_state()
         self._numpy = np.random.get_state()
         self._python = random.getstate()
+        self._states = [g.get_state() for g in self._generators]
         return self
 
     def __exit__(self, *exc: Any) -> None:
         torch.set_rng_state(self._torch)
         np.random.set_state(self._numpy)
         random.setstate(self._python)
+        for g, state in zip(self._generators, self._states):
+            g.set_state(state)
 
 
 def check_stream(

@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Generator, Iterator, List, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -525,6 +525,65 @@ class LookaheadLoader:
         self._resume_from = int(state_dict["batches_yielded"])
 
 
+def scan_epoch(
+    inner: Any, target: CacheTarget, prefetch_depth: int, stop_timeout_s: float = 60.0
+) -> Dict[str, int]:
+    """Read one epoch of ``inner`` (a loader of TorchRec batches) and check every window and id against the cache
+    before training (:func:`~torchrec_lookahead.data.capacity.check_stream`; with several ranks over the
+    global batches, gathered in lockstep). Random states, the loader's generators included, are restored.
+
+    Returns:
+        The largest window working set per cached table.
+
+    Raises:
+        CapacityError, InvalidIdError: see :func:`~torchrec_lookahead.data.capacity.check_stream`.
+        SetupError: another rank failed during its scan.
+    """
+
+    def sparse() -> Generator[Any, None, None]:
+        if target.num_ranks == 1:
+            yield from (b.sparse_features for b in inner)
+            return
+        # Every rank plans the global batch: the same lockstep gathers as the planner thread's. A rank that
+        # fails (its loader raises, a check fails) tells the others, which then fail too instead of waiting.
+        failed = False
+        gatherer = IdGatherer(target.num_ranks, target.group, lambda: failed, stop_timeout_s)
+        batches = iter(inner)
+        try:
+            while True:
+                b = next(batches, None)
+                kjt = gatherer.gather(None if b is None else b.sparse_features)
+                if kjt is None:
+                    break
+                yield kjt
+        except BaseException:
+            failed = True
+            try:
+                gatherer.stop()
+            except SetupError as e:
+                log.error("capacity check: %s", e)
+            raise
+        if gatherer.peer_stopped:
+            raise SetupError(
+                f"rank(s) {gatherer.peer_stopped} failed during the capacity check of the training data (see "
+                "their error)"
+            )
+
+    stream = sparse()
+    try:
+        with preserved_rng(inner):
+            need = check_stream(
+                stream,
+                target.capacity,
+                target.feature_to_table,
+                target.num_embeddings,
+                prefetch_depth,
+            )
+    finally:
+        stream.close()
+    return need
+
+
 class LookaheadDataModule(pl.LightningDataModule):
     """Wrap a DataModule of TorchRec batches so that the model's cached tables are planned ahead.
 
@@ -636,6 +695,8 @@ class LookaheadDataModule(pl.LightningDataModule):
             )
             return inner
         strategy = self.trainer.strategy  # type: ignore[union-attr]
+        if self.loader is not None:  # a reload: the previous loader's threads must not outlive it
+            self.loader.close()
         self._check_epoch(inner, target)
         self.loader = LookaheadLoader(
             inner,
@@ -663,25 +724,8 @@ class LookaheadDataModule(pl.LightningDataModule):
             )
             return
 
-        def sparse() -> Iterator[Any]:
-            if target.num_ranks == 1:
-                yield from (b.sparse_features for b in inner)
-                return
-            # Every rank plans the global batch: the same lockstep gathers as the planner thread's.
-            gatherer = IdGatherer(target.num_ranks, target.group, lambda: False, self.stop_timeout_s)
-            batches = iter(inner)
-            while True:
-                b = next(batches, None)
-                kjt = gatherer.gather(None if b is None else b.sparse_features)
-                if kjt is None:
-                    return
-                yield kjt
-
         t0 = time.perf_counter()
-        with preserved_rng():
-            need = check_stream(
-                sparse(), target.capacity, target.feature_to_table, target.num_embeddings, self.prefetch_depth
-            )
+        need = scan_epoch(inner, target, self.prefetch_depth, self.stop_timeout_s)
         log.info("capacity check of %d batches in %.1f s: largest windows %s", len(inner),
                  time.perf_counter() - t0, need)  # fmt: skip
 

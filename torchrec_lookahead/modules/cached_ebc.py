@@ -35,7 +35,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError, SetupError
 from torchrec_lookahead.modules._kernels import _CacheKernel, make_kernel
 from torchrec_lookahead.modules.config import CacheOptimizerConfig
-from torchrec_lookahead.modules.remap import remap_kjt, table_ids
+from torchrec_lookahead.modules.remap import refuse_variable_batch, remap_kjt, table_ids
 from torchrec_lookahead.modules.staging import stage_rows
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
@@ -325,6 +325,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             CapacityError: a slot is not below its table's capacity.
             SetupError: a slot is empty (no ``apply_plan`` loaded a row into it).
         """
+        refuse_variable_batch(features)
         keys = features.keys()
         missing = [f for f in self._feature_names if f not in keys]
         if missing:

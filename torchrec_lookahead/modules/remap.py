@@ -11,7 +11,7 @@ in KJT key order; the plan's ``slots`` follow the same order::
 
 from __future__ import annotations
 
-from typing import Any, Collection, Dict, List, Mapping, Optional
+from typing import Collection, Dict, List, Mapping, Optional
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -58,6 +58,16 @@ def table_ids(
     }
 
 
+def refuse_variable_batch(kjt: KeyedJaggedTensor) -> None:
+    """Raise :class:`~torchrec_lookahead.errors.DataError` for a variable-batch KJT (a stride per key): the
+    cache's lookups assume one batch size for every feature."""
+    if kjt.variable_stride_per_key():
+        raise DataError(
+            "the lookahead cache does not support variable-batch KeyedJaggedTensors (variable_stride_per_key, "
+            "one batch size per feature); give every feature the same batch size"
+        )
+
+
 def remap_kjt(
     kjt: KeyedJaggedTensor,
     plan: BatchPlan,
@@ -86,6 +96,7 @@ def remap_kjt(
             f"plan step {plan.step} names tables {sorted(unknown)} that are not cached; cached tables: "
             f"{sorted(cached_tables)}"
         )
+    refuse_variable_batch(kjt)
     values = kjt.values()
     bounds = kjt.offset_per_key()
     new_values = values.clone()
@@ -116,17 +127,14 @@ def remap_kjt(
                 f"plan step {plan.step} has {table_plan.slots.numel()} slots for table '{table}' but the batch "
                 f"looks up {used.get(table, 0)} ids in it; the plan was made for another batch"
             )
-    # Per-key lengths and offsets are computed here, in the planner thread, not again on the training thread.
-    layout: Dict[str, Any] = (
-        {"stride_per_key_per_rank": kjt.stride_per_key_per_rank()}
-        if kjt.variable_stride_per_key()
-        else {"stride": kjt.stride(), "length_per_key": kjt.length_per_key(), "offset_per_key": bounds}
-    )
     return KeyedJaggedTensor(
         keys=kjt.keys(),
         values=new_values,
         weights=kjt.weights_or_none(),
         lengths=kjt.lengths(),
         offsets=kjt.offsets(),
-        **layout,
+        stride=kjt.stride(),
+        # computed here, in the planner thread, rather than again on the training thread
+        length_per_key=kjt.length_per_key(),
+        offset_per_key=bounds,
     )
