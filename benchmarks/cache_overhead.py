@@ -106,6 +106,7 @@ def train(
     store_dir: Optional[str] = None,
     callbacks: Sequence[pl.Callback] = (),
     accelerator: str = "cpu",
+    lookahead_kwargs: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Train ``cli``'s model for ``warmup + steps`` timed steps, resident (``capacity=None``) or cached.
 
@@ -116,7 +117,9 @@ def train(
         dm = dm.datamodule
     if capacity is not None:
         sharders = [LookaheadEmbeddingBagCollectionSharder(capacity=capacity, store_dir=store_dir)]
-        dm = LookaheadDataModule(dm, horizon=horizon, prefetch_depth=prefetch_depth, policy=policy)
+        dm = LookaheadDataModule(
+            dm, horizon=horizon, prefetch_depth=prefetch_depth, policy=policy, **(lookahead_kwargs or {})
+        )
         strategy = TorchRecStrategy(sharders=sharders, init_seed=0)
     else:
         strategy = TorchRecStrategy(init_seed=0)
@@ -298,6 +301,7 @@ def main() -> None:
     p.add_argument(
         "--profile", action="store_true", help="add a cProfile breakdown (resident vs cached steps)"
     )
+    p.add_argument("--planner-nice", type=int, default=19, help="LookaheadDataModule(planner_nice=...)")
     p.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
     )
@@ -333,7 +337,8 @@ def main() -> None:
         pair: Dict[str, float] = {}
         for kind in ("resident", "cached"):
             gc.collect()
-            res = train(build(args.config), None if kind == "resident" else capacity, steps, args.warmup)
+            res = train(build(args.config), None if kind == "resident" else capacity, steps, args.warmup,
+                        lookahead_kwargs={"planner_nice": args.planner_nice})  # fmt: skip
             times[kind] += res["times"]
             pair[kind] = res["step_ms"]
             row: Dict[str, Any] = {
@@ -376,6 +381,7 @@ def main() -> None:
         "warmup_steps": args.warmup,
         "torch_threads": threads["resident"],
         "cached_torch_threads": threads["cached"],
+        "planner_nice": args.planner_nice,
         "load_average_at_end": os.getloadavg(),
         "capacity": capacity,
         "bumped_from": bumped,

@@ -1,5 +1,7 @@
 """Cached training under Lightning equals resident training (contract 1), and the cache's other contracts."""
 
+import sys
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -332,3 +334,33 @@ def test_variable_batch_kjts_are_refused_by_the_cache():
                             stride_per_key_per_rank=[[2], [3]])  # fmt: skip
     with pytest.raises(DataError, match="variable-batch"):
         remap_kjt(vbe, BatchPlan(0, {}), {"f": "t"}, ["t"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux-only")
+def test_the_planner_thread_runs_at_lower_priority_than_training():
+    import os
+    import threading
+
+    from torchrec_lookahead.data.lookahead import lower_thread_priority
+
+    seen = {}
+
+    def planner():
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        lower_thread_priority(5)
+        seen["delta"] = os.getpriority(os.PRIO_PROCESS, tid) - before
+
+    t = threading.Thread(target=planner)
+    t.start()
+    t.join()
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen["delta"] == min(5, 19 - main)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == main  # the process (main thread) keeps its priority
+
+
+def test_planner_nice_is_validated():
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
+
+    with pytest.raises(ConfigError, match="planner_nice"):
+        LookaheadDataModule(CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), planner_nice=20)
