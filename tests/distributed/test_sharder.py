@@ -104,3 +104,42 @@ def test_dmp_path_equals_the_module_path():
     sharded.flush()
     alone.flush()
     assert torch.equal(sharded.cache.stores["big"].full_weights(), alone.stores["big"].full_weights())
+
+
+def test_shared_store_directories_of_dead_owners_are_removed_and_live_ones_kept(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from torchrec_lookahead.distributed.sharder import (
+        STORE_DIR_PREFIX,
+        hold_store_dir,
+        remove_orphaned_store_dirs,
+    )
+
+    old = time.time() - 3600
+
+    def make(name: str) -> str:
+        path = tmp_path / f"{STORE_DIR_PREFIX}{name}"
+        path.mkdir()
+        (path / "t.bin").write_bytes(b"rows")
+        return str(path)
+
+    live = make("live")
+    fd = hold_store_dir(live)  # this process owns it
+    dead = make("dead")
+    # a process that took the lock and was killed: the kernel released its lock
+    code = f"import os, signal; from torchrec_lookahead.distributed.sharder import hold_store_dir; hold_store_dir({dead!r}); os.kill(os.getpid(), signal.SIGKILL)"
+    subprocess.run([sys.executable, "-c", code], check=False)
+    young = make("young")  # unlocked but just created (another run may be setting it up): kept for its age
+    os.close(hold_store_dir(young))
+    unlocked = make("no_lock")  # an older layout without a lock file: never touched
+    for p in (live, dead, unlocked):
+        os.utime(p, (old, old))
+    try:
+        removed = remove_orphaned_store_dirs(str(tmp_path))
+    finally:
+        os.close(fd)
+    assert removed == [dead]
+    assert os.path.exists(live) and os.path.exists(young) and os.path.exists(unlocked)

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import fcntl
+import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -87,6 +90,55 @@ def cache_optimizer_from_module(
             f"Cached tables declare different optimizers {found}; use one optimizer for all of them"
         )
     return next(iter(distinct)) if distinct else None
+
+
+log = logging.getLogger(__name__)
+
+STORE_DIR_PREFIX = "torchrec_lookahead_stores_"
+_OWNER_LOCK = ".owner.lock"
+_ORPHAN_MIN_AGE_S = 60.0
+
+
+def hold_store_dir(directory: str) -> int:
+    """Take the owner lock of a fresh shared-store directory and return its descriptor (keep it open for the
+    life of the process: the kernel releases the lock when the process ends, however it ends)."""
+    fd = os.open(os.path.join(directory, _OWNER_LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def remove_orphaned_store_dirs(base: Optional[str]) -> List[str]:
+    """Remove shared-store directories under ``base`` (default: the temp directory) whose owner died without
+    removing them (a SIGKILLed rank 0 runs no atexit handler, and ``/dev/shm`` is memory): a directory is an
+    orphan when its owner lock can be taken, i.e. no live process, in any PID namespace, holds it. Directories
+    without a lock file, or younger than a minute (being set up), are left alone. Returns the removed paths."""
+    base = base or tempfile.gettempdir()
+    removed: List[str] = []
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(STORE_DIR_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(base, name)
+        lock = os.path.join(path, _OWNER_LOCK)
+        try:
+            if time.time() - os.stat(path).st_mtime < _ORPHAN_MIN_AGE_S or not os.path.exists(lock):
+                continue
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live owner holds it
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            log.warning("removed the shared stores %s left by a process that ended without cleaning up", path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -174,6 +226,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self.stores = dict(stores or {})
         self.store_dir = store_dir
         self._run_dir: Optional[str] = None
+        self._owner_locks: List[int] = []  # descriptors holding shared-store directories' owner locks
         self.seed = seed
 
     def plan_capacity(self, module: nn.Module, sample_batches: Iterable[Any]) -> Any:
@@ -343,7 +396,9 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             base = self.store_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
             if base is not None:
                 os.makedirs(base, exist_ok=True)
-            created = tempfile.mkdtemp(prefix="torchrec_lookahead_stores_", dir=base)
+            remove_orphaned_store_dirs(base)
+            created = tempfile.mkdtemp(prefix=STORE_DIR_PREFIX, dir=base)
+            self._owner_locks.append(hold_store_dir(created))
             atexit.register(shutil.rmtree, created, True)
             holder[0] = created
         dist.broadcast_object_list(holder, src=0, group=pg)
@@ -393,9 +448,13 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             base = self.store_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
             if base is not None:
                 os.makedirs(base, exist_ok=True)
-            directory = tempfile.mkdtemp(prefix=f"torchrec_lookahead_shard{shard}_", dir=base)
-            if self.store_dir is None:
+            if self.store_dir is None:  # temporary: removed at exit, or by a later run if this one is killed
+                remove_orphaned_store_dirs(base)
+                directory = tempfile.mkdtemp(prefix=f"{STORE_DIR_PREFIX}shard{shard}_", dir=base)
+                self._owner_locks.append(hold_store_dir(directory))
                 atexit.register(shutil.rmtree, directory, True)
+            else:
+                directory = tempfile.mkdtemp(prefix=f"torchrec_lookahead_shard{shard}_", dir=base)
         locals_: Dict[str, EmbeddingStore] = {}
         for c in cfgs:
             lo, hi = row_bounds(c.num_embeddings, num_shards)[shard : shard + 2]
