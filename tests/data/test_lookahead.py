@@ -364,3 +364,15 @@ def test_planner_nice_is_validated():
 
     with pytest.raises(ConfigError, match="planner_nice"):
         LookaheadDataModule(CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), planner_nice=20)
+
+
+def test_cdlrm_mode_needs_evictions_only_at_averaging_steps():
+    from torchrec_lookahead.data.lookahead import check_cdlrm_schedule
+
+    check_cdlrm_schedule("belady", 8, None)  # exact LRPP: anything goes
+    check_cdlrm_schedule("belady", 8, 1)  # averaged every step
+    check_cdlrm_schedule("window", 8, 8)
+    check_cdlrm_schedule("window", 16, 4)
+    for policy, window, lam in (("belady", 8, 8), ("window", 8, 16), ("window", 6, 4)):
+        with pytest.raises(ConfigError, match="cdlrm_average_every"):
+            check_cdlrm_schedule(policy, window, lam)

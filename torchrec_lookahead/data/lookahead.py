@@ -130,6 +130,7 @@ class CacheTarget:
         num_ranks: data-parallel ranks (LRPP when > 1: every rank plans the global batch).
         rank: this rank.
         group: process group on which the planner thread gathers the other ranks' ids.
+        average_every: cDLRM mode's averaging period λ (``None``: exact LRPP).
     """
 
     capacity: Mapping[str, int]
@@ -139,6 +140,7 @@ class CacheTarget:
     num_ranks: int = 1
     rank: int = 0
     group: Optional[Any] = None
+    average_every: Optional[int] = None
 
 
 _END = object()
@@ -165,6 +167,25 @@ def single_threaded_ops() -> None:
 def _check_nice(nice: int) -> None:
     if not 0 <= int(nice) <= 19:
         raise ConfigError(f"Expected planner_nice in [0, 19] but got {nice}")
+
+
+def check_cdlrm_schedule(policy: str, window: int, average_every: Optional[int]) -> None:
+    """cDLRM mode writes back rank 0's copy of an evicted row, which holds every rank's updates only right
+    after an averaging: evictions must happen at averaging steps. The ``window`` policy evicts only at window
+    starts, so its window must be a multiple of λ (any policy will do with λ = 1).
+
+    Raises:
+        ConfigError: the plan stream can evict between two averagings (other ranks' updates would be lost).
+    """
+    if average_every is None or average_every <= 1:
+        return
+    if policy != Policy.WINDOW.value or window % average_every != 0:
+        raise ConfigError(
+            f"cDLRM mode (cdlrm_average_every={average_every}) needs evictions only at averaging steps: use "
+            f"LookaheadDataModule(policy='window', window=k*{average_every}) (got policy={policy!r}, window="
+            f"{window}), or cdlrm_average_every=1; otherwise rows evicted between averagings would lose the "
+            "other ranks' updates"
+        )
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -727,6 +748,8 @@ class LookaheadDataModule(pl.LightningDataModule):
             )
             return inner
         strategy = self.trainer.strategy  # type: ignore[union-attr]
+        window = int(self.oracle_kwargs.get("window", OracleConfig.__dataclass_fields__["window"].default))
+        check_cdlrm_schedule(self.policy, window, target.average_every)
         if self.loader is not None:  # a reload: the previous loader's threads must not outlive it
             self.loader.close()
         self._check_epoch(inner, target)

@@ -332,6 +332,7 @@ class TorchRecStrategy(DDPStrategy):
             num_ranks=self.world_size,
             rank=self.global_rank,
             group=self._id_group,
+            average_every=next((m.average_every for m in mods if m.average_every is not None), None),
         )
 
     def flush_caches(self) -> None:
