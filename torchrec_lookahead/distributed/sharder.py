@@ -161,7 +161,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             ``num_sample_batches``, ...).
         cdlrm_average_every: with several ranks, cDLRM's scheme instead of LRPP: each rank updates its cache
             replica with its own gradients only, and the replicas (rows and optimizer state) are averaged every
-            this many steps, before evictions (use the ``window`` policy with ``window`` equal to it).
+            this many steps, before evictions (use the ``window`` policy with ``window`` a multiple of it;
+            ``LookaheadDataModule`` refuses schedules that evict between averagings unless it is 1).
             **Approximate by design** (exact only for SGD averaged every step); see docs/design.md.
         store_sharding: where the host stores of a multi-rank job live. ``"host"`` (the default): one copy of
             each table per host, in memory the host's ranks share (``/dev/shm``, or ``store_dir``); on one host
