@@ -9,14 +9,14 @@ first: the same per-window working sets, ids checked against the table sizes, an
 from __future__ import annotations
 
 import random
-from collections import deque
-from typing import Any, Deque, Dict, Iterable, List, Mapping, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Tuple
 
 import numpy as np
 import torch
 
 from torchrec_lookahead.errors import CapacityError, InvalidIdError
 from torchrec_lookahead.oracle._batch import split_batch
+from torchrec_lookahead.oracle.oracle import window_working_sets
 
 __all__ = ["check_stream", "preserved_rng"]
 
@@ -87,29 +87,29 @@ def check_stream(
         {'t': 3}
     """
     names = sorted(capacity)
-    hist: Dict[str, Deque[np.ndarray]] = {n: deque(maxlen=prefetch_depth + 1) for n in names}
     best = {n: 0 for n in names}
     first: Dict[str, Tuple[int, int, int]] = {}
     f2t: Dict[str, str] = {}
-    for step, batch in enumerate(batches):
-        keys = batch.keys() if hasattr(batch, "keys") else list(batch)
-        for k in keys:
-            if k not in f2t:
-                f2t[k] = feature_to_table.get(k, f"__unplanned__/{k}")
-        parts = split_batch(batch, names, f2t, False)
-        for n in names:
-            uniq = np.unique(parts[n][0])
+
+    def table_ids() -> Iterator[Dict[str, np.ndarray]]:
+        for batch in batches:
+            for k in batch.keys() if hasattr(batch, "keys") else list(batch):
+                if k not in f2t:
+                    f2t[k] = feature_to_table.get(k, f"__unplanned__/{k}")
+            parts = split_batch(batch, names, f2t, False)
+            yield {n: parts[n][0] for n in names}
+
+    for step, sets in window_working_sets(table_ids(), prefetch_depth):
+        for n, (uniq, need) in sets.items():
             if uniq.size and (int(uniq[0]) < 0 or int(uniq[-1]) >= int(num_embeddings[n])):
                 bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
                 raise InvalidIdError(
                     f"table {n!r}: batch {step} holds id {bad} outside [0, {int(num_embeddings[n])}); remap or "
                     "hash ids into the table before training"
                 )
-            hist[n].append(uniq)
-            need = int(np.unique(np.concatenate(list(hist[n]))).size) if len(hist[n]) > 1 else int(uniq.size)
             best[n] = max(best[n], need)
             if need > int(capacity[n]) and n not in first:
-                first[n] = (step - len(hist[n]) + 1, step, need)
+                first[n] = (max(step - prefetch_depth, 0), step, need)
     if first:
         n = sorted(first)[0]
         lo, hi, need = first[n]

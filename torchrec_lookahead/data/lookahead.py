@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, Generator, Iterator, List, Mapping, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -167,6 +167,28 @@ def single_threaded_ops() -> None:
 def _check_nice(nice: int) -> None:
     if not 0 <= int(nice) <= 19:
         raise ConfigError(f"Expected planner_nice in [0, 19] but got {nice}")
+
+
+def global_batches(
+    loader: Any, gatherer: Optional[IdGatherer], stopped: Callable[[], bool] = lambda: False
+) -> Iterator[Tuple[Batch, Any]]:
+    """``(batch, global sparse features)`` for each batch of ``loader``: with a gatherer (several ranks), every
+    rank's ids of the batch gathered in lockstep (dense features never leave the rank); without, the batch's
+    own. Ends with the loader (with a gatherer: when the gathers end) or once ``stopped()``."""
+    it = iter(loader)
+    while not stopped():
+        b = next(it, None)
+        if stopped():
+            return
+        if gatherer is None:
+            if b is None:
+                return
+            yield b, b.sparse_features
+            continue
+        global_kjt = gatherer.gather(None if b is None else b.sparse_features)
+        if global_kjt is None or b is None:
+            return
+        yield b, global_kjt
 
 
 def check_cdlrm_schedule(policy: str, window: int, average_every: Optional[int]) -> None:
@@ -432,21 +454,7 @@ class LookaheadLoader:
         multi = gatherer is not None
 
         def sparse() -> Iterator[Any]:
-            it = iter(self.loader)
-            while not run.stopped:
-                b = next(it, None)
-                if run.stopped:
-                    return
-                if gatherer is None:
-                    if b is None:
-                        return
-                    batches.put(b)
-                    yield b.sparse_features
-                    continue
-                # Every rank plans the global batch: gather the ids (not the dense features), in lockstep.
-                global_kjt = gatherer.gather(None if b is None else b.sparse_features)
-                if global_kjt is None or b is None:
-                    return
+            for b, global_kjt in global_batches(self.loader, gatherer, lambda: run.stopped):
                 batches.put(b)
                 yield global_kjt
 
@@ -587,20 +595,14 @@ def scan_epoch(
 
     def sparse() -> Generator[Any, None, None]:
         if target.num_ranks == 1:
-            yield from (b.sparse_features for b in inner)
+            yield from (kjt for _, kjt in global_batches(inner, None))
             return
         # Every rank plans the global batch: the same lockstep gathers as the planner thread's. A rank that
         # fails (its loader raises, a check fails) tells the others, which then fail too instead of waiting.
         failed = False
         gatherer = IdGatherer(target.num_ranks, target.group, lambda: failed, stop_timeout_s)
-        batches = iter(inner)
         try:
-            while True:
-                b = next(batches, None)
-                kjt = gatherer.gather(None if b is None else b.sparse_features)
-                if kjt is None:
-                    break
-                yield kjt
+            yield from (kjt for _, kjt in global_batches(inner, gatherer))
         except BaseException:
             failed = True
             try:

@@ -17,7 +17,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, List, Type
+from collections import deque
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Mapping, Tuple, Type
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from torchrec_lookahead.oracle.ttl import TTLPlanner
 from torchrec_lookahead.oracle.types import BatchPlan
 from torchrec_lookahead.oracle.window import WindowPlanner
 
-__all__ = ["LookaheadOracle", "min_capacity"]
+__all__ = ["LookaheadOracle", "min_capacity", "window_working_sets"]
 
 _PLANNERS: Dict[Policy, Type[_TablePlanner]] = {
     Policy.BELADY: BeladyPlanner,
@@ -193,12 +194,33 @@ def min_capacity(batches: Iterable[Any], prefetch_depth: int, config: OracleConf
         table -> rows.
     """
     names = sorted(config.capacity)
-    hist: Dict[str, List[np.ndarray]] = {n: [] for n in names}
     best = {n: 0 for n in names}
-    for batch in batches:
-        parts = split_batch(batch, names, config.feature_to_table, False)
-        for n in names:
-            hist[n].append(np.unique(parts[n][0]))
-            hist[n] = hist[n][-(prefetch_depth + 1) :]
-            best[n] = max(best[n], int(np.unique(np.concatenate(hist[n])).size))
+    parts = (split_batch(batch, names, config.feature_to_table, False) for batch in batches)
+    for _, sets in window_working_sets(({n: p[n][0] for n in names} for p in parts), prefetch_depth):
+        for n, (_, need) in sets.items():
+            best[n] = max(best[n], need)
     return best
+
+
+def window_working_sets(
+    table_ids: Iterable[Mapping[str, np.ndarray]], prefetch_depth: int
+) -> Iterator[Tuple[int, Dict[str, Tuple[np.ndarray, int]]]]:
+    """For each batch (table -> ids), its step and, per table, the batch's unique ids and the number of distinct
+    ids of the window that ends there (the batch and the ``prefetch_depth`` before it): the rows a cache
+    needs to hold that window.
+
+    Example:
+        >>> stream = [{"t": np.array([1, 2])}, {"t": np.array([2, 3])}]
+        >>> [(step, sets["t"][1]) for step, sets in window_working_sets(stream, 1)]
+        [(0, 2), (1, 3)]
+    """
+    hist: Dict[str, Deque[np.ndarray]] = {}
+    for step, batch in enumerate(table_ids):
+        sets: Dict[str, Tuple[np.ndarray, int]] = {}
+        for n, ids in batch.items():
+            window = hist.setdefault(n, deque(maxlen=prefetch_depth + 1))
+            uniq = np.unique(ids)
+            window.append(uniq)
+            need = int(uniq.size) if len(window) == 1 else int(np.unique(np.concatenate(list(window))).size)
+            sets[n] = (uniq, need)
+        yield step, sets
