@@ -134,7 +134,8 @@ def main() -> None:
     quiet()
     rounds = args.rounds or (1 if args.quick else 3)
     steps = args.steps or (20 if args.quick else 100)
-    overrides = ["--data.init_args.num_train_batches=100000"]
+    # Just the batches a run trains (LookaheadDataModule's capacity pre-scan reads the whole epoch first).
+    overrides = [f"--data.init_args.num_train_batches={steps + args.warmup + 2}"]
     if args.scale is not None:
         overrides.append(f"--data.init_args.scale={args.scale}")
     device = torch.device(args.device)
@@ -146,7 +147,7 @@ def main() -> None:
         )
 
     probe = build(args.config, overrides)
-    capacity, bumped = capacities(probe.datamodule, args.fraction, args.min_cached_rows, batches=steps + 200)
+    capacity, bumped = capacities(probe.datamodule, args.fraction, args.min_cached_rows)
     rows = table_rows(probe.datamodule)
     print(
         f"device {device}; {len(capacity)} cached tables ({sum(rows[t] for t in capacity):,} of "

@@ -148,7 +148,8 @@ def verify(
     missing = sorted(set(resident_w) ^ set(cached_w))
     if missing:
         raise ConfigError(f"The cached and resident models have different weights: {missing[:10]}")
-    diffs = {k: (cached_w[k] - resident_w[k]).abs().max().item() for k in resident_w}
+    # Store-backed tables come back on the host, device-resident ones on the accelerator: compare on the CPU.
+    diffs = {k: (cached_w[k].cpu() - resident_w[k].cpu()).abs().max().item() for k in resident_w}
     worst = max(diffs, key=lambda k: diffs[k])
     loss_diff = max((abs(a - b) for a, b in zip(cached_l, resident_l)), default=0.0)
     weight_diff = diffs[worst]
