@@ -107,6 +107,7 @@ def train(
     callbacks: Sequence[pl.Callback] = (),
     accelerator: str = "cpu",
     lookahead_kwargs: Optional[Dict[str, Any]] = None,
+    sharder_kwargs: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Train ``cli``'s model for ``warmup + steps`` timed steps, resident (``capacity=None``) or cached.
 
@@ -116,7 +117,11 @@ def train(
     if isinstance(dm, LookaheadDataModule):
         dm = dm.datamodule
     if capacity is not None:
-        sharders = [LookaheadEmbeddingBagCollectionSharder(capacity=capacity, store_dir=store_dir)]
+        sharders = [
+            LookaheadEmbeddingBagCollectionSharder(
+                capacity=capacity, store_dir=store_dir, **(sharder_kwargs or {})
+            )
+        ]
         dm = LookaheadDataModule(
             dm, horizon=horizon, prefetch_depth=prefetch_depth, policy=policy, **(lookahead_kwargs or {})
         )
@@ -305,6 +310,12 @@ def main() -> None:
     p.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
     )
+    p.add_argument(
+        "--fuse-resident",
+        choices=["auto", "off"],
+        default="auto",
+        help="the sharder's fuse_resident: auto (resident tables in the cache's kernel) or off (TorchRec's module)",
+    )
     args = p.parse_args()
     quiet()
     if args.threads:
@@ -338,7 +349,8 @@ def main() -> None:
         for kind in ("resident", "cached"):
             gc.collect()
             res = train(build(args.config), None if kind == "resident" else capacity, steps, args.warmup,
-                        lookahead_kwargs={"planner_nice": args.planner_nice})  # fmt: skip
+                        lookahead_kwargs={"planner_nice": args.planner_nice},
+                        sharder_kwargs={"fuse_resident": None if args.fuse_resident == "auto" else False})  # fmt: skip
             times[kind] += res["times"]
             pair[kind] = res["step_ms"]
             row: Dict[str, Any] = {
@@ -382,6 +394,7 @@ def main() -> None:
         "torch_threads": threads["resident"],
         "cached_torch_threads": threads["cached"],
         "planner_nice": args.planner_nice,
+        "fuse_resident": args.fuse_resident,
         "load_average_at_end": os.getloadavg(),
         "capacity": capacity,
         "bumped_from": bumped,

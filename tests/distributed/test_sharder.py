@@ -2,6 +2,7 @@ import importlib.util
 
 import pytest
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.planner import Topology
 
@@ -143,3 +144,117 @@ def test_shared_store_directories_of_dead_owners_are_removed_and_live_ones_kept(
         os.close(fd)
     assert removed == [dead]
     assert os.path.exists(live) and os.path.exists(young) and os.path.exists(unlocked)
+
+
+_TABLES = [
+    EmbeddingBagConfig(name="big", embedding_dim=4, num_embeddings=500, feature_names=["a", "b"]),
+    EmbeddingBagConfig(name="small", embedding_dim=8, num_embeddings=30, feature_names=["c"]),
+]
+
+
+def _fused_and_split(optimizers=None, fuse=None):
+    """Two DMP models of one EBC (a cached table "big", a resident "small", weights from the module): one with
+    the resident table in the cache's kernel (``fuse``), one with it in TorchRec's own sharded module."""
+    import torch.distributed as dist
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed import DistributedModelParallel
+
+    from ..conftest import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    tables = _TABLES
+    capacity = {"big": 64}
+    models = []
+    for f in (fuse, False):
+        torch.manual_seed(0)
+        ebc = EmbeddingBagCollection(tables=tables)  # real weights: sharding copies them
+        if optimizers is not None:
+            from torch.distributed.optim import _apply_optimizer_in_backward
+
+            for name, (cls, kw) in optimizers.items():
+                _apply_optimizer_in_backward(cls, [ebc.embedding_bags[name].weight], dict(kw))
+        fp = (
+            None
+            if optimizers is not None
+            else {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
+        )
+        sharder = LookaheadEmbeddingBagCollectionSharder(
+            capacity=capacity, seed=3, fuse_resident=f, fused_params=fp
+        )
+        plan = lookahead_sharding_plan(ebc, [sharder], capacity, Topology(world_size=1, compute_device="cpu"))
+        models.append(
+            DistributedModelParallel(ebc, device=torch.device("cpu"), sharders=[sharder], plan=plan)
+        )
+    return models
+
+
+def _module_weights():
+    from torchrec import EmbeddingBagCollection
+
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=_TABLES)
+    return {n: b.weight.detach() for n, b in ebc.embedding_bags.items()}
+
+
+def _batches(n=8):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        a, b = torch.randint(0, 500, (6,), generator=g), torch.randint(0, 500, (6,), generator=g)
+        c = torch.randint(0, 30, (12,), generator=g)
+        lengths = torch.tensor([1] * 12 + [2] * 6, dtype=torch.int32)
+        out.append(KeyedJaggedTensor(keys=["a", "b", "c"], values=torch.cat([a, b, c]), lengths=lengths))
+    return out
+
+
+def test_resident_tables_train_in_the_cache_kernel_on_one_rank_exactly_like_torchrec_module():
+    from torchrec_lookahead.modules import init_embedding_bag_tables_
+    from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+
+    fused, split = _fused_and_split()
+    small = [EmbeddingBagConfig(name="small", embedding_dim=8, num_embeddings=30, feature_names=["c"])]
+    torch.testing.assert_close(  # the fused table starts from the module's weights, as TorchRec's sharding does
+        fused.module.cache.cache_weights("small"), _module_weights()["small"], rtol=0, atol=0
+    )
+    for m in (
+        fused,
+        split,
+    ):  # the split module's table starts from TorchRec's own values: same values for both
+        init_embedding_bag_tables_(m, small, seed=5)
+    assert fused.module.resident is None and "small" in fused.module.cache.feature_to_table.values()
+    assert split.module.resident is not None and "small" not in split.module.cache.feature_to_table.values()
+    batches = _batches()
+    f2t = {"a": "big", "b": "big", "c": "small"}
+    oracle = LookaheadOracle(OracleConfig(capacity={"big": 64}, horizon=4, feature_to_table=f2t))
+    for kjt, plan in zip(batches, oracle.plan_stream(batches)):
+        outs = []
+        for m in (fused, split):
+            m.module.apply_plan(plan)
+            out = m(m.module.cache.remap(kjt, plan))
+            out.values().pow(2).sum().backward()
+            outs.append(out.values())
+        assert torch.equal(
+            outs[0], outs[1]
+        )  # step 0 too: the resident table started from the module's weights
+    sd_f, sd_s = fused.state_dict(), split.state_dict()
+    assert torch.equal(sd_f["cache.embedding_bags.big.weight"], sd_s["cache.embedding_bags.big.weight"])
+    w_s = sd_s["resident.embedding_bags.small.weight"]
+    w_s = w_s.local_shards()[0].tensor if hasattr(w_s, "local_shards") else w_s
+    assert torch.equal(sd_f["cache.embedding_bags.small.weight"], w_s)
+    # evaluation reads the fused resident table from the kernel, the cached one from its store
+    fused.eval(), split.eval()
+    with torch.no_grad():
+        assert torch.equal(fused(batches[0]).values(), split(batches[0]).values())
+
+
+def test_fuse_resident_falls_back_or_refuses_when_the_resident_tables_use_another_optimizer():
+    from torchrec.optim import RowWiseAdagrad
+
+    opts = {"big": (RowWiseAdagrad, {"lr": 0.1}), "small": (torch.optim.SGD, {"lr": 0.1})}
+    fused, split = _fused_and_split(optimizers=opts)
+    assert (
+        fused.module.resident is not None
+    )  # fell back to TorchRec's module: SGD is not the cache's optimizer
+    with pytest.raises(ConfigError, match="fuse_resident=True.*differs"):
+        _fused_and_split(optimizers=opts, fuse=True)

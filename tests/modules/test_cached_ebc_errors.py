@@ -179,3 +179,19 @@ def test_counters() -> None:
     assert s["bytes_moved"] == 4 * 8 * 4  # 4 rows of 8 floats (SGD has no state)
     ebc.reset_stats()
     assert ebc.stats()["t0"]["lookups"] == 0
+
+
+def test_forward_after_a_trusted_plan_still_refuses_resident_ids_out_of_range() -> None:
+    """A trusted plan skips the slot checks of cached features, never the id checks of resident tables."""
+    ebc = _loaded()
+    plan = BatchPlan(1, {"t0": TablePlan(E, E, E, E, _t(0)), "t1": TablePlan(E, E, E, E, _t(0))})
+
+    def kjt(f3: int) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2", "f3"], _t(0, 0, f3), _t(1, 0, 1, 1))
+
+    for bad in (30, -1):
+        ebc.apply_plan(plan, trusted=True)
+        with pytest.raises(InvalidIdError, match=f"t2.*{bad}"):
+            ebc(kjt(bad))
+    ebc.apply_plan(plan, trusted=True)
+    ebc(kjt(29))

@@ -37,7 +37,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore
-from torchrec_lookahead.errors import ConfigError, SetupError
+from torchrec_lookahead.errors import ConfigError, InvalidIdError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan
@@ -524,12 +524,22 @@ class ShardedLookaheadEmbeddingBagCollection(
             table = f2t[name]
             cfg = configs[table]
             ids = jt.values().to(torch.int64)
-            uniq, inverse = torch.unique(ids, return_inverse=True)
-            rows, _ = stores[table].gather(uniq)
+            if table in stores:
+                uniq, inverse = torch.unique(ids, return_inverse=True)
+                rows, _ = stores[table].gather(uniq)
+            else:  # a resident table trained in the cache's kernel (fuse_resident): all its rows are there
+                n = cfg.num_embeddings
+                if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+                    bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+                    raise InvalidIdError(
+                        f"feature '{name}' of table '{table}' has id {bad} outside [0, {n}); hash or clip ids into "
+                        "the table"
+                    )
+                inverse, rows = ids, self.cache.cache_weights(table)
             weights = jt.weights() if self._is_weighted else None
             mode = "mean" if cfg.pooling == PoolingType.MEAN else "sum"
             pooled = F.embedding_bag(
-                inverse,
+                inverse.to(self.cache.device),
                 rows.to(self.cache.device),
                 offsets=jt.offsets()[:-1].to(torch.int64),
                 mode=mode,

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
@@ -90,6 +91,60 @@ def cache_optimizer_from_module(
             f"Cached tables declare different optimizers {found}; use one optimizer for all of them"
         )
     return next(iter(distinct)) if distinct else None
+
+
+_FUSABLE_SHARDINGS = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value)
+
+
+def _why_not_fusable(
+    module: EmbeddingBagCollection,
+    resident_cfgs: List[Any],
+    params: Dict[str, ParameterSharding],
+    env: ShardingEnv,
+    optimizer: CacheOptimizerConfig,
+    fused_params: Optional[Dict[str, Any]],
+) -> Optional[str]:
+    """``None`` when the resident tables can train in the cache's kernel with exactly TorchRec's arithmetic,
+    else the reason they cannot."""
+    if env.world_size > 1:
+        return f"{env.world_size} ranks (the resident tables are sharded across them by TorchRec)"
+    for c in resident_cfgs:
+        ps = params.get(c.name)
+        if ps is None:
+            return f"table '{c.name}' has no sharding plan"
+        if (
+            ps.compute_kernel != EmbeddingComputeKernel.FUSED.value
+            or ps.sharding_type not in _FUSABLE_SHARDINGS
+        ):
+            return (
+                f"table '{c.name}' is planned {ps.sharding_type} with the {ps.compute_kernel} kernel (fusing needs "
+                f"{'/'.join(_FUSABLE_SHARDINGS)} with the fused kernel)"
+            )
+    names = [c.name for c in resident_cfgs]
+    try:
+        declared = cache_optimizer_from_module(module, names)
+    except ConfigError as e:
+        return str(e)
+    if declared is None:
+        fp = dict(fused_params or {})
+        if "optimizer" not in fp:
+            return "no optimizer is declared for the resident tables"
+        declared = _cache_optimizer(fp["optimizer"], fp)
+    if dataclasses.replace(declared, kernel=optimizer.kernel) != optimizer:
+        return f"their optimizer {declared} differs from the cached tables' {optimizer}"
+    return None
+
+
+@torch.no_grad()
+def _copy_resident_weights(
+    module: EmbeddingBagCollection, cache: CachedEmbeddingBagCollection, names: List[str]
+) -> None:
+    """Start the resident tables of ``cache`` from ``module``'s weights, as TorchRec's sharding does (a module
+    on the meta device has none: the cache's deterministic initial values stay)."""
+    for name in names:
+        w = module.embedding_bags[name].weight
+        if not w.is_meta:
+            cache.cache_weights(name).copy_(w.detach().to(cache.device))
 
 
 log = logging.getLogger(__name__)
@@ -177,8 +232,21 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             at the next step in the background, on a process group of their own, off the critical path; their
             update lands before the next step's plan is applied, exactly as if applied in the step. ``False``:
             every shared row is synchronised inside the backward.
+        fuse_resident: with one rank, train the resident tables in the cache module's own kernel (one FBGEMM
+            TBE, one lookup and one fused update for the whole collection) instead of in a second,
+            TorchRec-sharded module beside it: the same arithmetic without a second module's batch split,
+            kernel launches and output reassembly. ``None`` (the default): whenever it computes exactly what
+            TorchRec would, i.e. one rank, every resident table planned with TorchRec's ``fused`` kernel
+            (table-wise or row-wise) and declaring the cached tables' optimizer; ``True``: require it (a
+            :class:`~torchrec_lookahead.errors.ConfigError` says why not); ``False``: always TorchRec's
+            module. With several ranks the resident tables stay TorchRec-sharded.
         fused_params: TorchRec fused parameters for the resident tables.
         qcomm_codecs_registry: TorchRec communication codecs.
+
+    Example:
+        >>> sharder = LookaheadEmbeddingBagCollectionSharder(capacity={"t_big": 4096})
+        >>> sharder.fuse_resident is None  # resident tables join the cache's kernel where that is exact
+        True
     """
 
     def __init__(
@@ -193,6 +261,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         cdlrm_average_every: Optional[int] = None,
         store_sharding: Optional[str] = None,
         delayed_sync: bool = True,
+        fuse_resident: Optional[bool] = None,
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> None:
@@ -219,6 +288,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self.store_sharding = store_sharding or "host"
         self._store_groups: Optional[Dict[str, Any]] = None
         self.delayed_sync = bool(delayed_sync)
+        self.fuse_resident = None if fuse_resident is None else bool(fuse_resident)
         self._delayed_groups: Dict[Tuple[int, ...], Any] = {}
         self.device_budget_bytes = device_budget_bytes
         self.planner_options = dict(planner_options or {})
@@ -313,7 +383,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             optimizer = _cache_optimizer(fp["optimizer"], fp)
         resident_cfgs = [c for c in configs if c.name not in cached]
         resident = None
-        if resident_cfgs:
+        fuse = self._fuse_resident(module, resident_cfgs, params, env, optimizer)
+        if resident_cfgs and not fuse:
             sub = EmbeddingBagCollection(
                 tables=resident_cfgs, is_weighted=module.is_weighted(), device=torch.device("meta")
             )
@@ -335,7 +406,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             stores = {c.name: s for c in cached_cfgs if (s := self._store(c, optimizer)) is not None}
         delayed = self.delayed_sync and env.world_size > 1 and self.cdlrm_average_every is None
         cache = CachedEmbeddingBagCollection(
-            cached_cfgs,
+            configs if fuse else cached_cfgs,
             capacity={t: self.capacity[t] for t in cached},
             optimizer=optimizer,
             stores=stores,
@@ -343,6 +414,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             device=device,
             is_weighted=module.is_weighted(),
         )
+        if fuse:
+            _copy_resident_weights(module, cache, [c.name for c in resident_cfgs])
         return ShardedLookaheadEmbeddingBagCollection(
             configs,
             resident,
@@ -355,6 +428,26 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             delayed_sync=delayed,
             delayed_group=self._delayed_group(env) if delayed else None,
         )
+
+    def _fuse_resident(
+        self,
+        module: EmbeddingBagCollection,
+        resident_cfgs: List[Any],
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        optimizer: CacheOptimizerConfig,
+    ) -> bool:
+        """Whether the resident tables train in the cache module's kernel (see ``fuse_resident``)."""
+        if not resident_cfgs or self.fuse_resident is False:
+            return False
+        why = _why_not_fusable(module, resident_cfgs, params, env, optimizer, self.fused_params)
+        if why is not None and self.fuse_resident:
+            raise ConfigError(
+                f"fuse_resident=True, but the resident tables cannot join the cache's kernel: {why}"
+            )
+        if why is not None:
+            log.info("resident tables stay in TorchRec's sharded module: %s", why)
+        return why is None
 
     def _delayed_group(self, env: ShardingEnv) -> Any:
         """The process group of delayed synchronisation: one per set of ranks, created once (by every rank,

@@ -362,6 +362,20 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _check_values(self, kjt: KeyedJaggedTensor, skip_cached: bool = False) -> None:
         values = kjt.values()
         bounds = kjt.offset_per_key()
+        if skip_cached and values.numel():
+            # One pass over every feature (one host sync, not two per feature); the per-feature loop below
+            # only runs to name the feature of an error.
+            limits = [
+                (1 << 62) if t.slot_to_id is not None else t.rows
+                for t in (self._tables[self._feature_to_table[k]] for k in kjt.keys())
+            ]
+            sizes = torch.tensor(kjt.length_per_key(), device=values.device)
+            used = values[: bounds[-1]]
+            upper = torch.tensor(limits, device=values.device).repeat_interleave(
+                sizes, output_size=used.numel()
+            )
+            if not bool(((used < 0) | (used >= upper)).any()):
+                return
         for i, key in enumerate(kjt.keys()):
             lo, hi = bounds[i], bounds[i + 1]
             if hi <= lo:
