@@ -14,6 +14,7 @@ def test_cache_monitor_reports_per_table_statistics(tmp_path):
         assert 0.0 <= m[f"cache/{table}/hit_rate"] <= 1.0
         assert m[f"cache/{table}/rows_fetched"] >= 0 and f"cache/{table}/bytes_moved" in m
     assert m["cache/oracle_lead"] >= 0 and m["cache/stager_wait_ms"] >= 0
+    assert 0 <= m["cache/gathered_by_training_thread"] <= 1
     assert any(m[f"cache/{t}/hit_rate"] > 0 for t in ("t_cat_2", "t_cat_11", "t_cat_15"))
 
 

@@ -376,3 +376,17 @@ def test_cdlrm_mode_needs_evictions_only_at_averaging_steps():
     for policy, window, lam in (("belady", 8, 8), ("window", 8, 16), ("window", 6, 4)):
         with pytest.raises(ConfigError, match="cdlrm_average_every"):
             check_cdlrm_schedule(policy, window, lam)
+
+
+def test_training_thread_gathers_rows_the_stager_has_not_started_and_stays_exact(tmp_path, monkeypatch):
+    """A stager that never runs (a starved thread, taken to the limit): every step's rows are gathered by the
+    training thread instead of waited for, and training equals resident training."""
+
+    def idle_stager(self, run):  # leaves every staged future pending
+        while not run.stopped:
+            run._stop.wait(0.05)
+
+    monkeypatch.setattr(LookaheadLoader, "_stage", idle_stager)
+    trainer, cached = fit_cached(tmp_path / "cached", 20)
+    assert trainer.datamodule.loader.stats_gathered_here == 20
+    assert max_abs_diff(weights(cached), _resident(tmp_path, 20)) <= 1e-5

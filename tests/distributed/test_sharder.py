@@ -152,7 +152,7 @@ _TABLES = [
 ]
 
 
-def _fused_and_split(optimizers=None, fuse=None):
+def _fused_and_split(optimizers=None, fuse=None, compute_kernel="fused", sharding_types=None):
     """Two DMP models of one EBC (a cached table "big", a resident "small", weights from the module): one with
     the resident table in the cache's kernel (``fuse``), one with it in TorchRec's own sharded module."""
     import torch.distributed as dist
@@ -182,7 +182,14 @@ def _fused_and_split(optimizers=None, fuse=None):
         sharder = LookaheadEmbeddingBagCollectionSharder(
             capacity=capacity, seed=3, fuse_resident=f, fused_params=fp
         )
-        plan = lookahead_sharding_plan(ebc, [sharder], capacity, Topology(world_size=1, compute_device="cpu"))
+        plan = lookahead_sharding_plan(
+            ebc,
+            [sharder],
+            capacity,
+            Topology(world_size=1, compute_device="cpu"),
+            compute_kernel=compute_kernel,
+            sharding_types=sharding_types,
+        )
         models.append(
             DistributedModelParallel(ebc, device=torch.device("cpu"), sharders=[sharder], plan=plan)
         )
@@ -258,3 +265,11 @@ def test_fuse_resident_falls_back_or_refuses_when_the_resident_tables_use_anothe
     )  # fell back to TorchRec's module: SGD is not the cache's optimizer
     with pytest.raises(ConfigError, match="fuse_resident=True.*differs"):
         _fused_and_split(optimizers=opts, fuse=True)
+
+
+def test_fuse_resident_keeps_torchrec_module_for_tables_planned_with_another_kernel():
+    dense = {"compute_kernel": "dense", "sharding_types": ["data_parallel"]}
+    fused, _ = _fused_and_split(**dense)
+    assert fused.module.resident is not None and "small" not in fused.module.cache.feature_to_table.values()
+    with pytest.raises(ConfigError, match="fuse_resident=True.*'small'.*data_parallel"):
+        _fused_and_split(fuse=True, **dense)

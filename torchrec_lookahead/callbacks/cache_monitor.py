@@ -42,6 +42,7 @@ class CacheMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self._last: Dict[str, Dict[str, int]] = {}
         self._last_wait = 0.0
+        self._last_here = 0
         self._last_sync: Dict[str, int] = {}
         self._last_step = 0
         self.last_metrics: Dict[str, float] = {}
@@ -73,6 +74,7 @@ class CacheMonitor(Callback):
         self._last = self._stats(trainer)
         self._last_sync = self._sync(trainer)
         self._last_wait = 0.0
+        self._last_here = 0
         self._last_step = trainer.global_step
 
     @override
@@ -102,6 +104,9 @@ class CacheMonitor(Callback):
             metrics["cache/oracle_lead"] = float(loader.oracle_lead())
             metrics["cache/stager_wait_ms"] = (loader.stats_wait_s - self._last_wait) * 1e3 / steps
             self._last_wait = loader.stats_wait_s
+            here = getattr(loader, "stats_gathered_here", 0)
+            metrics["cache/gathered_by_training_thread"] = (here - self._last_here) / steps
+            self._last_here = here
         self._last = stats
         self._last_step = trainer.global_step
         self.last_metrics = metrics

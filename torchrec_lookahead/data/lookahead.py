@@ -94,6 +94,20 @@ class LookaheadBatch(Batch):
         if self.staged is None:
             return None
         t0 = time.perf_counter()
+        loader = self.loader
+        if (
+            loader is not None
+            and self.plan is not None
+            and not self.staged.done()
+            and loader.may_gather_here
+            and self.staged.cancel()
+        ):
+            # The stager has not started these rows (it is behind, or not scheduled): gather them here rather
+            # than wait for it. Every write-back they could depend on has landed (plan t - 1 is applied).
+            rows = stage_rows(self.plan, loader.target.stores)
+            loader.stats_wait_s += time.perf_counter() - t0
+            loader.stats_gathered_here += 1
+            return rows
         try:
             rows = self.staged.result()
         except CancelledError:
@@ -347,6 +361,13 @@ class LookaheadLoader:
         self._run: Optional[_Run] = None
         self._stop_error: Optional[BaseException] = None
         self.stats_wait_s = 0.0
+        #: steps whose rows the training thread gathered itself because the stager had not started them
+        self.stats_gathered_here = 0
+        #: the training thread may gather a step's rows itself (not when gathers are collectives, which run
+        #: in lockstep on the stager's own process group)
+        self.may_gather_here = not any(
+            getattr(getattr(s, "inner", s), "collective", False) for s in target.stores.values()
+        )
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -528,6 +549,8 @@ class LookaheadLoader:
                 if run.stopped:
                     fut.cancel()
                     return
+                if not fut.set_running_or_notify_cancel():
+                    continue  # the training thread gathered these rows itself
                 try:
                     if gathers is not None and not gathers.begin():
                         fut.set_exception(
