@@ -110,11 +110,11 @@ class _FbgemmKernel(_CacheKernel):
 
     def _storage_key(self) -> Tuple[int, ...]:
         """Addresses of the TBE's weight and optimizer-state buffers (the per-table views depend on them)."""
-        return tuple(
-            v.data_ptr()
-            for v in (getattr(self.tbe, n, None) for n in _TBE_BUFFERS)
-            if isinstance(v, torch.Tensor)
-        )
+        # The module's buffer and parameter dicts directly: nn.Module.__getattr__ costs a few microseconds a
+        # name, and this runs for every table move.
+        tbe = self.tbe
+        found = (tbe._buffers.get(n, tbe._parameters.get(n, tbe.__dict__.get(n))) for n in _TBE_BUFFERS)
+        return tuple(v.data_ptr() for v in found if isinstance(v, torch.Tensor))
 
     def _views(self) -> Tuple[List[torch.Tensor], List[Dict[str, torch.Tensor]]]:
         # FBGEMM rebuilds the per-table views on every split_*() call (tens of microseconds per table); they
