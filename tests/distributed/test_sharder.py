@@ -263,7 +263,7 @@ def test_fuse_resident_falls_back_or_refuses_when_the_resident_tables_use_anothe
     assert (
         fused.module.resident is not None
     )  # fell back to TorchRec's module: SGD is not the cache's optimizer
-    with pytest.raises(ConfigError, match="fuse_resident=True.*differs"):
+    with pytest.raises(ConfigError, match="fuse_resident=True.*trains with.*not the cached tables"):
         _fused_and_split(optimizers=opts, fuse=True)
 
 
@@ -273,3 +273,104 @@ def test_fuse_resident_keeps_torchrec_module_for_tables_planned_with_another_ker
     assert fused.module.resident is not None and "small" not in fused.module.cache.feature_to_table.values()
     with pytest.raises(ConfigError, match="fuse_resident=True.*'small'.*data_parallel"):
         _fused_and_split(fuse=True, **dense)
+
+
+def _init_pg():
+    import torch.distributed as dist
+
+    from ..conftest import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def test_init_seed_starts_fused_resident_tables_from_the_stores_values():
+    """A model built with real weights: the strategy's init_seed gives the fused table init_rows' values, as it
+    gives TorchRec's module and the all-resident baseline (contract 1 compares against that baseline)."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torchrec import EmbeddingBagCollection
+    from torchrec.optim import RowWiseAdagrad
+
+    from torchrec_lookahead.store import init_rows
+    from torchrec_lookahead.strategies import TorchRecStrategy
+
+    _init_pg()
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=_TABLES)
+    _apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.1})
+    strategy = TorchRecStrategy(
+        init_seed=0, sharders=[LookaheadEmbeddingBagCollectionSharder(capacity={"big": 64})]
+    )
+    strategy.parallel_devices = [torch.device("cpu")]
+    sharded = strategy.shard(ebc).module
+    assert sharded.resident is None
+    assert torch.equal(sharded.cache.cache_weights("small"), init_rows(0, "small", 0, 30, 8, 30))
+
+
+def test_fuse_resident_falls_back_where_torchrec_would_train_the_resident_tables_differently():
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.optim import RowWiseAdagrad
+
+    _init_pg()
+    rowwise = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
+    sgd = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.5}
+    cases = {  # name: (fused_params, tables declaring RowWiseAdagrad(lr=0.1) in backward)
+        "gradient clipping in fused_params": (
+            {**rowwise, "gradient_clipping": True, "max_gradient": 1e-3},
+            [],
+        ),
+        "resident table without a declaration (fused_params' SGD)": (sgd, ["big"]),
+        "declaration over fused_params' eps": ({"eps": 0.5}, ["big", "small"]),
+    }
+    for name, (fp, declared) in cases.items():
+        ebc = EmbeddingBagCollection(tables=_TABLES, device=torch.device("meta"))
+        for t in declared:
+            _apply_optimizer_in_backward(RowWiseAdagrad, [ebc.embedding_bags[t].weight], {"lr": 0.1})
+        sharder = LookaheadEmbeddingBagCollectionSharder(capacity={"big": 64}, fused_params=fp)
+        plan = lookahead_sharding_plan(
+            ebc, [sharder], {"big": 64}, Topology(world_size=1, compute_device="cpu")
+        )
+        dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), sharders=[sharder], plan=plan)
+        assert dmp.module.resident is not None, name
+
+
+def test_evaluation_of_a_weighted_mean_fused_table_equals_torchrec_module():
+    from torchrec import EmbeddingBagCollection, PoolingType
+    from torchrec.distributed import DistributedModelParallel
+
+    from torchrec_lookahead.modules import init_embedding_bag_tables_
+
+    _init_pg()
+    tables = [
+        _TABLES[0],
+        EmbeddingBagConfig(
+            name="small", embedding_dim=8, num_embeddings=30, feature_names=["c"], pooling=PoolingType.MEAN
+        ),
+    ]
+    g = torch.Generator().manual_seed(1)
+    values = torch.cat([torch.randint(0, 500, (16,), generator=g), torch.randint(0, 30, (16,), generator=g)])
+    kjt = KeyedJaggedTensor(
+        keys=["a", "b", "c"],
+        values=values,
+        lengths=torch.tensor([1] * 16 + [2, 0, 3, 1, 2, 1, 3, 4], dtype=torch.int32),
+        weights=torch.rand(32, generator=g),
+    )
+    outs = []
+    for fuse in (None, False):
+        ebc = EmbeddingBagCollection(tables=tables, is_weighted=True, device=torch.device("meta"))
+        fp = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+        sharder = LookaheadEmbeddingBagCollectionSharder(
+            capacity={"big": 64}, fuse_resident=fuse, fused_params=fp
+        )
+        plan = lookahead_sharding_plan(
+            ebc, [sharder], {"big": 64}, Topology(world_size=1, compute_device="cpu")
+        )
+        dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), sharders=[sharder], plan=plan)
+        assert (dmp.module.resident is None) == (fuse is None)
+        init_embedding_bag_tables_(dmp, tables[1:], seed=5)
+        dmp.eval()
+        with torch.no_grad():
+            outs.append(dmp(kjt).values())
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)

@@ -537,15 +537,18 @@ class ShardedLookaheadEmbeddingBagCollection(
                     )
                 inverse, rows = ids, self.cache.cache_weights(table)
             weights = jt.weights() if self._is_weighted else None
-            mode = "mean" if cfg.pooling == PoolingType.MEAN else "sum"
+            mean = cfg.pooling == PoolingType.MEAN
             pooled = F.embedding_bag(
                 inverse.to(self.cache.device),
                 rows.to(self.cache.device),
                 offsets=jt.offsets()[:-1].to(torch.int64),
-                mode=mode,
+                # torch has no weighted mean: FBGEMM's is the weighted sum over the bag's length
+                mode="mean" if mean and weights is None else "sum",
                 per_sample_weights=weights,
                 include_last_offset=False,
             )
+            if mean and weights is not None:
+                pooled = pooled / jt.lengths().to(pooled.device, pooled.dtype).clamp(min=1).unsqueeze(1)
             outs.append(pooled)
             dims.append(cfg.embedding_dim)
         return KeyedTensor(keys=kjt.keys(), length_per_key=dims, values=torch.cat(outs, dim=1))

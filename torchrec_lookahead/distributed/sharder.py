@@ -32,6 +32,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
+from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
@@ -94,6 +95,33 @@ def cache_optimizer_from_module(
 
 
 _FUSABLE_SHARDINGS = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value)
+# Optimizer arguments that _cache_optimizer maps one to one; anything else in fused_params (gradient clipping,
+# stochastic rounding, output dtype, ...) changes what TorchRec's kernel computes.
+_FUSABLE_OPTIMIZER_KEYS = {"optimizer", "learning_rate", "lr", "eps", "beta1", "beta2", "weight_decay"}
+# Per-table plan settings TorchRec's fused kernel honours and the cache's kernel does not.
+_PLAN_EXTRAS = ("cache_params", "enforce_hbm", "stochastic_rounding", "bounds_check_mode", "output_dtype",
+                "key_value_params")  # fmt: skip
+
+
+def _table_optimizer(module: EmbeddingBagCollection, name: str, fused_params: Dict[str, Any]) -> Any:
+    """The optimizer TorchRec's fused kernel would train table ``name`` with: its ``apply_optimizer_in_backward``
+    declaration over the sharder's ``fused_params`` (as TorchRec merges them), else ``fused_params`` alone.
+    Returns a :class:`CacheOptimizerConfig`, or the reason there is none the cache can reproduce."""
+    p = module.embedding_bags[name].weight
+    classes = getattr(p, "_optimizer_classes", None)
+    if not classes:
+        if "optimizer" not in fused_params:
+            return f"table '{name}' declares no optimizer and the sharder has none in fused_params"
+        return _cache_optimizer(fused_params["optimizer"], fused_params)
+    kw = dict(p._optimizer_kwargs[0])  # type: ignore[attr-defined]
+    unknown = sorted(set(kw) - _FUSABLE_OPTIMIZER_KEYS)
+    if unknown:
+        return f"table '{name}' declares optimizer arguments {unknown} the cache's kernel does not take"
+    try:
+        opt = optimizer_type_to_emb_opt_type(classes[0])
+    except ValueError:
+        return f"table '{name}' declares optimizer {classes[0].__name__}, which the cache does not support"
+    return _cache_optimizer(opt, {**fused_params, **kw})
 
 
 def _why_not_fusable(
@@ -120,18 +148,22 @@ def _why_not_fusable(
                 f"table '{c.name}' is planned {ps.sharding_type} with the {ps.compute_kernel} kernel (fusing needs "
                 f"{'/'.join(_FUSABLE_SHARDINGS)} with the fused kernel)"
             )
-    names = [c.name for c in resident_cfgs]
-    try:
-        declared = cache_optimizer_from_module(module, names)
-    except ConfigError as e:
-        return str(e)
-    if declared is None:
-        fp = dict(fused_params or {})
-        if "optimizer" not in fp:
-            return "no optimizer is declared for the resident tables"
-        declared = _cache_optimizer(fp["optimizer"], fp)
-    if dataclasses.replace(declared, kernel=optimizer.kernel) != optimizer:
-        return f"their optimizer {declared} differs from the cached tables' {optimizer}"
+    fp = dict(fused_params or {})
+    unknown = sorted(set(fp) - _FUSABLE_OPTIMIZER_KEYS)
+    if unknown:
+        return f"the sharder's fused_params {unknown} have no counterpart in the cache's kernel"
+    for c in resident_cfgs:
+        if c.data_type != DataType.FP32:
+            return f"table '{c.name}' is {c.data_type.name} (the cache's kernel holds FP32 tables)"
+        ps = params[c.name]
+        extra = [f for f in _PLAN_EXTRAS if getattr(ps, f, None) is not None]
+        if extra:
+            return f"table '{c.name}' is planned with {extra}, which the cache's kernel does not take"
+        declared = _table_optimizer(module, c.name, fp)
+        if isinstance(declared, str):
+            return declared
+        if dataclasses.replace(declared, kernel=optimizer.kernel) != optimizer:
+            return f"table '{c.name}' trains with {declared}, not the cached tables' {optimizer}"
     return None
 
 

@@ -46,7 +46,8 @@ from torchrec_lookahead.distributed import (
 )
 from torchrec_lookahead.distributed.lrpp import gather_global_kjt
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
-from torchrec_lookahead.modules import init_embedding_bag_tables_
+from torchrec_lookahead.modules import CachedEmbeddingBagCollection, init_embedding_bag_tables_
+from torchrec_lookahead.store.init import init_embedding_weights
 
 __all__ = ["TorchRecStrategy"]
 
@@ -272,6 +273,10 @@ class TorchRecStrategy(DDPStrategy):
             for m in dmp.modules():
                 if isinstance(m, ShardedEmbeddingBagCollection):
                     init_embedding_bag_tables_(m, resident, seed=self._init_seed)
+                elif isinstance(m, CachedEmbeddingBagCollection):  # resident tables in the cache's kernel
+                    for c in m.embedding_bag_configs():
+                        if c.name not in m.capacity:
+                            init_embedding_weights(m.cache_weights(c.name), c.name, self._init_seed)
         return dmp
 
     def _sample_batches(self) -> Iterator[Any]:
