@@ -43,6 +43,16 @@ def _ckpt_args(dirpath: Path, every: int) -> list:
     ]
 
 
+def _assert_same_final_weights(tmp_path) -> None:
+    """Runs ``a`` and ``b`` ended (step 12) with the same full weights, cached tables included."""
+    a = _full_state(tmp_path / "a_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
+    b = _full_state(tmp_path / "b_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
+    cached = [k for k in a if ".cache.embedding_bags." in k and k.endswith(".weight")]
+    assert cached and a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
 def _full_state(ckpt: Path, tmp: Path) -> Dict[str, torch.Tensor]:
     out = tmp / (ckpt.name + ".pt")
     dcp_to_torch_save(ckpt, out)
@@ -118,12 +128,7 @@ def test_two_rank_cached_checkpoint_resumes_the_same_weights(tmp_path):
     resumed = torchrun(2, *common, f"--trainer.default_root_dir={tmp_path}/b",
                        f"--ckpt_path={tmp_path / 'a_ckpt' / 'epoch=0-step=6.ckpt'}", *_ckpt_args(tmp_path / "b_ckpt", 6))  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    a = _full_state(tmp_path / "a_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
-    b = _full_state(tmp_path / "b_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
-    cached = [k for k in a if ".cache.embedding_bags." in k and k.endswith(".weight")]
-    assert cached and a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-6), k
+    _assert_same_final_weights(tmp_path)
 
 
 def test_two_rank_cdlrm_mode_trains_and_is_exact_for_sgd_averaged_every_step():
@@ -222,9 +227,4 @@ def test_a_rank_killed_under_max_restarts_resumes_from_the_last_checkpoint_with_
     # rank 0 failing on the dead peer's connection (exitcode 1), whichever its monitor catches first.
     assert re.search(r"failed \(exitcode: (-9|1)\) local_rank", killed.stderr), killed.stderr[-6000:]
     assert "Restored all states from the checkpoint" in killed.stdout + killed.stderr
-    a = _full_state(tmp_path / "a_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
-    b = _full_state(tmp_path / "b_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
-    cached = [k for k in a if ".cache.embedding_bags." in k and k.endswith(".weight")]
-    assert cached and a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-6), k
+    _assert_same_final_weights(tmp_path)

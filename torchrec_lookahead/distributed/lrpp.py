@@ -357,8 +357,11 @@ class LockstepGathers:
         group: the thread's process group (``None``: the default group).
         stopped: tells whether this rank's training has stopped.
         stop_timeout_s: bound of the wait once stopped.
-        what: what the collectives are, for error messages.
+        what: what the collectives are, for error messages (default: the class's :attr:`what`).
     """
+
+    #: what the collectives are, for error messages
+    what = "collective"
 
     def __init__(
         self,
@@ -366,13 +369,14 @@ class LockstepGathers:
         group: Optional[dist.ProcessGroup],
         stopped: Callable[[], bool],
         stop_timeout_s: float = 60.0,
-        what: str = "collective",
+        what: Optional[str] = None,
     ) -> None:
         self.world_size = world_size
         self.group = group
         self.stopped = stopped
         self.stop_timeout_s = float(stop_timeout_s)
-        self.what = what
+        if what is not None:
+            self.what = what
         self.count = 0
         self.finished = False
         self.peer_stopped: List[int] = []
@@ -454,16 +458,7 @@ class IdGatherer(LockstepGathers):
         stop_timeout_s: bound of the wait once stopped.
     """
 
-    def __init__(
-        self,
-        world_size: int,
-        group: Optional[dist.ProcessGroup],
-        stopped: Callable[[], bool],
-        stop_timeout_s: float = 60.0,
-    ) -> None:
-        super().__init__(
-            world_size, group, stopped, stop_timeout_s, what="id all-gather of the lookahead planner"
-        )
+    what = "id all-gather of the lookahead planner"
 
     def gather(self, kjt: Optional[KeyedJaggedTensor]) -> Optional[KeyedJaggedTensor]:
         """The global batch (``kjt``: this rank's slice; ``None``: its loader is exhausted), or ``None`` once
@@ -527,16 +522,7 @@ class StageGathers(LockstepGathers):
         stop_timeout_s: bound of the wait once stopped.
     """
 
-    def __init__(
-        self,
-        world_size: int,
-        group: Optional[dist.ProcessGroup],
-        stopped: Callable[[], bool],
-        stop_timeout_s: float = 60.0,
-    ) -> None:
-        super().__init__(
-            world_size, group, stopped, stop_timeout_s, what="row gather of the lookahead stager"
-        )
+    what = "row gather of the lookahead stager"
 
     def begin(self) -> bool:
         """Before one plan's store gathers: ``True`` when every rank gathers it, ``False`` once the gathers are

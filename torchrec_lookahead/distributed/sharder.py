@@ -136,6 +136,10 @@ def _why_not_fusable(
     else the reason they cannot."""
     if env.world_size > 1:
         return f"{env.world_size} ranks (the resident tables are sharded across them by TorchRec)"
+    fp = dict(fused_params or {})
+    unknown = sorted(set(fp) - _FUSABLE_OPTIMIZER_KEYS)
+    if unknown:
+        return f"the sharder's fused_params {unknown} have no counterpart in the cache's kernel"
     for c in resident_cfgs:
         ps = params.get(c.name)
         if ps is None:
@@ -148,14 +152,8 @@ def _why_not_fusable(
                 f"table '{c.name}' is planned {ps.sharding_type} with the {ps.compute_kernel} kernel (fusing needs "
                 f"{'/'.join(_FUSABLE_SHARDINGS)} with the fused kernel)"
             )
-    fp = dict(fused_params or {})
-    unknown = sorted(set(fp) - _FUSABLE_OPTIMIZER_KEYS)
-    if unknown:
-        return f"the sharder's fused_params {unknown} have no counterpart in the cache's kernel"
-    for c in resident_cfgs:
         if c.data_type != DataType.FP32:
             return f"table '{c.name}' is {c.data_type.name} (the cache's kernel holds FP32 tables)"
-        ps = params[c.name]
         extra = [f for f in _PLAN_EXTRAS if getattr(ps, f, None) is not None]
         if extra:
             return f"table '{c.name}' is planned with {extra}, which the cache's kernel does not take"
