@@ -73,6 +73,37 @@ def test_scatter_then_gather_and_full_views(store: EmbeddingStore) -> None:
     assert torch.equal(store.full_states()["momentum1"][ids], s["momentum1"])
 
 
+def test_write_back_equals_scatter(store: EmbeddingStore, tmp_path: Path) -> None:
+    """The unchecked write-back path leaves the same rows as scatter, also into chunks not yet initialised."""
+    other = TensorStore(N, D, WIDTHS, name="t", seed=5, chunk_rows=8192)
+    ids = torch.tensor([19999, 3, 8192, 12000])  # the last chunk first: lazily initialised on the way
+    w = torch.randn(4, D)
+    st = {"momentum1": torch.rand(4, D), "momentum2": torch.rand(4)}  # (n,) accepted for width 1
+    store.write_back(ids, w, st)
+    other.scatter(ids, w, st)
+    assert torch.equal(store.full_weights(), other.full_weights())
+    for key in WIDTHS:
+        assert torch.equal(store.full_states()[key], other.full_states()[key])
+    store.write_back(ids[:0], w[:0], {k: v[:0] for k, v in st.items()})  # nothing to write
+
+
+def test_write_back_of_a_custom_store_goes_through_its_scatter() -> None:
+    """Stores that do not override write_back keep their own scatter (and its checks)."""
+    calls = []
+
+    class Logged(TensorStore):
+        def scatter(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(args[0].tolist())
+            super().scatter(*args, **kwargs)
+
+    Logged.write_back = EmbeddingStore.write_back  # type: ignore[method-assign]
+    s = Logged(10, D, name="t")
+    s.write_back(torch.tensor([1, 2]), torch.ones(2, D))
+    assert calls == [[1, 2]] and torch.equal(s.gather(torch.tensor([2]))[0], torch.ones(1, D))
+    with pytest.raises(InvalidIdError):
+        s.write_back(torch.tensor([3, 3]), torch.ones(2, D))
+
+
 def test_load_replaces_everything(store: EmbeddingStore) -> None:
     w = torch.randn(N, D)
     store.load(w, {"momentum1": torch.ones(N, D)})

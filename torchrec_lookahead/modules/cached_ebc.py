@@ -26,6 +26,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
@@ -359,23 +360,36 @@ class CachedEmbeddingBagCollection(nn.Module):
             )
         return KeyedTensor(keys=list(self._feature_names), length_per_key=list(self._dims), values=values)
 
+    def _resident_ids_in_range(self, kjt: KeyedJaggedTensor, values: torch.Tensor, bounds: List[int]) -> bool:
+        """Whether every id of a resident table's feature is in range, in one pass over the batch (cached
+        features hold a trusted plan's slots and are skipped). On the host a per-feature min/max with NumPy's
+        ``reduceat`` (single-threaded: torch's element-wise operators would run on every intra-op thread and wait
+        for a core busy with the lookahead threads); on a device one pass and one host sync."""
+        limits = [
+            -1 if t.slot_to_id is not None else t.rows
+            for t in (self._tables[self._feature_to_table[k]] for k in kjt.keys())
+        ]
+        if values.device.type == "cpu":
+            edges = np.asarray(bounds, dtype=np.int64)
+            nonempty = np.flatnonzero(edges[1:] > edges[:-1])  # reduceat needs increasing starts
+            lim = np.asarray(limits, dtype=np.int64)[nonempty]
+            if not (lim >= 0).any():
+                return True
+            arr = values[: bounds[-1]].numpy()
+            lo = np.minimum.reduceat(arr, edges[nonempty])[lim >= 0]
+            hi = np.maximum.reduceat(arr, edges[nonempty])[lim >= 0]
+            return bool((lo >= 0).all() and (hi < lim[lim >= 0]).all())
+        sizes = torch.tensor(kjt.length_per_key(), device=values.device)
+        used = values[: bounds[-1]]
+        upper = torch.tensor([(1 << 62) if x < 0 else x for x in limits], device=values.device)
+        upper = upper.repeat_interleave(sizes, output_size=used.numel())
+        return not bool(((used < 0) | (used >= upper)).any())
+
     def _check_values(self, kjt: KeyedJaggedTensor, skip_cached: bool = False) -> None:
         values = kjt.values()
         bounds = kjt.offset_per_key()
-        if skip_cached and values.numel():
-            # One pass over every feature (one host sync, not two per feature); the per-feature loop below
-            # only runs to name the feature of an error.
-            limits = [
-                (1 << 62) if t.slot_to_id is not None else t.rows
-                for t in (self._tables[self._feature_to_table[k]] for k in kjt.keys())
-            ]
-            sizes = torch.tensor(kjt.length_per_key(), device=values.device)
-            used = values[: bounds[-1]]
-            upper = torch.tensor(limits, device=values.device).repeat_interleave(
-                sizes, output_size=used.numel()
-            )
-            if not bool(((used < 0) | (used >= upper)).any()):
-                return
+        if skip_cached and values.numel() and self._resident_ids_in_range(kjt, values, bounds):
+            return  # the per-feature loop below only runs to name the feature of an error
         for i, key in enumerate(kjt.keys()):
             lo, hi = bounds[i], bounds[i + 1]
             if hi <= lo:
@@ -467,19 +481,26 @@ class CachedEmbeddingBagCollection(nn.Module):
                 f"plan step {step}, table '{name}': evict_ids/evict_slots ({ev_ids.numel()}/{ev_slots.numel()}) and "
                 f"fetch_ids/fetch_slots ({fe_ids.numel()}/{fe_slots.numel()}) must have equal lengths"
             )
-        for what, s in (("evict_slots", ev_slots), ("fetch_slots", fe_slots), ("slots", slots)):
-            if s.numel() and (int(s.min()) < 0 or int(s.max()) >= cap):
-                bad = int(s.min()) if int(s.min()) < 0 else int(s.max())
+        for what, s, limit in (
+            ("evict_slots", ev_slots, cap),
+            ("fetch_slots", fe_slots, cap),
+            ("slots", slots, cap),
+            ("evict_ids", ev_ids, n),
+            ("fetch_ids", fe_ids, n),
+        ):
+            if not s.numel():
+                continue
+            arr = s.numpy()  # NumPy's reductions: no intra-op threads for a plan's few hundred entries
+            low, high = int(arr.min()), int(arr.max())
+            if low >= 0 and high < limit:
+                continue
+            bad = low if low < 0 else high
+            if what.endswith("slots"):
                 raise CapacityError(
                     f"plan step {step}, table '{name}': {what} holds slot {bad} outside [0, {cap}) (capacity "
                     f"{cap}); plan with the capacity this cache was built with"
                 )
-        for what, s in (("evict_ids", ev_ids), ("fetch_ids", fe_ids)):
-            if s.numel() and (int(s.min()) < 0 or int(s.max()) >= n):
-                bad = int(s.min()) if int(s.min()) < 0 else int(s.max())
-                raise InvalidIdError(
-                    f"plan step {step}, table '{name}': {what} holds id {bad} outside [0, {n})"
-                )
+            raise InvalidIdError(f"plan step {step}, table '{name}': {what} holds id {bad} outside [0, {n})")
         s2i = t.slot_to_id
         assert s2i is not None  # cached tables only (checked by the caller)
         if trusted:
@@ -582,7 +603,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         ev_ids, ev_slots, fe_ids, fe_slots = c["ev_ids"], c["ev_slots"], c["fe_ids"], c["fe_slots"]
         if ev_ids.numel():
             dev_slots = ev_slots.to(self._device)
-            store.scatter(
+            store.write_back(  # the ids this cache loaded (checked then), so the store's checks are skipped
                 ev_ids,
                 weights.index_select(0, dev_slots).cpu(),
                 {k: v.index_select(0, dev_slots).cpu() for k, v in states.items()},
@@ -609,9 +630,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         cnt["steps"] += 1
         cnt["lookups"] += slots.numel()
         if fe_slots.numel():  # lookups of a slot loaded at this step are misses
-            loaded = torch.zeros(t.rows, dtype=torch.bool)
-            loaded[fe_slots] = True
-            cnt["hits"] += slots.numel() - int(loaded.index_select(0, slots).sum())
+            loaded = np.zeros(t.rows, dtype=bool)
+            loaded[fe_slots.numpy()] = True
+            cnt["hits"] += slots.numel() - int(np.count_nonzero(loaded[slots.numpy()]))
         else:
             cnt["hits"] += slots.numel()
         cnt["rows_fetched"] += fe_ids.numel()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Dict, List, Mapping, Optional, Tuple
 
+import numpy as np
 import torch
 
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
@@ -132,7 +133,10 @@ class _RowStore(EmbeddingStore):
         if ids is None:
             chunks = torch.arange(self._num_chunks)
         else:
-            chunks = torch.unique(torch.div(ids, self._chunk_rows, rounding_mode="floor"))
+            chunk_of = ids.numpy() // self._chunk_rows
+            if flags.numpy()[chunk_of].all():  # the usual case, without a sort
+                return
+            chunks = torch.from_numpy(np.unique(chunk_of))
         missing = chunks[flags[chunks] == 0]
         if missing.numel() > 0:
             with self._init_lock:
@@ -158,7 +162,8 @@ class _RowStore(EmbeddingStore):
         ids = ids.to(device="cpu", dtype=torch.int64)
         if ids.numel() == 0:
             return ids
-        lo, hi = int(ids.min()), int(ids.max())
+        arr = ids.numpy()  # NumPy's reductions: no intra-op threads for a few hundred ids
+        lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= self._num:
             bad = lo if lo < 0 else hi
             raise InvalidIdError(
@@ -218,6 +223,23 @@ class _RowStore(EmbeddingStore):
             return
         self._ensure_init(ids)
         self._rows().index_copy_(0, ids, packed)
+
+    def write_back(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        states: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> None:
+        """:meth:`scatter` without its checks (ids, shapes and state names are the caller's guarantee)."""
+        if ids.numel() == 0:
+            return
+        ids = ids.to(device="cpu", dtype=torch.int64)
+        states = states or {}
+        parts = [weights.detach().to(device="cpu", dtype=torch.float32)]
+        for key, width in self._widths.items():
+            parts.append(states[key].detach().reshape(-1, width).to(device="cpu", dtype=torch.float32))
+        self._ensure_init(ids)
+        self._rows().index_copy_(0, ids, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
 
     def full_weights(self) -> torch.Tensor:
         self._ensure_init(None)

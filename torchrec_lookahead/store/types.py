@@ -87,6 +87,23 @@ class EmbeddingStore(abc.ABC):
             DataError: a shape or a state name does not match; nothing is written.
         """
 
+    def write_back(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        states: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> None:
+        """:meth:`scatter` for a caller that guarantees its arguments: distinct ids in range, each row and state
+        of the right shape, as when a cache writes back the rows it gathered from this store. A store may skip
+        its checks here; this default calls :meth:`scatter`.
+
+        Args:
+            ids: (n,) distinct integer ids in ``[0, num_embeddings)``.
+            weights: (n, D) new weights.
+            states: per state name of ``state_widths``, an (n, w) tensor.
+        """
+        self.scatter(ids, weights, states)
+
     @abc.abstractmethod
     def full_weights(self) -> torch.Tensor:
         """The whole table as an (N, D) tensor view of the store (no copy; writes go to the store)."""
