@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -26,8 +26,12 @@ def _to_numpy(x: Any, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
 
 
-def _features(batch: Any) -> List[Tuple[str, Any, Any]]:
-    """(feature, ids, lengths or None) in key order, for a mapping or a KeyedJaggedTensor-like object."""
+def _features(batch: Any, wanted: Callable[[str], bool], want_lengths: bool) -> List[Tuple[str, Any, Any]]:
+    """(feature, ids, lengths or None) in key order, for a mapping or a KeyedJaggedTensor-like object.
+
+    Every feature is listed; ``ids`` (and ``lengths`` when ``want_lengths``) may be ``None`` for a feature that is
+    not ``wanted``.
+    """
     if isinstance(batch, Mapping):
         out = []
         for key, value in batch.items():
@@ -42,13 +46,25 @@ def _features(batch: Any) -> List[Tuple[str, Any, Any]]:
                 out.append((str(key), value, None))
         return out
     if _is_plain_kjt(batch):
-        # Slices of the KJT's values and lengths (KeyedJaggedTensor.to_dict builds a JaggedTensor per feature,
-        # several times slower, and this runs for every batch in the planner thread).
-        keys, values, lengths, stride = batch.keys(), batch.values(), batch.lengths(), int(batch.stride())
+        # Slices of the KJT's values (as one NumPy array) and lengths, for the wanted features only
+        # (KeyedJaggedTensor.to_dict builds a JaggedTensor per feature, several times slower, and this runs for
+        # every batch in the planner thread).
+        keys, values, stride = batch.keys(), batch.values(), int(batch.stride())
+        flat: Any = values
+        try:
+            flat = values.detach().to("cpu").contiguous().numpy()
+        except TypeError:  # a dtype NumPy lacks (bfloat16): _to_numpy names the feature in its error
+            pass
+        lengths = batch.lengths() if want_lengths else None
         out = []
         off = 0
         for i, (key, n) in enumerate(zip(keys, batch.length_per_key())):
-            out.append((str(key), values[off : off + n], lengths[i * stride : (i + 1) * stride]))
+            key = str(key)
+            if wanted(key):
+                lens = lengths[i * stride : (i + 1) * stride] if lengths is not None else None
+                out.append((key, flat[off : off + n], lens))
+            else:
+                out.append((key, None, None))
             off += n
         return out
     if hasattr(batch, "keys") and hasattr(batch, "to_dict"):
@@ -95,18 +111,22 @@ def split_batch(
     """
     parts: Dict[str, List[Tuple[np.ndarray, Optional[np.ndarray], Optional[int]]]] = {}
     seen: set = set()
-    for feature, ids, lengths in _features(batch):
+    planned = set(tables)
+
+    def table_of(feature: str) -> str:
         if feature_to_table is None:
-            table = feature
-        elif feature in feature_to_table:
-            table = feature_to_table[feature]
-        else:
-            raise ConfigError(
-                f"feature {feature!r} is not in feature_to_table (known features: {sorted(feature_to_table)}); "
-                "add it to feature_to_table"
-            )
+            return feature
+        if feature in feature_to_table:
+            return feature_to_table[feature]
+        raise ConfigError(
+            f"feature {feature!r} is not in feature_to_table (known features: {sorted(feature_to_table)}); "
+            "add it to feature_to_table"
+        )
+
+    for feature, ids, lengths in _features(batch, lambda f: table_of(f) in planned, want_samples):
+        table = table_of(feature)
         seen.add(table)
-        if table not in tables:
+        if table not in planned:
             continue
         arr = _to_numpy(ids, f"ids of feature {feature!r}")
         samples: Optional[np.ndarray] = None

@@ -117,14 +117,17 @@ class BeladyPlanner(_TablePlanner):
                 f"table {self.name!r}: step {t} needs {need} evictable rows but only {out.size + cand.size} are "
                 f"not needed within prefetch_depth={self.depth}; raise capacity[{self.name!r}]"
             )
-        size = min(cand.size, rest + max(4 * rest, self.capacity // 32))
         nx, rr = res_next[cand], rk[cand]
+        if self.capacity < self.pool_min_capacity:  # no pool: the victims straight from the scan
+            self._drop_pool()
+            return np.concatenate([out, cand[_top(cand, nx, rr, rest)]])
+        size = min(cand.size, rest + max(4 * rest, self.capacity // 32))
         best = _top(cand, nx, rr, size)
         cand, nx, rr = cand[best], nx[best], rr[best]
         pick = _top(cand, nx, rr, rest)
         keep = np.ones(cand.size, dtype=bool)
         keep[pick] = False
-        if keep.any() and self.capacity >= self.pool_min_capacity:
+        if keep.any():
             worst = np.flatnonzero(nx == nx.min())
             w = worst[np.argmax(rr[worst])]
             self.pool, self.kappa = cand[keep], (int(nx[w]), int(rr[w]))
