@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Type
 
 import lightning.pytorch as pl
 import torch
@@ -33,8 +33,13 @@ def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> floa
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def make_model(dm: CriteoSyntheticDataModule, emb: str = "rowwise_adagrad", **kw: Any) -> DLRMModule:
-    return DLRMModule(
+def make_model(
+    dm: CriteoSyntheticDataModule,
+    emb: str = "rowwise_adagrad",
+    model_cls: Type[DLRMModule] = DLRMModule,
+    **kw: Any,
+) -> DLRMModule:
+    return model_cls(
         dm.num_embeddings_per_feature,
         dm.num_dense_features,
         embedding_dim=8,
@@ -96,6 +101,8 @@ def fit_cached(
     callbacks: Optional[List[pl.Callback]] = None,
     wrap: bool = True,
     lookahead_kw: Optional[Dict[str, Any]] = None,
+    sharder_kw: Optional[Dict[str, Any]] = None,
+    model_cls: Type[DLRMModule] = DLRMModule,
     **trainer_kw: Any,
 ) -> tuple[pl.Trainer, DLRMModule]:
     """Train the tiny model with ``capacity`` cached (resident when empty), as the CLI would."""
@@ -109,12 +116,12 @@ def fit_cached(
     dm: pl.LightningDataModule = inner
     sharders = None
     if capacity:
-        sharders = [LookaheadEmbeddingBagCollectionSharder(capacity=capacity)]
+        sharders = [LookaheadEmbeddingBagCollectionSharder(capacity=capacity, **(sharder_kw or {}))]
         if wrap:
             dm = LookaheadDataModule(
                 inner, horizon=8, prefetch_depth=1, policy=policy, **(lookahead_kw or {})
             )
-    model = make_model(inner, emb=emb)
+    model = make_model(inner, emb=emb, model_cls=model_cls)
     trainer = _trainer(
         tmp_path, max_steps, callbacks, strategy=TorchRecStrategy(sharders=sharders), **trainer_kw
     )

@@ -101,6 +101,18 @@ def _full_rows(dmp: Any) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _lr(name: str, step: int) -> float:
+    """A decaying learning-rate schedule: deferred updates must land with their own step's rate."""
+    return OPTIMIZERS[name].learning_rate / (1.0 + 0.25 * step)
+
+
+def _schedule(optimizer: Any, lr: float) -> None:
+    """What an LR scheduler does to a DMP's fused optimizer, then its step() hands the rate to the kernels."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+
+
 def _resident_dmp(name: str, batches: List[KeyedJaggedTensor], tgts: List[torch.Tensor]) -> Dict[str, Any]:
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -131,6 +143,7 @@ def _resident_dmp(name: str, batches: List[KeyedJaggedTensor], tgts: List[torch.
     rank = dist.get_rank()
     snapshots = {}
     for step, (kjt, tgt) in enumerate(zip(batches, tgts)):
+        _schedule(dmp.fused_optimizer, _lr(name, step))
         lo, hi = rank * PER_RANK, (rank + 1) * PER_RANK
         out = dmp(slice_samples(kjt, lo, hi))
         out = out.wait() if hasattr(out, "wait") else out
@@ -149,6 +162,7 @@ def _resident_reference(
     ebc = CachedEmbeddingBagCollection(TABLES, capacity={}, optimizer=OPTIMIZERS[name], seed=0)
     snapshots = {}
     for step, (kjt, tgt) in enumerate(zip(batches, tgts)):
+        ebc.set_learning_rate(_lr(name, step))
         pooled = ebc(kjt).values()  # one lookup: one optimizer iteration per step
         total = torch.zeros(())
         for r in range(WORLD):
@@ -197,6 +211,9 @@ def _cached(
                 later = set(plans[step + 1].tables[t].slots.tolist())
                 facts["delayed_read_later"] += len(before & later)
             previous_delayed[t] = set(lrpp.tables[t].delayed_slots.tolist())
+        # The new rate first (as a loop that calls zero_grad() before the step would): the rows delayed at the
+        # previous step, which land in apply_plan, must still get that step's rate.
+        _schedule(dmp.fused_optimizer, _lr(name, step))
         sharded.apply_plan(step_plan, lrpp=lrpp)
         lo, hi = rank * PER_RANK, (rank + 1) * PER_RANK
         local = slice_samples(remap_kjt(kjt, step_plan, F2T, cached), lo, hi)

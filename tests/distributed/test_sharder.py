@@ -8,9 +8,11 @@ from torchrec.distributed.planner import Topology
 
 from torchrec_lookahead import ConfigError
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder, lookahead_sharding_plan
+from torchrec_lookahead.models import DLRMModule
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig
 
 from ..conftest import REPO
+from ..helpers import fit_cached, max_abs_diff, weights
 
 
 def _example():
@@ -374,3 +376,39 @@ def test_evaluation_of_a_weighted_mean_fused_table_equals_torchrec_module():
         with torch.no_grad():
             outs.append(dmp(kjt).values())
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
+
+
+class _ScheduledDLRM(DLRMModule):
+    """The tiny DLRM with a per-step learning-rate decay on every parameter group (embeddings included)."""
+
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.5 * s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.mark.parametrize("fuse", [None, False], ids=["fused", "split"])
+def test_a_learning_rate_scheduler_reaches_the_cached_tables_as_torchrec_resident_ones(tmp_path, fuse):
+    """A scheduler on the model's optimizer schedules the cache (and fused resident tables) through the sharded
+    module's fused_optimizer, step for step as it schedules TorchRec's fused TBE."""
+    steps = 12
+    _, resident = fit_cached(tmp_path / "r", steps, capacity={}, model_cls=_ScheduledDLRM)
+    trainer, cached = fit_cached(
+        tmp_path / "c", steps, model_cls=_ScheduledDLRM, sharder_kw={"fuse_resident": fuse}
+    )
+    assert max_abs_diff(weights(resident), weights(cached)) <= 1e-6
+    _, unscheduled = fit_cached(tmp_path / "u", steps, sharder_kw={"fuse_resident": fuse})
+    assert max_abs_diff(weights(unscheduled), weights(cached)) > 1e-4  # the schedule mattered
+    (cache,) = [m for m in cached.modules() if isinstance(m, CachedEmbeddingBagCollection)]
+    assert cache.learning_rate == float(torch.tensor(0.05 / (1.0 + 0.5 * (steps - 1)), dtype=torch.float32))
+
+
+def test_set_learning_rate_refuses_bad_values():
+    ebc = CachedEmbeddingBagCollection(
+        [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=100, feature_names=["f"])], {"t": 10}
+    )
+    for bad in (-0.1, float("nan"), float("inf"), "0.1", True):
+        with pytest.raises(ConfigError, match="learning rate"):
+            ebc.set_learning_rate(bad)
+    ebc.set_learning_rate(torch.tensor(0.5))
+    assert ebc.learning_rate == 0.5

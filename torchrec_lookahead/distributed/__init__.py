@@ -2,7 +2,7 @@
 (:mod:`torchrec_lookahead.distributed.planner`) the planner that sizes caches for a device budget."""
 
 from torchrec_lookahead.distributed.plan import embedding_tables, lookahead_sharding_plan
-from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.distributed.sharded import CacheFusedOptimizer, ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.distributed.sharder import (
     LookaheadEmbeddingBagCollectionSharder,
     cache_optimizer_from_module,
@@ -11,6 +11,7 @@ from torchrec_lookahead.distributed.sharder import (
 __all__ = [
     "LookaheadEmbeddingBagCollectionSharder",
     "ShardedLookaheadEmbeddingBagCollection",
+    "CacheFusedOptimizer",
     "lookahead_sharding_plan",
     "embedding_tables",
     "cache_optimizer_from_module",

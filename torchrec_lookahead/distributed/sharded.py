@@ -34,6 +34,8 @@ from torchrec.distributed.types import (
 )
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore
@@ -42,7 +44,7 @@ from torchrec_lookahead.modules import CachedEmbeddingBagCollection
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan
 
-__all__ = ["ShardedLookaheadEmbeddingBagCollection", "CUSTOMIZED"]
+__all__ = ["ShardedLookaheadEmbeddingBagCollection", "CacheFusedOptimizer", "CUSTOMIZED"]
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,49 @@ class _LazyNoWait(LazyAwaitable[KeyedTensor]):
         return self._value
 
 
+class CacheFusedOptimizer(FusedOptimizer):
+    """The cache's in-backward optimizer as TorchRec's optimizers see it: one parameter group whose ``lr`` is
+    handed to the cache's kernels on ``zero_grad()`` and ``step()``, exactly as TorchRec's fused optimizer hands
+    its group's ``lr`` to its TBE, so a learning-rate scheduler acting on the model's ``fused_optimizer`` (or on
+    an optimizer combining it, as ``DLRMModule.configure_optimizers`` builds) schedules the cached tables too.
+
+    It owns no parameters and no state: the rows and their optimizer state live in the cache and its stores
+    (and in the module's state dict), so checkpoints are unchanged.
+
+    Args:
+        cache: the cached collection.
+    """
+
+    def __init__(self, cache: CachedEmbeddingBagCollection) -> None:
+        self._cache = cache
+        super().__init__({}, {}, [{"params": [], "lr": cache.learning_rate}])
+
+    def _push(self) -> None:
+        lr = list(self.param_groups)[0]["lr"]
+        if lr != self._cache.learning_rate:
+            self._cache.set_learning_rate(lr)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self._push()
+
+    def step(self, closure: Any = None) -> None:
+        self._push()
+
+
+def _fused_optimizers(module: nn.Module, path: str = "") -> List[Tuple[str, KeyedOptimizer]]:
+    """The fused optimizers of ``module``'s submodules, keyed by path, as DistributedModelParallel collects
+    them (it stops at the first FusedOptimizerModule on each branch)."""
+    if isinstance(module, FusedOptimizerModule):
+        return [(path, module.fused_optimizer)]
+    out: List[Tuple[str, KeyedOptimizer]] = []
+    for name, child in module.named_children():
+        out += _fused_optimizers(child, f"{path}.{name}" if path else name)
+    return out
+
+
 class ShardedLookaheadEmbeddingBagCollection(
-    ShardedModule[KeyedJaggedTensor, KeyedTensor, KeyedTensor, NullShardedModuleContext]
+    ShardedModule[KeyedJaggedTensor, KeyedTensor, KeyedTensor, NullShardedModuleContext],
+    FusedOptimizerModule,
 ):
     """An EmbeddingBagCollection whose large tables train through the lookahead cache.
 
@@ -122,6 +165,7 @@ class ShardedLookaheadEmbeddingBagCollection(
         self.delayed_sync = bool(delayed_sync) and world_size > 1 and average_every is None
         self._delayed_pg = delayed_group
         self._pending: List[_PendingSync] = []
+        self._fused_optim: Optional[KeyedOptimizer] = None
         if self.delayed_sync and delayed_group is None:
             raise SetupError(
                 "delayed_sync needs a process group of its own (delayed_group), created on every rank; build the "
@@ -143,6 +187,18 @@ class ShardedLookaheadEmbeddingBagCollection(
             self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module.flush())
             self.register_load_state_dict_pre_hook(lambda module, *args: module.land_delayed())
             self.register_load_state_dict_post_hook(lambda module, incompatible: module._barrier())
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        """The in-backward optimizers of this collection, for DistributedModelParallel's ``fused_optimizer``:
+        the cache's (:class:`CacheFusedOptimizer`) and, when TorchRec's module trains resident tables beside
+        the cache, its own under ``resident`` (the keys it had before)."""
+        if self._fused_optim is None:
+            parts: List[Tuple[str, KeyedOptimizer]] = [("", CacheFusedOptimizer(self.cache))]
+            if self.resident is not None:
+                parts += _fused_optimizers(self.resident, "resident")
+            self._fused_optim = CombinedOptimizer(parts) if len(parts) > 1 else parts[0][1]
+        return self._fused_optim
 
     @property
     def unsharded_module_type(self) -> type:
@@ -364,7 +420,7 @@ class ShardedLookaheadEmbeddingBagCollection(
                     f"{sum(int(x[1].numel()) for x in p.entries)} shared rows keep their value before that step"
                 ) from e
             for local, slots, pos, view in p.entries:
-                p.kernel.apply_rows(local, slots, view[pos] * p.scale, p.iteration)
+                p.kernel.apply_rows(local, slots, view[pos] * p.scale, p.iteration, p.lr)
                 rows += int(slots.numel())
         return rows
 
@@ -409,7 +465,15 @@ class ShardedLookaheadEmbeddingBagCollection(
                         uniq, gsum = uniq[~hit], gsum[~hit]  # not updated in this backward
                     kept.append((t, uniq, gsum))
                 per_table = kept
-                pending = _PendingSync(lrpp.step, kernel, int(kernel.get_step()), scale, None, entries)
+                pending = _PendingSync(
+                    lrpp.step,
+                    kernel,
+                    int(kernel.get_step()),
+                    kernel.get_learning_rate(),
+                    scale,
+                    None,
+                    entries,
+                )
             # At least one element: every backward then holds a collective of every rank, which the stager's
             # "no stale read" argument relies on even when no row is shared.
             buf, located = _pack(critical, per_table, device, min_numel=1)
@@ -565,12 +629,14 @@ class _PendingSync:
     """A delayed all-reduce in flight: the rows of ``kernel`` it updates once it lands.
 
     ``entries`` holds, per table of the kernel, (local table, slots this rank read, their rows in the reduced
-    buffer, the buffer's view of that table); ``iteration`` is the kernel's optimizer iteration of the step.
+    buffer, the buffer's view of that table); ``iteration`` and ``lr`` are the kernel's optimizer iteration and
+    learning rate of the step.
     """
 
     step: int
     kernel: Any
     iteration: int
+    lr: float
     scale: float
     work: Optional[Any]
     entries: List[Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]

@@ -69,6 +69,14 @@ class _CacheKernel(abc.ABC):
         """Per state name an (rows, w) view of a table's optimizer state."""
 
     @abc.abstractmethod
+    def get_learning_rate(self) -> float:
+        """The sparse optimizer's current learning rate."""
+
+    @abc.abstractmethod
+    def set_learning_rate(self, lr: float) -> None:
+        """Set the learning rate of the next updates (as TorchRec's fused optimizer sets its TBE's)."""
+
+    @abc.abstractmethod
     def get_step(self) -> int:
         """Optimizer iteration counter (Adam's bias correction)."""
 
@@ -136,6 +144,12 @@ class _FbgemmKernel(_CacheKernel):
     def states(self, table: int) -> Dict[str, torch.Tensor]:
         return dict(self._views()[1][table])
 
+    def get_learning_rate(self) -> float:
+        return float(self.tbe.get_learning_rate())
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.tbe.set_learning_rate(lr)
+
     def get_step(self) -> int:
         return int(self.tbe.iter.item())
 
@@ -184,6 +198,8 @@ class _TorchKernel(_CacheKernel):
             widths = self.config.state_widths(d)
             self._states.append({k: torch.zeros(r, w, device=self.device) for k, w in widths.items()})
         self._step = 0
+        # FBGEMM keeps the learning rate as a float32 tensor: the same value here
+        self._lr = float(torch.tensor(self.config.learning_rate, dtype=torch.float32))
         # Called in backward with [(table, unique rows, summed gradients)] for every table of the kernel
         # (empty ones included, so that a collective inside runs on every rank); returns the same list with
         # the rows and gradients to apply (multi-rank LRPP combines shared rows' gradients here).
@@ -205,6 +221,12 @@ class _TorchKernel(_CacheKernel):
 
     def states(self, table: int) -> Dict[str, torch.Tensor]:
         return dict(self._states[table])
+
+    def get_learning_rate(self) -> float:
+        return self._lr
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._lr = float(torch.tensor(lr, dtype=torch.float32))
 
     def get_step(self) -> int:
         return self._step
@@ -284,16 +306,25 @@ class _TorchKernel(_CacheKernel):
                 self._apply(t, uniq, gsum)
 
     @torch.no_grad()
-    def apply_rows(self, t: int, ids: torch.Tensor, g: torch.Tensor, step: int) -> None:
+    def apply_rows(self, t: int, ids: torch.Tensor, g: torch.Tensor, step: int, lr: float) -> None:
         """Apply the optimizer to rows ``ids`` of table ``t`` with gradient sums ``g``, as the backward of
-        iteration ``step`` would have (Adam's bias correction uses ``step``): a row's update deferred past
-        its step (delayed synchronisation) lands bit for bit as if applied in that step's backward."""
+        iteration ``step`` with learning rate ``lr`` would have (Adam's bias correction uses ``step``): a row's
+        update deferred past its step (delayed synchronisation) lands bit for bit as if applied in that step's
+        backward, also when a scheduler has changed the learning rate since."""
         if ids.numel():
-            self._apply(t, ids, g, step)
+            self._apply(t, ids, g, step, lr)
 
-    def _apply(self, t: int, ids: torch.Tensor, g: torch.Tensor, step: Optional[int] = None) -> None:
+    def _apply(
+        self,
+        t: int,
+        ids: torch.Tensor,
+        g: torch.Tensor,
+        step: Optional[int] = None,
+        lr: Optional[float] = None,
+    ) -> None:
         cfg = self.config
-        lr, wd, eps = cfg.learning_rate, cfg.weight_decay, cfg.eps  # wd: Adam only (checked by the config)
+        lr = self._lr if lr is None else lr
+        wd, eps = cfg.weight_decay, cfg.eps  # wd: Adam only (checked by the config)
         w = self._weights[t].index_select(0, ids)
         optim = cfg.optim
         if optim == EmbOptimType.EXACT_SGD:

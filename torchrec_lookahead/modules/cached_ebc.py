@@ -235,6 +235,38 @@ class CachedEmbeddingBagCollection(nn.Module):
         return self._optimizer_config
 
     @property
+    def learning_rate(self) -> float:
+        """The sparse optimizer's current learning rate (``optimizer.learning_rate`` until changed, as float32).
+
+        Example:
+            >>> from torchrec import EmbeddingBagConfig
+            >>> ebc = CachedEmbeddingBagCollection(
+            ...     [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=100, feature_names=["f"])],
+            ...     {"t": 10}, CacheOptimizerConfig("exact_sgd", learning_rate=0.5))
+            >>> ebc.set_learning_rate(0.25)
+            >>> ebc.learning_rate
+            0.25
+        """
+        if not self._kernels:
+            return float(torch.tensor(self._optimizer_config.learning_rate, dtype=torch.float32))
+        return self._kernels[0].get_learning_rate()
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Set the learning rate of the next updates of every table (cached, and resident ones trained here), as
+        TorchRec's fused optimizer sets its kernel's from its parameter group; a scheduler reaches it through
+        the sharded module's ``fused_optimizer``.
+
+        Raises:
+            ConfigError: ``lr`` is not a finite number >= 0.
+        """
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+            lr = float(lr)
+        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not 0.0 <= float(lr) < float("inf"):
+            raise ConfigError(f"Expected a finite learning rate >= 0 but got {lr!r}")
+        for kernel in self._kernels:
+            kernel.set_learning_rate(float(lr))
+
+    @property
     def device(self) -> torch.device:
         """Device of the cache."""
         return self._device
