@@ -412,3 +412,30 @@ def test_set_learning_rate_refuses_bad_values():
             ebc.set_learning_rate(bad)
     ebc.set_learning_rate(torch.tensor(0.5))
     assert ebc.learning_rate == 0.5
+
+
+def test_cache_fused_optimizer_steps_hyper_parameters_and_saved_groups():
+    """TorchRec's fused-optimizer calls reach the cache; several caches' groups restore apart."""
+    from torchrec.optim.keyed import CombinedOptimizer
+
+    from torchrec_lookahead.distributed import CacheFusedOptimizer
+
+    def cache(lr):
+        tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=100, feature_names=["f"])]
+        return CachedEmbeddingBagCollection(tables, {"t": 10}, CacheOptimizerConfig("adam", learning_rate=lr))
+
+    a, b = cache(0.5), cache(0.25)
+    opt = CombinedOptimizer([("a", CacheFusedOptimizer(a)), ("b", CacheFusedOptimizer(b))])
+    opt.set_optimizer_step(7)
+    assert a.optimizer_step == b.optimizer_step == 7
+    opt.optimizers[0][1].update_hyper_parameters({"lr": 0.125})
+    assert a.learning_rate == 0.125 and b.learning_rate == 0.25
+    with pytest.raises(ConfigError, match="only 'lr'"):
+        opt.optimizers[0][1].update_hyper_parameters({"eps": 1e-3})
+    opt.save_param_groups(True)
+    saved = opt.state_dict()
+    for group in opt.param_groups:
+        group["lr"] = 1.0
+    opt.load_state_dict(saved)
+    opt.step()
+    assert (a.learning_rate, b.learning_rate) == (0.125, 0.25)

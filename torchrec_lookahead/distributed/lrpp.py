@@ -217,6 +217,20 @@ class WriterFilteredStore(EmbeddingStore):
     def scatter(
         self, ids: torch.Tensor, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None
     ) -> None:
+        self._write(self.inner.scatter, ids, weights, states)
+
+    def write_back(
+        self, ids: torch.Tensor, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None
+    ) -> None:
+        self._write(self.inner.write_back, ids, weights, states)
+
+    def _write(
+        self,
+        write: Callable[..., None],
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        states: Optional[Mapping[str, torch.Tensor]],
+    ) -> None:
         if getattr(self.inner, "collective", False):
             # A collective store (RowShardedStore): every rank takes part in every write, if only with no rows.
             keep = (
@@ -224,15 +238,15 @@ class WriterFilteredStore(EmbeddingStore):
                 if self.allowed is None
                 else torch.isin(ids, self.allowed)
             )
-            self.inner.scatter(ids[keep], weights[keep], {k: v[keep] for k, v in (states or {}).items()})
+            write(ids[keep], weights[keep], {k: v[keep] for k, v in (states or {}).items()})
             return
         if self.allowed is None or ids.numel() == 0:
             return
         keep = torch.isin(ids, self.allowed)
         if bool(keep.all()):
-            self.inner.scatter(ids, weights, states)
+            write(ids, weights, states)
         elif bool(keep.any()):
-            self.inner.scatter(ids[keep], weights[keep], {k: v[keep] for k, v in (states or {}).items()})
+            write(ids[keep], weights[keep], {k: v[keep] for k, v in (states or {}).items()})
 
     def full_weights(self) -> torch.Tensor:
         return self.inner.full_weights()

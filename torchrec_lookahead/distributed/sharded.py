@@ -69,8 +69,10 @@ class CacheFusedOptimizer(FusedOptimizer):
     its group's ``lr`` to its TBE, so a learning-rate scheduler acting on the model's ``fused_optimizer`` (or on
     an optimizer combining it, as ``DLRMModule.configure_optimizers`` builds) schedules the cached tables too.
 
-    It owns no parameters and no state: the rows and their optimizer state live in the cache and its stores
-    (and in the module's state dict), so checkpoints are unchanged.
+    It owns no optimizer state: the rows and their state live in the cache and its stores (and in the module's
+    state dict), so checkpoints keep their keys. Its group holds one empty placeholder tensor, keyed
+    ``learning_rate``, so that TorchRec can tell the groups of several such optimizers apart when it saves and
+    restores parameter groups (it matches groups by their parameters' keys).
 
     Args:
         cache: the cached collection.
@@ -78,7 +80,8 @@ class CacheFusedOptimizer(FusedOptimizer):
 
     def __init__(self, cache: CachedEmbeddingBagCollection) -> None:
         self._cache = cache
-        super().__init__({}, {}, [{"params": [], "lr": cache.learning_rate}])
+        anchor = torch.empty(0)
+        super().__init__({"learning_rate": anchor}, {}, [{"params": [anchor], "lr": cache.learning_rate}])
 
     def _push(self) -> None:
         lr = list(self.param_groups)[0]["lr"]
@@ -90,6 +93,27 @@ class CacheFusedOptimizer(FusedOptimizer):
 
     def step(self, closure: Any = None) -> None:
         self._push()
+
+    def set_optimizer_step(self, step: int) -> None:
+        """Set the optimizer iteration of the cache's kernels (Adam's bias correction), as TorchRec's fused
+        optimizer sets its TBE's."""
+        self._cache.set_optimizer_step(step)
+
+    def update_hyper_parameters(self, params_dict: Dict[str, Any]) -> None:
+        """Set hyper-parameters as TorchRec's fused optimizer does; the cache supports ``lr``.
+
+        Raises:
+            ConfigError: another hyper-parameter (it would silently diverge from the resident tables).
+        """
+        unknown = sorted(set(params_dict) - {"lr"})
+        if unknown:
+            raise ConfigError(
+                f"the lookahead cache's optimizer can update only 'lr' during training, not {unknown}; set them "
+                "in the optimizer configuration instead"
+            )
+        if "lr" in params_dict:
+            list(self.param_groups)[0]["lr"] = params_dict["lr"]
+            self._push()
 
 
 def _fused_optimizers(module: nn.Module, path: str = "") -> List[Tuple[str, KeyedOptimizer]]:

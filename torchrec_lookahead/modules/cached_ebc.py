@@ -267,6 +267,22 @@ class CachedEmbeddingBagCollection(nn.Module):
             kernel.set_learning_rate(float(lr))
 
     @property
+    def optimizer_step(self) -> int:
+        """The sparse optimizer's iteration counter (Adam's bias correction)."""
+        return self._kernels[0].get_step() if self._kernels else 0
+
+    def set_optimizer_step(self, step: int) -> None:
+        """Set the sparse optimizer's iteration counter of every kernel.
+
+        Raises:
+            ConfigError: ``step`` is not a non-negative integer.
+        """
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ConfigError(f"Expected a non-negative integer optimizer step but got {step!r}")
+        for kernel in self._kernels:
+            kernel.set_step(int(step))
+
+    @property
     def device(self) -> torch.device:
         """Device of the cache."""
         return self._device

@@ -230,7 +230,11 @@ class _RowStore(EmbeddingStore):
         weights: torch.Tensor,
         states: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> None:
-        """:meth:`scatter` without its checks (ids, shapes and state names are the caller's guarantee)."""
+        """:meth:`scatter` without its checks (ids, shapes and state names are the caller's guarantee); a
+        subclass that overrides :meth:`scatter` keeps getting every write through it."""
+        if type(self).scatter is not _RowStore.scatter:
+            self.scatter(ids, weights, states)
+            return
         if ids.numel() == 0:
             return
         ids = ids.to(device="cpu", dtype=torch.int64)
