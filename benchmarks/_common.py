@@ -73,15 +73,19 @@ class StepTimer(pl.Callback):
     def __init__(self, warmup: int = 3) -> None:
         self.warmup = warmup
         self.times: List[float] = []
+        #: CPU time of the training thread in each timed step (its off-CPU time is the difference)
+        self.cpu_times: List[float] = []
         self._last: Optional[float] = None
+        self._last_cpu = 0.0
         self.torch_threads = 0
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self.torch_threads = torch.get_num_threads()  # during training (LookaheadDataModule may lower it)
         if self._last is not None and trainer.global_step > self.warmup:
             self.times.append(now - self._last)
-        self._last = now
+            self.cpu_times.append(cpu - self._last_cpu)
+        self._last, self._last_cpu = now, cpu
 
 
 class StepTimeLog(StepTimer):

@@ -129,12 +129,13 @@ def train(
     else:
         strategy = TorchRecStrategy(init_seed=0)
     timer = StepTimer(warmup=warmup)
+    window = LoaderWindow(warmup)
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=1,
         strategy=strategy,
         max_steps=steps + warmup + 1,
-        callbacks=[timer, *callbacks],
+        callbacks=[timer, window, *callbacks],
         **QUIET_TRAINER_ARGS,
     )
     pl.seed_everything(0, verbose=False)
@@ -145,6 +146,8 @@ def train(
     step = median(timer.times)
     return {
         "times": list(timer.times),
+        "cpu_times": list(timer.cpu_times),
+        "loader": window.figures(),
         "step_ms": step * 1e3,
         "samples_per_s": batch / step,
         "fit_s": wall,
@@ -153,6 +156,42 @@ def train(
         "trainer": trainer,
         "datamodule": dm,
     }
+
+
+_LOADER_COUNTERS = ("stats_wait_s", "stats_batch_wait_s", "stats_planner_cpu_s", "stats_planned",
+                    "stats_stager_cpu_s", "stats_staged")  # fmt: skip
+
+
+class LoaderWindow(pl.Callback):
+    """The lookahead loader's counters over the timed steps (after ``warmup``), so that start-up (the oracle
+    reading its first horizon of batches) does not count: ``per_step`` (waits, ms a step) and ``per_batch``
+    (the planner's and stager's CPU time, ms a batch) once training ended."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self._first: Optional[Tuple[int, Dict[str, float]]] = None
+        self._last: Optional[Tuple[int, Dict[str, float]]] = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
+        if loader is None or trainer.global_step < self.warmup:
+            return
+        snap = (trainer.global_step, {k: float(getattr(loader, k)) for k in _LOADER_COUNTERS})
+        if self._first is None:
+            self._first = snap
+        self._last = snap
+
+    def figures(self) -> Dict[str, float]:
+        if self._first is None or self._last is None or self._last[0] == self._first[0]:
+            return {}
+        steps = self._last[0] - self._first[0]
+        d = {k: self._last[1][k] - self._first[1][k] for k in _LOADER_COUNTERS}
+        return {
+            "stager wait ms/step": d["stats_wait_s"] / steps * 1e3,
+            "batch wait ms/step": d["stats_batch_wait_s"] / steps * 1e3,
+            "planner cpu ms/batch": d["stats_planner_cpu_s"] / max(d["stats_planned"], 1) * 1e3,
+            "stager cpu ms/batch": d["stats_stager_cpu_s"] / max(d["stats_staged"], 1) * 1e3,
+        }
 
 
 def cache_counters(strategy: TorchRecStrategy) -> Dict[str, int]:
@@ -341,6 +380,8 @@ def main() -> None:
 
     results: List[Dict[str, Any]] = []
     times: Dict[str, List[float]] = {"resident": [], "cached": []}
+    cpu: Dict[str, List[float]] = {"resident": [], "cached": []}
+    background: Dict[str, List[float]] = {}
     pair_ratios: List[float] = []
     threads: Dict[str, int] = {}
     counters: Dict[str, int] = {}
@@ -366,7 +407,11 @@ def main() -> None:
                 n = max(c["steps"] // len(capacity), 1)
                 row["fetch/step"] = c["rows_fetched"] / n
                 row["hit rate"] = c["hits"] / max(c["lookups"], 1)
-                row["stager wait ms/step"] = res["datamodule"].loader.stats_wait_s / n * 1e3
+                row.update(res["loader"])
+                for key in ("batch wait ms/step", "planner cpu ms/batch", "stager cpu ms/batch"):
+                    background.setdefault(key, []).append(row[key])
+            row["train-thread cpu ms/step"] = median(res["cpu_times"]) * 1e3
+            cpu[kind] += res["cpu_times"]
             results.append(row)
             print(table([row]).splitlines()[-1], flush=True)
             del res
@@ -374,7 +419,20 @@ def main() -> None:
     print()
     print(
         table(
-            results, ["run", "kind", "step_ms", "samples/s", "fetch/step", "hit rate", "stager wait ms/step"]
+            results,
+            [
+                "run",
+                "kind",
+                "step_ms",
+                "train-thread cpu ms/step",
+                "samples/s",
+                "fetch/step",
+                "hit rate",
+                "stager wait ms/step",
+                "batch wait ms/step",
+                "planner cpu ms/batch",
+                "stager cpu ms/batch",
+            ],  # fmt: skip
         )
     )
     res_ms = median(times["resident"]) * 1e3
@@ -385,6 +443,11 @@ def main() -> None:
         "pair_ratios": pair_ratios,
         "resident_step_ms": res_ms,
         "cached_step_ms": cac_ms,
+        "resident_train_thread_cpu_ms": median(cpu["resident"]) * 1e3,
+        "cached_train_thread_cpu_ms": median(cpu["cached"]) * 1e3,
+        "cached_batch_wait_ms_per_step": median(background["batch wait ms/step"]),
+        "planner_cpu_ms_per_batch": median(background["planner cpu ms/batch"]),
+        "stager_cpu_ms_per_batch": median(background["stager cpu ms/batch"]),
         "resident_samples_per_s": batch / res_ms * 1e3,
         "cached_samples_per_s": batch / cac_ms * 1e3,
         "batch_size": batch,

@@ -3,7 +3,9 @@
 Logged every ``log_every_n_steps`` training steps, under ``cache/<table>/...``: ``hit_rate`` (lookups served
 by rows already cached before the step's fetches), ``rows_fetched`` and ``rows_written_back`` per step,
 ``bytes_moved`` per step; and ``cache/oracle_lead`` (batches planned ahead of training) and
-``cache/stager_wait_ms`` (time the training step waited for staged rows, per step). With several ranks
+``cache/stager_wait_ms`` (time the training step waited for staged rows, per step), ``cache/batch_wait_ms``
+(time it waited for the planner's next batch, per step), ``cache/planner_cpu_ms`` and ``cache/stager_cpu_ms``
+(CPU time of the planner thread per batch planned, of the stager thread per plan staged). With several ranks
 (LRPP), per step: ``cache/sync/rows_synced_critical`` (rows refreshed or gradient-synchronised before or
 within the step), ``cache/sync/rows_synced_delayed`` (shared rows not read at the next step, whose gradients
 are all-reduced in the background), ``cache/sync/rows_refreshed``, ``cache/sync/rows_grad_synced`` (every
@@ -21,6 +23,14 @@ from typing_extensions import override
 from torchrec_lookahead.errors import ConfigError
 
 __all__ = ["CacheMonitor"]
+
+_LOADER_COUNTERS = (
+    "stats_batch_wait_s",
+    "stats_planner_cpu_s",
+    "stats_planned",
+    "stats_stager_cpu_s",
+    "stats_staged",
+)
 
 
 class CacheMonitor(Callback):
@@ -43,6 +53,7 @@ class CacheMonitor(Callback):
         self._last: Dict[str, Dict[str, int]] = {}
         self._last_wait = 0.0
         self._last_here = 0
+        self._last_loader: Dict[str, float] = {}
         self._last_sync: Dict[str, int] = {}
         self._last_step = 0
         self.last_metrics: Dict[str, float] = {}
@@ -75,6 +86,7 @@ class CacheMonitor(Callback):
         self._last_sync = self._sync(trainer)
         self._last_wait = 0.0
         self._last_here = 0
+        self._last_loader = {}
         self._last_step = trainer.global_step
 
     @override
@@ -107,6 +119,15 @@ class CacheMonitor(Callback):
             here = getattr(loader, "stats_gathered_here", 0)
             metrics["cache/gathered_by_training_thread"] = (here - self._last_here) / steps
             self._last_here = here
+            counters = {k: float(getattr(loader, k, 0.0)) for k in _LOADER_COUNTERS}
+            delta = {k: v - self._last_loader.get(k, 0.0) for k, v in counters.items()}
+            self._last_loader = counters
+            metrics["cache/batch_wait_ms"] = delta["stats_batch_wait_s"] * 1e3 / steps
+            for what, cpu, count in (
+                ("planner", "stats_planner_cpu_s", "stats_planned"),
+                ("stager", "stats_stager_cpu_s", "stats_staged"),
+            ):
+                metrics[f"cache/{what}_cpu_ms"] = delta[cpu] * 1e3 / delta[count] if delta[count] > 0 else 0.0
         self._last = stats
         self._last_step = trainer.global_step
         self.last_metrics = metrics

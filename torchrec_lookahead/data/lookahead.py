@@ -361,6 +361,14 @@ class LookaheadLoader:
         self._run: Optional[_Run] = None
         self._stop_error: Optional[BaseException] = None
         self.stats_wait_s = 0.0
+        #: seconds the training thread waited for the planner's next batch (the planner was behind)
+        self.stats_batch_wait_s = 0.0
+        #: CPU seconds of the planner thread (reading the wrapped loader, planning, remapping) and batches planned
+        self.stats_planner_cpu_s = 0.0
+        self.stats_planned = 0
+        #: CPU seconds of the stager thread (gathering rows) and plans staged
+        self.stats_stager_cpu_s = 0.0
+        self.stats_staged = 0
         #: steps whose rows the training thread gathered itself because the stager had not started them
         self.stats_gathered_here = 0
         #: the training thread may gather a step's rows itself (not when gathers are collectives, which run
@@ -427,7 +435,9 @@ class LookaheadLoader:
         run.start(self._plan, self._stage)
         try:
             while True:
+                t0 = time.perf_counter()
                 item = run.get()
+                self.stats_batch_wait_s += time.perf_counter() - t0
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
@@ -496,6 +506,7 @@ class LookaheadLoader:
                 globals_.put(kjt)
                 yield kjt
 
+        cpu = time.thread_time()
         for plan in oracle.plan_stream(record()):
             b = batches.get()
             fut: Future[StagedRows] = Future()
@@ -511,6 +522,10 @@ class LookaheadLoader:
                 b.dense_features, kjt, b.labels, plan=plan, staged=fut, loader=self, lrpp=lrpp
             )
             self._planned = plan.step
+            now = time.thread_time()
+            self.stats_planner_cpu_s += now - cpu
+            self.stats_planned += 1
+            cpu = now
             if not run.put(item):
                 return
 
@@ -563,8 +578,11 @@ class LookaheadLoader:
                         return
                     # A row-sharded store's gathers are collectives: on a process group of the stager's own,
                     # so they never interleave with the training thread's write-backs, and in lockstep.
+                    cpu = time.thread_time()
                     with collective_channel(STAGE_CHANNEL, wait):
                         rows = stage_rows(plan, self.target.stores)
+                    self.stats_stager_cpu_s += time.thread_time() - cpu
+                    self.stats_staged += 1
                     fut.set_result(rows)
                 except BaseException as e:
                     fut.set_exception(e)
