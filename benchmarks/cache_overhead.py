@@ -158,10 +158,6 @@ def train(
     }
 
 
-_LOADER_COUNTERS = ("stats_wait_s", "stats_batch_wait_s", "stats_planner_cpu_s", "stats_planned",
-                    "stats_stager_cpu_s", "stats_staged")  # fmt: skip
-
-
 class LoaderWindow(pl.Callback):
     """The lookahead loader's counters over the timed steps (after ``warmup``), so that start-up (the oracle
     reading its first horizon of batches) does not count: ``per_step`` (waits, ms a step) and ``per_batch``
@@ -176,7 +172,7 @@ class LoaderWindow(pl.Callback):
         loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
         if loader is None or trainer.global_step < self.warmup:
             return
-        snap = (trainer.global_step, {k: float(getattr(loader, k)) for k in _LOADER_COUNTERS})
+        snap = (trainer.global_step, loader.stats())
         if self._first is None:
             self._first = snap
         self._last = snap
@@ -185,7 +181,7 @@ class LoaderWindow(pl.Callback):
         if self._first is None or self._last is None or self._last[0] == self._first[0]:
             return {}
         steps = self._last[0] - self._first[0]
-        d = {k: self._last[1][k] - self._first[1][k] for k in _LOADER_COUNTERS}
+        d = {k: v - self._first[1][k] for k, v in self._last[1].items()}
         return {
             "stager wait ms/step": d["stats_wait_s"] / steps * 1e3,
             "batch wait ms/step": d["stats_batch_wait_s"] / steps * 1e3,

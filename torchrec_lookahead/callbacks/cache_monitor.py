@@ -24,14 +24,6 @@ from torchrec_lookahead.errors import ConfigError
 
 __all__ = ["CacheMonitor"]
 
-_LOADER_COUNTERS = (
-    "stats_batch_wait_s",
-    "stats_planner_cpu_s",
-    "stats_planned",
-    "stats_stager_cpu_s",
-    "stats_staged",
-)
-
 
 class CacheMonitor(Callback):
     """Log cache statistics of the ``torchrec`` strategy's cached tables.
@@ -51,8 +43,6 @@ class CacheMonitor(Callback):
             )
         self.log_every_n_steps = log_every_n_steps
         self._last: Dict[str, Dict[str, int]] = {}
-        self._last_wait = 0.0
-        self._last_here = 0
         self._last_loader: Dict[str, float] = {}
         self._last_sync: Dict[str, int] = {}
         self._last_step = 0
@@ -84,8 +74,6 @@ class CacheMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = self._stats(trainer)
         self._last_sync = self._sync(trainer)
-        self._last_wait = 0.0
-        self._last_here = 0
         self._last_loader = {}
         self._last_step = trainer.global_step
 
@@ -114,14 +102,11 @@ class CacheMonitor(Callback):
         loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
         if loader is not None and hasattr(loader, "oracle_lead"):
             metrics["cache/oracle_lead"] = float(loader.oracle_lead())
-            metrics["cache/stager_wait_ms"] = (loader.stats_wait_s - self._last_wait) * 1e3 / steps
-            self._last_wait = loader.stats_wait_s
-            here = getattr(loader, "stats_gathered_here", 0)
-            metrics["cache/gathered_by_training_thread"] = (here - self._last_here) / steps
-            self._last_here = here
-            counters = {k: float(getattr(loader, k, 0.0)) for k in _LOADER_COUNTERS}
+            counters = loader.stats()
             delta = {k: v - self._last_loader.get(k, 0.0) for k, v in counters.items()}
             self._last_loader = counters
+            metrics["cache/stager_wait_ms"] = delta["stats_wait_s"] * 1e3 / steps
+            metrics["cache/gathered_by_training_thread"] = delta["stats_gathered_here"] / steps
             metrics["cache/batch_wait_ms"] = delta["stats_batch_wait_s"] * 1e3 / steps
             for what, cpu, count in (
                 ("planner", "stats_planner_cpu_s", "stats_planned"),

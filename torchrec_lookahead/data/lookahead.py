@@ -390,6 +390,10 @@ class LookaheadLoader:
         """Batches planned but not yet applied."""
         return max(self._planned - self._applied, 0)
 
+    def stats(self) -> Dict[str, float]:
+        """The cumulative ``stats_*`` counters (waits and CPU seconds, counts), by attribute name."""
+        return {k: float(v) for k, v in vars(self).items() if k.startswith("stats_")}
+
     # ------------------------------------------------------------------------------------------ iteration
     def close(self) -> None:
         """Stop the background threads of the current iteration (the strategy or DataModule calls it when

@@ -218,11 +218,7 @@ class _RowStore(EmbeddingStore):
         states: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> None:
         ids = self._check_ids(ids, unique=True)
-        packed = self._pack(ids.numel(), weights, states)
-        if ids.numel() == 0:
-            return
-        self._ensure_init(ids)
-        self._rows().index_copy_(0, ids, packed)
+        self._write(ids, self._pack(ids.numel(), weights, states))
 
     def write_back(
         self,
@@ -230,20 +226,19 @@ class _RowStore(EmbeddingStore):
         weights: torch.Tensor,
         states: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> None:
-        """:meth:`scatter` without its checks (ids, shapes and state names are the caller's guarantee); a
+        """:meth:`scatter` without its id checks (distinct, in-range ids are the caller's guarantee); a
         subclass that overrides :meth:`scatter` keeps getting every write through it."""
         if type(self).scatter is not _RowStore.scatter:
             self.scatter(ids, weights, states)
             return
+        ids = ids.to(device="cpu", dtype=torch.int64)
+        self._write(ids, self._pack(ids.numel(), weights, states))
+
+    def _write(self, ids: torch.Tensor, packed: torch.Tensor) -> None:
         if ids.numel() == 0:
             return
-        ids = ids.to(device="cpu", dtype=torch.int64)
-        states = states or {}
-        parts = [weights.detach().to(device="cpu", dtype=torch.float32)]
-        for key, width in self._widths.items():
-            parts.append(states[key].detach().reshape(-1, width).to(device="cpu", dtype=torch.float32))
         self._ensure_init(ids)
-        self._rows().index_copy_(0, ids, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        self._rows().index_copy_(0, ids, packed)
 
     def full_weights(self) -> torch.Tensor:
         self._ensure_init(None)
