@@ -519,7 +519,7 @@ class LookaheadLoader:
             kjt = remap_kjt(global_kjt, plan, f2t_cached, cached)
             lrpp = None
             if tracker is not None:
-                lrpp = tracker.step(plan, table_ids(global_kjt, f2t_cached, cached))
+                lrpp = tracker.step(plan, table_ids(global_kjt, f2t_cached, cached), features=kjt)
                 stride = b.sparse_features.stride()
                 kjt = slice_samples(kjt, self.target.rank * stride, (self.target.rank + 1) * stride)
             item = LookaheadBatch(

@@ -91,10 +91,19 @@ class LRPPTablePlan:
 
 @dataclass(frozen=True)
 class LRPPPlan:
-    """The synchronisation of one step, per cached table."""
+    """The synchronisation of one step, per cached table.
+
+    Attributes:
+        step: the plan's step.
+        tables: per cached table, its synchronisation.
+        features: the step's global batch (every rank's samples in rank order) with the cached features'
+            values remapped to slots: each rank's backward rebuilds TorchRec's gradient order from it
+            (``distributed/exact_sync.py``).
+    """
 
     step: int
     tables: Dict[str, LRPPTablePlan] = field(default_factory=dict)
+    features: Optional[KeyedJaggedTensor] = None
 
     def counters(self, delayed_sync: bool = False) -> Dict[str, int]:
         """Rows synchronised on the critical path (refreshed, or gradient all-reduced inside the backward),
@@ -134,12 +143,19 @@ class LRPPTracker:
         self._all = (1 << num_ranks) - 1
         self._valid = {t: np.zeros(int(c), dtype=np.int64) for t, c in capacity.items()}
 
-    def step(self, plan: BatchPlan, table_ids: Mapping[str, torch.Tensor]) -> LRPPPlan:
+    def step(
+        self,
+        plan: BatchPlan,
+        table_ids: Mapping[str, torch.Tensor],
+        features: Optional[KeyedJaggedTensor] = None,
+    ) -> LRPPPlan:
         """Advance over ``plan`` (whose tables carry rank annotations) and return the step's synchronisation.
 
         Args:
             plan: the step's global plan (``OracleConfig(num_ranks=W)``).
             table_ids: the global batch's ids per cached table, in the order of the plan's ``slots``.
+            features: the global batch remapped to slots (``remap_kjt``), carried to the backward
+                (:attr:`LRPPPlan.features`); a multi-rank LRPP training step needs it.
         """
         out: Dict[str, LRPPTablePlan] = {}
         for name, tp in plan.tables.items():
@@ -179,7 +195,7 @@ class LRPPTracker:
                 rows_read=int(uniq_ids.size),
                 delayed_slots=torch.from_numpy(delayed),
             )
-        return LRPPPlan(plan.step, out)
+        return LRPPPlan(plan.step, out, features)
 
 
 class WriterFilteredStore(EmbeddingStore):
@@ -421,7 +437,13 @@ class LockstepGathers:
                 work.wait(timeout=timedelta(seconds=0.2))
                 return
             except RuntimeError as e:
-                if "timed out" not in str(e).lower() or work.is_completed():
+                if work.is_completed():
+                    # It finished as the bounded wait expired (likely on a loaded machine): an unbounded wait
+                    # returns at once, or raises the collective's own error. Treating the expired wait as a
+                    # failure here would leave this rank one collective behind its peers.
+                    work.wait()
+                    return
+                if "timed out" not in str(e).lower():
                     raise
             if self.stopped():
                 now = time.monotonic()

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -38,6 +38,7 @@ from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_lookahead.distributed.exact_sync import KernelLayout, PendingExchange, exchange_batches
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore
 from torchrec_lookahead.errors import ConfigError, InvalidIdError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection
@@ -188,7 +189,7 @@ class ShardedLookaheadEmbeddingBagCollection(
         self.sync_counters: Dict[str, int] = {}
         self.delayed_sync = bool(delayed_sync) and world_size > 1 and average_every is None
         self._delayed_pg = delayed_group
-        self._pending: List[_PendingSync] = []
+        self._pending: List[PendingExchange] = []
         self._fused_optim: Optional[KeyedOptimizer] = None
         if self.delayed_sync and delayed_group is None:
             raise SetupError(
@@ -202,12 +203,7 @@ class ShardedLookaheadEmbeddingBagCollection(
                         f"table '{name}': multi-rank caches need WriterFilteredStore views of a shared store"
                     )
             for g, kernel in enumerate(cache._kernels):
-                if not hasattr(kernel, "grads_hook"):
-                    raise SetupError(
-                        "multi-rank caches need the PyTorch cache kernel (CacheOptimizerConfig(kernel='torch'))"
-                    )
-                names = {t.local: n for n, t in cache._tables.items() if t.group == g}
-                kernel.grads_hook = self._make_grads_hook(names, kernel)
+                kernel.backward_hook = self._make_backward_hook(g, kernel)
             self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module.flush())
             self.register_load_state_dict_pre_hook(lambda module, *args: module.land_delayed())
             self.register_load_state_dict_post_hook(lambda module, incompatible: module._barrier())
@@ -413,10 +409,11 @@ class ShardedLookaheadEmbeddingBagCollection(
                     col += st.shape[1]
 
     def land_delayed(self, timeout: Optional[float] = None) -> int:
-        """Wait for the pending delayed all-reduces and apply the optimizer to their rows, each with the
-        iteration count of the step that computed its gradients (so the result is what the update inside that
-        step's backward would have been). Runs before anything reads or writes cached rows again: the next
-        :meth:`apply_plan`, :meth:`flush` (checkpoints, evaluation, the end of fit), :meth:`invalidate`.
+        """Wait for the pending delayed all-gathers and apply the optimizer to their rows, each with the
+        iteration count and learning rate of the step that computed its gradients (so the result is what the
+        update inside that step's backward would have been). Runs before anything reads or writes cached rows
+        again: the next :meth:`apply_plan`, :meth:`flush` (checkpoints, evaluation, the end of fit),
+        :meth:`invalidate`.
 
         Args:
             timeout: seconds to wait for the collectives (``None``: as long as the process group allows).
@@ -432,92 +429,88 @@ class ShardedLookaheadEmbeddingBagCollection(
         pending, self._pending = self._pending, []
         rows = 0
         for p in pending:
-            assert p.work is not None
             try:
-                if timeout is None:
-                    p.work.wait()
-                else:
-                    p.work.wait(timeout=datetime.timedelta(seconds=timeout))
+                rows += p.land(None if timeout is None else datetime.timedelta(seconds=timeout))
             except Exception as e:  # noqa: BLE001 - the collective's error type depends on the backend
                 raise SetupError(
                     f"the delayed synchronisation of step {p.step} did not finish ({e}); "
-                    f"{sum(int(x[1].numel()) for x in p.entries)} shared rows keep their value before that step"
+                    f"{p.rows} shared rows keep their value before that step"
                 ) from e
-            for local, slots, pos, view in p.entries:
-                p.kernel.apply_rows(local, slots, view[pos] * p.scale, p.iteration, p.lr)
-                rows += int(slots.numel())
         return rows
 
-    def _make_grads_hook(self, local_to_table: Dict[int, str], kernel: Any) -> Any:
+    def _kernel_layout(self, g: int, kernel: Any) -> KernelLayout:
+        cache = self.cache
+        tables = sorted((t.local, n) for n, t in cache._tables.items() if t.group == g)
+        names = [n for _, n in tables]
+        missing = [n for n in names if n not in cache.capacity]
+        if missing:
+            raise SetupError(f"multi-rank caches train only cached tables in their kernels, not {missing}")
+        features = list(cache._group_features[g])
+        ftm = list(kernel.feature_table_map)
+        return KernelLayout(
+            features=features,
+            feature_table=ftm,
+            tables=names,
+            capacity=[int(cache.capacity[n]) for n in names],
+            dims=[int(kernel.dims[t]) for t in ftm],
+            mean=kernel.pooling == PoolingMode.MEAN,
+            weighted=self._is_weighted,
+        )
+
+    def _make_backward_hook(self, g: int, kernel: Any) -> Any:
+        layout = self._kernel_layout(g, kernel)
+
         def hook(
-            per_table: List[Tuple[int, torch.Tensor, torch.Tensor]],
-        ) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
+            grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+        ) -> None:
             lrpp = self._lrpp
             if lrpp is None:
                 raise SetupError("a multi-rank backward ran without the step's LRPP plan")
             if self.average_every is not None:
                 # cDLRM: every rank applies its own gradients; the caches are averaged every few steps. The
                 # 1-element all-reduce keeps a collective in every backward (see the stager's argument).
-                dist.all_reduce(torch.zeros(1, device=per_table[0][2].device), group=self._pg)
-                return per_table
-            # TorchRec divides sharded embedding gradients by the world size (comm_ops.GRADIENT_DIVISION, to
-            # match DDP's averaging of dense gradients): the cache does the same.
-            scale = 1.0 / self.world_size if get_gradient_division() else 1.0
-            device = per_table[0][2].device
-            empty = torch.zeros(0, dtype=torch.int64)
-            plans = [lrpp.tables[local_to_table[t]] for t, _, _ in per_table]
-            if self.delayed_sync:
-                # Shared rows that no rank reads at the next step leave the critical path: their local
-                # gradient sums go to a buffer of their own, all-reduced in the background.
-                delayed = [tp.delayed_slots for tp in plans]
-                critical = [
-                    tp.shared_slots[~torch.isin(tp.shared_slots, d)] if d.numel() else tp.shared_slots
-                    for tp, d in zip(plans, delayed)
-                ]
-            else:
-                delayed = [empty for _ in plans]
-                critical = [tp.shared_slots for tp in plans]
-            pending: Optional[_PendingSync] = None
-            dbuf: Optional[torch.Tensor] = None
-            if sum(int(d.numel()) for d in delayed):
-                dbuf, dlocated = _pack(delayed, per_table, device, min_numel=0)
-                entries = []
-                kept = []
-                for (t, uniq, gsum), (view, pos, hit) in zip(per_table, dlocated):
-                    if hit is not None and pos is not None and bool(hit.any()):
-                        entries.append((t, uniq[hit], pos[hit], view))
-                        uniq, gsum = uniq[~hit], gsum[~hit]  # not updated in this backward
-                    kept.append((t, uniq, gsum))
-                per_table = kept
-                pending = _PendingSync(
-                    lrpp.step,
-                    kernel,
-                    int(kernel.get_step()),
-                    kernel.get_learning_rate(),
-                    scale,
-                    None,
-                    entries,
+                dist.all_reduce(torch.zeros(1, device=grad.device), group=self._pg)
+                kernel.apply_batch(indices, offsets, weights, grad)
+                return
+            if lrpp.features is None:
+                raise SetupError(
+                    f"the LRPP plan of step {lrpp.step} carries no global batch: pass features= (the global batch "
+                    "remapped to slots) to LRPPTracker.step"
                 )
-            # At least one element: every backward then holds a collective of every rank, which the stager's
-            # "no stale read" argument relies on even when no row is shared.
-            buf, located = _pack(critical, per_table, device, min_numel=1)
-            # One compacted collective: the per-rank gradients of every row read by several ranks (and, with
-            # delayed synchronisation, needed at the next step) are summed, as TorchRec's sharded tables sum
-            # the global batch's gradients.
-            dist.all_reduce(buf, group=self._pg)
-            if pending is not None:
-                # Launched after the critical collective, so that it does not compete with it. The training
-                # thread never touches dbuf again before land_delayed() has waited for the work.
-                assert dbuf is not None
-                pending.work = dist.all_reduce(dbuf, group=self._delayed_pg, async_op=True)
-                self._pending.append(pending)
-            out = []
-            for (t, uniq, gsum), (view, pos, hit) in zip(per_table, located):
-                gsum = gsum * scale
-                if hit is not None and pos is not None and bool(hit.any()):
-                    gsum[hit] = view[pos[hit]] * scale
-                out.append((t, uniq, gsum))
-            return out
+            # TorchRec divides the gradients of sharded embeddings element-wise by the world size
+            # (comm_ops.GRADIENT_DIVISION, to match DDP's averaging of dense gradients): the cache does too.
+            if get_gradient_division():
+                grad = torch.div(grad, self.world_size)
+            plans = [lrpp.tables[t] for t in layout.tables]
+            empty = torch.zeros(0, dtype=torch.int64)
+            delayed = [tp.delayed_slots if self.delayed_sync else empty for tp in plans]
+            now, later, sent = exchange_batches(
+                layout,
+                lrpp.features,
+                grad,
+                self.rank,
+                self.world_size,
+                [tp.shared_slots for tp in plans],
+                delayed,
+                self._pg,
+                self._delayed_pg,
+            )
+            kernel.apply_batch(now.indices, now.offsets, now.weights, now.grad)
+            self.sync_counters["grad_floats_sent"] = self.sync_counters.get("grad_floats_sent", 0) + sent
+            if later is not None:
+                work, recv, build, rows = later
+                self._pending.append(
+                    PendingExchange(
+                        lrpp.step,
+                        kernel,
+                        int(kernel.get_step()),
+                        kernel.get_learning_rate(),
+                        work,
+                        recv,
+                        build,
+                        rows,
+                    )
+                )
 
         return hook
 
@@ -646,50 +639,6 @@ class ShardedLookaheadEmbeddingBagCollection(
         if mode:
             self._eval_flushed = False
         return self
-
-
-@dataclass
-class _PendingSync:
-    """A delayed all-reduce in flight: the rows of ``kernel`` it updates once it lands.
-
-    ``entries`` holds, per table of the kernel, (local table, slots this rank read, their rows in the reduced
-    buffer, the buffer's view of that table); ``iteration`` and ``lr`` are the kernel's optimizer iteration and
-    learning rate of the step.
-    """
-
-    step: int
-    kernel: Any
-    iteration: int
-    lr: float
-    scale: float
-    work: Optional[Any]
-    entries: List[Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def _pack(
-    slot_sets: List[torch.Tensor],
-    per_table: List[Tuple[int, torch.Tensor, torch.Tensor]],
-    device: torch.device,
-    min_numel: int,
-) -> Tuple[torch.Tensor, List[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]]:
-    """One zero buffer with a row per slot of each table's sorted ``slot_sets`` entry, this rank's gradient
-    sums copied into the rows of the slots it read. Returns the buffer and, per table, (its view, the row of
-    each of the rank's unique slots, whether that slot is in the set)."""
-    sizes = [int(s.numel()) * g.shape[1] for s, (_, _, g) in zip(slot_sets, per_table)]
-    buf = torch.zeros(max(sum(sizes), min_numel), device=device)
-    located: List[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
-    off = 0
-    for s, (_, uniq, gsum), size in zip(slot_sets, per_table, sizes):
-        view = buf[off : off + size].view(-1, gsum.shape[1])
-        pos = hit = None
-        if s.numel() and uniq.numel():
-            s = s.to(uniq.device)
-            pos = torch.searchsorted(s, uniq).clamp(max=s.numel() - 1)
-            hit = s[pos] == uniq
-            view[pos[hit]] = gsum[hit]
-        located.append((view, pos, hit))
-        off += size
-    return buf, located
 
 
 def _select(kjt: KeyedJaggedTensor, keys: List[str]) -> KeyedJaggedTensor:

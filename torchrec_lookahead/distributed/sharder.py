@@ -428,9 +428,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             )
         cached_cfgs = [c for c in configs if c.name in cached]
         if env.world_size > 1:
-            # LRPP: one shared host store per table; the PyTorch kernel, whose backward can combine the
-            # gradients of rows read by several ranks before the update.
-            optimizer = dataclasses.replace(optimizer, kernel="torch")
+            # LRPP: one shared host store per table. The kernel is the one-rank kernel (FBGEMM's where it has
+            # the optimizer): its backward runs over the exchange batch (distributed/exact_sync.py).
             stores: Dict[str, EmbeddingStore] = self._shared_stores(cached_cfgs, optimizer, env)
         else:
             stores = {c.name: s for c in cached_cfgs if (s := self._store(c, optimizer)) is not None}

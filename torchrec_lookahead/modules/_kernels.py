@@ -7,7 +7,14 @@ the optimizer state, which the cache reads and writes to move rows between slots
 
 The PyTorch kernel implements FBGEMM's update formulas (``codegen/genscript/optimizers.py``) for EXACT_SGD,
 EXACT_ROWWISE_ADAGRAD, ADAM and PARTIAL_ROWWISE_ADAM: fbgemm-gpu-cpu 1.8 refuses Adam on CPU, so on CPU the
-cache uses this kernel for Adam, and tests check it against FBGEMM for SGD and Adagrad.
+cache uses this kernel for Adam. It sums a row's gradients in FBGEMM's order (bags in batch order, one scale
+per id as FBGEMM's ``csr2csc`` computes it), but its optimizer arithmetic is PyTorch's element-wise ops, not
+FBGEMM's vectorised JIT kernels, so for SGD and Adagrad it agrees with FBGEMM only to rounding.
+
+Both kernels can hand their backward to a hook (:attr:`_CacheKernel.backward_hook`): with several ranks the
+LRPP cache builds, from the step's global batch, the batch whose backward updates exactly the rows this rank
+holds with exactly the gradients TorchRec's sharded kernel would accumulate, and runs it through
+:meth:`_CacheKernel.apply_batch` (see ``distributed/exact_sync.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +60,42 @@ class _CacheKernel(abc.ABC):
         self.config = config
         self.device = device
         self.state_names: Tuple[str, ...] = tuple(config.state_names())
+        # Called in backward with (grad of the pooled output, indices, offsets, weights) instead of the kernel's
+        # own update; it must apply the optimizer itself (through apply_batch).
+        self.backward_hook: Optional[
+            Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], None]
+        ] = None
+        self._placeholder = torch.zeros(1, device=device, requires_grad=True)
+
+    @abc.abstractmethod
+    def pooled(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward only: (B, sum of feature dims) pooled embeddings, no autograd graph, no update."""
+
+    @abc.abstractmethod
+    def apply_batch(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        grad: torch.Tensor,
+        step: Optional[int] = None,
+        lr: Optional[float] = None,
+    ) -> None:
+        """Apply the optimizer as the backward of a lookup of (``indices``, ``offsets``, ``weights``) with output
+        gradient ``grad`` would: the rows of the batch get their gradients summed in the kernel's order and are
+        updated once. ``step`` and ``lr``: the optimizer iteration and learning rate to apply it with (a
+        deferred update lands as in its own step); ``None``: the next iteration at the current rate.
+
+        With ``weights``, an id's gradient is its bag's gradient times its weight, and MEAN pooling does not
+        divide by the bag's length again (FBGEMM's rule): a caller that regroups bags passes the scale of
+        each id explicitly."""
+
+    def _hooked(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        return _HookedLookup.apply(self._placeholder, self, indices, offsets, weights)
 
     @abc.abstractmethod
     def lookup(
@@ -114,7 +157,44 @@ class _FbgemmKernel(_CacheKernel):
     def lookup(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        return self.tbe(indices, offsets, per_sample_weights=weights)
+        if self.backward_hook is None:
+            return self.tbe(indices, offsets, per_sample_weights=weights)
+        return self._hooked(indices, offsets, weights)
+
+    @torch.no_grad()
+    def pooled(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        step = self.get_step()
+        out = self.tbe(indices, offsets, per_sample_weights=weights)
+        self.set_step(step)  # FBGEMM counts every training forward as an iteration
+        return out
+
+    def apply_batch(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        grad: torch.Tensor,
+        step: Optional[int] = None,
+        lr: Optional[float] = None,
+    ) -> None:
+        # FBGEMM's own forward and fused backward over the given batch: its csr2csc order, its gradient
+        # accumulation and its optimizer kernel, so the update is the one TorchRec's kernel computes.
+        current_step, current_lr = self.get_step(), self.get_learning_rate()
+        if step is not None:
+            self.set_step(step - 1)  # the forward below counts the iteration
+        if lr is not None:
+            self.set_learning_rate(lr)
+        try:
+            with torch.enable_grad():
+                out = self.tbe(indices, offsets, per_sample_weights=weights)
+                out.backward(grad)
+        finally:
+            if step is not None:
+                self.set_step(current_step)
+            if lr is not None:
+                self.set_learning_rate(current_lr)
 
     def _storage_key(self) -> Tuple[int, ...]:
         """Addresses of the TBE's weight and optimizer-state buffers (the per-table views depend on them)."""
@@ -164,14 +244,15 @@ class _FbgemmKernel(_CacheKernel):
         self.tbe.train(mode)
 
 
-class _FusedLookup(torch.autograd.Function):
-    """Pooled lookup whose backward applies the kernel's sparse optimizer in place (no gradient returned)."""
+class _HookedLookup(torch.autograd.Function):
+    """Pooled lookup whose backward applies the kernel's sparse optimizer in place (no gradient returned), or
+    hands the output gradient to the kernel's ``backward_hook``."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         placeholder: torch.Tensor,
-        kernel: _TorchKernel,
+        kernel: _CacheKernel,
         indices: torch.Tensor,
         offsets: torch.Tensor,
         weights: Optional[torch.Tensor],
@@ -183,7 +264,11 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None, None, None, None]:  # type: ignore[override]
         indices, offsets, weights = ctx.saved_tensors
-        ctx.kernel.update(grad, indices, offsets, weights)
+        kernel: _CacheKernel = ctx.kernel
+        if kernel.backward_hook is not None:
+            kernel.backward_hook(grad.contiguous(), indices, offsets, weights)
+        else:
+            kernel.apply_batch(indices, offsets, weights, grad.contiguous())
         return None, None, None, None, None
 
 
@@ -200,21 +285,12 @@ class _TorchKernel(_CacheKernel):
         self._step = 0
         # FBGEMM keeps the learning rate as a float32 tensor: the same value here
         self._lr = float(torch.tensor(self.config.learning_rate, dtype=torch.float32))
-        # Called in backward with [(table, unique rows, summed gradients)] for every table of the kernel
-        # (empty ones included, so that a collective inside runs on every rank); returns the same list with
-        # the rows and gradients to apply (multi-rank LRPP combines shared rows' gradients here).
-        self.grads_hook: Optional[
-            Callable[
-                [List[Tuple[int, torch.Tensor, torch.Tensor]]], List[Tuple[int, torch.Tensor, torch.Tensor]]
-            ]
-        ] = None
-        self._placeholder = torch.zeros(1, device=self.device, requires_grad=True)
         self._mode = "mean" if self.pooling == PoolingMode.MEAN else "sum"
 
     def lookup(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        return _FusedLookup.apply(self._placeholder, self, indices, offsets, weights)
+        return self._hooked(indices, offsets, weights)
 
     def weights(self, table: int) -> torch.Tensor:
         return self._weights[table]
@@ -264,15 +340,18 @@ class _TorchKernel(_CacheKernel):
         return torch.cat(outs, dim=1)
 
     @torch.no_grad()
-    def update(
+    def apply_batch(
         self,
-        grad: torch.Tensor,
         indices: torch.Tensor,
         offsets: torch.Tensor,
         weights: Optional[torch.Tensor],
+        grad: torch.Tensor,
+        step: Optional[int] = None,
+        lr: Optional[float] = None,
     ) -> None:
-        """Backward: per-row gradient sums, then the optimizer on the touched rows of every table."""
-        self._step += 1
+        """Per-row gradient sums in FBGEMM's order, then the optimizer on the touched rows of every table."""
+        if step is None:
+            self._step += 1
         batch, bounds = self._segments(offsets)
         grad = grad.contiguous()
         rows: List[List[torch.Tensor]] = [[] for _ in self.rows]
@@ -284,35 +363,28 @@ class _TorchKernel(_CacheKernel):
             lengths = torch.diff(offsets[f * batch : (f + 1) * batch + 1])
             bag = torch.repeat_interleave(torch.arange(batch, device=grad.device), lengths)
             g = grad[:, col : col + dim].index_select(0, bag)
+            # One scale per id, as FBGEMM's csr2csc computes it: the id's weight, else 1/L under MEAN pooling
+            # (in double, rounded to float), else none.
             if weights is not None:
                 g = g * weights[lo:hi].unsqueeze(1)
-            if self._mode == "mean":
-                g = g / lengths.index_select(0, bag).clamp(min=1).unsqueeze(1).to(g.dtype)
+            elif self._mode == "mean":
+                scale = (1.0 / lengths.index_select(0, bag).clamp(min=1).to(torch.float64)).to(g.dtype)
+                g = g * scale.unsqueeze(1)
             rows[t].append(indices[lo:hi])
             grads[t].append(g)
             col += dim
-        per_table: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
         for t in range(len(self.rows)):
-            ids = torch.cat(rows[t]) if rows[t] else torch.zeros(0, dtype=torch.int64, device=grad.device)
+            if not rows[t]:
+                continue
+            ids = torch.cat(rows[t])
+            if not ids.numel():
+                continue
             uniq, inverse = torch.unique(ids, return_inverse=True)
+            # index_add_ adds a row's contributions one after the other in input order (FBGEMM's stable
+            # csr2csc order: feature, bag, position), starting from zero.
             gsum = torch.zeros(uniq.numel(), self.dims[t], device=grad.device, dtype=grad.dtype)
-            if ids.numel():
-                gsum.index_add_(0, inverse, torch.cat(grads[t]))
-            per_table.append((t, uniq, gsum))
-        if self.grads_hook is not None:
-            per_table = self.grads_hook(per_table)
-        for t, uniq, gsum in per_table:
-            if uniq.numel():
-                self._apply(t, uniq, gsum)
-
-    @torch.no_grad()
-    def apply_rows(self, t: int, ids: torch.Tensor, g: torch.Tensor, step: int, lr: float) -> None:
-        """Apply the optimizer to rows ``ids`` of table ``t`` with gradient sums ``g``, as the backward of
-        iteration ``step`` with learning rate ``lr`` would have (Adam's bias correction uses ``step``): a row's
-        update deferred past its step (delayed synchronisation) lands bit for bit as if applied in that step's
-        backward, also when a scheduler has changed the learning rate since."""
-        if ids.numel():
-            self._apply(t, ids, g, step, lr)
+            gsum.index_add_(0, inverse, torch.cat(grads[t]))
+            self._apply(t, uniq, gsum, step, lr)
 
     def _apply(
         self,
@@ -328,12 +400,16 @@ class _TorchKernel(_CacheKernel):
         w = self._weights[t].index_select(0, ids)
         optim = cfg.optim
         if optim == EmbOptimType.EXACT_SGD:
-            w.sub_(lr * g)
+            w = fma(g, torch.tensor(-lr, dtype=g.dtype), w)  # FBGEMM's CPU loop compiles to one FMA
         elif optim == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
             m1 = self._states[t]["momentum1"]
-            acc = m1.index_select(0, ids) + (g * g).mean(dim=1, keepdim=True)
+            acc = m1.index_select(0, ids) + rowwise_mean_square(g)
             m1.index_copy_(0, ids, acc)
-            w.sub_(lr / (acc.sqrt() + eps) * g)
+            # float32 throughout, a true division (a Python number over a tensor is a reciprocal and a product)
+            step_size = torch.div(
+                torch.tensor(lr, dtype=acc.dtype), acc.sqrt() + torch.tensor(eps, dtype=acc.dtype)
+            )
+            w.sub_(step_size * g)
         else:
             step = self._step if step is None else step
             b1, b2 = cfg.beta1, cfg.beta2
@@ -349,6 +425,50 @@ class _TorchKernel(_CacheKernel):
             v_hat = m2 / (1.0 - b2**step)
             w.sub_(lr * (m_hat / (v_hat.sqrt() + eps) + wd * w))
         self._weights[t].index_copy_(0, ids, w)
+
+
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` for float32 tensors, rounded once (a fused multiply-add, which PyTorch does not expose).
+
+    The product of two floats is exact in double precision; the sum is rounded to double, and rounding that to
+    float is wrong only when it lands exactly on a midpoint between two floats while the exact sum is not
+    there: the error of the double sum (TwoSum) then says which way the exact value lies.
+
+    Example:
+        >>> a = torch.tensor([1.0 + 2.0**-12]); c = torch.tensor([-1.0])
+        >>> (fma(a, a, c) - (a * a + c)).item()  # the unfused product loses 2**-24
+        5.960464477539063e-08
+    """
+    a64, b64, c64 = a.double(), b.double(), c.double()
+    p = a64 * b64  # exact
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)  # exact error of s (TwoSum)
+    r = s.float()
+    rd = r.double()
+    n = torch.nextafter(r, torch.where(s > rd, float("inf"), float("-inf")).to(r.dtype))
+    nd = n.double()
+    midpoint = (s != rd) & ((rd + nd) * 0.5 == s)
+    toward_n = ((nd > rd) & (err > 0)) | ((nd < rd) & (err < 0))
+    return torch.where(midpoint & toward_n, n, r)
+
+
+def rowwise_mean_square(g: torch.Tensor) -> torch.Tensor:
+    """(rows, 1) mean of each row's squares as FBGEMM's JIT row-wise Adagrad computes it on x86: squares
+    summed chunk by chunk into 8 float lanes, the lanes reduced as two ``vhaddps`` and a final add
+    (``((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))``), then divided by the dimension."""
+    rows, dim = g.shape
+    chunks = (dim + 7) // 8
+    sq = g * g
+    if chunks * 8 != dim:
+        sq = torch.cat([sq, sq.new_zeros(rows, chunks * 8 - dim)], dim=1)
+    lanes = sq.view(rows, chunks, 8)
+    acc = lanes[:, 0]
+    for c in range(1, chunks):
+        acc = acc + lanes[:, c]
+    pairs = acc[:, 0::2] + acc[:, 1::2]
+    quads = pairs[:, 0::2] + pairs[:, 1::2]
+    return ((quads[:, 1] + quads[:, 0]) / dim).unsqueeze(1)
 
 
 def make_kernel(
