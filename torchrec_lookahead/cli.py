@@ -1,4 +1,4 @@
-"""Command line: ``python -m torchrec_lookahead {fit,validate,test,verify} --config configs/<name>.yaml``.
+"""Command line: ``python -m torchrec_lookahead {fit,validate,test,verify,export} --config configs/<name>.yaml``.
 
 A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`~torchrec_lookahead.models.DLRMModule` (or a
 subclass) and any DataModule exposing ``num_embeddings_per_feature`` and ``num_dense_features``; the model's table sizes and dense width
@@ -132,6 +132,10 @@ def main(args: Optional[List[str]] = None) -> None:
         with fail_fast_on_error():
             code = verify_main(argv[1:])
         raise SystemExit(code)
+    if argv[:1] == ["export"]:
+        from torchrec_lookahead.export import main as export_main
+
+        raise SystemExit(export_main(argv[1:]))
     with fail_fast_on_error():
         build_cli(argv, run=True)
     shutdown_distributed(exit_code=0)

@@ -11,7 +11,7 @@ def test_verify_passes_on_the_tiny_cached_config_and_fails_on_an_impossible_tole
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["passed"] and result["steps"] == 20
-    assert result["max_abs_weight_diff"] <= result["tolerance"] == 1e-5
+    assert result["max_abs_weight_diff"] == result["tolerance"] == 0.0  # bit-exact by default
     assert {"max_abs_loss_diff", "tensors"} <= result.keys()
     out = run_cli(
         "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--steps", "3", "--tolerance", "-1"
@@ -24,3 +24,21 @@ def test_verify_refuses_a_config_without_the_torchrec_strategy(tmp_path):
     cfg.write_text("trainer:\n  strategy: auto\n")
     out = run_cli("verify", "--config", "configs/dlrm_tiny.yaml", "--config", str(cfg), "--steps", "1")
     assert out.returncode != 0 and "strategy='torchrec'" in out.stderr
+
+
+def test_verify_notes_caches_trained_with_the_pytorch_kernel_where_fbgemm_has_the_optimizer():
+    from types import SimpleNamespace
+
+    import torch
+
+    from torchrec_lookahead.modules import CacheOptimizerConfig
+    from torchrec_lookahead.verify import _inexact_notes
+
+    def strategy(cfg: CacheOptimizerConfig) -> SimpleNamespace:
+        cache = SimpleNamespace(optimizer_config=cfg, device=torch.device("cpu"))
+        return SimpleNamespace(cached_modules=lambda: [SimpleNamespace(cache=cache)])
+
+    assert _inexact_notes(strategy(CacheOptimizerConfig("exact_row_wise_adagrad"))) == []
+    assert _inexact_notes(strategy(CacheOptimizerConfig("adam"))) == []  # no FBGEMM kernel: nothing to match
+    (note,) = _inexact_notes(strategy(CacheOptimizerConfig("exact_row_wise_adagrad", kernel="torch")))
+    assert "PyTorch kernel" in note and "kernel='auto'" in note

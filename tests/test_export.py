@@ -1,0 +1,83 @@
+"""export: a cached run's checkpoint, served by the plain resident model, gives the cached model's predictions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchrec_lookahead.errors import CheckpointError
+from torchrec_lookahead.export import export_checkpoint, resident_key, resident_state_dict
+from torchrec_lookahead.models import DLRMModule
+
+from .cli.test_cli import run_cli
+
+CONFIG = "configs/dlrm_tiny_lookahead.yaml"
+
+
+@pytest.mark.slow
+def test_cached_checkpoint_exported_and_served_resident_gives_identical_predictions(tmp_path: Path) -> None:
+    from torchrec_lookahead.cli import build_cli
+
+    cli = build_cli(["--config", CONFIG, "--trainer.max_steps=7", "--trainer.logger=false",
+                     "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0",
+                     f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    ckpt = tmp_path / "cached.ckpt"
+    cli.trainer.save_checkpoint(ckpt)
+    inner = cli.datamodule.datamodule
+    inner.setup("validate")
+    batch = next(iter(inner.val_dataloader()))
+    cli.model.eval()
+    with torch.no_grad():
+        cached = cli.model(batch.dense_features, batch.sparse_features)
+    cli.trainer.strategy.teardown()
+
+    out = tmp_path / "served.ckpt"
+    summary = export_checkpoint(ckpt, out, config=[CONFIG])
+    assert summary["embedding_tables"] == 26
+    served = DLRMModule.load_from_checkpoint(out)
+    served.configure_model()
+    served.load_state_dict(torch.load(out, weights_only=False)["state_dict"])
+    served.eval()
+    with torch.no_grad():
+        resident = served(batch.dense_features, batch.sparse_features)
+    assert torch.equal(cached, resident)
+    keys = torch.load(out, weights_only=False)["state_dict"].keys()
+    assert not [k for k in keys if "cache" in k.split(".") or k.endswith("momentum1")]
+
+
+def test_resident_keys_and_states_dropped() -> None:
+    state = {
+        "model._dmp_wrapped_module.sparse_arch.embedding_bag_collection.cache.embedding_bags.t.weight": torch.ones(2),
+        "model._dmp_wrapped_module.sparse_arch.embedding_bag_collection.cache.embedding_bags.t.momentum1": torch.ones(2),
+        "model._dmp_wrapped_module.sparse_arch.embedding_bag_collection.cache.optimizer_step": torch.tensor(3),
+        "model._dmp_wrapped_module.dense_arch.model.0.weight": torch.zeros(1),
+    }  # fmt: skip
+    out = resident_state_dict(state)
+    assert sorted(out) == ["model.dense_arch.model.0.weight", "model.sparse_arch.embedding_bag_collection.embedding_bags.t.weight"]  # fmt: skip
+    assert resident_key("a.resident.embedding_bags.x.weight") == "a.embedding_bags.x.weight"
+
+
+def test_export_refuses_missing_and_damaged_checkpoints_without_writing(tmp_path: Path) -> None:
+    out = tmp_path / "served.ckpt"
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        export_checkpoint(tmp_path / "nope.ckpt", out)
+    bad = tmp_path / "bad.ckpt"
+    bad.mkdir()
+    (bad / "meta.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        export_checkpoint(bad, out)
+    (bad / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        export_checkpoint(bad, out)
+    assert not out.exists()
+
+
+def test_export_command_line_refuses_a_missing_checkpoint(tmp_path: Path) -> None:
+    out = run_cli("export", "--ckpt", str(tmp_path / "none"), "--out", str(tmp_path / "o.ckpt"))
+    assert out.returncode != 0 and "CheckpointError" in out.stderr
+    assert not (tmp_path / "o.ckpt").exists()
+    ok = run_cli("export", "--help")
+    assert ok.returncode == 0 and "--ckpt" in ok.stdout

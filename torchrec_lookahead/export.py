@@ -1,0 +1,169 @@
+"""``python -m torchrec_lookahead export --ckpt <dir> --out <file> [--config <yaml>]``: a servable checkpoint.
+
+A checkpoint of cached training is a directory written by ``torch.distributed.checkpoint`` on every rank, in
+the sharded model's keys: cached tables under ``...embedding_bag_collection.cache.embedding_bags.<table>``
+with their optimizer state beside them, resident tables under ``...resident...`` (several ranks) or in the
+cache's kernel (one rank), everything under ``DistributedModelParallel``'s wrapper. ``export`` writes one
+ordinary Lightning checkpoint file of the *resident* model: every table whole, under the keys the unsharded
+LightningModule has, so that ``DLRMModule.load_from_checkpoint(out)`` (or the plain TorchRec model) evaluates
+and serves it with no plugin in the loop. Optimizer state is left out (serving needs none; a training job
+resumes from the original checkpoint).
+
+Example::
+
+    python -m torchrec_lookahead export --ckpt logs/.../epoch=0-step=300.ckpt --out dlrm.ckpt \\
+        --config configs/dlrm_lookahead.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import torch
+
+from torchrec_lookahead.errors import CheckpointError
+
+__all__ = ["resident_key", "resident_state_dict", "export_checkpoint", "main"]
+
+#: module names the sharded model adds around or inside the resident model's own
+WRAPPERS = frozenset({"_dmp_wrapped_module", "module", "cache", "resident"})
+#: per-row optimizer state the cache keeps beside each table's weight
+_STATE_SUFFIXES = (".momentum1", ".momentum2", ".optimizer_step")
+
+
+def resident_key(key: str) -> str:
+    """The resident model's key for a key of the sharded cached model (wrapper names removed).
+
+    Example:
+        >>> resident_key("model._dmp_wrapped_module.sparse_arch.embedding_bag_collection.cache.embedding_bags.t.weight")
+        'model.sparse_arch.embedding_bag_collection.embedding_bags.t.weight'
+    """
+    return ".".join(p for p in key.split(".") if p not in WRAPPERS)
+
+
+def resident_state_dict(state: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
+    """The resident model's state dict from a cached model's (whole tensors): keys mapped by
+    :func:`resident_key`, the cache's optimizer state and iteration counter left out.
+
+    Raises:
+        CheckpointError: a tensor is still sharded (gather the checkpoint first), or two keys map to one.
+    """
+    out: Dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if ".embedding_bags." in key and key.endswith(_STATE_SUFFIXES) or key.endswith(".optimizer_step"):
+            continue
+        if not isinstance(value, torch.Tensor):
+            continue
+        if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+            raise CheckpointError(
+                f"{key} is a {type(value).__name__}, not a whole tensor: export reads a checkpoint directory, "
+                "which it gathers first"
+            )
+        new = resident_key(key)
+        if new in out:
+            raise CheckpointError(f"{key} and another key both map to the resident model's {new}")
+        out[new] = value.detach().clone()
+    return out
+
+
+def _load_whole(ckpt: Path) -> Dict[str, Any]:
+    """A checkpoint as one dict of whole tensors: a TorchRecStrategy directory (gathered), or a file."""
+    if ckpt.is_dir():
+        meta = ckpt / "meta.pt"
+        if not meta.is_file() or not (ckpt / ".metadata").is_file():
+            raise CheckpointError(
+                f"{ckpt} is not a checkpoint directory written by TorchRecStrategy (it needs meta.pt and "
+                ".metadata); pass the directory ModelCheckpoint wrote"
+            )
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            whole = Path(tmp) / "whole.pt"
+            try:
+                dcp_to_torch_save(ckpt, whole)
+                data = torch.load(whole, weights_only=False)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - several types on damage
+                first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                raise CheckpointError(f"cannot read the checkpoint {ckpt}: {first}") from e
+        full = dict(torch.load(meta, weights_only=False))
+        full["state_dict"] = data["state_dict"]
+        return full
+    if ckpt.is_file():
+        try:
+            return dict(torch.load(ckpt, weights_only=False, map_location="cpu"))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"cannot read the checkpoint {ckpt} ({type(e).__name__}: {e})") from e
+    raise CheckpointError(f"no checkpoint at {ckpt}")
+
+
+def export_checkpoint(ckpt: Path, out: Path, config: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """Write the resident model's checkpoint of ``ckpt`` to ``out`` (see the module docstring).
+
+    Args:
+        ckpt: a checkpoint of cached (or resident) training: a TorchRecStrategy directory or a file.
+        out: the Lightning checkpoint file to write.
+        config: the job's config(s): the state is then loaded, strictly, into the resident model they
+            build, so a mismatch is found here rather than when serving.
+
+    Returns:
+        A summary: ``out``, ``tensors``, ``parameters``, ``embedding_tables``.
+
+    Raises:
+        CheckpointError: the checkpoint is missing or damaged, or does not fit the config's model.
+    """
+    ckpt, out = Path(ckpt), Path(out)
+    if out.exists() and out.is_dir():
+        raise CheckpointError(f"--out {out} is a directory; name the checkpoint file to write")
+    data = _load_whole(ckpt)
+    if "state_dict" not in data:
+        raise CheckpointError(f"{ckpt} holds no state_dict (is it a Lightning checkpoint?)")
+    state = resident_state_dict(data["state_dict"])
+    if config:
+        _check_against(config, state)
+    exported = {k: v for k, v in data.items() if k not in ("state_dict", "optimizer_states", "lr_schedulers")}
+    exported["state_dict"] = state
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    torch.save(exported, tmp)
+    tmp.replace(out)  # nothing half-written at ``out``
+    tables = sorted({k.split(".embedding_bags.")[1].split(".")[0] for k in state if ".embedding_bags." in k})
+    return {
+        "out": str(out),
+        "tensors": len(state),
+        "parameters": int(sum(v.numel() for v in state.values())),
+        "embedding_tables": len(tables),
+    }
+
+
+def _check_against(config: Sequence[str], state: Mapping[str, torch.Tensor]) -> None:
+    from torchrec_lookahead.cli import build_cli
+
+    args = [a for c in config for a in ("--config", c)] + ["--trainer.logger=false"]
+    lm = build_cli(args).model
+    lm.configure_model()  # no Trainer: the plain, resident model
+    try:
+        lm.load_state_dict(dict(state), strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"the checkpoint does not fit the config's resident model: {e}") from e
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m torchrec_lookahead export``; prints a JSON summary, returns 0."""
+    p = argparse.ArgumentParser(
+        prog="python -m torchrec_lookahead export", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--ckpt", required=True, type=Path, help="checkpoint of cached training (directory or file)"
+    )
+    p.add_argument("--out", required=True, type=Path, help="the resident model's checkpoint file to write")
+    p.add_argument("--config", action="append", help="the job's config: check the export against its model")
+    args = p.parse_args(argv)
+    summary = export_checkpoint(args.ckpt, args.out, args.config)
+    sys.stdout.write(json.dumps(summary) + "\n")
+    return 0
