@@ -1,28 +1,40 @@
-"""``CacheMonitor``: cache statistics to the logger (TensorBoard), per cached table.
+"""``CacheMonitor``: cache statistics logged through Lightning (every logger, and ``trainer.callback_metrics``,
+so ``EarlyStopping`` and ``ModelCheckpoint`` can monitor them), at the step ``train/loss`` is logged at.
 
 Logged every ``log_every_n_steps`` training steps, under ``cache/<table>/...``: ``hit_rate`` (lookups served
-by rows already cached before the step's fetches), ``rows_fetched`` and ``rows_written_back`` per step,
-``bytes_moved`` per step; and ``cache/oracle_lead`` (batches planned ahead of training) and
+by rows already cached before the step's fetches), ``rows_fetched``, ``rows_written_back``, ``rows_flushed``
+and ``bytes_moved`` per step, ``occupancy`` (filled slots / capacity); over every cached table
+``cache/hit_rate``, ``cache/device_bytes`` (cache rows and their optimizer state) and ``cache/host_bytes``
+(the stores' rows and state), ``cache/samples_per_s`` (this rank's training samples per second since the last
+log); and ``cache/oracle_lead`` (batches planned ahead of training) and
 ``cache/stager_wait_ms`` (time the training step waited for staged rows, per step), ``cache/batch_wait_ms``
 (time it waited for the planner's next batch, per step), ``cache/planner_cpu_ms`` and ``cache/stager_cpu_ms``
 (CPU time of the planner thread per batch planned, of the stager thread per plan staged). With several ranks
 (LRPP), per step: ``cache/sync/rows_synced_critical`` (rows refreshed or gradient-synchronised before or
 within the step), ``cache/sync/rows_synced_delayed`` (shared rows not read at the next step, whose gradients
-are all-reduced in the background), ``cache/sync/rows_refreshed``, ``cache/sync/rows_grad_synced`` (every
-shared row) and ``cache/sync/rows_skipped`` (rows updated by one rank only, never synchronised).
+travel in the background), ``cache/sync/rows_refreshed``, ``cache/sync/rows_grad_synced`` (every
+shared row), ``cache/sync/rows_skipped`` (rows updated by one rank only, never synchronised) and
+``cache/sync/grad_floats_sent`` (gradient floats this rank sent for other ranks' shared rows).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from torchrec_lookahead.errors import ConfigError
 
 __all__ = ["CacheMonitor"]
+
+
+def _batch_size(batch: Any) -> int:
+    labels = getattr(batch, "labels", None)
+    return int(labels.shape[0]) if isinstance(labels, torch.Tensor) and labels.dim() > 0 else 0
 
 
 class CacheMonitor(Callback):
@@ -46,6 +58,8 @@ class CacheMonitor(Callback):
         self._last_loader: Dict[str, float] = {}
         self._last_sync: Dict[str, int] = {}
         self._last_step = 0
+        self._last_time = time.perf_counter()
+        self._samples = 0
         self.last_metrics: Dict[str, float] = {}
 
     @staticmethod
@@ -76,25 +90,59 @@ class CacheMonitor(Callback):
         self._last_sync = self._sync(trainer)
         self._last_loader = {}
         self._last_step = trainer.global_step
+        self._last_time = time.perf_counter()
+        self._samples = 0
+
+    def _footprint(self, trainer: pl.Trainer) -> Dict[str, float]:
+        """Per cached table its occupancy (filled slots / capacity), and device and host bytes of all caches."""
+        s = self._strategy(trainer)
+        out: Dict[str, float] = {}
+        device = host = 0
+        if s is None:
+            return out
+        for m in s.cached_modules():
+            cache = m.cache
+            for table, capacity in cache.capacity.items():
+                filled = int((cache.slot_ids(table) >= 0).sum())
+                out[f"cache/{table}/occupancy"] = filled / capacity if capacity else 0.0
+                row = cache.cache_weights(table).shape[1] + sum(
+                    v.shape[1] for v in cache.cache_states(table).values()
+                )
+                device += capacity * row * 4
+                store = cache.stores[table]
+                host += store.num_embeddings * row * 4
+        out["cache/device_bytes"] = float(device)
+        out["cache/host_bytes"] = float(host)
+        return out
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._samples += _batch_size(batch)
         every = self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 50))
         if trainer.global_step % max(every, 1) != 0:
             return
         stats = self._stats(trainer)
         steps = max(trainer.global_step - self._last_step, 1)
         metrics: Dict[str, float] = {}
+        hits = lookups = 0
         for table, now in stats.items():
             before = self._last.get(table, {})
             d = {k: v - before.get(k, 0) for k, v in now.items()}
-            lookups = d.get("lookups", 0)
-            metrics[f"cache/{table}/hit_rate"] = d.get("hits", 0) / lookups if lookups else 0.0
-            metrics[f"cache/{table}/rows_fetched"] = d.get("rows_fetched", 0) / steps
-            metrics[f"cache/{table}/rows_written_back"] = d.get("rows_written_back", 0) / steps
-            metrics[f"cache/{table}/bytes_moved"] = d.get("bytes_moved", 0) / steps
+            hits += d.get("hits", 0)
+            lookups += d.get("lookups", 0)
+            n = d.get("lookups", 0)
+            metrics[f"cache/{table}/hit_rate"] = d.get("hits", 0) / n if n else 0.0
+            for counter in ("rows_fetched", "rows_written_back", "rows_flushed", "bytes_moved"):
+                metrics[f"cache/{table}/{counter}"] = d.get(counter, 0) / steps
+        if stats:
+            metrics["cache/hit_rate"] = hits / lookups if lookups else 0.0
+            metrics.update(self._footprint(trainer))
+        now_time = time.perf_counter()
+        elapsed = now_time - self._last_time
+        metrics["cache/samples_per_s"] = self._samples / elapsed if elapsed > 0 else 0.0
+        self._last_time, self._samples = now_time, 0
         sync = self._sync(trainer)
         for k, v in sync.items():
             metrics[f"cache/sync/{k}"] = (v - self._last_sync.get(k, 0)) / steps
@@ -116,8 +164,9 @@ class CacheMonitor(Callback):
         self._last = stats
         self._last_step = trainer.global_step
         self.last_metrics = metrics
-        if metrics and trainer.logger is not None:
-            trainer.logger.log_metrics(metrics, step=trainer.global_step)
+        # Through Lightning: every logger, callback_metrics (EarlyStopping / ModelCheckpoint can monitor them),
+        # at the step train/loss is logged at. Counters are this rank's (the caches' plans are global).
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     @override
     def state_dict(self) -> Dict[str, Any]:
