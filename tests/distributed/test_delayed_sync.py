@@ -3,9 +3,10 @@
 Each rank trains the cached collection (LRPP, delayed synchronisation on) on its slice of hand-made global
 batches in which ids are read by one rank, by both, needed at the next step or not, and in which shared rows
 whose synchronisation is delayed are evicted at the very next step. The reference is TorchRec's own
-``DistributedModelParallel`` training of the resident tables (table-wise, FUSED kernel) for SGD and row-wise
-Adagrad; for Adam, which FBGEMM has no CPU kernel for, the resident collection trained on the global batch
-in one process with TorchRec's gradient division (the sum of the ranks' gradients over W).
+``DistributedModelParallel`` training of the resident tables (table-wise, FUSED kernel) for SGD, row-wise
+Adagrad and Adagrad; for Adam, which FBGEMM has no CPU kernel for, the resident collection trained on the
+global batch in one process with TorchRec's gradient division (the sum of the ranks' gradients over W).
+Every comparison is bit for bit.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ F2T = {"f0": "t0", "f1": "t1"}
 OPTIMIZERS = {
     "sgd": CacheOptimizerConfig("exact_sgd", learning_rate=0.3),
     "rowwise_adagrad": CacheOptimizerConfig("exact_row_wise_adagrad", learning_rate=0.3, eps=1e-8),
+    "adagrad": CacheOptimizerConfig("exact_adagrad", learning_rate=0.3, eps=1e-8),
     "adam": CacheOptimizerConfig("adam", learning_rate=0.05, weight_decay=0.01),
 }
 CHECKPOINT_AT = 4  # state_dict() taken after this step's backward, with its delayed rows still in flight
@@ -126,6 +128,10 @@ def _resident_dmp(name: str, batches: List[KeyedJaggedTensor], tgts: List[torch.
     ebc = EmbeddingBagCollection(tables=TABLES, device=torch.device("meta"))
     if name == "sgd":
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": cfg.learning_rate})
+    elif name == "adagrad":
+        apply_optimizer_in_backward(
+            torch.optim.Adagrad, ebc.parameters(), {"lr": cfg.learning_rate, "eps": cfg.eps}
+        )
     else:
         apply_optimizer_in_backward(
             RowWiseAdagrad, ebc.parameters(), {"lr": cfg.learning_rate, "eps": cfg.eps}
