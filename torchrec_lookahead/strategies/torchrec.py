@@ -41,8 +41,10 @@ from torchrec_lookahead.data.lookahead import CacheTarget, LookaheadBatch
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
     ShardedLookaheadEmbeddingBagCollection,
+    check_all_sharded,
     embedding_tables,
     lookahead_sharding_plan,
+    with_default_sharders,
 )
 from torchrec_lookahead.distributed.lrpp import gather_global_kjt
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
@@ -79,7 +81,8 @@ class TorchRecStrategy(DDPStrategy):
     """Shards a LightningModule's TorchRec model with ``DistributedModelParallel``.
 
     Args:
-        sharders: TorchRec module sharders (default: TorchRec's default sharders).
+        sharders: TorchRec module sharders, added to TorchRec's default sharders (a module type none of them
+            handles keeps TorchRec's default sharder; an embedding module left unsharded is refused).
         constraints: planner constraints per table name (default: every table uses ``compute_kernel``).
         compute_kernel: compute kernel asked of the planner for every table without an explicit constraint
             (``"fused"`` by default: FBGEMM's fused kernel and optimizer; ``None`` leaves it to the planner).
@@ -222,7 +225,10 @@ class TorchRecStrategy(DDPStrategy):
         if self.root_device.type == "cpu" and self._compute_kernel == "fused":
             _check_cpu_fused_optimizers(module)
         pg = dist.group.WORLD
-        sharders = self._sharders if self._sharders is not None else get_default_sharders()
+        # the given sharders add to TorchRec's defaults: a module type none of them handles keeps its default
+        sharders = (
+            with_default_sharders(self._sharders) if self._sharders is not None else get_default_sharders()
+        )
         plan = self._plan
         topology = Topology(
             world_size=self.world_size,
@@ -266,6 +272,7 @@ class TorchRecStrategy(DDPStrategy):
             sharders=sharders,
             plan=plan,
         )
+        check_all_sharded(dmp)
         if self._init_seed is not None:
             # Only TorchRec's sharded collections (resident tables): the caches' stores start from the same
             # values already, and their state_dict() would flush and touch every row.
