@@ -502,3 +502,36 @@ def test_sharders_add_to_torchrec_defaults_and_an_unsharded_collection_is_refuse
     )
     check_all_sharded(full)
     assert isinstance(full.module.ec, ShardedEmbeddingCollection)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_one_rank_store_dir_is_removed_after_the_run_unless_kept(tmp_path, monkeypatch, keep):
+    import os
+    import shutil
+    import time
+
+    from torchrec_lookahead.distributed import sharder as sharder_module
+    from torchrec_lookahead.distributed.sharder import STORE_DIR_PREFIX
+
+    at_exit = []
+    monkeypatch.setattr(sharder_module.atexit, "register", lambda f, *a: at_exit.append((f, a)))
+    orphan = tmp_path / f"{STORE_DIR_PREFIX}killed_run"  # a killed run's stores: no live owner holds the lock
+    orphan.mkdir()
+    (orphan / ".owner.lock").touch()
+    (orphan / "big.bin").write_bytes(b"rows")
+    os.utime(orphan, (time.time() - 3600, time.time() - 3600))
+    trainer, model = fit_cached(
+        tmp_path / "run", max_steps=3, sharder_kw={"store_dir": str(tmp_path), "keep_stores": keep}
+    )
+    assert trainer.global_step == 3
+    assert not orphan.exists()  # swept when the run made its own directory
+    made = sorted(p for p in os.listdir(tmp_path) if p.startswith("torchrec_lookahead_"))
+    assert len(made) == 1 and os.listdir(tmp_path / made[0])  # this run's directory, holding the tables
+    removals = [a[0] for f, a in at_exit if f is shutil.rmtree]
+    if keep:
+        assert made[0].startswith("torchrec_lookahead_kept_stores_") and not removals
+    else:
+        assert removals == [str(tmp_path / made[0])]
+        for f, a in at_exit:  # what the process runs when it exits
+            f(*a)
+        assert not any(p.startswith("torchrec_lookahead_") for p in os.listdir(tmp_path))
