@@ -25,7 +25,7 @@ import torch
 from torchrec_lookahead.errors import CapacityError, InvalidIdError
 from torchrec_lookahead.oracle.config import OracleConfig
 from torchrec_lookahead.oracle.ranks import RankInfo, annotate, readers
-from torchrec_lookahead.oracle.types import TablePlan
+from torchrec_lookahead.oracle.types import TablePlan, describe_window
 
 __all__: List[str] = []
 
@@ -222,14 +222,14 @@ class _TablePlanner:
         return base
 
     def _check_window(self, step: int) -> None:
-        first = step - self.depth
+        first = max(step - self.depth, 0)  # at the start of the stream the window is shorter
         recs = [r for r in list(self.recs)[-(self.depth + 1) :] if r.step >= first]
         need = sum(int(np.count_nonzero(r.prev_step < first)) for r in recs)
         if need > self.capacity:
             lo = recs[0].step
             raise CapacityError(
-                f"table {self.name!r}: batches {lo}..{step} (a batch and the next prefetch_depth={self.depth}) "
-                f"need {need} cache rows but capacity[{self.name!r}] is {self.capacity}; raise "
+                f"table {self.name!r}: {describe_window(lo, step, self.depth)} need{'s' if lo == step else ''} "
+                f"{need} cache rows but capacity[{self.name!r}] is {self.capacity}; raise "
                 f"capacity[{self.name!r}] to at least {need}, lower prefetch_depth, or use smaller batches"
             )
 
