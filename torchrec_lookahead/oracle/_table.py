@@ -135,8 +135,9 @@ class _TablePlanner:
             self._leave_direct()
 
     def _grow(self, n: int) -> None:
-        # geometric: the next power of two, so a stream whose largest id creeps up reallocates O(log n) times
-        n = max(1 << (n - 1).bit_length(), 2 * self.slot_of.size)
+        # geometric (at least doubling, so a stream whose largest id creeps up reallocates O(log n) times), with
+        # a quarter to spare past the largest id: hashed ids reach near the table's end in the first batches
+        n = max(n + (n >> 2), 2 * self.slot_of.size)
         old = self.slot_of.size
         for attr, fill in (("slot_of", -1), ("last_occ", -1), ("scratch", -1)):
             arr = getattr(self, attr)
