@@ -32,7 +32,9 @@ from torchrec_lookahead.data import CriteoSyntheticDataset, SyntheticCriteoConfi
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
     ShardedLookaheadEmbeddingBagCollection,
+    check_all_sharded,
     lookahead_sharding_plan,
+    with_default_sharders,
 )
 from torchrec_lookahead.modules import init_embedding_bag_tables_, remap_kjt
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
@@ -78,10 +80,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
 
     capacity = {} if args.resident else CAPACITY
     # --- the swap: the lookahead sharder and a plan with the cached tables -------------------------------
-    sharder = LookaheadEmbeddingBagCollectionSharder(capacity=capacity, seed=0)
-    plan = lookahead_sharding_plan(model, [sharder], capacity, Topology(world_size=1, compute_device="cpu"))
+    # TorchRec's default sharders stay for every other module type (an EmbeddingCollection, ...)
+    sharders = with_default_sharders([LookaheadEmbeddingBagCollectionSharder(capacity=capacity, seed=0)])
+    plan = lookahead_sharding_plan(model, sharders, capacity, Topology(world_size=1, compute_device="cpu"))
     # ------------------------------------------------------------------------------------------------------
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder], plan=plan)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=sharders, plan=plan)
+    check_all_sharded(dmp)
     init_embedding_bag_tables_(dmp, [t for t in tables if t.name not in capacity], seed=0)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),

@@ -20,9 +20,21 @@ import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
+from torchrec_lookahead.errors import LookaheadError, recent_errors
 from torchrec_lookahead.models import DLRMModule
 
-__all__ = ["LookaheadCLI", "build_cli", "main", "shutdown_distributed", "fail_fast_on_error"]
+__all__ = [
+    "LookaheadCLI",
+    "build_cli",
+    "main",
+    "shutdown_distributed",
+    "fail_fast_on_error",
+    "short_lookahead_errors",
+    "find_lookahead_error",
+]
+
+TRACEBACK_ENV = "TORCHREC_LOOKAHEAD_TRACEBACK"
+"""Set to 1 to see the full traceback of a :class:`~torchrec_lookahead.errors.LookaheadError` from the CLI."""
 
 
 class LookaheadCLI(LightningCLI):
@@ -101,7 +113,7 @@ def fail_fast_on_error() -> Iterator[None]:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             raise
         code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
-        if code:
+        if code and not isinstance(e, SystemExit):
             traceback.print_exc()
         atexit._run_exitfuncs()
         sys.stdout.flush()
@@ -109,15 +121,72 @@ def fail_fast_on_error() -> Iterator[None]:
         os._exit(code)
 
 
-def build_cli(args: Sequence[str], run: bool = False) -> LookaheadCLI:
-    """The CLI over ``args`` (``--config ...`` and overrides); with ``run=False`` it only instantiates the
-    Trainer, model and DataModule (``cli.trainer``, ``cli.model``, ``cli.datamodule``)."""
+def find_lookahead_error(error: BaseException) -> Optional[LookaheadError]:
+    """The :class:`~torchrec_lookahead.errors.LookaheadError` behind ``error``: ``error`` itself, one in its
+    chain of causes, or (jsonargparse keeps only the messages of the errors it met while trying a Union's
+    subtypes) a recent one whose message ``error``'s text quotes. ``None`` when there is none.
+
+    Example:
+        >>> from torchrec_lookahead.errors import ConfigError
+        >>> inner = ConfigError("capacity of table 't' must be a positive number of rows but got 0")
+        >>> wrapped = ValueError(f"Does not validate against any of the Union subtypes\\n - {inner}")
+        >>> type(find_lookahead_error(wrapped)).__name__
+        'ConfigError'
+    """
+    seen = set()
+    stack: List[Optional[BaseException]] = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, LookaheadError):
+            return e
+        stack += [e.__cause__, e.__context__]
+    text = str(error)
+    for e in reversed(recent_errors()):
+        if str(e) and str(e) in text:
+            return e
+    return None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+@contextlib.contextmanager
+def short_lookahead_errors() -> Iterator[None]:
+    """Report a :class:`~torchrec_lookahead.errors.LookaheadError` raised inside (also one jsonargparse buried in a
+    "Does not validate against any of the Union subtypes" message) as one line, ``<Type>: <message>``, on rank 0
+    only, and exit with status 1. Other exceptions pass unchanged; ``TORCHREC_LOOKAHEAD_TRACEBACK=1`` lets the
+    LookaheadError through too, with its traceback."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        error = find_lookahead_error(e)
+        if error is None or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        if _rank() == 0:
+            sys.stderr.write(f"{type(error).__name__}: {error}\n")
+            sys.stderr.flush()
+        raise SystemExit(1) from None
+
+
+def build_cli(args: Optional[Sequence[str]], run: bool = False) -> LookaheadCLI:
+    """The CLI over ``args`` (``--config ...`` and overrides; ``None``: the command line); with ``run=False`` it
+    only instantiates the Trainer, model and DataModule (``cli.trainer``, ``cli.model``, ``cli.datamodule``)."""
     return LookaheadCLI(
         DLRMModule,
         pl.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=list(args),
+        args=None if args is None else list(args),
         run=run,
         save_config_kwargs={"overwrite": True},
     )
@@ -129,13 +198,15 @@ def main(args: Optional[List[str]] = None) -> None:
     if argv[:1] == ["verify"]:
         from torchrec_lookahead.verify import main as verify_main
 
-        with fail_fast_on_error():
+        with fail_fast_on_error(), short_lookahead_errors():
             code = verify_main(argv[1:])
         raise SystemExit(code)
     if argv[:1] == ["export"]:
         from torchrec_lookahead.export import main as export_main
 
-        raise SystemExit(export_main(argv[1:]))
-    with fail_fast_on_error():
-        build_cli(argv, run=True)
+        with short_lookahead_errors():
+            code = export_main(argv[1:])
+        raise SystemExit(code)
+    with fail_fast_on_error(), short_lookahead_errors():
+        build_cli(None if args is None else argv, run=True)
     shutdown_distributed(exit_code=0)

@@ -15,6 +15,9 @@ Example:
 
 from __future__ import annotations
 
+import collections
+from typing import Any, Deque, List
+
 __all__ = [
     "LookaheadError",
     "ConfigError",
@@ -26,8 +29,22 @@ __all__ = [
 ]
 
 
+_RECENT: Deque[LookaheadError] = collections.deque(maxlen=16)
+
+
 class LookaheadError(Exception):
     """Base class of every error raised by torchrec_lookahead on bad input or bad configuration."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        # jsonargparse keeps only the text of an error raised while it tries a Union's subtypes; the CLI finds
+        # the error itself here to report it with its own type (see torchrec_lookahead.cli)
+        _RECENT.append(self)
+
+
+def recent_errors() -> List[LookaheadError]:
+    """The last few :class:`LookaheadError` s created in this process, oldest first."""
+    return list(_RECENT)
 
 
 class ConfigError(LookaheadError, ValueError):

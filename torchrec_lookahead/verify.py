@@ -140,6 +140,26 @@ def _inexact_notes(strategy: Any) -> List[str]:
     return sorted(set(notes))
 
 
+def _check_caches_something(cli: Any, config: Union[str, Sequence[str]]) -> None:
+    """Refuse a config without cached tables: verify would compare resident training with itself."""
+    from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+    from torchrec_lookahead.strategies import TorchRecStrategy
+
+    if not isinstance(cli.trainer.strategy, TorchRecStrategy):
+        return  # refused with its own message when training starts
+    sharders = cli.trainer.strategy._sharders or []
+    if not any(
+        isinstance(s, LookaheadEmbeddingBagCollectionSharder)
+        and (s.capacity or s.device_budget_bytes is not None)
+        for s in sharders
+    ):
+        raise ConfigError(
+            f"verify compares cached with resident training, but {config} caches no table: its strategy has no "
+            "LookaheadEmbeddingBagCollectionSharder with capacity or device_budget_bytes (see "
+            "configs/dlrm_tiny_lookahead.yaml); add one, or use fit to train the resident model"
+        )
+
+
 def verify(
     config: str, steps: int = 100, tolerance: float = 0.0, overrides: Sequence[str] = ()
 ) -> Dict[str, Any]:
@@ -156,6 +176,7 @@ def verify(
     if steps < 1:
         raise ConfigError(f"Expected steps >= 1 but got {steps}")
     cached_cli = _build(config, overrides)
+    _check_caches_something(cached_cli, config)
     seed = cached_cli.config.get("seed_everything")
     if isinstance(seed, bool) or seed is None:
         # seed_everything true/false would give the two runs different random dense weights: fix it.

@@ -59,7 +59,7 @@ def test_mid_epoch_checkpoint_of_a_cached_model_resumes_the_same_weights(tmp_pat
 
 
 def test_capacity_below_the_window_working_set_fails_before_training(tmp_path):
-    with pytest.raises(CapacityError, match=r"t_cat_2.*need \d+ cache rows but capacity"):
+    with pytest.raises(CapacityError, match=r"t_cat_2.*needs? \d+ cache rows but capacity"):
         fit_cached(tmp_path, 5, capacity={"t_cat_2": 20})
 
 
@@ -217,7 +217,7 @@ def test_a_late_window_that_does_not_fit(tmp_path, check, fails_before_training)
             steps.append(1)
 
     with pytest.raises(
-        CapacityError, match=rf"{table}.*need \d+ cache rows but capacity\['{table}'\] is {cap}"
+        CapacityError, match=rf"{table}.*needs? \d+ cache rows but capacity\['{table}'\] is {cap}"
     ):
         fit_cached(
             tmp_path,

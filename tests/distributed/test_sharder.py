@@ -439,3 +439,99 @@ def test_cache_fused_optimizer_steps_hyper_parameters_and_saved_groups():
     opt.load_state_dict(saved)
     opt.step()
     assert (a.learning_rate, b.learning_rate) == (0.125, 0.25)
+
+
+class _TwoCollections(torch.nn.Module):
+    """A pooled and a sequence collection side by side (the model shape of issue reports)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchrec import EmbeddingBagCollection, EmbeddingCollection, EmbeddingConfig
+
+        self.ebc = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name="big", embedding_dim=4, num_embeddings=500, feature_names=["a"])],
+            device=torch.device("meta"),
+        )
+        self.ec = EmbeddingCollection(
+            tables=[EmbeddingConfig(name="seq", embedding_dim=4, num_embeddings=50, feature_names=["s"])],
+            device=torch.device("meta"),
+        )
+
+
+def test_sharders_add_to_torchrec_defaults_and_an_unsharded_collection_is_refused():
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+
+    from torchrec_lookahead.distributed import (
+        ShardedLookaheadEmbeddingBagCollection,
+        check_all_sharded,
+        with_default_sharders,
+    )
+    from torchrec_lookahead.strategies import TorchRecStrategy
+
+    from ..conftest import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    opt = CacheOptimizerConfig("exact_row_wise_adagrad", learning_rate=0.1)
+    capacity = {"big": 64}
+
+    def sharder() -> LookaheadEmbeddingBagCollectionSharder:
+        return LookaheadEmbeddingBagCollectionSharder(capacity=capacity, optimizer=opt, seed=3)
+
+    # the strategy: sharders=[lookahead sharder] keeps TorchRec's EmbeddingCollection sharder
+    strategy = TorchRecStrategy(sharders=[sharder()])
+    pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    dmp = strategy.shard(_TwoCollections())
+    assert isinstance(dmp.module.ebc, ShardedLookaheadEmbeddingBagCollection)
+    assert isinstance(dmp.module.ec, ShardedEmbeddingCollection)
+    # a plain TorchRec loop given only the lookahead sharder leaves the EmbeddingCollection unsharded
+    topology = Topology(world_size=1, compute_device="cpu")
+    model = _TwoCollections()
+    plan = lookahead_sharding_plan(model, [sharder()], capacity, topology)
+    bare = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder()], plan=plan)
+    assert not isinstance(bare.module.ec, ShardedEmbeddingCollection)
+    with pytest.raises(ConfigError, match=r"\['ec \(EmbeddingCollection\)'\] were left unsharded"):
+        check_all_sharded(bare)
+    model = _TwoCollections()
+    plan = lookahead_sharding_plan(model, with_default_sharders([sharder()]), capacity, topology)
+    full = DistributedModelParallel(
+        model, device=torch.device("cpu"), sharders=with_default_sharders([sharder()]), plan=plan
+    )
+    check_all_sharded(full)
+    assert isinstance(full.module.ec, ShardedEmbeddingCollection)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_one_rank_store_dir_is_removed_after_the_run_unless_kept(tmp_path, monkeypatch, keep):
+    import os
+    import shutil
+    import time
+
+    from torchrec_lookahead.distributed import sharder as sharder_module
+    from torchrec_lookahead.distributed.sharder import STORE_DIR_PREFIX
+
+    at_exit = []
+    monkeypatch.setattr(sharder_module.atexit, "register", lambda f, *a: at_exit.append((f, a)))
+    orphan = tmp_path / f"{STORE_DIR_PREFIX}killed_run"  # a killed run's stores: no live owner holds the lock
+    orphan.mkdir()
+    (orphan / ".owner.lock").touch()
+    (orphan / "big.bin").write_bytes(b"rows")
+    os.utime(orphan, (time.time() - 3600, time.time() - 3600))
+    trainer, model = fit_cached(
+        tmp_path / "run", max_steps=3, sharder_kw={"store_dir": str(tmp_path), "keep_stores": keep}
+    )
+    assert trainer.global_step == 3
+    assert not orphan.exists()  # swept when the run made its own directory
+    made = sorted(p for p in os.listdir(tmp_path) if p.startswith("torchrec_lookahead_"))
+    assert len(made) == 1 and os.listdir(tmp_path / made[0])  # this run's directory, holding the tables
+    removals = [a[0] for f, a in at_exit if f is shutil.rmtree]
+    if keep:
+        assert made[0].startswith("torchrec_lookahead_kept_stores_") and not removals
+    else:
+        assert removals == [str(tmp_path / made[0])]
+        for f, a in at_exit:  # what the process runs when it exits
+            f(*a)
+        assert not any(p.startswith("torchrec_lookahead_") for p in os.listdir(tmp_path))

@@ -198,3 +198,63 @@ def test_belady_victim_pool_matches_reference(case: tuple, monkeypatch: pytest.M
     cfg = OracleConfig(capacity=cap, horizon=horizon, prefetch_depth=depth)
     got = replay(traces, run(cfg, traces), cfg)
     assert got["a"] == ref_fixed(traces["a"], cap["a"], horizon, depth, "belady")
+
+
+def _plans_equal(a: list, b: list) -> bool:
+    fields = ("evict_ids", "evict_slots", "fetch_ids", "fetch_slots", "slots")
+    return all(
+        torch.equal(getattr(x.tables[n], f), getattr(y.tables[n], f))
+        for x, y in zip(a, b, strict=True)
+        for n in x.tables
+        for f in fields
+    )
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru"])
+def test_plans_without_table_sizes_equal_plans_with_them(policy: str) -> None:
+    # "small" fits its capacity (direct mapped either way); "big" reads an id beyond its capacity in batch 0
+    big = random_trace(6, 30, 30, 300)
+    big[0][0] = 299
+    traces = {"small": random_trace(5, 30, 40, 25), "big": big}
+    cap = {"small": 25, "big": min_rows(big, 1)}
+    sized = OracleConfig(capacity=cap, num_embeddings={"small": 25, "big": 300}, horizon=5, policy=policy)
+    unsized = OracleConfig(capacity=cap, horizon=5, policy=policy)
+    assert _plans_equal(run(sized, traces), run(unsized, traces))
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru"])
+@pytest.mark.parametrize("horizon", [1, 4])
+def test_table_leaving_direct_mapping_matches_reference(policy: str, horizon: int) -> None:
+    # ids stay below the capacity for 12 batches (planned slot = id), then the whole range appears
+    low = random_trace(7, 12, 20, 40)
+    high = random_trace(8, 28, 20, 400)
+    trace = low + high
+    cap = {"a": max(min_rows(trace, 1), 60)}
+    cfg = OracleConfig(capacity=cap, horizon=horizon, policy=policy)
+    oracle = LookaheadOracle(cfg)
+    plans = list(oracle.plan_stream(batches_of({"a": trace})))
+    assert all(
+        torch.equal(p.tables["a"].slots, torch.from_numpy(trace[p.step])) for p in plans[: 12 - horizon]
+    )
+    assert replay({"a": trace}, plans, cfg)["a"] == ref_fixed(trace, cap["a"], horizon, 1, policy)
+    sized = OracleConfig(capacity=cap, num_embeddings={"a": 400}, horizon=horizon, policy=policy)
+    ref = LookaheadOracle(sized)
+    list(ref.plan_stream(batches_of({"a": trace})))
+    assert oracle.stats() == ref.stats()
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru"])
+@pytest.mark.parametrize("stop", [3, 7, 9, 15])
+def test_resume_across_leaving_direct_mapping(policy: str, stop: int) -> None:
+    # the table leaves direct mapping when batch 10 is read (at plan 7 with horizon 3)
+    trace = random_trace(7, 10, 20, 40) + random_trace(8, 20, 20, 400)
+    cfg = OracleConfig(capacity={"a": max(min_rows(trace, 1), 60)}, horizon=3, policy=policy)
+    batches = batches_of({"a": trace})
+    full = list(LookaheadOracle(cfg).plan_stream(batches))
+    first = LookaheadOracle(cfg)
+    stream = first.plan_stream(batches)
+    head = [next(stream) for _ in range(stop + 1)]
+    resumed = LookaheadOracle(cfg)
+    resumed.load_state_dict(first.state_dict())
+    tail = list(resumed.plan_stream(batches[stop + 1 :]))
+    assert _plans_equal(head + tail, full)

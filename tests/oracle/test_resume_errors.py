@@ -164,3 +164,18 @@ def test_rank_annotations_against_naive(num_ranks: int) -> None:
 def test_no_annotation_for_one_rank() -> None:
     plans = list(LookaheadOracle(OracleConfig(capacity={"a": 4})).plan_stream([{"a": torch.tensor([1])}]))
     assert plans[0].tables["a"].ranks is None
+
+
+def test_capacity_error_names_a_single_batch_or_the_window_in_words() -> None:
+    oracle = LookaheadOracle(OracleConfig(capacity={"a": 2}, horizon=4, prefetch_depth=1))
+    with pytest.raises(
+        CapacityError, match=r"table 'a': batch 0 needs 3 cache rows but capacity\['a'\] is 2"
+    ):
+        oracle.feed({"a": torch.tensor([0, 1, 2])})
+    oracle = LookaheadOracle(OracleConfig(capacity={"a": 4}, horizon=4, prefetch_depth=2))
+    oracle.feed({"a": torch.tensor([0, 1])})
+    oracle.feed({"a": torch.tensor([2, 3])})
+    with pytest.raises(
+        CapacityError, match=r"batches 0\.\.2 \(batch 2 and the prefetch_depth=2 batches before it"
+    ):
+        oracle.feed({"a": torch.tensor([4])})

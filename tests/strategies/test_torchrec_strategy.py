@@ -88,3 +88,43 @@ def test_unsharded_fallback_trains_with_plain_optimizers(tmp_path):
     assert not isinstance(model.model, DistributedModelParallel)
     assert trainer.global_step == 3
     assert isinstance(pl.Trainer, type)
+
+
+def test_damaged_or_mismatched_checkpoints_are_refused_with_what_to_do(tmp_path):
+    import shutil
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    fit(tmp_path / "full", max_steps=2, callbacks=[ckpt])
+    good = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+
+    def broken(name: str) -> str:
+        copy = tmp_path / name
+        shutil.copytree(good, copy)
+        return str(copy)
+
+    with pytest.raises(CheckpointError, match=r"does not exist; check ckpt_path"):
+        fit(tmp_path / "r0", max_steps=3, ckpt_path=str(tmp_path / "nowhere.ckpt"))
+    no_metadata = broken("no_metadata")
+    os.remove(os.path.join(no_metadata, ".metadata"))
+    with pytest.raises(
+        CheckpointError, match=r"incomplete: torch.distributed.checkpoint's .metadata file is missing"
+    ):
+        fit(tmp_path / "r1", max_steps=3, ckpt_path=no_metadata)
+    truncated = broken("truncated")
+    shard = next(p for p in os.listdir(truncated) if p.endswith(".distcp"))
+    with open(os.path.join(truncated, shard), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(truncated, shard)) // 2)
+    with pytest.raises(CheckpointError, match=r"could not be read \(EOFError.*damaged or incomplete"):
+        fit(tmp_path / "r2", max_steps=3, ckpt_path=truncated)
+    # the world size is recorded: a checkpoint of another number of ranks is refused before anything is read
+    other = broken("two_ranks")
+    meta = torch.load(os.path.join(other, "meta.pt"), weights_only=False)
+    assert meta["torchrec_lookahead_world_size"] == 1
+    meta["torchrec_lookahead_world_size"] = 2
+    torch.save(meta, os.path.join(other, "meta.pt"))
+    with pytest.raises(
+        CheckpointError, match=r"written by 2 ranks but this run has 1.*resume it with 2 ranks"
+    ):
+        fit(tmp_path / "r3", max_steps=3, ckpt_path=other)
+    trainer, _ = fit(tmp_path / "r4", max_steps=3, ckpt_path=str(good))  # the intact one still resumes
+    assert trainer.global_step == 3

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from ..cli.test_cli import clean_env
+from ..cli.test_cli import clean_env, run_cli
 from ..conftest import REPO, free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -87,6 +87,14 @@ def test_two_ranks_fit_checkpoint_and_resume_the_same_trajectory(tmp_path):
     # the tables are not empty: both ranks' shards are in the checkpoint
     emb = [v for k, v in a.items() if "embedding_bags" in k]
     assert all(v.abs().sum() > 0 for v in emb)
+    # the same checkpoint resumed on one rank: refused, in one short line that says what to do
+    one = run_cli("fit", "--config", "configs/dlrm_tiny.yaml", "--trainer.limit_val_batches=0",
+                  "--trainer.max_steps=8", f"--trainer.default_root_dir={tmp_path}/c", f"--ckpt_path={mid}")  # fmt: skip
+    assert one.returncode == 1
+    assert (
+        "CheckpointError: checkpoint" in one.stderr and "written by 2 ranks but this run has 1" in one.stderr
+    )
+    assert "Traceback" not in one.stderr, one.stderr[-3000:]
 
 
 def test_device_count_that_does_not_match_torchrun_is_refused(tmp_path):

@@ -17,6 +17,7 @@ import torch
 from torchrec_lookahead.errors import CapacityError, InvalidIdError
 from torchrec_lookahead.oracle._batch import split_batch
 from torchrec_lookahead.oracle.oracle import window_working_sets
+from torchrec_lookahead.oracle.types import describe_window
 
 __all__ = ["check_stream", "preserved_rng"]
 
@@ -115,7 +116,7 @@ def check_stream(
         lo, hi, need = first[n]
         short = {t: best[t] for t in sorted(first)}
         raise CapacityError(
-            f"table {n!r}: batches {lo}..{hi} (a batch and the next prefetch_depth={prefetch_depth}) need {need} "
+            f"table {n!r}: {describe_window(lo, hi, prefetch_depth)} need{'s' if lo == hi else ''} {need} "
             f"cache rows but capacity[{n!r}] is {int(capacity[n])}; the epoch's largest windows need {short} "
             "rows: raise those capacities, lower prefetch_depth, or use smaller batches (found before training "
             "by LookaheadDataModule(capacity_check='epoch'))"

@@ -26,7 +26,7 @@ from torchrec_lookahead.data.readers import (
 )
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig
 from torchrec_lookahead.data.text import LineBatchDataset, check_files
-from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.errors import ConfigError, DataError
 
 __all__ = [
     "RecDataModule",
@@ -204,7 +204,7 @@ class _FileDataModule(RecDataModule):
         if not files:
             return None
         drop_last = self.drop_last if self.drop_last is not None else world_size > 1
-        return LineBatchDataset(
+        dataset = LineBatchDataset(
             files,
             self._parser(),
             self.batch_size,
@@ -214,6 +214,16 @@ class _FileDataModule(RecDataModule):
             rank=rank,
             drop_last=drop_last,
         )
+        if len(dataset) == 0:  # counts the rows once (the count is kept for Lightning's len())
+            rows = dataset.num_rows()
+            why = (
+                f"hold no data rows (after skip_header={self.skip_header}); give files that hold data"
+                if rows == 0
+                else f"hold {rows} rows, fewer than one batch of {self.batch_size} x {world_size} ranks with "
+                "drop_last; use a smaller batch_size or drop_last=False"
+            )
+            raise DataError(f"the {split} split would have no batches: the files {files} {why}")
+        return dataset
 
 
 class CriteoTSVDataModule(_FileDataModule):

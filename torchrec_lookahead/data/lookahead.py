@@ -38,6 +38,7 @@ from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
 from torchrec_lookahead.data.capacity import check_stream, preserved_rng
+from torchrec_lookahead.data.rank_split import split_for_ranks
 from torchrec_lookahead.distributed.lrpp import (
     GatherStatus,
     IdGatherer,
@@ -379,6 +380,16 @@ class LookaheadLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    @property
+    def sampler(self) -> Any:
+        """The wrapped loader's sampler: Lightning calls its ``set_epoch`` at every epoch, as for the resident job."""
+        return getattr(self.loader, "sampler", None)
+
+    @property
+    def batch_sampler(self) -> Any:
+        """The wrapped loader's batch sampler (see :attr:`sampler`)."""
+        return getattr(self.loader, "batch_sampler", None)
 
     # ------------------------------------------------------------------------------------------- progress
     def mark_applied(self, step: int) -> None:
@@ -789,6 +800,8 @@ class LookaheadDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> Any:
         inner = self.datamodule.train_dataloader()
         target = self._target()
+        if target is not None and target.capacity and self.trainer is not None:
+            inner = split_for_ranks(self.trainer, inner)
         if target is None or not target.capacity:
             rank_zero_warn(
                 "LookaheadDataModule: the model has no cached tables; batches pass through unplanned"

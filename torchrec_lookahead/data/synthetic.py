@@ -173,6 +173,9 @@ class CriteoSyntheticDataset(IterableDataset):
         ((4, 13), 26, (4,))
     """
 
+    #: each rank reads only its own part of every global batch (see ``rank`` / ``world_size``)
+    splits_by_rank = True
+
     def __init__(self, config: SyntheticCriteoConfig, split: str = "train", start_batch: int = 0) -> None:
         super().__init__()
         if split not in _SPLIT_SALT:

@@ -67,6 +67,9 @@ class LineBatchDataset(IterableDataset):
         num_rows: rows in all files if known (otherwise counted once).
     """
 
+    #: each rank reads only its own part of every global batch (see ``rank`` / ``world_size``)
+    splits_by_rank = True
+
     def __init__(
         self,
         paths: Sequence[str],

@@ -1,7 +1,12 @@
 """TorchRec integration: the lookahead sharder, its sharded module, sharding plans with cached tables, and
 (:mod:`torchrec_lookahead.distributed.planner`) the planner that sizes caches for a device budget."""
 
-from torchrec_lookahead.distributed.plan import embedding_tables, lookahead_sharding_plan
+from torchrec_lookahead.distributed.plan import (
+    check_all_sharded,
+    embedding_tables,
+    lookahead_sharding_plan,
+    with_default_sharders,
+)
 from torchrec_lookahead.distributed.sharded import CacheFusedOptimizer, ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.distributed.sharder import (
     LookaheadEmbeddingBagCollectionSharder,
@@ -15,4 +20,6 @@ __all__ = [
     "lookahead_sharding_plan",
     "embedding_tables",
     "cache_optimizer_from_module",
+    "with_default_sharders",
+    "check_all_sharded",
 ]

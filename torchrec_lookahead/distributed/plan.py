@@ -4,24 +4,75 @@ data-parallel ``CUSTOMIZED_KERNEL`` entries that :class:`LookaheadEmbeddingBagCo
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ModuleSharder,
     ParameterSharding,
     ShardingPlan,
 )
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagCollectionInterface,
+    EmbeddingCollectionInterface,
+)
 
 from torchrec_lookahead.distributed.sharded import CUSTOMIZED
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["lookahead_sharding_plan", "embedding_tables"]
+__all__ = ["lookahead_sharding_plan", "embedding_tables", "with_default_sharders", "check_all_sharded"]
+
+
+def with_default_sharders(sharders: Sequence[ModuleSharder[nn.Module]]) -> List[ModuleSharder[nn.Module]]:
+    """``sharders`` followed by TorchRec's default sharder of every module type none of them handles.
+
+    ``DistributedModelParallel(sharders=[...])`` shards only the module types of the sharders it is given: a
+    list holding just the lookahead sharder would leave an ``EmbeddingCollection`` (or any other embedding
+    module) unsharded. Sharders given first win for their module type.
+
+    Example:
+        >>> from torchrec.modules.embedding_modules import EmbeddingCollection
+        >>> from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+        >>> sharders = with_default_sharders([LookaheadEmbeddingBagCollectionSharder(capacity={"t": 64})])
+        >>> type(sharders[0]).__name__
+        'LookaheadEmbeddingBagCollectionSharder'
+        >>> any(s.module_type is EmbeddingCollection for s in sharders)
+        True
+        >>> sum(s.module_type is EmbeddingBagCollection for s in sharders)  # TorchRec's EBC sharder not added
+        1
+    """
+    given = {s.module_type for s in sharders}
+    return list(sharders) + [d for d in get_default_sharders() if d.module_type not in given]
+
+
+def check_all_sharded(module: nn.Module) -> None:
+    """Refuse a model in which ``DistributedModelParallel`` left an embedding module unsharded.
+
+    An unsharded collection would still train, but outside TorchRec's sharded kernels and fused optimizers:
+    silently different from the resident job.
+
+    Raises:
+        ConfigError: names every unsharded embedding module and its type.
+    """
+    root = module.module if isinstance(module, DistributedModelParallel) else module
+    left = [
+        f"{name or '<root>'} ({type(m).__name__})"
+        for name, m in root.named_modules()
+        if isinstance(m, (EmbeddingBagCollectionInterface, EmbeddingCollectionInterface))
+    ]
+    if left:
+        raise ConfigError(
+            f"embedding module(s) {left} were left unsharded: no sharder handles their type. Pass a sharder for "
+            "each type, or build the list with torchrec_lookahead.distributed.with_default_sharders([...]) to "
+            "keep TorchRec's default sharders beside the lookahead one"
+        )
 
 
 def embedding_tables(module: nn.Module) -> List[str]:

@@ -180,6 +180,7 @@ def _copy_resident_weights(
 log = logging.getLogger(__name__)
 
 STORE_DIR_PREFIX = "torchrec_lookahead_stores_"
+KEPT_STORE_DIR_PREFIX = "torchrec_lookahead_kept_stores_"
 _OWNER_LOCK = ".owner.lock"
 _ORPHAN_MIN_AGE_S = 60.0
 
@@ -234,8 +235,11 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         optimizer: the cache's fused optimizer; by default the one declared on the table parameters with
             ``apply_optimizer_in_backward``, else ``fused_params``.
         stores: explicit host stores per cached table.
-        store_dir: create memory-mapped stores (``<store_dir>/<table>.bin``) instead of in-RAM ones, for tables
-            larger than host memory.
+        store_dir: create memory-mapped stores instead of in-RAM ones, for tables larger than host memory: in a
+            fresh directory ``<store_dir>/torchrec_lookahead_stores_*/<table>.bin`` per run, removed when the
+            process exits (a later run removes those of runs that were killed) unless ``keep_stores``.
+        keep_stores: keep the store directories under ``store_dir`` after the run (to inspect the trained
+            tables; a new run never reopens them). Default: remove them.
         seed: seed of the initial table values (identical to a resident model initialised with
             :func:`~torchrec_lookahead.modules.init_embedding_bag_tables_` and the same seed); default: the
             ``torchrec`` strategy's ``init_seed``, else 0.
@@ -285,6 +289,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         optimizer: Optional[CacheOptimizerConfig] = None,
         stores: Optional[Dict[str, EmbeddingStore]] = None,
         store_dir: Optional[str] = None,
+        keep_stores: bool = False,
         seed: Optional[int] = None,
         device_budget_bytes: Optional[int] = None,
         planner_options: Optional[Dict[str, Any]] = None,
@@ -326,6 +331,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self.optimizer = optimizer
         self.stores = dict(stores or {})
         self.store_dir = store_dir
+        self.keep_stores = bool(keep_stores)
         self._run_dir: Optional[str] = None
         self._owner_locks: List[int] = []  # descriptors holding shared-store directories' owner locks
         self.seed = seed
@@ -373,8 +379,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             return None
         if self._run_dir is None:
             # A fresh directory per run: reopening an earlier run's files would silently continue its training.
-            os.makedirs(self.store_dir, exist_ok=True)
-            self._run_dir = tempfile.mkdtemp(prefix="stores-", dir=self.store_dir)
+            self._run_dir = self._new_store_dir(self.store_dir, "", keep=self.keep_stores)
         return MmapStore(
             os.path.join(self._run_dir, f"{cfg.name}.bin"),
             cfg.num_embeddings,
@@ -478,6 +483,22 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             log.info("resident tables stay in TorchRec's sharded module: %s", why)
         return why is None
 
+    def _new_store_dir(self, base: Optional[str], tag: str, keep: bool) -> str:
+        """A fresh store directory under ``base`` (default: the temp directory), after removing the directories of
+        runs whose owner died. Unless ``keep``, this one is owned by the process (its lock held until the
+        process ends) and removed at exit."""
+        if base is not None:
+            os.makedirs(base, exist_ok=True)
+        remove_orphaned_store_dirs(base)
+        if keep:
+            directory = tempfile.mkdtemp(prefix=f"{KEPT_STORE_DIR_PREFIX}{tag}", dir=base)
+            log.info("the stores of this run stay in %s (keep_stores=True)", directory)
+            return directory
+        directory = tempfile.mkdtemp(prefix=f"{STORE_DIR_PREFIX}{tag}", dir=base)
+        self._owner_locks.append(hold_store_dir(directory))
+        atexit.register(shutil.rmtree, directory, True)
+        return directory
+
     def _delayed_group(self, env: ShardingEnv) -> Any:
         """The process group of delayed synchronisation: one per set of ranks, created once (by every rank,
         in the same order, as sharding runs identically on every rank) with the backend of ``env``'s group."""
@@ -517,13 +538,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         holder: List[Optional[str]] = [None]
         if env.rank == 0:
             base = self.store_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-            if base is not None:
-                os.makedirs(base, exist_ok=True)
-            remove_orphaned_store_dirs(base)
-            created = tempfile.mkdtemp(prefix=STORE_DIR_PREFIX, dir=base)
-            self._owner_locks.append(hold_store_dir(created))
-            atexit.register(shutil.rmtree, created, True)
-            holder[0] = created
+            holder[0] = self._new_store_dir(base, "", keep=self.keep_stores and self.store_dir is not None)
         dist.broadcast_object_list(holder, src=0, group=pg)
         directory = str(holder[0])
         stores: Dict[str, EmbeddingStore] = {}
@@ -569,15 +584,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         directory: Optional[str] = None
         if creator and (shared or self.store_dir is not None):
             base = self.store_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-            if base is not None:
-                os.makedirs(base, exist_ok=True)
-            if self.store_dir is None:  # temporary: removed at exit, or by a later run if this one is killed
-                remove_orphaned_store_dirs(base)
-                directory = tempfile.mkdtemp(prefix=f"{STORE_DIR_PREFIX}shard{shard}_", dir=base)
-                self._owner_locks.append(hold_store_dir(directory))
-                atexit.register(shutil.rmtree, directory, True)
-            else:
-                directory = tempfile.mkdtemp(prefix=f"torchrec_lookahead_shard{shard}_", dir=base)
+            keep = self.keep_stores and self.store_dir is not None
+            directory = self._new_store_dir(base, f"shard{shard}_", keep=keep)
         locals_: Dict[str, EmbeddingStore] = {}
         for c in cfgs:
             lo, hi = row_bounds(c.num_embeddings, num_shards)[shard : shard + 2]

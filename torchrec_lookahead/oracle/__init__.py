@@ -8,7 +8,7 @@ Example:
     >>> oracle = LookaheadOracle(OracleConfig(capacity={"t0": 8}, horizon=2))
     >>> plans = list(oracle.plan_stream([{"t0": torch.tensor([5, 6])}, {"t0": torch.tensor([6])}]))
     >>> plans[1].tables["t0"].slots.tolist()
-    [1]
+    [6]
 """
 
 from torchrec_lookahead.oracle.config import OracleConfig, Policy

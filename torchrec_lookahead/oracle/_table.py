@@ -25,7 +25,7 @@ import torch
 from torchrec_lookahead.errors import CapacityError, InvalidIdError
 from torchrec_lookahead.oracle.config import OracleConfig
 from torchrec_lookahead.oracle.ranks import RankInfo, annotate, readers
-from torchrec_lookahead.oracle.types import TablePlan
+from torchrec_lookahead.oracle.types import TablePlan, describe_window
 
 __all__: List[str] = []
 
@@ -97,7 +97,10 @@ class _TablePlanner:
         self.q_head = 0
         self.q_pending: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.q_len = 0
-        self.direct = (
+        # Without a table size, a table is planned as direct mapped while every id read fits in its capacity
+        # (``provisional``); the first larger id converts it to the fixed-capacity planner (``_leave_direct``).
+        self.provisional = self.supports_direct and self.rows is None and self.num_ranks == 1
+        self.direct = self.provisional or (
             self.supports_direct
             and self.rows is not None
             and self.rows <= self.capacity
@@ -128,9 +131,13 @@ class _TablePlanner:
             )
         if high >= self.slot_of.size:
             self._grow(high + 1)
+        if self.provisional and high >= self.capacity:
+            self._leave_direct()
 
     def _grow(self, n: int) -> None:
-        n = max(n, 2 * self.slot_of.size)
+        # geometric (at least doubling, so a stream whose largest id creeps up reallocates O(log n) times), with
+        # a quarter to spare past the largest id: hashed ids reach near the table's end in the first batches
+        n = max(n + (n >> 2), 2 * self.slot_of.size)
         old = self.slot_of.size
         for attr, fill in (("slot_of", -1), ("last_occ", -1), ("scratch", -1)):
             arr = getattr(self, attr)
@@ -148,6 +155,26 @@ class _TablePlanner:
         uniq = ids[first]
         scratch[uniq] = self.arange(uniq.size)
         return uniq, scratch[ids]
+
+    def _leave_direct(self) -> None:
+        """A provisionally direct-mapped table read an id beyond its capacity: plan it by the policy from now on.
+
+        The resident rows stay where they are (slot = id); the free list, the next uses and the recency queue
+        are rebuilt, and the batches in the lookahead window are read again by the policy's path.
+        """
+        self.provisional = self.direct = False
+        empty = self.id_of_slot < 0
+        self.free = np.flatnonzero(empty)[::-1].copy()
+        self.n_free = self.free.size
+        self.free = np.concatenate([self.free, np.zeros(self.capacity - self.n_free, dtype=np.int64)])
+        self.res_next[:] = INF
+        self.res_next[empty] = FREE
+        self.rebuild_queue()
+        window = list(self.recs)
+        self.recs.clear()
+        self.lo = self.hi = 0
+        for rec in window:
+            self.push(rec.step, rec.uniq, None, None)
 
     # ------------------------------------------------------------ lookahead
     def push(
@@ -196,14 +223,14 @@ class _TablePlanner:
         return base
 
     def _check_window(self, step: int) -> None:
-        first = step - self.depth
+        first = max(step - self.depth, 0)  # at the start of the stream the window is shorter
         recs = [r for r in list(self.recs)[-(self.depth + 1) :] if r.step >= first]
         need = sum(int(np.count_nonzero(r.prev_step < first)) for r in recs)
         if need > self.capacity:
             lo = recs[0].step
             raise CapacityError(
-                f"table {self.name!r}: batches {lo}..{step} (a batch and the next prefetch_depth={self.depth}) "
-                f"need {need} cache rows but capacity[{self.name!r}] is {self.capacity}; raise "
+                f"table {self.name!r}: {describe_window(lo, step, self.depth)} need{'s' if lo == step else ''} "
+                f"{need} cache rows but capacity[{self.name!r}] is {self.capacity}; raise "
                 f"capacity[{self.name!r}] to at least {need}, lower prefetch_depth, or use smaller batches"
             )
 
@@ -301,12 +328,20 @@ class _TablePlanner:
         t = self.next_step
         rec = self.recs.popleft()
         ids = rec.uniq
-        new = np.flatnonzero(self.slot_of[ids] < 0)
-        fetch = self.dedup(ids[new])[0] if new.size else _EMPTY
+        st = self.stats
+        if self.provisional:
+            # keep the recency of every id, as the policy's path does, in case the table leaves direct mapping
+            uniq = self.dedup(ids)[0]
+            fetch = uniq[self.slot_of[uniq] < 0]
+            self.rk[uniq] = (np.int64(t) << np.int64(32)) | self.arange(uniq.size)
+            st["unique"] += uniq.size
+            st["hits"] += uniq.size - fetch.size
+        else:
+            new = np.flatnonzero(self.slot_of[ids] < 0)
+            fetch = self.dedup(ids[new])[0] if new.size else _EMPTY
+            self.rk[fetch] = (np.int64(t) << np.int64(32)) | self.arange(fetch.size)
         self.place(fetch, fetch)
         self.n_free -= fetch.size
-        self.rk[fetch] = (np.int64(t) << np.int64(32)) | self.arange(fetch.size)
-        st = self.stats
         st["steps"] += 1
         st["lookups"] += ids.size
         st["fetches"] += fetch.size
@@ -403,9 +438,14 @@ class _TablePlanner:
             "next_step": self.next_step,
             "id_of_slot": torch.from_numpy(self.id_of_slot.copy()),
             "rk": torch.from_numpy(self.rk.copy()),
-            "free": torch.from_numpy(self.free[: self.n_free].copy()),
+            "free": torch.from_numpy(self._free_slots()),
             "stats": dict(self.stats),
         }
+
+    def _free_slots(self) -> np.ndarray:
+        if self.direct:  # direct mapping does not keep the free list: the empty slots, in pop order
+            return np.flatnonzero(self.id_of_slot < 0)[::-1].copy()
+        return self.free[: self.n_free].copy()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the lookahead window starts empty at ``next_step``."""
@@ -421,6 +461,9 @@ class _TablePlanner:
         ids = self.id_of_slot[res]
         self.slot_of[:] = -1
         self.last_occ[:] = -1
+        self.recs.clear()
+        if self.provisional and not np.array_equal(ids, res):  # saved by the policy's path: stay on it
+            self.provisional = self.direct = False
         if ids.size:
             self.check_ids(ids, self.next_step)
             self.slot_of[ids] = res

@@ -69,7 +69,8 @@ class OracleConfig:
             ``prefetch_depth`` batches are never evicted. Must be ``<= horizon``.
         policy: a :class:`Policy` or its string value.
         num_embeddings: optional rows per table, to refuse out-of-range ids; without it the oracle's per-id
-            arrays grow to the largest id seen.
+            arrays grow geometrically past the largest id seen, and a table is mapped slot = id until an id
+            reaches its capacity (the plans are those with the sizes given whenever that happens in batch 0).
         feature_to_table: optional feature name -> table name; features absent map to a table of their own name
             when this is ``None``. Several features may share a table.
         window: cDLRM window length L (policy ``window``).

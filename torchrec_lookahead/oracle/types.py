@@ -11,7 +11,24 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["TablePlan", "BatchPlan", "RankAnnotation"]
+__all__ = ["TablePlan", "BatchPlan", "RankAnnotation", "describe_window"]
+
+
+def describe_window(lo: int, hi: int, prefetch_depth: int) -> str:
+    """Words for the prefetch window ``lo..hi`` whose rows must be in the cache together (error messages).
+
+    Example:
+        >>> describe_window(0, 0, 1)
+        'batch 0'
+        >>> describe_window(3, 5, 2)
+        'batches 3..5 (batch 5 and the prefetch_depth=2 batches before it, whose rows are in the cache together)'
+    """
+    if lo == hi:
+        return f"batch {hi}"
+    return (
+        f"batches {lo}..{hi} (batch {hi} and the prefetch_depth={prefetch_depth} batch"
+        f"{'es' if hi - lo > 1 else ''} before it, whose rows are in the cache together)"
+    )
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import get_default_sharders
@@ -41,8 +42,10 @@ from torchrec_lookahead.data.lookahead import CacheTarget, LookaheadBatch
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
     ShardedLookaheadEmbeddingBagCollection,
+    check_all_sharded,
     embedding_tables,
     lookahead_sharding_plan,
+    with_default_sharders,
 )
 from torchrec_lookahead.distributed.lrpp import gather_global_kjt
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
@@ -54,6 +57,7 @@ __all__ = ["TorchRecStrategy"]
 log = logging.getLogger(__name__)
 
 _META_FILE = "meta.pt"
+_WORLD_SIZE_KEY = "torchrec_lookahead_world_size"
 
 
 # FBGEMM's fused CPU kernel implements only these optimizers (split_table_batched_embeddings_ops_training).
@@ -79,7 +83,8 @@ class TorchRecStrategy(DDPStrategy):
     """Shards a LightningModule's TorchRec model with ``DistributedModelParallel``.
 
     Args:
-        sharders: TorchRec module sharders (default: TorchRec's default sharders).
+        sharders: TorchRec module sharders, added to TorchRec's default sharders (a module type none of them
+            handles keeps TorchRec's default sharder; an embedding module left unsharded is refused).
         constraints: planner constraints per table name (default: every table uses ``compute_kernel``).
         compute_kernel: compute kernel asked of the planner for every table without an explicit constraint
             (``"fused"`` by default: FBGEMM's fused kernel and optimizer; ``None`` leaves it to the planner).
@@ -222,7 +227,10 @@ class TorchRecStrategy(DDPStrategy):
         if self.root_device.type == "cpu" and self._compute_kernel == "fused":
             _check_cpu_fused_optimizers(module)
         pg = dist.group.WORLD
-        sharders = self._sharders if self._sharders is not None else get_default_sharders()
+        # the given sharders add to TorchRec's defaults: a module type none of them handles keeps its default
+        sharders = (
+            with_default_sharders(self._sharders) if self._sharders is not None else get_default_sharders()
+        )
         plan = self._plan
         topology = Topology(
             world_size=self.world_size,
@@ -266,6 +274,7 @@ class TorchRecStrategy(DDPStrategy):
             sharders=sharders,
             plan=plan,
         )
+        check_all_sharded(dmp)
         if self._init_seed is not None:
             # Only TorchRec's sharded collections (resident tables): the caches' stores start from the same
             # values already, and their state_dict() would flush and touch every row.
@@ -490,6 +499,7 @@ class TorchRecStrategy(DDPStrategy):
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             sharded[f"optimizer_{i}"] = opt_state
         dcp.save(sharded, checkpoint_id=path)
+        checkpoint[_WORLD_SIZE_KEY] = self.world_size
         if self.is_global_zero:
             torch.save(checkpoint, path / _META_FILE)
         self.barrier("torchrec_ckpt_saved")
@@ -497,11 +507,7 @@ class TorchRecStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not (path / _META_FILE).is_file():
-            raise CheckpointError(
-                f"{path} is not a checkpoint written by TorchRecStrategy (no {_META_FILE} inside); checkpoints of "
-                "sharded models are directories written by torch.distributed.checkpoint on every rank"
-            )
+        meta = self._read_checkpoint_meta(path)
         lm = self.lightning_module
         assert lm is not None
         target: Dict[str, Any] = {"state_dict": lm.state_dict()}
@@ -510,7 +516,18 @@ class TorchRecStrategy(DDPStrategy):
             if hasattr(opt, "init_state"):
                 opt.init_state()
             target[f"optimizer_{i}"] = opt.state_dict()
-        dcp.load(target, checkpoint_id=path)
+        try:
+            dcp.load(target, checkpoint_id=path)
+        except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
+            failures = getattr(e, "failures", None) or {}
+            cause = next(iter(failures.values()), e)  # a CheckpointException holds each rank's own error
+            cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback)
+            first = (str(cause).strip().splitlines() or [""])[0]
+            raise CheckpointError(
+                f"checkpoint {path} could not be read ({type(cause).__name__}: {first[:300]}): its shard files are "
+                "damaged or incomplete (a truncated .distcp file?), or it was written for another model or "
+                "configuration; resume from an intact checkpoint of this configuration"
+            ) from e
         state = target["state_dict"]
         for name, child in lm.named_children():
             prefix = f"{name}."
@@ -520,7 +537,45 @@ class TorchRecStrategy(DDPStrategy):
                 child.load_state_dict(sub, strict=lm.strict_loading)
         for i, opt in enumerate(optimizers):
             opt.load_state_dict(target[f"optimizer_{i}"])
-        meta = torch.load(path / _META_FILE, weights_only=False)
+        return meta
+
+    def _read_checkpoint_meta(self, path: Path) -> Dict[str, Any]:
+        """The Lightning part of the checkpoint directory ``path``, after checking that the directory is whole
+        and was written by as many ranks as this run has.
+
+        Raises:
+            CheckpointError: the path does not exist, is not a checkpoint of this strategy, lacks
+                torch.distributed.checkpoint's ``.metadata``, or was written by another number of ranks.
+        """
+        if not path.exists():
+            raise CheckpointError(
+                f"checkpoint {path} does not exist; check ckpt_path (under strategy='torchrec' a checkpoint is the "
+                "directory ModelCheckpoint wrote, e.g. <dirpath>/epoch=0-step=100.ckpt)"
+            )
+        if not (path / _META_FILE).is_file():
+            raise CheckpointError(
+                f"{path} is not a checkpoint written by TorchRecStrategy (no {_META_FILE} inside); checkpoints of "
+                "sharded models are directories written by torch.distributed.checkpoint on every rank"
+            )
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(
+                f"checkpoint {path} is incomplete: torch.distributed.checkpoint's .metadata file is missing (the save "
+                "was interrupted, or files were lost in a copy); resume from another checkpoint"
+            )
+        try:
+            meta: Dict[str, Any] = torch.load(path / _META_FILE, weights_only=False)
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint {path}: {_META_FILE} could not be read ({type(e).__name__}); the file is damaged, "
+                "resume from another checkpoint"
+            ) from e
+        saved = meta.pop(_WORLD_SIZE_KEY, None)
+        if saved is not None and int(saved) != self.world_size:
+            raise CheckpointError(
+                f"checkpoint {path} was written by {saved} ranks but this run has {self.world_size}: each rank's "
+                f"data position and cache state belong to a {saved}-rank job; resume it with {saved} ranks "
+                f"(torchrun --nproc_per_node=... and --trainer.devices so that they make {saved}), or start a new run"
+            )
         return meta
 
     @override

@@ -1,0 +1,98 @@
+"""Errors a user reads: a LookaheadError from the CLI reaches the user first and short, with its own type."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from torchrec_lookahead.cli import main
+from torchrec_lookahead.errors import ConfigError
+
+from ..conftest import REPO, free_port
+from .test_cli import clean_env, run_cli
+
+TINY = "configs/dlrm_tiny_lookahead.yaml"
+SHARDERS = "--trainer.strategy.init_args.sharders=" + (
+    '[{"class_path": "torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder",'
+    ' "init_args": {"capacity": {"t_cat_2": CAP}}}]'
+)
+
+
+def _tsv_config(tmp_path: Path, train: Path) -> str:
+    path = tmp_path / "tsv.yaml"
+    path.write_text(
+        "trainer: {accelerator: cpu, devices: 1, max_steps: 1, logger: false}\n"
+        "model: {class_path: torchrec_lookahead.models.DLRMModule, init_args: {embedding_dim: 8, "
+        "dense_arch_layer_sizes: [8]}}\n"
+        "data:\n  class_path: torchrec_lookahead.data.CriteoTSVDataModule\n"
+        f"  init_args: {{train_files: {train}, batch_size: 4, num_embeddings: 10}}\n"
+    )
+    return str(path)
+
+
+def _short_error(capsys: pytest.CaptureFixture, args: List[str]) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Does not validate" not in err, err[-2000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) <= 3, err[-2000:]  # the error (and Lightning's seed line)
+    return lines[-1]
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (SHARDERS.replace("CAP", "0"), "ConfigError: capacity of table 't_cat_2' must be a positive number"),
+        (SHARDERS.replace("CAP", "-5"), "ConfigError: capacity of table 't_cat_2' must be a positive number"),
+        ("--data.init_args.prefetch_depth=9", "ConfigError: Expected 0 <= prefetch_depth <= horizon"),
+        (
+            "--data.init_args.policy=fifo",
+            "ConfigError: Expected policy in ['belady', 'ttl', 'window', 'lru']",
+        ),
+    ],
+)
+def test_invalid_cli_values_end_in_their_own_short_error(capsys, override, expected):
+    line = _short_error(capsys, ["fit", "--config", TINY, override])
+    assert line.startswith(expected), line
+
+
+def test_a_missing_or_empty_training_file_is_a_data_error(tmp_path, capsys):
+    line = _short_error(capsys, ["fit", "--config", _tsv_config(tmp_path, tmp_path / "missing.tsv")])
+    assert line.startswith("DataError: Data file not found") and "missing.tsv" in line, line
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    line = _short_error(capsys, ["fit", "--config", _tsv_config(tmp_path, empty)])
+    assert line.startswith("DataError: the train split would have no batches") and "hold no data rows" in line
+
+
+def test_verify_refuses_a_config_that_caches_nothing():
+    from torchrec_lookahead.verify import verify
+
+    with pytest.raises(ConfigError, match="caches no table"):
+        verify("configs/dlrm_tiny.yaml", steps=1)
+
+
+def test_the_short_error_is_what_a_user_sees():
+    out = run_cli("fit", "--config", TINY, SHARDERS.replace("CAP", "0"))
+    assert out.returncode == 1
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("ConfigError: capacity of table 't_cat_2'"), out.stderr[-2000:]
+    assert len(lines) <= 3, out.stderr[-2000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_under_torchrun_one_rank_prints_the_error():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "torchrec_lookahead", "fit", "--config", TINY, "--trainer.devices=2",
+           "--data.init_args.policy=fifo"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=clean_env())
+    assert out.returncode != 0
+    assert out.stderr.count("ConfigError: Expected policy") == 1, out.stderr[-3000:]
+    assert "Does not validate" not in out.stderr
