@@ -230,3 +230,12 @@ def test_mmap_equals_tensor_store_contents(tmp_path: Path) -> None:
     b = MmapStore(tmp_path / "t.bin", N, D, WIDTHS, name="t", seed=5)
     assert torch.equal(a.full_weights(), b.full_weights())
     b.close()
+
+
+def test_collective_is_a_property_of_every_store_and_wrappers_report_their_store_s():
+    from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
+    from torchrec_lookahead.store import RowShardedStore
+
+    local = TensorStore(4, 2, name="t")
+    assert local.collective is False and WriterFilteredStore(local).collective is False
+    assert RowShardedStore.collective.fget(None) is True  # type: ignore[attr-defined]

@@ -374,9 +374,7 @@ class LookaheadLoader:
         self.stats_gathered_here = 0
         #: the training thread may gather a step's rows itself (not when gathers are collectives, which run
         #: in lockstep on the stager's own process group)
-        self.may_gather_here = not any(
-            getattr(getattr(s, "inner", s), "collective", False) for s in target.stores.values()
-        )
+        self.may_gather_here = not any(s.collective for s in target.stores.values())
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -548,9 +546,9 @@ class LookaheadLoader:
         """Lockstep for the stager's gathers when they are collectives (a row-sharded store over several ranks):
         they run on the stores' :data:`STAGE_CHANNEL` group, the status exchanges too."""
         for store in self.target.stores.values():
-            inner = getattr(store, "inner", store)
-            if not getattr(inner, "collective", False):
+            if not store.collective:
                 continue
+            inner = getattr(store, "inner", store)
             group = inner.channel_group(STAGE_CHANNEL) if hasattr(inner, "channel_group") else None
             world = dist.get_world_size(group)
             if world > 1:

@@ -216,6 +216,10 @@ class WriterFilteredStore(EmbeddingStore):
         return self.inner.name
 
     @property
+    def collective(self) -> bool:
+        return self.inner.collective
+
+    @property
     def num_embeddings(self) -> int:
         return self.inner.num_embeddings
 
@@ -247,7 +251,7 @@ class WriterFilteredStore(EmbeddingStore):
         weights: torch.Tensor,
         states: Optional[Mapping[str, torch.Tensor]],
     ) -> None:
-        if getattr(self.inner, "collective", False):
+        if self.inner.collective:
             # A collective store (RowShardedStore): every rank takes part in every write, if only with no rows.
             keep = (
                 torch.zeros(ids.numel(), dtype=torch.bool)

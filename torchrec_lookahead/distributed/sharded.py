@@ -280,7 +280,7 @@ class ShardedLookaheadEmbeddingBagCollection(
     def collective_stores(self) -> bool:
         """Whether the cached tables' stores are row-sharded over the ranks (their reads and writes are
         collectives of every rank)."""
-        return any(getattr(getattr(s, "inner", s), "collective", False) for s in self.cache.stores.values())
+        return any(s.collective for s in self.cache.stores.values())
 
     def _barrier(self) -> None:
         if self.world_size > 1:

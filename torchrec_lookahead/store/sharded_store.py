@@ -150,8 +150,10 @@ class RowShardedStore(EmbeddingStore):
         tensors, without messages. ``flush`` flushes the local shard only.
     """
 
-    collective: bool = True
-    """Class flag read by wrappers: every data call is a collective of all ranks."""
+    @property
+    def collective(self) -> bool:
+        """Every data call is a collective of all ranks."""
+        return True
 
     def __init__(
         self,

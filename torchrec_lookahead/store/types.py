@@ -51,6 +51,12 @@ class EmbeddingStore(abc.ABC):
     def state_widths(self) -> Dict[str, int]:
         """Optimizer state name -> number of float32 columns per row (``{}`` for SGD)."""
 
+    @property
+    def collective(self) -> bool:
+        """Whether every data call (gather, scatter, write_back, load, full_*) is a collective of all ranks,
+        which every rank must make in the same order (a row-sharded store); ``False`` for local stores."""
+        return False
+
     @abc.abstractmethod
     def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """Read rows and their optimizer state.
