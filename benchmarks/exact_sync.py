@@ -23,6 +23,8 @@ the global batches. Each rank's pooled-output gradient is random (seeded per ste
 TorchRec divides it. Every timed block starts after a barrier; the modes rotate their order from step to step.
 
 Per step the slowest rank's time is taken (the step waits for it); the tables give medians over the steps.
+``*_cpu``: CPU time of the rank's training thread in the same block (gloo's own threads not counted): what the
+work costs apart from waiting for the peer and for a core.
 Floats sent per rank: the payload (this rank's compacted gradients; exact checks it against an independent
 numpy recount of the bags holding shared rows) and the wire volume: a gloo all-gather of unequal buffers pads
 them to the largest and sends (W-1) x that size; a ring all-reduce sends about 2(W-1)/W x the buffer.
@@ -66,8 +68,9 @@ LR = 0.05
 MODES = ("exact_off", "exact_on", "partial")
 #: per-step figures every rank records (milliseconds, except the counts)
 PARTS = (
-    "exact_off", "exact_off_exchange", "exact_off_apply", "exact_on", "exact_on_land",
-    "partial", "partial_sums", "partial_all_reduce", "partial_update", "partial_torch_update",
+    "exact_off", "exact_off_exchange", "exact_off_apply", "exact_off_cpu", "exact_on", "exact_on_land",
+    "exact_on_cpu", "partial", "partial_sums", "partial_all_reduce", "partial_update", "partial_torch_update",
+    "partial_cpu",
 )  # fmt: skip
 
 
@@ -265,18 +268,18 @@ def _time_partial(
     shared: Sequence[torch.Tensor],
 ) -> Dict[str, float]:
     """One step of the old synchronisation, timed in parts (seconds); the PyTorch update timed apart."""
-    t0 = time.perf_counter()
+    c0, t0 = time.thread_time(), time.perf_counter()
     sums = partial_sums(indices, offsets, grad)
     t1 = time.perf_counter()
     all_reduce_shared(sums, shared)
     t2 = time.perf_counter()
     apply_sums(kernel, sums)
-    t3 = time.perf_counter()
+    t3, c3 = time.perf_counter(), time.thread_time()
     for f, (uniq, gsum) in enumerate(sums):
         torch_kernel._apply(f, uniq, gsum)
     t4 = time.perf_counter()
     return {"partial": t3 - t0, "partial_sums": t1 - t0, "partial_all_reduce": t2 - t1,
-            "partial_update": t3 - t2, "partial_torch_update": t4 - t3}  # fmt: skip
+            "partial_update": t3 - t2, "partial_torch_update": t4 - t3, "partial_cpu": c3 - c0}  # fmt: skip
 
 
 def _time_exact(
@@ -293,11 +296,11 @@ def _time_exact(
 ) -> Tuple[Dict[str, float], int]:
     """One step of the exact synchronisation as the backward hook runs it, timed in parts (seconds), then the
     delayed rows' landing (what ``apply_plan`` does before the next step); and the floats it reports sent."""
-    t0 = time.perf_counter()
+    c0, t0 = time.thread_time(), time.perf_counter()
     now, later, sent = exchange_batches(layout, kjt, grad, rank, world, shared, delayed, None, delayed_group)
     t1 = time.perf_counter()
     kernel.apply_batch(now.indices, now.offsets, now.weights, now.grad)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.thread_time()
     if later is not None:
         work, recv, build, _ = later
         work.wait()
@@ -305,8 +308,13 @@ def _time_exact(
         kernel.apply_batch(batch.indices, batch.offsets, batch.weights, batch.grad)
     t3 = time.perf_counter()
     if mode == "exact_on":
-        return {"exact_on": t2 - t0, "exact_on_land": t3 - t2}, sent
-    return {"exact_off": t2 - t0, "exact_off_exchange": t1 - t0, "exact_off_apply": t2 - t1}, sent
+        return {"exact_on": t2 - t0, "exact_on_land": t3 - t2, "exact_on_cpu": c2 - c0}, sent
+    return {
+        "exact_off": t2 - t0,
+        "exact_off_exchange": t1 - t0,
+        "exact_off_apply": t2 - t1,
+        "exact_off_cpu": c2 - c0,
+    }, sent
 
 
 def _worker(rank: int, world: int, port: int, steps: List[Dict[str, Any]], queue: Any) -> None:
@@ -392,6 +400,7 @@ def summarise(
         "ms": ms,
         "ratio_exact_off_over_partial": ms["exact_off"] / ms["partial"],
         "ratio_exact_on_over_partial": ms["exact_on"] / ms["partial"],
+        "ratio_cpu_exact_off_over_partial": ms["exact_off_cpu"] / ms["partial_cpu"],
         "ratio_per_step_median": median((per_step["exact_off"] / per_step["partial"]).tolist()),
         "mean": mean,
         "wire_ratio_exact_off_over_partial": mean["wire_exact_off"] / mean["wire_partial"],
@@ -440,6 +449,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             {"W": w, "rows shared": m["rows_shared"], "exact ms": ms["exact_off"], "exact+delayed ms": ms["exact_on"],
              "partial ms": ms["partial"], "exact/partial": s["ratio_exact_off_over_partial"],
              "exact+delayed/partial": s["ratio_exact_on_over_partial"],
+             "CPU exact/partial": s["ratio_cpu_exact_off_over_partial"],
              "floats sent exact": m["wire_exact_off"], "exact+delayed": m["wire_exact_on"],
              "partial": m["wire_partial"]}
         )  # fmt: skip

@@ -63,9 +63,12 @@ def test_quick_run_writes_its_figures(tmp_path: Path):
         "partial",
         "partial_all_reduce",
         "partial_torch_update",
+        "exact_off_cpu",
+        "partial_cpu",
     ):
         assert r["ms"][k] > 0, k
     assert r["ratio_exact_off_over_partial"] == pytest.approx(r["ms"]["exact_off"] / r["ms"]["partial"])
+    assert r["ratio_cpu_exact_off_over_partial"] > 0
     m = r["mean"]
     assert m["rows_shared"] > m["rows_delayed"] > 0
     assert m["wire_exact_off"] >= m["payload_off"] > 0 and m["wire_partial"] == pytest.approx(
