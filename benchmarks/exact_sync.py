@@ -148,6 +148,8 @@ def volumes(step: Dict[str, Any], num_ranks: int) -> Dict[str, Any]:
         "rows_delayed": rows_delayed,
         "payload_off": off.tolist(),
         "payload_on": (now + late).tolist(),
+        "payload_critical": now.tolist(),
+        "payload_delayed": late.tolist(),
         "wire_exact_off": (w - 1) * max(int(off.max()), 1),
         "wire_exact_on": (w - 1) * max(int(now.max()), 1) + ((w - 1) * max(int(late.max()), 1) if rows_delayed else 0),
         "wire_partial": 2 * (w - 1) / w * max(rows * DIM, 1),
@@ -389,7 +391,8 @@ def summarise(
     timed = vols[warmup:]
     mean = {k: float(np.mean([v[k] for v in timed])) for k in ("rows_shared", "rows_delayed", "wire_exact_off",
                                                                 "wire_exact_on", "wire_partial")}  # fmt: skip
-    mean["payload_off"] = float(np.mean([np.mean(v["payload_off"]) for v in timed]))
+    for k in ("payload_off", "payload_critical", "payload_delayed"):  # per rank
+        mean[k] = float(np.mean([np.mean(v[k]) for v in timed]))
     checks = [r["check"] for r in records]
     if any(c["exact_on_vs_off_max_abs"] != 0.0 or not c["same_rows_updated"] for c in checks):
         raise AssertionError(f"W={world}: first-step check failed: {checks}")

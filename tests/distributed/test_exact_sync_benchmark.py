@@ -38,6 +38,7 @@ def test_volumes_count_the_bags_holding_shared_rows_per_rank():
     v = exact_sync.volumes(step, 2)
     d = exact_sync.DIM
     assert v["payload_off"] == [d, 2 * d] and v["payload_on"] == [d, 2 * d]
+    assert v["payload_critical"] == [0, 2 * d] and v["payload_delayed"] == [d, 0]
     assert v["rows_shared"] == 3 and v["rows_delayed"] == 1
     assert v["wire_exact_off"] == 2 * d  # (W - 1) x the largest payload
     assert v["wire_exact_on"] == 2 * d + d  # the critical all-gather, then the delayed one
@@ -71,6 +72,7 @@ def test_quick_run_writes_its_figures(tmp_path: Path):
     assert r["ratio_cpu_exact_off_over_partial"] > 0
     m = r["mean"]
     assert m["rows_shared"] > m["rows_delayed"] > 0
+    assert m["payload_critical"] + m["payload_delayed"] == pytest.approx(m["payload_off"])
     assert m["wire_exact_off"] >= m["payload_off"] > 0 and m["wire_partial"] == pytest.approx(
         m["rows_shared"] * 16
     )
