@@ -66,7 +66,7 @@ TABLES = list(CAPACITY)
 F2T = dict(zip(FEATURES, TABLES))
 LR = 0.05
 MODES = ("exact_off", "exact_on", "partial")
-#: per-step figures every rank records (milliseconds, except the counts)
+#: per-step times every rank records, in milliseconds
 PARTS = (
     "exact_off", "exact_off_exchange", "exact_off_apply", "exact_off_cpu", "exact_on", "exact_on_land",
     "exact_on_cpu", "partial", "partial_sums", "partial_all_reduce", "partial_update", "partial_torch_update",
@@ -425,9 +425,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = p.parse_args(argv)
     start = time.perf_counter()
     ranks = args.ranks or ([2] if args.quick else [2, 4])
-    steps_n = args.steps or (12 if args.quick else 100)
+    steps_n = args.steps if args.steps is not None else (12 if args.quick else 100)
     if any(w < 2 or args.batch % w for w in ranks):
         p.error(f"--ranks must be >= 2 and divide --batch {args.batch}, got {ranks}")
+    if steps_n < 1 or args.warmup < 0:
+        p.error(f"--steps must be >= 1 and --warmup >= 0, got {steps_n} and {args.warmup}")
     figures: Dict[str, Any] = {
         "config": {
             "data": "CriteoSyntheticDataModule scale 0.01, min_rows 1000, zipf 1.05, seed 0 (configs/dlrm_lookahead.yaml)",
@@ -462,8 +464,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     )
     print(table(rows))
     print("\nwhere the time goes (ms, medians):")
-    print(table([{"W": w, **{k: v for k, v in s["ms"].items()}} for w, s in
-                 ((int(w), s) for w, s in figures["results"].items())]))  # fmt: skip
+    print(table([{"W": w, **s["ms"]} for w, s in figures["results"].items()]))
     for w, s in figures["results"].items():
         c = s["check"]
         print(

@@ -45,6 +45,12 @@ def test_volumes_count_the_bags_holding_shared_rows_per_rank():
     assert v["wire_partial"] == pytest.approx(2 * 1 / 2 * 3 * d)
 
 
+@pytest.mark.parametrize("argv", [["--ranks", "3"], ["--ranks", "1"], ["--steps", "0"]])
+def test_bad_arguments_stop_before_any_work(argv):
+    with pytest.raises(SystemExit):
+        exact_sync.main(argv)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_quick_run_writes_its_figures(tmp_path: Path):
