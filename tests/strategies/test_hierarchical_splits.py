@@ -1,0 +1,106 @@
+"""Each split of a group's dense replica (colwise, rowwise, co-partitioned pair, replicate) against the unsplit
+layer on two gloo ranks: every rank's own rows of the output, and the gradients DDP would give the unsplit
+layer (the mean over ranks of each rank's own-batch gradient)."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.strategies._splits import (
+    apply_splits,
+    consecutive_pairs,
+    dense_linears,
+    resolve_placement,
+)
+
+from ..conftest import free_port
+
+CASES: Dict[str, Dict[str, str]] = {
+    "colwise": {"0": "colwise"},
+    "rowwise": {"2": "rowwise"},
+    "pair": {"0": "colwise", "2": "rowwise"},
+    "replicate": {"0": "replicate", "2": "replicate"},
+    "pair_then_colwise": {"0": "colwise", "2": "rowwise", "4": "colwise"},
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 4))
+
+
+def _worker(rank: int, world: int, port: int, q) -> None:  # type: ignore[no-untyped-def]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        q.put((rank, {case: _errors(rank, world, mesh, case) for case in CASES}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _errors(rank: int, world: int, mesh, case: str) -> Dict[str, float]:  # type: ignore[no-untyped-def]
+    model, ref = _model(), _model()
+    layers = resolve_placement(model, CASES[case], world)
+    apply_splits(model, mesh, layers)
+    x = torch.randn(world * 5, 6, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    xl = x.detach()[rank * 5 : (rank + 1) * 5].clone().requires_grad_(True)
+    y = model(xl)
+    y = y.full_tensor() if hasattr(y, "full_tensor") else y
+    (y * torch.arange(1.0, 5.0)).sum().div(5).backward()  # a mean over the rank's own rows
+    out = ref(x)
+    # the reference: unsplit layer, each rank's own-rows loss, gradients averaged over ranks as in DDP
+    losses = (out * torch.arange(1.0, 5.0)).view(world, 5, 4).sum((1, 2)).div(5)
+    losses.sum().div(world).backward()
+    err = {"y": (y - out[rank * 5 : (rank + 1) * 5]).abs().max().item()}
+    err["dx"] = (xl.grad * (1.0 / world) - x.grad[rank * 5 : (rank + 1) * 5]).abs().max().item()
+    for (n, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        if not hasattr(p.grad, "full_tensor"):
+            dist.all_reduce(g)  # replicated layers: DDP's all-reduce, done by hand here
+            g = g / world
+        err[n] = (g - pr.grad).abs().max().item()
+    return err
+
+
+@pytest.fixture(scope="module")
+def split_errors() -> Dict[int, Dict[str, Dict[str, float]]]:
+    """Every case on one pair of spawned gloo ranks: rank -> case -> largest error per tensor."""
+    q = mp.get_context("spawn").Queue()
+    procs = mp.start_processes(_worker, args=(2, free_port(), q), nprocs=2, join=False, start_method="spawn")
+    results = dict(q.get(timeout=120) for _ in range(2))
+    procs.join()
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_split_equals_the_unsplit_layer_forward_and_backward(case: str, split_errors) -> None:  # type: ignore[no-untyped-def]
+    for rank, errs in split_errors.items():
+        err = errs[case]
+        assert len(err) > 2 and max(err.values()) < 1e-6, (rank, case, err)
+
+
+def test_placement_errors_name_the_valid_choices() -> None:
+    m = _model()
+    with pytest.raises(ConfigError, match="does not have"):
+        resolve_placement(m, {"9": "colwise"}, 2)
+    with pytest.raises(ConfigError, match="ReLU"):
+        resolve_placement(m, {"1": "colwise"}, 2)
+    with pytest.raises(ConfigError, match="colwise"):
+        resolve_placement(m, {"0": "diagonal"}, 2)
+    with pytest.raises(ConfigError, match="does not divide"):
+        resolve_placement(m, {"0": "colwise"}, 3)
+
+
+def test_pairs_need_chained_widths_inside_one_sequential() -> None:
+    m = nn.Sequential(nn.Sequential(nn.Linear(4, 8)), nn.Linear(8, 3), nn.Linear(5, 2))
+    assert consecutive_pairs(m, dense_linears(m)) == [("0.0", "1")]
