@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.strategies._compression import CompressedColwiseParallel
 
 __all__ = ["Placement", "SplitLayer", "dense_linears", "resolve_placement", "split_plan", "apply_splits"]
 
@@ -172,28 +173,35 @@ def resolve_placement(
     return [SplitLayer(path, p, path in paired) for path, p in chosen.items() if p is not Placement.REPLICATE]
 
 
-def split_plan(layers: List[SplitLayer]) -> Dict[str, ParallelStyle]:
-    """torch tensor-parallel styles for the split layers (batch rows sharded over the group)."""
+def split_plan(layers: List[SplitLayer], compression: str = "none") -> Dict[str, ParallelStyle]:
+    """torch tensor-parallel styles for the split layers (batch rows sharded over the group); with
+    ``compression`` ``"bf16"`` or ``"int8"`` the column splits gather their rows compressed."""
     plan: Dict[str, ParallelStyle] = {}
     for s in layers:
         if s.placement is Placement.COLWISE:
             out = Shard(-1) if s.paired else Shard(0)
-            plan[s.path] = ColwiseParallel(input_layouts=Shard(0), output_layouts=out)
+            if compression == "none":
+                plan[s.path] = ColwiseParallel(input_layouts=Shard(0), output_layouts=out)
+            else:
+                plan[s.path] = CompressedColwiseParallel(out, int8=compression == "int8")
         else:
             inp = Shard(-1) if s.paired else Shard(0)
             plan[s.path] = RowwiseParallel(input_layouts=inp, output_layouts=Shard(0))
     return plan
 
 
-def apply_splits(model: nn.Module, mesh: DeviceMesh, layers: List[SplitLayer]) -> List[str]:
-    """Split ``layers`` of ``model`` over the 1-D ``mesh`` (the group) in place.
+def apply_splits(
+    model: nn.Module, mesh: DeviceMesh, layers: List[SplitLayer], compression: str = "none"
+) -> List[str]:
+    """Split ``layers`` of ``model`` over the 1-D ``mesh`` (the group) in place (``compression``: see
+    :func:`split_plan`).
 
     Returns:
         The names of the parameters that became DTensors (for DDP to ignore).
     """
     if not layers:
         return []
-    parallelize_module(model, mesh, split_plan(layers))  # type: ignore[arg-type]
+    parallelize_module(model, mesh, split_plan(layers, compression))  # type: ignore[arg-type]
     scale = 1.0 / mesh.size()
     names = []
     for s in layers:

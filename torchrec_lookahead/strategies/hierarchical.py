@@ -52,6 +52,7 @@ from typing_extensions import override
 from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.optim import _enum
 from torchrec_lookahead.strategies._averaging import Averaging, ReplicaAverager
+from torchrec_lookahead.strategies._compression import bf16_allreduce_hook
 from torchrec_lookahead.strategies._splits import (
     Placement,
     SplitLayer,
@@ -96,12 +97,12 @@ class _GroupDataParallelWrapper(DefaultDataParallelWrapper):
         self,
         mesh: DeviceMesh,
         layers: Callable[[nn.Module], List[SplitLayer]],
-        comm_hook: Optional[Callable[..., Any]] = None,
+        compression: Compression = Compression.NONE,
     ) -> None:
         super().__init__()
         self._mesh = mesh
         self._layers = layers
-        self._comm_hook = comm_hook
+        self._compression = compression
         self.split_parameters: List[str] = []
 
     @override
@@ -110,14 +111,17 @@ class _GroupDataParallelWrapper(DefaultDataParallelWrapper):
             return
         module = dmp._dmp_wrapped_module
         sharded = set(DistributedModelParallel._sharded_parameter_names(module))
-        self.split_parameters = apply_splits(module, self._mesh, self._layers(module))
+        self.split_parameters = apply_splits(
+            module, self._mesh, self._layers(module), self._compression.value
+        )
         group = self._mesh.get_group()
         self._ddp_wrap(
             dmp, ShardingEnv.from_process_group(group), device, sharded | set(self.split_parameters)
         )
         ddp = dmp._dmp_wrapped_module
-        if self._comm_hook is not None and isinstance(ddp, nn.parallel.DistributedDataParallel):
-            ddp.register_comm_hook(group, self._comm_hook)
+        if self._compression is not Compression.NONE and isinstance(ddp, nn.parallel.DistributedDataParallel):
+            # Registered here on every device: Lightning registers DDP hooks on CUDA only.
+            ddp.register_comm_hook(group, bf16_allreduce_hook)
 
 
 class HierarchicalStrategy(TorchRecStrategy):
@@ -293,7 +297,7 @@ class HierarchicalStrategy(TorchRecStrategy):
     def data_parallel_wrapper(self) -> Optional[DataParallelWrapper]:
         if self.mesh is None:
             raise SetupError("The hierarchical strategy's device mesh does not exist yet; shard after set-up")
-        self._wrapper = _GroupDataParallelWrapper(self.mesh["within"], self.split_layers)
+        self._wrapper = _GroupDataParallelWrapper(self.mesh["within"], self.split_layers, self.compression)
         return self._wrapper
 
     # ------------------------------------------------------------------------------------------- averaging
