@@ -11,7 +11,7 @@ model:
 2. **Greedy refinement** against a cost model per rank and step: time = FLOPs / ``flops_per_s`` + bytes
    sent inside the group / ``group_bytes_per_s`` + bytes sent across groups / ``cross_bytes_per_s``, subject
    to parameter bytes per rank <= ``memory_bytes``. Each round applies the one change (a layer or a pair to
-   another placement) that lowers the time most, until none does.
+   another placement, a pair both ways at once) that lowers the time most, until none does.
 
 Everything is a function of the layers' shapes and the arguments: identical on every rank. Layers the user
 placed are never changed.
@@ -241,10 +241,15 @@ def tag(
         for path, lin in linears.items():
             if path not in fixed:
                 moves += [{path: o} for o in _options(lin, g) if o is not placement[path]]
-        for a, b in pairs:
-            if a in fixed or b in fixed or linears[a].out_features % g:
+        for a, b in pairs:  # a pair moves together, in or out of co-partitioning
+            if a in fixed or b in fixed:
                 continue
-            if (placement[a], placement[b]) != (Placement.COLWISE, Placement.ROWWISE):
+            if (placement[a], placement[b]) != (Placement.REPLICATE,) * 2:
+                moves.append({a: Placement.REPLICATE, b: Placement.REPLICATE})
+            if linears[a].out_features % g == 0 and (placement[a], placement[b]) != (
+                Placement.COLWISE,
+                Placement.ROWWISE,
+            ):
                 moves.append({a: Placement.COLWISE, b: Placement.ROWWISE})
         chosen, chosen_cost = None, best
         for move in moves:
