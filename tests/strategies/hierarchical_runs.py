@@ -4,7 +4,9 @@ with one strategy and rank 0 writes every rank's final weights (full dense tenso
 
     python -m torch.distributed.run --nproc_per_node=2 -m tests.strategies.hierarchical_runs OUT JSON
 
-with JSON a list of ``{"name": ..., "strategy": {...} or "torchrec", "steps": N, "dense": "adagrad"}``.
+with JSON a list of ``{"name": ..., "strategy": {...} or "torchrec", "steps": N, "dense": "adagrad"}``, and
+optionally ``ckpt_dir`` + ``ckpt_every`` (checkpoints), ``resume`` (a checkpoint to start from), ``log_dir``
+(TensorBoard).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any, Dict
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
@@ -71,9 +75,16 @@ def run(spec: Dict[str, Any], devices: int) -> Dict[str, torch.Tensor]:
         if kw.get("placement") == "split":
             kw["placement"] = SPLIT
         strategy = HierarchicalStrategy(**kw)
+    kw: Dict[str, Any] = {}
+    if "ckpt_dir" in spec:  # a checkpoint every ckpt_every steps
+        every = spec["ckpt_every"]
+        kw = {"enable_checkpointing": True, "callbacks": [ModelCheckpoint(spec["ckpt_dir"], every_n_train_steps=every, save_top_k=-1)]}  # fmt: skip
+    if "log_dir" in spec:
+        kw["logger"] = TensorBoardLogger(spec["log_dir"], name="", version="")
+        kw["log_every_n_steps"] = 2
     trainer = pl.Trainer(**{**QUIET_TRAINER_ARGS, "accelerator": "cpu", "devices": devices, "strategy": strategy,
-                            "max_steps": spec["steps"], "max_epochs": None})  # fmt: skip
-    trainer.fit(model, datamodule=dm)
+                            "max_steps": spec["steps"], "max_epochs": None, **kw})  # fmt: skip
+    trainer.fit(model, datamodule=dm, ckpt_path=spec.get("resume"))
     return _state(model)
 
 

@@ -329,6 +329,47 @@ class HierarchicalStrategy(TorchRecStrategy):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.averager is not None:
             self.averager.after_step()
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            every = int(getattr(trainer, "log_every_n_steps", 50) or 1)  # set by Lightning's logger connector
+            if trainer is not None and trainer.loggers and self.averager.steps % every == 0:
+                metrics = self.metrics()  # a collective with several groups: every rank, same steps
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=trainer.global_step)
+        return out
+
+    def metrics(self) -> Dict[str, float]:
+        """What the averaging did so far (logged to the Trainer's loggers every ``log_every_n_steps``):
+
+        * ``hierarchical/rounds``, ``hierarchical/steps_since_round``;
+        * ``hierarchical/distance_to_center/group<k>``: each group's replica's L2 distance to the center (EASGD;
+          of the part this rank holds, gathered from the same part in every group);
+        * ``hierarchical/group_bytes_per_step``: bytes each rank sends inside its group per step (the tagger's
+          cost model at the configured batch size);
+        * ``hierarchical/cross_bytes_per_step``: bytes each rank sent to other groups per step (counted);
+        * ``hierarchical/comm_wait_s``: time spent waiting for averaging rounds (cumulative).
+
+        With several groups this is a collective over the averaging process group: call it on every rank.
+        """
+        avg = self.averager
+        if avg is None:
+            return {}
+        out = {
+            "hierarchical/rounds": float(avg.rounds),
+            "hierarchical/steps_since_round": float(avg.steps - avg.rounds * avg.sync_every),
+            "hierarchical/cross_bytes_per_step": avg.bytes_sent / max(avg.steps, 1),
+            "hierarchical/comm_wait_s": avg.wait_s,
+        }
+        if self.tagging is not None:
+            out["hierarchical/group_bytes_per_step"] = sum(c.group_bytes for c in self.tagging.costs.values())
+        if avg.center is not None:
+            dist_local = torch.tensor([avg.distance_to_center()])
+            every = [torch.zeros(1) for _ in range(self.num_groups)]
+            if self._average_group is not None:
+                dist.all_gather(every, dist_local, group=self._average_group)
+            else:
+                every = [dist_local]
+            for k, d in enumerate(every):
+                out[f"hierarchical/distance_to_center/group{k}"] = float(d)
         return out
 
     @override
@@ -338,9 +379,24 @@ class HierarchicalStrategy(TorchRecStrategy):
         super().on_train_end()
 
     # ------------------------------------------------------------------------------------------ checkpoints
+    def _dense_optimizer_state(self) -> Dict[str, torch.Tensor]:
+        """The live tensors of the dense layers' optimizer state on this rank (this group's own)."""
+        out: Dict[str, torch.Tensor] = {}
+        if self.dmp is None:
+            return out
+        dense = list(in_backward_optimizer_filter(self.dmp.named_parameters()))
+        for opt in self.optimizers:
+            state = getattr(opt, "state", {})
+            for i, (_, p) in enumerate(dense):
+                for key, v in state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        out[f"{i}.{key}"] = v.to_local() if isinstance(v, DTensor) else v
+        return out
+
     def _local_state(self) -> Dict[str, Any]:
         assert self.averager is not None
-        state = {"replica": self.averager._flat(), **self.averager.state_dict()}
+        state = {"replica": self.averager._flat(), "optimizer": self._dense_optimizer_state()}
+        state.update(self.averager.state_dict())
         if state["center"] is None:
             state.pop("center")
         return {f"rank{self.global_rank}": state}
@@ -353,8 +409,8 @@ class HierarchicalStrategy(TorchRecStrategy):
             self.averager.finish()  # a round in flight lands before the weights are written
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.averager is not None:
-            # Every rank's own part of its group's replica and of the center: the groups' replicas differ, and
-            # DCP would keep one copy of a tensor that has the same name on every rank.
+            # Every rank's own part of its group's replica, of its dense optimizer state and of the center: the
+            # groups' replicas differ, and DCP keeps one copy of a tensor that has the same name on every rank.
             dcp.save(self._local_state(), checkpoint_id=Path(self.broadcast(str(filepath))) / _STATE_DIR)
             self.barrier("hierarchical_ckpt_saved")
 
@@ -364,7 +420,7 @@ class HierarchicalStrategy(TorchRecStrategy):
         path = Path(self.broadcast(str(checkpoint_path))) / _STATE_DIR
         if self.averager is not None and path.is_dir():
             target = self._local_state()
-            dcp.load(target, checkpoint_id=path)
+            dcp.load(target, checkpoint_id=path)  # the optimizer's state tensors are loaded in place
             state = target[f"rank{self.global_rank}"]
             self.averager._assign(state["replica"])
             self.averager.load_state_dict(state)
