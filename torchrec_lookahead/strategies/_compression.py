@@ -12,8 +12,6 @@ Partial sums (a row split's reduce-scatter) are not compressed: int8 values with
 summed on the wire.
 """
 
-from __future__ import annotations
-
 from functools import partial
 from typing import Any, Tuple
 
@@ -27,14 +25,17 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 __all__ = ["bf16_allreduce_hook", "quantize_rows", "dequantize_rows", "CompressedColwiseParallel"]
 
 
-def bf16_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP communication hook: the bucket's mean over ``process_group``, sent as bf16."""
+def bf16_allreduce_hook(
+    process_group: dist.ProcessGroup, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's mean over ``process_group``, sent as bf16 (DDP checks the
+    annotations: this module does not postpone their evaluation)."""
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
     compressed = buffer.to(torch.bfloat16).div_(group.size())
     fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
-    def decompress(f: torch.futures.Future) -> torch.Tensor:
+    def decompress(f: torch.futures.Future[Any]) -> torch.Tensor:
         buffer.copy_(f.value()[0])
         return buffer
 
