@@ -46,6 +46,7 @@ class CostModel:
         group_bytes_per_s: bandwidth inside a group (one host by default).
         cross_bytes_per_s: bandwidth across groups (between hosts).
         memory_bytes: parameter bytes allowed per rank (``None``: no limit).
+        background: averaging rounds run in the background: their bytes are counted but cost no step time.
     """
 
     batch_size: int = 1024
@@ -58,6 +59,7 @@ class CostModel:
     group_bytes_per_s: float = 1e10
     cross_bytes_per_s: float = 1e9
     memory_bytes: Optional[int] = None
+    background: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,8 @@ class LayerCost:
     param_bytes: float
 
     def seconds(self, cm: CostModel) -> float:
-        return (
-            self.flops / cm.flops_per_s
-            + self.group_bytes / cm.group_bytes_per_s
-            + self.cross_bytes / cm.cross_bytes_per_s
-        )
+        cross = 0.0 if cm.background else self.cross_bytes / cm.cross_bytes_per_s
+        return self.flops / cm.flops_per_s + self.group_bytes / cm.group_bytes_per_s + cross
 
 
 def layer_cost(lin: nn.Linear, placement: Placement, paired: bool, cm: CostModel) -> LayerCost:

@@ -267,6 +267,7 @@ class HierarchicalStrategy(TorchRecStrategy):
                 "group_size": self.group_size,
                 "num_groups": self.num_groups,
                 "sync_every": self.sync_every,
+                "background": self.background,
                 "activation_bytes": 1 if self.compression is Compression.INT8 else 4,
                 "gradient_bytes": 2 if self.compression is not Compression.NONE else 4,
             }
