@@ -35,8 +35,8 @@ from ..conftest import tiny_data_args
 SPLIT = {
     "dense_arch.model._mlp.0._linear": "colwise",
     "dense_arch.model._mlp.1._linear": "rowwise",
-    "over_arch.model.0._mlp.0._linear": "colwise",
-    "over_arch.model.1": "rowwise",
+    "over_arch.model.0._mlp.0._linear": "colwise",  # unpaired: the next layer is replicated (DDP)
+    "over_arch.model.1": "replicate",
 }
 
 

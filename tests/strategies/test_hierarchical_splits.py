@@ -18,6 +18,7 @@ from torchrec_lookahead.strategies._splits import (
     consecutive_pairs,
     dense_linears,
     resolve_placement,
+    scale_split_gradients,
 )
 
 from ..conftest import free_port
@@ -59,6 +60,7 @@ def _errors(rank: int, world: int, mesh, case: str) -> Dict[str, float]:  # type
     model, ref = _model(), _model()
     layers = resolve_placement(model, CASES[case], world)
     apply_splits(model, mesh, layers, compression=case.rsplit("_", 1)[-1] if case in TOLERANCE else "none")
+    scale_split_gradients(model, world)
     x = torch.randn(world * 5, 6, generator=torch.Generator().manual_seed(1), requires_grad=True)
     xl = x.detach()[rank * 5 : (rank + 1) * 5].clone().requires_grad_(True)
     y = model(xl)

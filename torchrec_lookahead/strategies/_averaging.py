@@ -1,8 +1,8 @@
 """Averaging the groups' dense replicas: EASGD with a center variable, or the plain periodic mean.
 
-Each rank averages its own part of its group's replica (its shards of split layers, all of the replicated
-layers) with the ranks holding the same part in the other groups, over a process group of its own (one per
-in-group index). With ``p`` groups, replica ``x_k`` and center ``c`` (a copy on every rank, identical across
+Each rank averages its own part of its group's replica (its shards of split layers, and its ``1/g`` chunk of
+the replicated layers, which the group all-gathers afterwards) with the ranks holding the same part in the
+other groups, over a process group of its own (one per in-group index). With ``p`` groups, replica ``x_k`` and center ``c`` (a copy on every rank, identical across
 groups), a round at a step boundary is::
 
     easgd:  x_k <- x_k - alpha * (x_k - c)          c <- c + alpha * (mean_k x_k - c)
@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = ["Averaging", "ReplicaAverager", "round_update"]
 
@@ -41,6 +40,15 @@ class Averaging(str, enum.Enum):
 
     EASGD = "easgd"
     MEAN = "mean"
+
+
+def _cat(tensors: Sequence[torch.Tensor], size: Optional[int] = None) -> torch.Tensor:
+    """The tensors flattened into one fp32 copy, zero-padded to ``size``."""
+    flat = [t.detach().reshape(-1).float() for t in tensors]
+    n = sum(t.numel() for t in flat)
+    if size is not None and size > n:
+        flat.append(torch.zeros(size - n))
+    return torch.cat(flat) if flat else torch.zeros(0)
 
 
 def round_update(
@@ -72,13 +80,17 @@ class ReplicaAverager:
     """Periodic averaging of one rank's part of its group's dense replica across groups.
 
     Args:
-        params: this rank's dense tensors (local shards of split layers, whole replicated layers).
+        params: this rank's own dense tensors (its local shards of split layers).
         group: the process group of the ranks holding the same part in every group (``None``: one group).
         num_groups: the number of groups ``p``.
         method: ``easgd`` or ``mean``.
         elastic_alpha: EASGD's moving rate.
         sync_every: steps between rounds.
         background: run each round's all-reduce on a snapshot, applied at the next round.
+        shared: tensors every rank of the group holds alike (replicated layers). Their rounds are shared out:
+            rank ``i`` of the group averages the ``i``-th of ``g`` equal chunks, and the group all-gathers the
+            result, so each replicated byte crosses groups once, not ``g`` times.
+        in_group: the group's process group (needed with ``shared`` and more than one rank per group).
 
     With one group (``group=None``) there is no other replica: steps are counted, nothing moves.
 
@@ -98,9 +110,18 @@ class ReplicaAverager:
         elastic_alpha: float,
         sync_every: int,
         background: bool = False,
+        shared: Sequence[torch.Tensor] = (),
+        in_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
-        self.params = params
+        self.params = list(params)
+        self.shared = list(shared)
         self.group = group
+        self.in_group = in_group if self.shared else None
+        self.in_size = dist.get_world_size(self.in_group) if self.in_group is not None else 1
+        self.in_rank = dist.get_rank(self.in_group) if self.in_group is not None else 0
+        self._own_numel = sum(p.numel() for p in self.params)
+        self._shared_numel = sum(p.numel() for p in self.shared)
+        self._chunk = -(-self._shared_numel // self.in_size)
         self.num_groups = num_groups
         self.method = method
         self.alpha = elastic_alpha
@@ -121,20 +142,38 @@ class ReplicaAverager:
         self.center: Optional[torch.Tensor] = flat.clone() if method is Averaging.EASGD else None
 
     def _flat(self) -> torch.Tensor:
-        return _flatten_dense_tensors([p.detach() for p in self.params]).clone()
+        """This rank's part: its own tensors, then its chunk of the shared ones (zero-padded)."""
+        shared = _cat(self.shared, self._chunk * self.in_size)
+        return torch.cat(
+            [_cat(self.params), shared[self.in_rank * self._chunk : (self.in_rank + 1) * self._chunk]]
+        )
+
+    def _write(self, flat: torch.Tensor, add: bool) -> None:
+        own, chunk = flat[: self._own_numel], flat[self._own_numel :]
+        full = chunk
+        if self.in_group is not None and self.in_size > 1:
+            full = chunk.new_empty(self._chunk * self.in_size)
+            dist.all_gather_into_tensor(full, chunk.contiguous(), group=self.in_group)
+        for tensors, values in ((self.params, own), (self.shared, full)):
+            offset = 0
+            for p in tensors:
+                v = values[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if add:
+                    p.detach().add_(v)
+                else:
+                    p.detach().copy_(v)
 
     def _assign(self, flat: torch.Tensor) -> None:
-        for p, v in zip(self.params, _unflatten_dense_tensors(flat, self.params)):
-            p.detach().copy_(v)
+        self._write(flat, add=False)
 
     def _add(self, flat: torch.Tensor) -> None:
-        for p, v in zip(self.params, _unflatten_dense_tensors(flat, self.params)):
-            p.detach().add_(v)
+        self._write(flat, add=True)
 
     @property
     def numel(self) -> int:
         """Elements averaged per round on this rank."""
-        return sum(p.numel() for p in self.params)
+        return self._own_numel + self._chunk
 
     def after_step(self) -> None:
         """Count one optimizer step; run (or launch) a round every ``sync_every`` steps."""

@@ -23,7 +23,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -34,7 +34,15 @@ from torch.distributed.tensor.parallel import (
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.strategies._compression import CompressedColwiseParallel
 
-__all__ = ["Placement", "SplitLayer", "dense_linears", "resolve_placement", "split_plan", "apply_splits"]
+__all__ = [
+    "Placement",
+    "SplitLayer",
+    "dense_linears",
+    "resolve_placement",
+    "split_plan",
+    "apply_splits",
+    "scale_split_gradients",
+]
 
 
 class Placement(str, enum.Enum):
@@ -197,16 +205,30 @@ def apply_splits(
     :func:`split_plan`).
 
     Returns:
-        The names of the parameters that became DTensors (for DDP to ignore).
+        The names of the parameters that became DTensors (for DDP to ignore). Their gradients are sums over the
+        group's rows: see :func:`scale_split_gradients`.
     """
     if not layers:
         return []
     parallelize_module(model, mesh, split_plan(layers, compression))  # type: ignore[arg-type]
-    scale = 1.0 / mesh.size()
-    names = []
-    for s in layers:
-        for pname, p in model.get_submodule(s.path).named_parameters():
-            names.append(f"{s.path}.{pname}")
-            # On the incoming gradient, before accumulation: right under gradient accumulation too.
-            p.register_hook(lambda grad, s=scale: grad * s)
-    return names
+    return [
+        f"{s.path}.{pname}" for s in layers for pname, _ in model.get_submodule(s.path).named_parameters()
+    ]
+
+
+def scale_split_gradients(model: nn.Module, group_size: int) -> List[nn.Parameter]:
+    """Divide the gradients of ``model``'s DTensor parameters by ``group_size`` (a hook on the incoming
+    gradient, before accumulation, so right under gradient accumulation too), so that they equal the mean DDP
+    gives the replicated layers.
+
+    Call it once the parameters are final: ``module.to()`` replaces DTensor parameters (TorchRec's DDP wrapper
+    calls it), and the hooks of the replaced ones are lost.
+
+    Returns:
+        The parameters hooked.
+    """
+    scale = 1.0 / group_size
+    hooked: List[nn.Parameter] = [p for p in model.parameters() if isinstance(p, DTensor)]
+    for p in hooked:
+        p.register_hook(lambda grad, s=scale: grad * s)
+    return hooked

@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
@@ -59,6 +59,7 @@ from torchrec_lookahead.strategies._splits import (
     apply_splits,
     dense_linears,
     resolve_placement,
+    scale_split_gradients,
 )
 from torchrec_lookahead.strategies._tagger import CostModel, Tagging, tag
 from torchrec_lookahead.strategies.torchrec import TorchRecStrategy
@@ -104,6 +105,7 @@ class _GroupDataParallelWrapper(DefaultDataParallelWrapper):
         self._layers = layers
         self._compression = compression
         self.split_parameters: List[str] = []
+        self.hooked: List[nn.Parameter] = []
 
     @override
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
@@ -119,6 +121,8 @@ class _GroupDataParallelWrapper(DefaultDataParallelWrapper):
             dmp, ShardingEnv.from_process_group(group), device, sharded | set(self.split_parameters)
         )
         ddp = dmp._dmp_wrapped_module
+        # After DDP: its module.to() replaces DTensor parameters (and would drop hooks set before).
+        self.hooked = scale_split_gradients(ddp, self._mesh.size())
         if self._compression is not Compression.NONE and isinstance(ddp, nn.parallel.DistributedDataParallel):
             # Registered here on every device: Lightning registers DDP hooks on CUDA only.
             ddp.register_comm_hook(group, bf16_allreduce_hook)
@@ -199,6 +203,24 @@ class HierarchicalStrategy(TorchRecStrategy):
         self.tagging: Optional[Tagging] = None
         self._wrapper: Optional[_GroupDataParallelWrapper] = None
         self._average_group: Optional[dist.ProcessGroup] = None
+
+    def hierarchical_kwargs(self) -> Dict[str, Any]:
+        """The arguments this class adds to :class:`TorchRecStrategy`'s, as given (for a copy of the strategy).
+
+        Example:
+            >>> HierarchicalStrategy(sync_every=3).hierarchical_kwargs()["sync_every"]
+            3
+        """
+        return {
+            "group_size": self.group_size_arg,
+            "sync_every": self.sync_every,
+            "averaging": self.averaging,
+            "elastic_alpha": self.elastic_alpha,
+            "background": self.background,
+            "compression": self.compression,
+            "placement": self.placement,
+            "cost_model": self.cost_model,
+        }
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:  # type: ignore[override]
@@ -302,26 +324,43 @@ class HierarchicalStrategy(TorchRecStrategy):
         return self._wrapper
 
     # ------------------------------------------------------------------------------------------- averaging
-    def dense_parameters(self) -> List[torch.Tensor]:
-        """This rank's part of its group's dense replica: local shards of split layers, replicated layers
-        whole (the embedding tables are left out: they are sharded and exact)."""
+    def dense_parameters(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """This rank's dense tensors: its local shards of split layers, and the replicated layers (the embedding
+        tables are left out: they are sharded and exact)."""
         if self.dmp is None:
-            return []
-        dense = in_backward_optimizer_filter(self.dmp.named_parameters())
-        return [p.to_local() if isinstance(p, DTensor) else p for _, p in dense]
+            return [], []
+        dense = [p for _, p in in_backward_optimizer_filter(self.dmp.named_parameters())]
+        split = [p.to_local() for p in dense if isinstance(p, DTensor)]
+        return split, [p for p in dense if not isinstance(p, DTensor)]
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
+        self._check_split_gradients_scaled()
+        split, replicated = self.dense_parameters()
+        assert self.mesh is not None
         self.averager = ReplicaAverager(
-            self.dense_parameters(),
+            split,
             self._average_group,
             self.num_groups,
             self.averaging,
             self.elastic_alpha,
             self.sync_every,
             background=self.background,
+            shared=replicated,
+            in_group=self.mesh["within"].get_group() if self.group_size > 1 else None,
         )
+
+    def _check_split_gradients_scaled(self) -> None:
+        hooked = {id(p) for p in (self._wrapper.hooked if self._wrapper is not None else [])}
+        lm = self.lightning_module
+        current = [p for p in (lm.parameters() if lm is not None else []) if isinstance(p, DTensor)]
+        if any(id(p) not in hooked for p in current):
+            raise SetupError(
+                "A split layer's parameters were replaced after they were split (a module.to() or a parameter "
+                "re-registration after DistributedModelParallel); their gradients would not be averaged over "
+                "the group. Move the model before the strategy shards it."
+            )
 
     @override
     def optimizer_step(
