@@ -6,7 +6,7 @@ with one strategy and rank 0 writes every rank's final weights (full dense tenso
 
 with JSON a list of ``{"name": ..., "strategy": {...} or "torchrec", "steps": N, "dense": "adagrad"}``, and
 optionally ``ckpt_dir`` + ``ckpt_every`` (checkpoints), ``resume`` (a checkpoint to start from), ``log_dir``
-(TensorBoard).
+(TensorBoard), ``num_nodes`` (launchers of WORLD_SIZE / num_nodes ranks each).
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def run(spec: Dict[str, Any], devices: int) -> Dict[str, torch.Tensor]:
     if "log_dir" in spec:
         kw["logger"] = TensorBoardLogger(spec["log_dir"], name="", version="")
         kw["log_every_n_steps"] = 2
-    trainer = pl.Trainer(**{**QUIET_TRAINER_ARGS, "accelerator": "cpu", "devices": devices, "strategy": strategy,
+    nodes = int(spec.get("num_nodes", 1))
+    kw["num_nodes"] = nodes
+    trainer = pl.Trainer(**{**QUIET_TRAINER_ARGS, "accelerator": "cpu", "devices": devices // nodes, "strategy": strategy,
                             "max_steps": spec["steps"], "max_epochs": None, **kw})  # fmt: skip
     trainer.fit(model, datamodule=dm, ckpt_path=spec.get("resume"))
     return _state(model)

@@ -1,6 +1,6 @@
 """Two groups of one rank under torchrun: a checkpoint holds every group's own replica, dense optimizer state,
-the EASGD center and the counters (DCP, every rank), and resuming from it ends with the weights of the
-uninterrupted run; the averaging metrics reach TensorBoard."""
+the EASGD center and the counters (DCP, every rank), and resuming from it mid-epoch (step 4 of 6 per epoch)
+ends with the weights of the uninterrupted run; the averaging metrics reach TensorBoard."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run_and_metrics_are_l
             "strategy": HT,
             "steps": 12,
             "ckpt_dir": str(tmp_path / "a"),
-            "ckpt_every": 6,
+            "ckpt_every": 4,
             "log_dir": str(tmp_path / "tb"),
         },  # fmt: skip
         {
@@ -35,15 +35,15 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run_and_metrics_are_l
             "strategy": HT,
             "steps": 12,
             "ckpt_dir": str(tmp_path / "b"),
-            "ckpt_every": 6,
-            "resume": str(tmp_path / "a" / "epoch=0-step=6.ckpt"),
+            "ckpt_every": 4,
+            "resume": str(tmp_path / "a" / "epoch=0-step=4.ckpt"),
         },  # fmt: skip
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "tests.strategies.hierarchical_runs", str(tmp_path), json.dumps(runs)]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=clean_env())
     assert done.returncode == 0, done.stderr[-4000:]
-    ckpt = tmp_path / "a" / "epoch=0-step=6.ckpt" / "hierarchical"
+    ckpt = tmp_path / "a" / "epoch=0-step=4.ckpt" / "hierarchical"
     assert len(list(ckpt.glob("*.distcp"))) == 2  # every rank wrote its own part
     full = torch.load(tmp_path / "full.pt", weights_only=False)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
