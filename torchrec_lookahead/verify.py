@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.export import resident_key
@@ -68,6 +69,8 @@ def comparable_state(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
                 if not shards:
                     continue
                 value = shards[0].tensor
+        if isinstance(value, DTensor):  # a dense layer split by the hierarchical strategy
+            value = value.full_tensor()
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             continue
         if "embedding_bags." in key and not key.endswith(".weight"):
@@ -87,17 +90,18 @@ def _train(
     cli: Any, resident: bool, steps: int, seed: int
 ) -> Tuple[Dict[str, torch.Tensor], List[float], List[str]]:
     from torchrec_lookahead.data import LookaheadDataModule
-    from torchrec_lookahead.strategies import TorchRecStrategy
+    from torchrec_lookahead.strategies import HierarchicalStrategy, TorchRecStrategy
 
     strategy = cli.trainer.strategy
     if not isinstance(strategy, TorchRecStrategy):
         raise ConfigError(
-            f"verify needs strategy='torchrec' (TorchRecStrategy) but the config uses {type(strategy).__name__}"
+            "verify needs strategy='torchrec' or 'hierarchical' (TorchRecStrategy or HierarchicalStrategy) but "
+            f"the config uses {type(strategy).__name__}"
         )
     dm = cli.datamodule
     if resident and isinstance(dm, LookaheadDataModule):
         dm = dm.datamodule
-    strategy = TorchRecStrategy(
+    common: Dict[str, Any] = dict(
         sharders=None if resident else strategy._sharders,
         constraints=strategy._constraints,
         compute_kernel=strategy._compute_kernel,
@@ -105,6 +109,11 @@ def _train(
         module_name=strategy._module_name,
         init_seed=strategy._init_seed,
     )
+    if isinstance(strategy, HierarchicalStrategy) and not resident:
+        # The configured hierarchical run against synchronous resident DMP training.
+        strategy = HierarchicalStrategy(**strategy.hierarchical_kwargs(), **common)
+    else:
+        strategy = TorchRecStrategy(**common)
     recorder = _LossRecorder()
     trainer = pl.Trainer(
         accelerator=cli.trainer.accelerator,

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.distributed.model_parallel import get_default_sharders
+from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -273,6 +273,7 @@ class TorchRecStrategy(DDPStrategy):
             device=self.root_device,
             sharders=sharders,
             plan=plan,
+            data_parallel_wrapper=self.data_parallel_wrapper(),
         )
         check_all_sharded(dmp)
         if self._init_seed is not None:
@@ -287,6 +288,11 @@ class TorchRecStrategy(DDPStrategy):
                         if c.name not in m.capacity:
                             init_embedding_weights(m.cache_weights(c.name), c.name, self._init_seed)
         return dmp
+
+    def data_parallel_wrapper(self) -> Optional[DataParallelWrapper]:
+        """How ``DistributedModelParallel`` replicates the dense (unsharded) layers; ``None`` is TorchRec's
+        default, DDP over every rank. Subclasses override it (the hierarchical strategy: DDP inside a group)."""
+        return None
 
     def _sample_batches(self) -> Iterator[Any]:
         """Training batches of the (unwrapped) DataModule, for sizing caches; identical on every rank."""
