@@ -207,6 +207,20 @@ def main(args: Optional[List[str]] = None) -> None:
         with short_lookahead_errors():
             code = export_main(argv[1:])
         raise SystemExit(code)
+    if argv[:1] in (["-h"], ["--help"]):
+        try:
+            build_cli(None if args is None else argv, run=True)
+        finally:  # LightningCLI prints its subcommands and exits; ours follow
+            sys.stdout.write(EXTRA_COMMANDS)
+            sys.stdout.flush()
     with fail_fast_on_error(), short_lookahead_errors():
         build_cli(None if args is None else argv, run=True)
     shutdown_distributed(exit_code=0)
+
+
+EXTRA_COMMANDS = """
+torchrec_lookahead commands (beside Lightning's fit, validate, test, predict):
+  verify   train a config cached and with every table resident, side by side, and compare (bit-exact by default)
+  export   write a cached run's checkpoint as the resident model's, for evaluation and serving
+  each takes --help
+"""

@@ -78,3 +78,13 @@ def test_criteo_tsv_config_with_a_missing_file_names_it(tmp_path):
         "fit", "--config", "configs/criteo_tsv.yaml", f"--data.init_args.train_files={tmp_path}/missing.tsv"
     )
     assert out.returncode != 0 and "DataError" in out.stderr and "missing.tsv" in out.stderr
+
+
+def test_help_lists_the_project_s_commands(capsys):
+    from torchrec_lookahead.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "fit" in out and "verify" in out and "export" in out
