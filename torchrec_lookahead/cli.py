@@ -1,4 +1,4 @@
-"""Command line: ``python -m torchrec_lookahead {fit,validate,test,verify} --config configs/<name>.yaml``.
+"""Command line: ``python -m torchrec_lookahead {fit,validate,test,verify,calibrate} --config configs/<name>.yaml``.
 
 A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`~torchrec_lookahead.models.DLRMModule` (or a
 subclass) and any DataModule exposing ``num_embeddings_per_feature`` and ``num_dense_features``; the model's table sizes and dense width
@@ -124,7 +124,8 @@ def build_cli(args: Sequence[str], run: bool = False) -> LookaheadCLI:
 
 
 def main(args: Optional[List[str]] = None) -> None:
-    """Run the CLI (``args`` defaults to ``sys.argv[1:]``); ``verify`` compares cached and resident training."""
+    """Run the CLI (``args`` defaults to ``sys.argv[1:]``); ``verify`` compares cached and resident training,
+    ``calibrate`` runs FAE's calibrator (:mod:`torchrec_lookahead.calibrate`)."""
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["verify"]:
         from torchrec_lookahead.verify import main as verify_main
@@ -132,6 +133,10 @@ def main(args: Optional[List[str]] = None) -> None:
         with fail_fast_on_error():
             code = verify_main(argv[1:])
         raise SystemExit(code)
+    if argv[:1] == ["calibrate"]:
+        from torchrec_lookahead.calibrate import main as calibrate_main
+
+        raise SystemExit(calibrate_main(argv[1:]))
     with fail_fast_on_error():
         build_cli(argv, run=True)
     shutdown_distributed(exit_code=0)

@@ -184,6 +184,21 @@ class HotSet:
                     "recalibrate for this model (python -m torchrec_lookahead calibrate --config <yaml> --save <path>)"
                 )
 
+    def check_budget(self, config: Any) -> None:
+        """Refuse a hot set calibrated for another budget or row size than ``config``
+        (a :class:`~torchrec_lookahead.hotcold.CalibrationConfig`).
+
+        Raises:
+            ConfigError: the budget or the bytes per row differ.
+        """
+        row_bytes = {t.row_bytes for t in self.tables.values()}
+        if self.hot_budget_bytes != config.hot_budget_bytes or row_bytes - {config.row_bytes}:
+            raise ConfigError(
+                f"The hot set was calibrated for hot_budget_bytes={self.hot_budget_bytes} and {sorted(row_bytes)} bytes "
+                f"per row but the configuration asks for {config.hot_budget_bytes} and {config.row_bytes}; delete the "
+                "file so that it is recalibrated, or recalibrate (python -m torchrec_lookahead calibrate --config <yaml>)"
+            )
+
     def summary(self) -> Dict[str, Any]:
         """The figures as plain values (what ``calibrate --json`` writes)."""
         return {

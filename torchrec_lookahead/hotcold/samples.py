@@ -11,7 +11,22 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["Samples", "cold_ids_per_sample"]
+__all__ = ["Samples", "cold_ids_per_sample", "owners"]
+
+
+def owners(lengths: torch.Tensor) -> torch.Tensor:
+    """The sample each id belongs to, for ids laid out by ``lengths`` (``repeat_interleave(arange, lengths)``,
+    computed with two cumulative sums, which is several times faster for the small batches seen here).
+
+    Example:
+        >>> owners(torch.tensor([2, 0, 1])).tolist()
+        [0, 0, 2]
+    """
+    lengths = lengths.to(torch.int64)
+    n = int(lengths.sum())
+    marks = torch.zeros(n + 1, dtype=torch.int64)
+    marks.index_add_(0, torch.cumsum(lengths, 0), torch.ones_like(lengths))
+    return torch.cumsum(marks[:n], 0)
 
 
 def cold_ids_per_sample(values: torch.Tensor, lengths: torch.Tensor, hot: torch.Tensor) -> torch.Tensor:
@@ -27,10 +42,8 @@ def cold_ids_per_sample(values: torch.Tensor, lengths: torch.Tensor, hot: torch.
         >>> cold_ids_per_sample(torch.tensor([0, 1, 2, 2]), torch.tensor([2, 0, 2]), hot).tolist()
         [1, 0, 0]
     """
-    n = lengths.numel()
-    out = torch.zeros(n, dtype=torch.int64)
-    owner = torch.repeat_interleave(torch.arange(n), lengths.to(torch.int64))
-    return out.index_add_(0, owner, (~hot[values]).to(torch.int64))
+    out = torch.zeros(lengths.numel(), dtype=torch.int64)
+    return out.index_add_(0, owners(lengths), (~hot[values]).to(torch.int64))
 
 
 @dataclass
@@ -95,7 +108,7 @@ class Samples:
 
     def select(self, mask: torch.Tensor) -> Samples:
         """The rows where ``mask`` is true, in order."""
-        vals = [self.values[i][torch.repeat_interleave(mask, self.lengths[i])] for i in range(len(self.keys))]
+        vals = [self.values[i][mask[owners(self.lengths[i])]] for i in range(len(self.keys))]
         return Samples(
             self.keys, self.dense[mask], self.labels[mask], self.lengths[:, mask], vals, self.lengths_dtype
         )

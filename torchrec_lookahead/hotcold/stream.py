@@ -31,7 +31,7 @@ from torchrec.datasets.utils import Batch
 from torchrec_lookahead.errors import CheckpointError, ConfigError, DataError
 from torchrec_lookahead.hotcold.samples import Samples
 
-__all__ = ["BatchKind", "HotColdStream", "count_hot_samples"]
+__all__ = ["BatchKind", "HotColdStream", "count_hot_samples", "classify_epoch"]
 
 
 class BatchKind(str, enum.Enum):
@@ -46,12 +46,23 @@ Gather = Callable[[Samples], Samples]
 
 def count_hot_samples(batches: Iterable[Batch], masks: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     """(hot samples, all samples) of ``batches`` (FAE's one classification pass)."""
-    hot = total = 0
+    hot, total, _ = _count(batches, masks)
+    return hot, total
+
+
+def _count(batches: Iterable[Batch], masks: Mapping[str, torch.Tensor]) -> tuple[int, int, int]:
+    hot = total = largest = 0
     for b in batches:
         s = Samples.of(b)
         hot += int(s.hot(masks).sum())
         total += len(s)
-    return hot, total
+        largest = max(largest, len(s))
+    return hot, total, largest
+
+
+def classify_epoch(batches: Iterable[Batch], masks: Mapping[str, torch.Tensor]) -> tuple[int, int, int]:
+    """(hot samples, all samples, rows of the largest batch) of one rank's epoch."""
+    return _count(batches, masks)
 
 
 class _Queue:
