@@ -245,3 +245,26 @@ def test_bad_hot_set_files(tmp_path: Any) -> None:
     torch.save(raw, path)
     with pytest.raises(InvalidIdError, match="3000"):
         HotSet.load(path)
+
+
+def test_exact_pass_raises_a_threshold_the_box_underestimated() -> None:
+    """Rare heavy rows all in one chunk the box did not draw: the bound says 0 rows, the exact pass sees 100."""
+    n, m = 70_000, 1024
+    cfg = CalibrationConfig(hot_budget_bytes=50 * 36, embedding_dim=8, small_table_bytes=1024)
+    picks = set(torch.randperm(n // m, generator=torch.Generator().manual_seed(cfg.seed + 1))[:35].tolist())
+    block = next(b for b in range(n // m) if b not in picks)
+    counts = torch.ones(n, dtype=torch.int64)
+    counts[block * m : block * m + 100] = 50
+    values = torch.repeat_interleave(torch.arange(n), counts)
+    sampled = SampledAccesses(
+        num_embeddings={"a": n},
+        counts={"a": counts},
+        values={"a": [values]},
+        lengths={"a": [torch.ones(values.numel(), dtype=torch.int64)]},
+        num_samples=values.numel(),
+        batches_read=1,
+    )
+    assert RandEmBox(counts, 35, m, 0.999, torch.Generator().manual_seed(cfg.seed + 1)).estimate(2).upper == 0
+    hs = calibrate_counts(sampled, cfg)
+    assert hs.hot_bytes <= cfg.hot_budget_bytes
+    assert hs.tables["t_a"].hot_rows == 0 and hs.tables["t_a"].cutoff == 51

@@ -95,8 +95,17 @@ def calibrate_counts(
         rows = sum(boxes[f].estimate(cutoff(f, t)).upper for f in large)
         return small_bytes + rows * row_bytes <= config.hot_budget_bytes
 
+    seen: Dict[str, torch.Tensor] = {}
+
+    def rows_at(f: str, c: int) -> int:  # exact, from the sorted counts of the rows seen (cutoffs are >= 1)
+        if f not in seen:
+            counts = sampled.counts[f]
+            seen[f] = torch.sort(counts[counts > 0]).values
+        s = seen[f]
+        return s.numel() - int(torch.searchsorted(s, torch.tensor([c], dtype=s.dtype)))
+
     def fits_exact(t: float) -> bool:
-        rows = sum(exact_hot_rows(sampled.counts[f], cutoff(f, t)) for f in large)
+        rows = sum(rows_at(f, cutoff(f, t)) for f in large)
         return small_bytes + rows * row_bytes <= config.hot_budget_bytes
 
     t = _bisect(fits_estimate, lo, hi, config.search_steps)
