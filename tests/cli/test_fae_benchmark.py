@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import fae
 
 
+@pytest.mark.slow
 def test_fae_benchmark_quick_variant(tmp_path: Path) -> None:
     out = tmp_path / "fae.json"
     fae.main(["--quick", "--scale", "0.005", "--batches", "8", "--train-batches", "0", "--json", str(out)])
