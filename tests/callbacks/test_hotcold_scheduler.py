@@ -8,6 +8,7 @@ from typing import Any, Iterator, List, Tuple
 
 import pytest
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torchrec import KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 
@@ -36,7 +37,7 @@ def _trainer(loader: HotColdLoader) -> Any:
         datamodule=SimpleNamespace(loader=loader),
         current_epoch=0,
         sanity_checking=False,
-        training=True,
+        state=SimpleNamespace(fn=TrainerFn.FITTING),
         callback_metrics={},
         strategy=SimpleNamespace(reduce=lambda t, reduce_op: t),
     )

@@ -13,7 +13,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from torchrec_lookahead.callbacks import HotColdScheduler
+from torchrec_lookahead.callbacks import HotColdScheduler, RateRule
 from torchrec_lookahead.cli import main as cli_main
 from torchrec_lookahead.data import CriteoSyntheticDataModule
 from torchrec_lookahead.errors import CheckpointError, ConfigError
@@ -95,8 +95,24 @@ def _fit(
     return trainer, model, sched, dm
 
 
+class _ValLosses(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: List[float] = []
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.losses.append(float(trainer.callback_metrics["val/logloss"]))
+
+
 def test_trains_end_to_end_with_the_scheduler(tmp_path: Path) -> None:
-    trainer, model, sched, dm = _fit(tmp_path, max_steps=-1, max_epochs=1)
+    seen = _ValLosses()
+    trainer, model, sched, dm = _fit(tmp_path, max_steps=-1, max_epochs=1, callbacks=[seen])
+    # The scheduler saw every validation of the run: replaying its rule on the losses gives its rate.
+    per = dm.loader.batches_per_epoch()
+    rule = RateRule(50.0, patience=1)
+    for loss in seen.losses:
+        rule.observe(loss, min_rate=100.0 / max(per.values()))
+    assert len(seen.losses) >= 3 and sched.rate == rule.rate and sched.rule.last_loss == seen.losses[-1]
     per = dm.loader.batches_per_epoch()
     assert sched.trained == per and trainer.global_step == sum(per.values())
     assert sched.swaps >= 1 and "fae/rate" in trainer.callback_metrics

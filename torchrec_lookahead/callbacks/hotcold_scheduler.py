@@ -32,6 +32,7 @@ from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -182,7 +183,7 @@ class HotColdScheduler(pl.Callback):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or not trainer.training:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:  # validations inside fit only
             return
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
