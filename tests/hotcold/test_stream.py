@@ -220,3 +220,17 @@ def test_two_ranks_regroup_globally() -> None:
     assert [k for k, _ in per_rank[0]] == [k for k, _ in per_rank[1]] == [k for k, _ in expected]
     for j, (_, b) in enumerate(expected):
         assert _rows(per_rank[0][j][1]) + _rows(per_rank[1][j][1]) == _rows(b)
+
+
+def test_last_cold_batch_is_served_once_the_source_is_read() -> None:
+    """Asking for cold only: every cold batch, the leftover one included, comes before the hot batches left."""
+    ds = CriteoSyntheticDataset(_config())
+    masks = _masks(ds)
+    stream = _stream(ds, masks, window=64)
+    out = _run(stream, [BatchKind.COLD])
+    per = stream.batches_per_epoch()
+    assert [k for k, _ in out] == [BatchKind.COLD] * per[BatchKind.COLD] + [BatchKind.HOT] * per[
+        BatchKind.HOT
+    ]
+    hot, total = stream.num_samples  # type: ignore[misc]
+    assert out[per[BatchKind.COLD] - 1][1].labels.numel() == (total - hot) % 32 + hot % 32

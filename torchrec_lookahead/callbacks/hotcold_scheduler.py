@@ -9,7 +9,8 @@ The rule (FAE, equation 7), precisely:
   Training starts each epoch with a cold run (cold batches touch the widest range of rows) at
   ``initial_rate`` (FAE's ``R(50)`` by default).
 * A run ends when it has trained its length, or when its kind has no batches left this epoch; the other kind
-  then starts a run (a *swap*) if it has batches left.
+  then starts a run if it has batches left. ``fae/swaps`` counts the changes of kind between consecutive
+  trained batches.
 * After each validation (not the sanity check), with ``L`` the validation loss (``monitor``), all-reduced
   over ranks so that every rank takes the same decision, and ``L_prev`` the previous one:
 
@@ -112,6 +113,7 @@ class HotColdScheduler(pl.Callback):
         self.swaps = 0
         self.trained: Dict[BatchKind, int] = {BatchKind.HOT: 0, BatchKind.COLD: 0}
         self.epoch = -1
+        self._last_served: Optional[BatchKind] = None
         self._warned = False
 
     @property
@@ -143,7 +145,6 @@ class HotColdScheduler(pl.Callback):
             other = BatchKind.HOT if self.kind is BatchKind.COLD else BatchKind.COLD
             if remaining[other] > 0:
                 self.kind = other
-                self.swaps += 1
             self.left = self.run_length(self.kind, loader.batches_per_epoch())
         loader.request(self.kind)
 
@@ -155,6 +156,7 @@ class HotColdScheduler(pl.Callback):
             per = loader.batches_per_epoch()
             self.kind = BatchKind.COLD if per[BatchKind.COLD] > 0 else BatchKind.HOT
             self.left = self.run_length(self.kind, per)
+            self._last_served = None
         loader.request(self.kind)
 
     @override
@@ -164,6 +166,9 @@ class HotColdScheduler(pl.Callback):
         loader = self._loader(trainer)
         served = loader.last_kind
         if served is not None:
+            if self._last_served is not None and served is not self._last_served:
+                self.swaps += 1
+            self._last_served = served
             self.trained[served] += 1
             if served is self.kind:
                 self.left -= 1
@@ -210,6 +215,7 @@ class HotColdScheduler(pl.Callback):
             "hot_batches": self.trained[BatchKind.HOT],
             "cold_batches": self.trained[BatchKind.COLD],
             "epoch": self.epoch,
+            "last_served": None if self._last_served is None else self._last_served.value,
         }
 
     @override
@@ -223,3 +229,5 @@ class HotColdScheduler(pl.Callback):
             BatchKind.COLD: int(state_dict.get("cold_batches", 0)),
         }
         self.epoch = int(state_dict.get("epoch", -1))
+        last = state_dict.get("last_served")
+        self._last_served = None if last is None else BatchKind(last)

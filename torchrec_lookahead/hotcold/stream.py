@@ -7,8 +7,9 @@ ones: the contents of each kind are fixed by the data alone, and only their inte
 time (by :meth:`HotColdStream.request`, which the :class:`~torchrec_lookahead.callbacks.HotColdScheduler`
 drives). The queue is bounded: the stream reads ahead only while fewer than ``window`` source batches' worth
 of samples wait; when the requested kind cannot be completed within that bound, the other kind is served.
-At the end of the epoch the leftover hot and cold samples (fewer than a batch of each) form one last cold
-batch, so every sample is trained exactly once per epoch.
+At the end of the epoch the leftover hot and cold samples (fewer than a batch of each; the hot leftover is the
+last ``hot samples % batch_size`` hot samples) form one last cold batch, served when a cold batch is requested
+after the source is read (or when nothing else is left), so every sample is trained exactly once per epoch.
 
 With ``W`` ranks each rank reads its slice of every global source batch; the slices are all-gathered, so
 every rank regroups the same global stream, takes the same decisions, and keeps its contiguous slice of each
@@ -252,6 +253,10 @@ class HotColdStream:
                 ready = [k for k, q in queues.items() if q.size >= g]
                 order = sorted(ready, key=lambda k: -queues[k].size)
             kind = next((k for k in order if queues[k].size >= g), None)
+            hot_rest = queues[BatchKind.HOT].size % g
+            if exhausted and want is BatchKind.COLD and queues[BatchKind.COLD].size < g:
+                if queues[BatchKind.COLD].size + hot_rest:
+                    kind = None  # the last cold batch now: its samples are known once the source is read
             if kind is not None:
                 out = queues[kind].pop(g)
             else:
@@ -259,7 +264,17 @@ class HotColdStream:
                     raise DataError(  # unreachable with window >= 2: a full queue holds a batch of one kind
                         f"The hot/cold window of {self.window} source batches holds no full batch"
                     )
-                rest = [q.pop(q.size) for q in (queues[BatchKind.COLD], queues[BatchKind.HOT]) if q.size]
+                hot = queues[BatchKind.HOT]
+                whole = hot.pop(hot.size) if hot.size else None
+                rest = (
+                    [queues[BatchKind.COLD].pop(queues[BatchKind.COLD].size)]
+                    if queues[BatchKind.COLD].size
+                    else []
+                )
+                if whole is not None:  # full hot batches stay queued; the leftover (the last samples) joins
+                    hot.push(whole.slice(0, len(whole) - hot_rest))
+                    if hot_rest:
+                        rest.append(whole.slice(len(whole) - hot_rest, len(whole)))
                 if not rest:
                     return
                 out, kind = Samples.cat(rest), BatchKind.COLD
