@@ -1,4 +1,4 @@
-"""Command line: ``python -m torchrec_lookahead {fit,validate,test,verify,export} --config configs/<name>.yaml``.
+"""Command line: ``python -m torchrec_lookahead {fit,validate,test,verify,export,calibrate} --config <yaml>``.
 
 A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`~torchrec_lookahead.models.DLRMModule` (or a
 subclass) and any DataModule exposing ``num_embeddings_per_feature`` and ``num_dense_features``; the model's table sizes and dense width
@@ -193,7 +193,8 @@ def build_cli(args: Optional[Sequence[str]], run: bool = False) -> LookaheadCLI:
 
 
 def main(args: Optional[List[str]] = None) -> None:
-    """Run the CLI (``args`` defaults to ``sys.argv[1:]``); ``verify`` compares cached and resident training."""
+    """Run the CLI (``args`` defaults to ``sys.argv[1:]``); ``verify`` compares cached and resident training,
+    ``calibrate`` runs FAE's calibrator (:mod:`torchrec_lookahead.calibrate`)."""
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["verify"]:
         from torchrec_lookahead.verify import main as verify_main
@@ -206,6 +207,12 @@ def main(args: Optional[List[str]] = None) -> None:
 
         with short_lookahead_errors():
             code = export_main(argv[1:])
+        raise SystemExit(code)
+    if argv[:1] == ["calibrate"]:
+        from torchrec_lookahead.calibrate import main as calibrate_main
+
+        with short_lookahead_errors():
+            code = calibrate_main(argv[1:])
         raise SystemExit(code)
     if argv[:1] in (["-h"], ["--help"]):
         try:
@@ -222,5 +229,6 @@ EXTRA_COMMANDS = """
 torchrec_lookahead commands (beside Lightning's fit, validate, test, predict):
   verify   train a config cached and with every table resident, side by side, and compare (bit-exact by default)
   export   write a cached run's checkpoint as the resident model's, for evaluation and serving
+  calibrate  estimate and save a hot set for a hot-embedding budget (FAE)
   each takes --help
 """

@@ -1,0 +1,168 @@
+"""HotColdDataModule: calibrate or load the hot set, refuse bad ones, train end to end with the scheduler
+(resident tables), resume mid-epoch exactly; the ``calibrate`` command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from torchrec_lookahead.callbacks import HotColdScheduler, RateRule
+from torchrec_lookahead.cli import main as cli_main
+from torchrec_lookahead.data import CriteoSyntheticDataModule
+from torchrec_lookahead.errors import CheckpointError, ConfigError
+from torchrec_lookahead.hotcold import BatchKind, HotColdDataModule, HotSet
+
+from ..conftest import REPO, tiny_data_args
+from ..helpers import _trainer, local_state, make_model, max_abs_diff
+
+FAE = dict(hot_budget_bytes=40_000, sample_fraction=0.5, small_table_bytes=1024, num_chunks=4, chunk_rows=16)
+
+
+def _dm(**kw: Any) -> HotColdDataModule:
+    return HotColdDataModule(
+        CriteoSyntheticDataModule(**tiny_data_args()), **{**FAE, "embedding_dim": 8, **kw}
+    )
+
+
+def test_calibrates_saves_and_loads(tmp_path: Path) -> None:
+    path = str(tmp_path / "hot.pt")
+    dm = _dm(hot_set=path)
+    dm.setup("fit")
+    assert dm.hot_set is not None and Path(path).is_file()
+    loaded = _dm(hot_set=path)
+    loaded.setup("fit")
+    assert loaded.hot_set is not None and loaded.hot_set.summary() == dm.hot_set.summary()
+    per = loaded.train_dataloader().batches_per_epoch()
+    assert per[BatchKind.HOT] > 0 and per[BatchKind.COLD] > 0
+    with pytest.raises(ConfigError, match="hot_budget_bytes=40000"):
+        _dm(hot_set=path, hot_budget_bytes=50_000).setup("fit")
+    other = HotColdDataModule(
+        CriteoSyntheticDataModule(**tiny_data_args(num_embeddings=[7] * 26)),
+        hot_set=path,
+        embedding_dim=8,
+        **FAE,
+    )
+    with pytest.raises(ConfigError, match="rows"):
+        other.setup("fit")
+
+
+def test_bad_arguments_fail_before_training(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="hot_budget_bytes"):
+        _dm(hot_budget_bytes=0)
+    with pytest.raises(ConfigError, match="sample_fraction"):
+        _dm(sample_fraction=1.5)
+    with pytest.raises(ConfigError, match="window"):
+        _dm(window=1)
+    with pytest.raises(ConfigError, match="small tables"):
+        _dm(hot_budget_bytes=100).setup("fit")
+    with pytest.raises(ConfigError, match="embedding width"):
+        HotColdDataModule(CriteoSyntheticDataModule(**tiny_data_args()), **FAE).setup("fit")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a readable hot set"):
+        _dm(hot_set=str(bad)).setup("fit")
+
+
+def _fit(
+    tmp_path: Path,
+    max_steps: int,
+    ckpt_path: Optional[str] = None,
+    callbacks: Optional[List[Any]] = None,
+    **kw: Any,
+) -> Any:
+    pl.seed_everything(0, verbose=False)
+    inner = CriteoSyntheticDataModule(**tiny_data_args())
+    dm = HotColdDataModule(inner, **FAE)
+    model = make_model(inner)
+    sched = HotColdScheduler(initial_rate=50.0, patience=1)
+    trainer = _trainer(
+        tmp_path,
+        max_steps,
+        [sched, *(callbacks or [])],
+        strategy="torchrec",
+        limit_val_batches=2,
+        val_check_interval=3,
+        **kw,
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return trainer, model, sched, dm
+
+
+class _ValLosses(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: List[float] = []
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.losses.append(float(trainer.callback_metrics["val/logloss"]))
+
+
+def test_trains_end_to_end_with_the_scheduler(tmp_path: Path) -> None:
+    seen = _ValLosses()
+    trainer, model, sched, dm = _fit(tmp_path, max_steps=-1, max_epochs=1, callbacks=[seen])
+    # The scheduler saw every validation of the run: replaying its rule on the losses gives its rate.
+    per = dm.loader.batches_per_epoch()
+    rule = RateRule(50.0, patience=1)
+    for loss in seen.losses:
+        rule.observe(loss, min_rate=100.0 / max(per.values()))
+    assert len(seen.losses) >= 3 and sched.rate == rule.rate and sched.rule.last_loss == seen.losses[-1]
+    per = dm.loader.batches_per_epoch()
+    assert sched.trained == per and trainer.global_step == sum(per.values())
+    assert sched.swaps >= 1 and "fae/rate" in trainer.callback_metrics
+    assert float(trainer.callback_metrics["fae/hot_share"]) == pytest.approx(
+        per[BatchKind.HOT] / sum(per.values())
+    )
+
+
+def test_mid_epoch_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    _, full, sched_full, _ = _fit(tmp_path / "full", max_steps=10, callbacks=[ckpt])
+    path = tmp_path / "ckpt" / "epoch=0-step=5.ckpt"
+    trainer, resumed, sched, _ = _fit(tmp_path / "resumed", max_steps=10, ckpt_path=str(path))
+    assert trainer.global_step == 10
+    assert sched.trained == sched_full.trained and sched.swaps == sched_full.swaps
+    assert max_abs_diff(local_state(full.model), local_state(resumed.model)) == 0.0
+
+
+def _tiny_config(tmp_path: Path, **data: Any) -> str:
+    cfg: Dict[str, Any] = yaml.safe_load((REPO / "configs" / "dlrm_tiny.yaml").read_text())
+    inner = cfg["data"]
+    cfg["data"] = {
+        "class_path": "torchrec_lookahead.hotcold.HotColdDataModule",
+        "init_args": {"datamodule": inner, **FAE, **data},
+    }
+    path = tmp_path / "fae.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_calibrate_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = _tiny_config(tmp_path)
+    save, out = tmp_path / "hs.pt", tmp_path / "cal.json"
+    with pytest.raises(SystemExit) as e:
+        cli_main(["calibrate", "--config", cfg, "--save", str(save), "--json", str(out)])
+    assert e.value.code == 0
+    assert "--- FAE hot set ---" in capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    for key in ("threshold", "hot_budget_bytes", "hot_bytes", "hot_rows", "estimated_hot_rows",
+                "hot_access_share", "hot_sample_share", "seconds"):  # fmt: skip
+        assert key in figures
+    raw = torch.load(save, weights_only=True)
+    assert set(raw["hot_ids"]) == set(figures["hot_rows"])
+    assert all(raw["hot_ids"][t].numel() == n for t, n in figures["hot_rows"].items())
+    assert figures["hot_bytes"] == HotSet.load(str(save)).hot_bytes <= figures["hot_budget_bytes"]
+
+
+def test_calibrate_command_needs_a_budget(tmp_path: Path) -> None:
+    path = tmp_path / "plain.yaml"
+    path.write_text((REPO / "configs" / "dlrm_tiny.yaml").read_text())
+    with pytest.raises(ConfigError, match="hot_budget_bytes"):
+        cli_main(["calibrate", "--config", str(path), "--json", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()

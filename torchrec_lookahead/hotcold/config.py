@@ -1,0 +1,107 @@
+"""The calibrator's configuration: the hot budget and FAE's sampling and estimation knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.optim import EmbeddingOptimizerName
+
+__all__ = ["CalibrationConfig", "optimizer_state_floats"]
+
+_MIB = 1 << 20
+
+
+def optimizer_state_floats(optimizer: str, embedding_dim: int) -> int:
+    """float32 optimizer-state values kept per embedding row (FBGEMM's layout).
+
+    Example:
+        >>> optimizer_state_floats("rowwise_adagrad", 16), optimizer_state_floats("adam", 16)
+        (1, 32)
+    """
+    try:
+        name = EmbeddingOptimizerName(optimizer)
+    except ValueError:
+        valid = [m.value for m in EmbeddingOptimizerName]
+        raise ConfigError(f"Expected optimizer to be one of {valid} but got {optimizer!r}") from None
+    return {
+        EmbeddingOptimizerName.SGD: 0,
+        EmbeddingOptimizerName.ROWWISE_ADAGRAD: 1,
+        EmbeddingOptimizerName.ADAGRAD: embedding_dim,
+        EmbeddingOptimizerName.ADAM: 2 * embedding_dim,
+    }[name]
+
+
+@dataclass
+class CalibrationConfig:
+    """What the calibrator may spend and how it samples.
+
+    Args:
+        hot_budget_bytes: bytes every rank may give the hot rows (weights plus optimizer state; the hot set is
+            replicated on every rank, so this is the per-rank cost). FAE uses 256 MiB.
+        sample_fraction: share of the training batches sampled for access counts, in (0, 1] (FAE: 5 %).
+        num_chunks: Rand-Em Box chunks drawn per table (FAE: 35, enough for the central limit theorem).
+        chunk_rows: rows per chunk (FAE: 1,024).
+        confidence: two-sided confidence of the t-interval; the hot set is sized with its upper bound.
+        small_table_bytes: tables whose weights are smaller than this are wholly hot (FAE: 1 MiB).
+        seed: seed of the batch sample and of the chunk draw.
+        embedding_dim: embedding width (float32 weights).
+        optimizer: embedding optimizer name (its per-row state counts against the budget).
+        search_steps: bisection steps of the statistical optimizer over log(threshold).
+
+    Example:
+        >>> CalibrationConfig(hot_budget_bytes=1 << 20, embedding_dim=16).row_bytes
+        68
+    """
+
+    hot_budget_bytes: int
+    sample_fraction: float = 0.05
+    num_chunks: int = 35
+    chunk_rows: int = 1024
+    confidence: float = 0.999
+    small_table_bytes: int = _MIB
+    seed: int = 0
+    embedding_dim: int = 16
+    optimizer: str = "rowwise_adagrad"
+    search_steps: int = 60
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hot_budget_bytes, bool) or not isinstance(self.hot_budget_bytes, int):
+            raise ConfigError(
+                f"Expected hot_budget_bytes to be a positive integer but got {self.hot_budget_bytes!r}"
+            )
+        if self.hot_budget_bytes <= 0:
+            raise ConfigError(
+                f"Expected hot_budget_bytes > 0 but got {self.hot_budget_bytes}; give the hot rows a memory "
+                "budget per rank (FAE uses 256 MiB = 268435456)"
+            )
+        if not (0.0 < float(self.sample_fraction) <= 1.0):
+            raise ConfigError(
+                f"Expected sample_fraction in (0, 1] but got {self.sample_fraction}; e.g. 0.05 samples 5 % "
+                "of the training batches"
+            )
+        if self.num_chunks < 2:
+            raise ConfigError(
+                f"Expected num_chunks >= 2 (a t-interval needs two chunks) but got {self.num_chunks}"
+            )
+        if self.chunk_rows < 1:
+            raise ConfigError(f"Expected chunk_rows to be a positive integer but got {self.chunk_rows}")
+        if not (0.5 <= self.confidence < 1.0):
+            raise ConfigError(f"Expected confidence in [0.5, 1) but got {self.confidence}; FAE uses 0.999")
+        if self.small_table_bytes < 0:
+            raise ConfigError(f"Expected small_table_bytes >= 0 but got {self.small_table_bytes}")
+        if self.embedding_dim < 1:
+            raise ConfigError(f"Expected embedding_dim to be a positive integer but got {self.embedding_dim}")
+        if self.search_steps < 1:
+            raise ConfigError(f"Expected search_steps >= 1 but got {self.search_steps}")
+        optimizer_state_floats(self.optimizer, self.embedding_dim)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one hot row: float32 weights plus the optimizer's per-row state."""
+        return 4 * (self.embedding_dim + optimizer_state_floats(self.optimizer, self.embedding_dim))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of one row's weights (what decides whether a table is small)."""
+        return 4 * self.embedding_dim

@@ -1,0 +1,310 @@
+"""The hot/cold DataModule: wraps any DataModule of TorchRec batches and serves FAE's all-hot and cold
+mini-batches, calibrating (or loading) the hot set first."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Iterator, List, Mapping, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
+from torchrec.datasets.utils import Batch
+from typing_extensions import override
+
+from torchrec_lookahead.errors import ConfigError, SetupError
+from torchrec_lookahead.hotcold.calibrator import calibrate
+from torchrec_lookahead.hotcold.config import CalibrationConfig
+from torchrec_lookahead.hotcold.hotset import HotSet
+from torchrec_lookahead.hotcold.samples import Samples
+from torchrec_lookahead.hotcold.stream import BatchKind, HotColdStream, classify_epoch
+
+__all__ = ["HotColdDataModule", "HotColdLoader", "calibration_source"]
+
+log = logging.getLogger(__name__)
+
+
+def calibration_source(datamodule: pl.LightningDataModule) -> Any:
+    """The global training stream to calibrate on: one rank's view of the whole data set.
+
+    A :class:`~torchrec_lookahead.data.RecDataModule` builds its training dataset for a single rank (random
+    access where it has it); any other DataModule gives its training loader.
+    """
+    make = getattr(datamodule, "_make_dataset", None)
+    if callable(make):
+        ds = make("train", 1, 0)
+        if ds is not None:
+            return ds
+        return []
+    return datamodule.train_dataloader()
+
+
+def _world(group: Optional[Any] = None) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group), dist.get_rank(group)
+    return 1, 0
+
+
+def _gather(group: Optional[Any]) -> Any:
+    def gather(s: Samples) -> Samples:
+        world, _ = _world(group)
+        parts: List[Any] = [None] * world
+        dist.all_gather_object(parts, s.tensors(), group=group)
+        return Samples.cat(
+            [
+                Samples(s.keys, p["dense"], p["labels"], p["lengths"], p["values"], s.lengths_dtype)
+                for p in parts
+            ]
+        )
+
+    return gather
+
+
+class HotColdLoader:
+    """The training loader of a :class:`HotColdDataModule`: all-hot and cold batches of a
+    :class:`~torchrec_lookahead.hotcold.stream.HotColdStream`, with ``len``, exact mid-epoch resume
+    (``state_dict``) and :meth:`request` for the scheduler."""
+
+    def __init__(self, stream: HotColdStream) -> None:
+        self.stream = stream
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for _, batch in self.stream:
+            yield batch
+
+    def request(self, kind: Optional[BatchKind]) -> None:
+        """Serve ``kind`` next when the window allows (``None``: stream order)."""
+        self.stream.request(kind)
+
+    @property
+    def last_kind(self) -> Optional[BatchKind]:
+        """The kind of the batch handed out last."""
+        return self.stream.last_kind
+
+    def remaining(self) -> Dict[BatchKind, int]:
+        """Batches of each kind still to come this epoch."""
+        return self.stream.remaining()
+
+    def batches_per_epoch(self) -> Dict[BatchKind, int]:
+        """Hot and cold batches per epoch."""
+        return self.stream.batches_per_epoch()
+
+    def state_dict(self) -> Dict[str, int]:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.stream.load_state_dict(state_dict)
+
+
+class HotColdDataModule(pl.LightningDataModule):
+    """Wrap a DataModule of TorchRec batches so that training reads FAE's all-hot and cold mini-batches.
+
+    In ``setup`` the hot set is loaded from ``hot_set`` when that file exists (and checked against the
+    tables), otherwise calibrated on the training data (rank 0, then broadcast) and, with a ``hot_set`` path,
+    saved there. Training batches are then regrouped by a
+    :class:`~torchrec_lookahead.hotcold.stream.HotColdStream`; validation and test batches pass through.
+
+    Args:
+        datamodule: any DataModule yielding :class:`~torchrec.datasets.utils.Batch` es.
+        hot_budget_bytes: per-rank bytes for the hot rows (weights plus optimizer state).
+        hot_set: a saved hot set to load, or where to save the calibrated one.
+        batch_size: rows per regrouped batch per rank (default: the rows of the wrapped DataModule's largest
+            training batch).
+        window: source batches of samples that may wait to be regrouped (memory bound, >= 2).
+        sample_fraction: calibration sample (FAE: 5 %).
+        num_chunks: Rand-Em Box chunks per table.
+        chunk_rows: rows per chunk.
+        confidence: t-interval confidence.
+        small_table_bytes: tables smaller than this are wholly hot.
+        calibration_seed: seed of the sample and the chunks.
+        embedding_dim: embedding width (default: the model's ``embedding_dim``).
+        optimizer: embedding optimizer name (default: the model's).
+
+    Example:
+        >>> from torchrec_lookahead.data import CriteoSyntheticDataModule
+        >>> inner = CriteoSyntheticDataModule(batch_size=64, num_train_batches=20, scale=0.0005)
+        >>> dm = HotColdDataModule(inner, hot_budget_bytes=2 << 20, sample_fraction=0.5, embedding_dim=8)
+        >>> dm.setup("fit")
+        >>> loader = dm.train_dataloader()
+        >>> sum(loader.batches_per_epoch().values()) == len(loader), next(iter(loader)).labels.shape[0]
+        (True, 64)
+    """
+
+    def __init__(
+        self,
+        datamodule: pl.LightningDataModule,
+        hot_budget_bytes: int,
+        hot_set: Optional[str] = None,
+        batch_size: Optional[int] = None,
+        window: int = 64,
+        sample_fraction: float = 0.05,
+        num_chunks: int = 35,
+        chunk_rows: int = 1024,
+        confidence: float = 0.999,
+        small_table_bytes: int = 1 << 20,
+        calibration_seed: int = 0,
+        embedding_dim: Optional[int] = None,
+        optimizer: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        self.datamodule = datamodule
+        self.calibration: Dict[str, Any] = dict(
+            hot_budget_bytes=hot_budget_bytes,
+            sample_fraction=sample_fraction,
+            num_chunks=num_chunks,
+            chunk_rows=chunk_rows,
+            confidence=confidence,
+            small_table_bytes=small_table_bytes,
+            seed=calibration_seed,
+        )
+        CalibrationConfig(**self.calibration, embedding_dim=embedding_dim or 1, optimizer=optimizer or "sgd")
+        if batch_size is not None and batch_size < 1:
+            raise ConfigError(f"Expected batch_size to be a positive integer but got {batch_size}")
+        if window < 2:
+            raise ConfigError(f"Expected window >= 2 source batches but got {window}")
+        self.hot_set_path = hot_set
+        self.batch_size = batch_size
+        self.window = window
+        self.embedding_dim = embedding_dim
+        self.optimizer = optimizer
+        self.hot_set: Optional[HotSet] = None
+        self.loader: Optional[HotColdLoader] = None
+        self._num_samples: Optional[tuple[int, int]] = None
+        self._source_batch = 0
+
+    @property
+    def num_embeddings_per_feature(self) -> Dict[str, int]:
+        return self.datamodule.num_embeddings_per_feature  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def num_dense_features(self) -> int:
+        return self.datamodule.num_dense_features  # type: ignore[attr-defined, no-any-return]
+
+    def calibration_config(self, model: Optional[Any] = None) -> CalibrationConfig:
+        """The calibrator's settings, with the embedding width and optimizer taken from ``model`` unless given.
+
+        Raises:
+            ConfigError: neither this DataModule nor the model names the embedding width.
+        """
+        dim = self.embedding_dim
+        if dim is None and model is not None:
+            dim = getattr(model, "hparams", {}).get("embedding_dim")
+        if dim is None:
+            raise ConfigError(
+                "HotColdDataModule needs the embedding width to size the hot set: pass embedding_dim or train a "
+                "model with an 'embedding_dim' hyper-parameter"
+            )
+        opt = self.optimizer
+        if opt is None and model is not None and hasattr(model, "embedding_optimizer"):
+            opt = str(model.embedding_optimizer.name)
+        return CalibrationConfig(
+            **self.calibration, embedding_dim=int(dim), optimizer=opt or "rowwise_adagrad"
+        )
+
+    @override
+    def prepare_data(self) -> None:
+        self.datamodule.prepare_data()
+
+    def _model(self) -> Optional[Any]:
+        trainer = self.trainer
+        return None if trainer is None else trainer.lightning_module
+
+    def load_or_calibrate(self) -> HotSet:
+        """The hot set: loaded from ``hot_set`` if that file exists, else calibrated (and saved there)."""
+        sizes = self.num_embeddings_per_feature
+        path = self.hot_set_path
+        config = self.calibration_config(self._model())
+        if path and os.path.isfile(path):
+            hs = HotSet.load(path)
+            hs.check_model(sizes)
+            hs.check_budget(config)
+            rank_zero_info(f"Loaded the hot set {path}: {sum(hs.hot_rows.values()):,} hot rows")
+            return hs
+        world, rank = _world()
+        hs_or_none: List[Optional[HotSet]] = [None]
+        if rank == 0:
+            made = calibrate(calibration_source(self.datamodule), sizes, config)
+            if path:
+                made.save(path)
+            hs_or_none[0] = made
+        if world > 1:
+            dist.broadcast_object_list(hs_or_none, src=0)
+        received = hs_or_none[0]
+        if received is None:
+            raise SetupError("The hot set was not received from rank 0")
+        rank_zero_info("\n" + received.report())
+        return received
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.datamodule.trainer = self.trainer
+        self.datamodule.setup(stage)
+        if stage == "fit" and self.hot_set is None:
+            self.hot_set = self.load_or_calibrate()
+
+    @override
+    def teardown(self, stage: str) -> None:
+        self.datamodule.teardown(stage)
+
+    def _batch_size(self) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        if not self._source_batch:
+            raise ConfigError(
+                "HotColdDataModule cannot tell the batch size (no training batches): pass batch_size"
+            )
+        return self._source_batch
+
+    @override
+    def train_dataloader(self) -> HotColdLoader:
+        if self.hot_set is None:
+            self.hot_set = self.load_or_calibrate()
+        masks = self.hot_set.masks()
+        source = self.datamodule.train_dataloader()
+        world, rank = _world()
+        if self._num_samples is None:
+            hot, total, largest = classify_epoch(iter(source), masks)
+            if world > 1:
+                t = torch.tensor([hot, total], dtype=torch.int64)
+                dist.all_reduce(t)
+                hot, total = int(t[0]), int(t[1])
+            self._num_samples = (hot, total)
+            self._source_batch = largest
+            rank_zero_info(f"Hot samples: {hot:,} of {total:,} ({100 * hot / max(total, 1):.1f}%)")
+        stream = HotColdStream(
+            lambda: iter(source),
+            masks,
+            self._batch_size(),
+            window=self.window,
+            num_samples=self._num_samples,
+            rank=rank,
+            world_size=world,
+            gather=_gather(None) if world > 1 else None,
+        )
+        self.loader = HotColdLoader(stream)
+        return self.loader
+
+    @override
+    def val_dataloader(self) -> Any:
+        return self.datamodule.val_dataloader()
+
+    @override
+    def test_dataloader(self) -> Any:
+        return self.datamodule.test_dataloader()
+
+    @override
+    def predict_dataloader(self) -> Any:
+        return self.datamodule.predict_dataloader()
+
+    @override
+    def state_dict(self) -> Dict[str, Any]:
+        return {"datamodule": self.datamodule.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.datamodule.load_state_dict(state_dict.get("datamodule", {}))
