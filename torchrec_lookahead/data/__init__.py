@@ -13,8 +13,10 @@ from torchrec_lookahead.data.lookahead import LookaheadBatch, LookaheadDataModul
 from torchrec_lookahead.data.readers import CriteoTSVParser, MovieLensParser, TaobaoParser
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig
 from torchrec_lookahead.data.text import LineBatchDataset
+from torchrec_lookahead.data.wrapper import WrappedDataModule
 
 __all__ = [
+    "WrappedDataModule",
     "CRITEO_KAGGLE_CARDINALITIES",
     "scaled_cardinalities",
     "RecDataModule",

@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from torchrec_lookahead.data.capacity import check_stream, preserved_rng
 from torchrec_lookahead.data.rank_split import split_for_ranks
+from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.distributed.lrpp import (
     GatherStatus,
     IdGatherer,
@@ -685,7 +686,7 @@ def scan_epoch(
     return need
 
 
-class LookaheadDataModule(pl.LightningDataModule):
+class LookaheadDataModule(WrappedDataModule):
     """Wrap a DataModule of TorchRec batches so that the model's cached tables are planned ahead.
 
     Args:
@@ -732,7 +733,7 @@ class LookaheadDataModule(pl.LightningDataModule):
         stop_timeout_s: float = 60.0,
         planner_nice: int = 19,
     ) -> None:
-        super().__init__()
+        super().__init__(datamodule)
         _check_nice(planner_nice)
         self.planner_nice = int(planner_nice)
         if capacity_check not in ("epoch", "lookahead"):
@@ -751,7 +752,6 @@ class LookaheadDataModule(pl.LightningDataModule):
             Policy(policy)
         except ValueError:
             raise ConfigError(f"Expected policy in {[p.value for p in Policy]} but got {policy!r}") from None
-        self.datamodule = datamodule
         self.horizon = horizon
         self.prefetch_depth = prefetch_depth
         self.policy = policy
@@ -764,28 +764,11 @@ class LookaheadDataModule(pl.LightningDataModule):
         self.capacity_check = capacity_check
         self.loader: Optional[LookaheadLoader] = None
 
-    @property
-    def num_embeddings_per_feature(self) -> Dict[str, int]:
-        return self.datamodule.num_embeddings_per_feature  # type: ignore[attr-defined, no-any-return]
-
-    @property
-    def num_dense_features(self) -> int:
-        return self.datamodule.num_dense_features  # type: ignore[attr-defined, no-any-return]
-
-    @override
-    def prepare_data(self) -> None:
-        self.datamodule.prepare_data()
-
-    @override
-    def setup(self, stage: str) -> None:
-        self.datamodule.trainer = self.trainer
-        self.datamodule.setup(stage)
-
     @override
     def teardown(self, stage: str) -> None:
         if self.loader is not None:
             self.loader.close()
-        self.datamodule.teardown(stage)
+        super().teardown(stage)
 
     def _target(self) -> Optional[CacheTarget]:
         trainer = self.trainer
@@ -842,23 +825,3 @@ class LookaheadDataModule(pl.LightningDataModule):
         need = scan_epoch(inner, target, self.prefetch_depth, self.stop_timeout_s)
         log.info("capacity check of %d batches in %.1f s: largest windows %s", len(inner),
                  time.perf_counter() - t0, need)  # fmt: skip
-
-    @override
-    def val_dataloader(self) -> Any:
-        return self.datamodule.val_dataloader()
-
-    @override
-    def test_dataloader(self) -> Any:
-        return self.datamodule.test_dataloader()
-
-    @override
-    def predict_dataloader(self) -> Any:
-        return self.datamodule.predict_dataloader()
-
-    @override
-    def state_dict(self) -> Dict[str, Any]:
-        return {"datamodule": self.datamodule.state_dict()}
-
-    @override
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self.datamodule.load_state_dict(state_dict.get("datamodule", {}))

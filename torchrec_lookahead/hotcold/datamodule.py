@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
+from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.hotcold.calibrator import calibrate
 from torchrec_lookahead.hotcold.config import CalibrationConfig
@@ -101,7 +102,7 @@ class HotColdLoader:
         self.stream.load_state_dict(state_dict)
 
 
-class HotColdDataModule(pl.LightningDataModule):
+class HotColdDataModule(WrappedDataModule):
     """Wrap a DataModule of TorchRec batches so that training reads FAE's all-hot and cold mini-batches.
 
     In ``setup`` the hot set is loaded from ``hot_set`` when that file exists (and checked against the
@@ -151,8 +152,7 @@ class HotColdDataModule(pl.LightningDataModule):
         embedding_dim: Optional[int] = None,
         optimizer: Optional[str] = None,
     ) -> None:
-        super().__init__()
-        self.datamodule = datamodule
+        super().__init__(datamodule)
         self.calibration: Dict[str, Any] = dict(
             hot_budget_bytes=hot_budget_bytes,
             sample_fraction=sample_fraction,
@@ -177,14 +177,6 @@ class HotColdDataModule(pl.LightningDataModule):
         self._num_samples: Optional[tuple[int, int]] = None
         self._source_batch = 0
 
-    @property
-    def num_embeddings_per_feature(self) -> Dict[str, int]:
-        return self.datamodule.num_embeddings_per_feature  # type: ignore[attr-defined, no-any-return]
-
-    @property
-    def num_dense_features(self) -> int:
-        return self.datamodule.num_dense_features  # type: ignore[attr-defined, no-any-return]
-
     def calibration_config(self, model: Optional[Any] = None) -> CalibrationConfig:
         """The calibrator's settings, with the embedding width and optimizer taken from ``model`` unless given.
 
@@ -205,10 +197,6 @@ class HotColdDataModule(pl.LightningDataModule):
         return CalibrationConfig(
             **self.calibration, embedding_dim=int(dim), optimizer=opt or "rowwise_adagrad"
         )
-
-    @override
-    def prepare_data(self) -> None:
-        self.datamodule.prepare_data()
 
     def _model(self) -> Optional[Any]:
         trainer = self.trainer
@@ -241,15 +229,11 @@ class HotColdDataModule(pl.LightningDataModule):
         return received
 
     @override
+    @override
     def setup(self, stage: str) -> None:
-        self.datamodule.trainer = self.trainer
-        self.datamodule.setup(stage)
+        super().setup(stage)
         if stage == "fit" and self.hot_set is None:
             self.hot_set = self.load_or_calibrate()
-
-    @override
-    def teardown(self, stage: str) -> None:
-        self.datamodule.teardown(stage)
 
     def _batch_size(self) -> int:
         if self.batch_size is not None:
@@ -288,23 +272,3 @@ class HotColdDataModule(pl.LightningDataModule):
         )
         self.loader = HotColdLoader(stream)
         return self.loader
-
-    @override
-    def val_dataloader(self) -> Any:
-        return self.datamodule.val_dataloader()
-
-    @override
-    def test_dataloader(self) -> Any:
-        return self.datamodule.test_dataloader()
-
-    @override
-    def predict_dataloader(self) -> Any:
-        return self.datamodule.predict_dataloader()
-
-    @override
-    def state_dict(self) -> Dict[str, Any]:
-        return {"datamodule": self.datamodule.state_dict()}
-
-    @override
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self.datamodule.load_state_dict(state_dict.get("datamodule", {}))

@@ -1,0 +1,75 @@
+"""``WrappedDataModule``: a DataModule that changes how another one's training batches are served.
+
+:class:`~torchrec_lookahead.data.LookaheadDataModule` (plans the cached tables ahead) and
+:class:`~torchrec_lookahead.hotcold.HotColdDataModule` (regroups samples into hot and cold mini-batches) both
+wrap a user's DataModule: everything but ``train_dataloader`` passes through to it, and the model's table
+sizes and dense width are read from it (the CLI links them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+__all__ = ["WrappedDataModule"]
+
+
+class WrappedDataModule(pl.LightningDataModule):
+    """Pass-through of a wrapped DataModule's set-up, evaluation loaders, sizes and state.
+
+    Args:
+        datamodule: the wrapped DataModule (its training batches are what subclasses serve differently).
+
+    Example:
+        >>> from torchrec_lookahead.data import CriteoSyntheticDataModule
+        >>> inner = CriteoSyntheticDataModule(batch_size=8, num_train_batches=2, scale=0.0001, min_rows=10)
+        >>> WrappedDataModule(inner).num_dense_features
+        13
+    """
+
+    def __init__(self, datamodule: pl.LightningDataModule) -> None:
+        super().__init__()
+        self.datamodule = datamodule
+
+    @property
+    def num_embeddings_per_feature(self) -> Dict[str, int]:
+        return self.datamodule.num_embeddings_per_feature  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def num_dense_features(self) -> int:
+        return self.datamodule.num_dense_features  # type: ignore[attr-defined, no-any-return]
+
+    @override
+    def prepare_data(self) -> None:
+        self.datamodule.prepare_data()
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.datamodule.trainer = self.trainer
+        self.datamodule.setup(stage)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        self.datamodule.teardown(stage)
+
+    @override
+    def val_dataloader(self) -> Any:
+        return self.datamodule.val_dataloader()
+
+    @override
+    def test_dataloader(self) -> Any:
+        return self.datamodule.test_dataloader()
+
+    @override
+    def predict_dataloader(self) -> Any:
+        return self.datamodule.predict_dataloader()
+
+    @override
+    def state_dict(self) -> Dict[str, Any]:
+        return {"datamodule": self.datamodule.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.datamodule.load_state_dict(state_dict.get("datamodule", {}))
