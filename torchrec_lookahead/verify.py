@@ -132,12 +132,17 @@ def _train(
 
 
 def _inexact_notes(strategy: Any) -> List[str]:
-    """Why the cached side may not be bit-exact: caches trained with the PyTorch kernel for an optimizer
-    FBGEMM has on the device (the resident side trains with FBGEMM's kernel)."""
+    """Why the cached side may not be bit-exact: cDLRM's cache averaging, or caches trained with the PyTorch
+    kernel for an optimizer FBGEMM has on the device (the resident side trains with FBGEMM's kernel)."""
     import dataclasses
 
     notes = []
     for m in strategy.cached_modules():
+        if getattr(m, "average_every", None) is not None:
+            notes.append(
+                f"cDLRM mode (cdlrm_average_every={m.average_every}) averages the ranks' caches instead of "
+                "summing gradients: approximate by design (see docs/design.md, cDLRM mode)"
+            )
         cfg = m.cache.optimizer_config
         device = m.cache.device.type
         if not cfg.uses_fbgemm(device) and dataclasses.replace(cfg, kernel="auto").uses_fbgemm(device):

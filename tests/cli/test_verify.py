@@ -34,11 +34,14 @@ def test_verify_notes_caches_trained_with_the_pytorch_kernel_where_fbgemm_has_th
     from torchrec_lookahead.modules import CacheOptimizerConfig
     from torchrec_lookahead.verify import _inexact_notes
 
-    def strategy(cfg: CacheOptimizerConfig) -> SimpleNamespace:
+    def strategy(cfg: CacheOptimizerConfig, average_every: object = None) -> SimpleNamespace:
         cache = SimpleNamespace(optimizer_config=cfg, device=torch.device("cpu"))
-        return SimpleNamespace(cached_modules=lambda: [SimpleNamespace(cache=cache)])
+        module = SimpleNamespace(cache=cache, average_every=average_every)
+        return SimpleNamespace(cached_modules=lambda: [module])
 
     assert _inexact_notes(strategy(CacheOptimizerConfig("exact_row_wise_adagrad"))) == []
     assert _inexact_notes(strategy(CacheOptimizerConfig("adam"))) == []  # no FBGEMM kernel: nothing to match
     (note,) = _inexact_notes(strategy(CacheOptimizerConfig("exact_row_wise_adagrad", kernel="torch")))
     assert "PyTorch kernel" in note and "kernel='auto'" in note
+    (note,) = _inexact_notes(strategy(CacheOptimizerConfig("exact_sgd"), average_every=4))
+    assert "cDLRM" in note and "approximate" in note

@@ -141,14 +141,16 @@ def test_two_rank_cached_checkpoint_resumes_the_same_weights(tmp_path):
 
 def test_two_rank_cdlrm_mode_trains_and_is_exact_for_sgd_averaged_every_step():
     """cDLRM's scheme (local updates, caches averaged every lambda steps) is approximate by design; with SGD
-    averaged every step it reduces to the exact update, which pins the averaging machinery."""
+    averaged every step it reduces to the exact update up to rounding (the mean of two updated rows is not
+    the row updated by the mean gradient, bit for bit), which pins the averaging machinery."""
     sharder = (
         "--trainer.strategy.init_args.sharders=[{class_path: torchrec_lookahead.distributed."
         "LookaheadEmbeddingBagCollectionSharder, init_args: {capacity: {t_cat_2: 140, t_cat_11: 120, "
         "t_cat_15: 110}, cdlrm_average_every: 1}}]"
     )
     out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-                   "--steps", "24", "--model.init_args.embedding_optimizer.name=sgd", sharder)  # fmt: skip
+                   "--steps", "24", "--model.init_args.embedding_optimizer.name=sgd", "--tolerance", "1e-5",
+                   sharder)  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["passed"]
 
