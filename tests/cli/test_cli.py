@@ -88,3 +88,18 @@ def test_help_lists_the_project_s_commands(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "fit" in out and "verify" in out and "export" in out
+
+
+def test_a_cached_fit_shows_the_cache_plan_and_the_capacity_check(tmp_path):
+    out = run_cli(
+        "fit",
+        "--config",
+        "configs/dlrm_tiny_lookahead.yaml",
+        "--trainer.max_steps=2",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.limit_val_batches=0",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert "Lookahead cache: t_cat_11 120 rows, t_cat_15 110 rows, t_cat_2 140 rows" in text, text[-3000:]
+    assert "Lookahead capacity check: 12 batches read ahead" in text

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Generator, Iterator, List, Mapping, Opti
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
@@ -823,5 +823,7 @@ class LookaheadDataModule(WrappedDataModule):
 
         t0 = time.perf_counter()
         need = scan_epoch(inner, target, self.prefetch_depth, self.stop_timeout_s)
-        log.info("capacity check of %d batches in %.1f s: largest windows %s", len(inner),
-                 time.perf_counter() - t0, need)  # fmt: skip
+        rank_zero_info(
+            f"Lookahead capacity check: {len(inner)} batches read ahead in {time.perf_counter() - t0:.1f} s; "
+            f"the largest windows need {need} cache rows"
+        )

@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.distributed import DistributedModelParallel
@@ -241,8 +242,12 @@ class TorchRecStrategy(DDPStrategy):
         for s in lookahead:
             if s.device_budget_bytes is not None and not s.capacity:
                 plan_report = s.plan_capacity(module, self._sample_batches())
-                log.info("Lookahead cache plan:\n%s", plan_report)
+                rank_zero_info(f"Lookahead cache plan:\n{plan_report}")
         cached: Dict[str, int] = {k: v for s in lookahead for k, v in s.capacity.items()}
+        if cached:
+            rank_zero_info(
+                "Lookahead cache: " + ", ".join(f"{t} {c:,} rows" for t, c in sorted(cached.items()))
+            )
         for s in lookahead:
             if s.seed is None:
                 s.seed = self._init_seed or 0
