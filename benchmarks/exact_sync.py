@@ -304,9 +304,7 @@ def _time_exact(
     kernel.apply_batch(now.indices, now.offsets, now.weights, now.grad)
     t2, c2 = time.perf_counter(), time.thread_time()
     if later is not None:
-        work, recv, build, _ = later
-        work.wait()
-        batch = build(recv)
+        batch = later.batch()
         kernel.apply_batch(batch.indices, batch.offsets, batch.weights, batch.grad)
     t3 = time.perf_counter()
     if mode == "exact_on":

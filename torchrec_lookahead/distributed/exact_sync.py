@@ -25,7 +25,8 @@ batch with the step's iteration and learning rate) lands before the next plan is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from datetime import timedelta
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.errors import SetupError
 
-__all__ = ["KernelLayout", "ExchangeBatch", "PendingExchange", "exchange_batches"]
+__all__ = ["KernelLayout", "ExchangeBatch", "DelayedExchange", "PendingExchange", "exchange_batches"]
 
 
 @dataclass(frozen=True)
@@ -80,28 +81,42 @@ class ExchangeBatch:
 
 
 @dataclass
+class DelayedExchange:
+    """The delayed rows' part of one step for one kernel: their all-gather in flight, and how to build their
+    exchange batch once it has landed."""
+
+    work: Any
+    recv: List[torch.Tensor]
+    build: Callable[[List[torch.Tensor]], ExchangeBatch]
+    rows: int  #: rows of this rank the batch updates
+
+    def batch(self, timeout: Optional[timedelta] = None) -> ExchangeBatch:
+        """Wait for the all-gather (at most ``timeout``) and return the delayed rows' exchange batch."""
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timeout=timeout)
+        return self.build(self.recv)
+
+
+@dataclass
 class PendingExchange:
-    """The delayed part of one step for one kernel: its all-gather in flight and what to build once it lands."""
+    """A delayed exchange of ``kernel`` in flight, with the optimizer iteration and rate of its step."""
 
     step: int
     kernel: Any
     iteration: int
     lr: float
-    work: Any
-    recv: List[torch.Tensor]
-    build: Any  # Callable[[List[torch.Tensor]], ExchangeBatch]
-    rows: int
+    delayed: DelayedExchange
 
-    def land(self, timeout: Optional[Any] = None) -> int:
-        """Wait for the all-gather and apply the delayed rows' update; returns the rows updated."""
-        if timeout is None:
-            self.work.wait()
-        else:
-            self.work.wait(timeout=timeout)
-        batch = self.build(self.recv)
-        self.kernel.apply_batch(
-            batch.indices, batch.offsets, batch.weights, batch.grad, step=self.iteration, lr=self.lr
-        )
+    @property
+    def rows(self) -> int:
+        return self.delayed.rows
+
+    def land(self, timeout: Optional[timedelta] = None) -> int:
+        """Wait for the all-gather and apply the delayed rows' update as in their step; returns the rows updated."""
+        b = self.delayed.batch(timeout)
+        self.kernel.apply_batch(b.indices, b.offsets, b.weights, b.grad, step=self.iteration, lr=self.lr)
         return self.rows
 
 
@@ -240,7 +255,7 @@ def exchange_batches(
     delayed: Sequence[torch.Tensor],
     group: Optional[dist.ProcessGroup],
     delayed_group: Optional[dist.ProcessGroup],
-) -> Tuple[ExchangeBatch, Optional[Tuple[Any, List[torch.Tensor], Any, int]], int]:
+) -> Tuple[ExchangeBatch, Optional[DelayedExchange], int]:
     """This step's exchange batch for one kernel (see the module docstring), and the delayed part.
 
     A collective of every rank of ``group`` (one all-gather, also when no row is shared), plus, when some
@@ -258,8 +273,7 @@ def exchange_batches(
         group: the critical-path process group; delayed_group: the background one.
 
     Returns:
-        (the batch to apply now, ``None`` or (work, receive buffers, a function building the delayed batch
-        from them, rows it updates), floats sent by this rank).
+        (the batch to apply now, the delayed part or ``None``, floats sent by this rank).
     """
     g = _Global(layout, global_kjt, world_size)
     if g.local * world_size != g.bags or grad.shape[0] != g.local:
@@ -287,6 +301,6 @@ def exchange_batches(
         def build(received: List[torch.Tensor]) -> ExchangeBatch:
             return _build(g, layout, keep_late, saved, rank, needed_late, received)
 
-        later = (work, recv_late, build, int(np.count_nonzero(mine & late)))
+        later = DelayedExchange(work, recv_late, build, int(np.count_nonzero(mine & late)))
         sent += sizes_late[rank]
     return now, later, sent

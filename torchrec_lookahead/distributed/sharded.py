@@ -498,17 +498,9 @@ class ShardedLookaheadEmbeddingBagCollection(
             kernel.apply_batch(now.indices, now.offsets, now.weights, now.grad)
             self.sync_counters["grad_floats_sent"] = self.sync_counters.get("grad_floats_sent", 0) + sent
             if later is not None:
-                work, recv, build, rows = later
                 self._pending.append(
                     PendingExchange(
-                        lrpp.step,
-                        kernel,
-                        int(kernel.get_step()),
-                        kernel.get_learning_rate(),
-                        work,
-                        recv,
-                        build,
-                        rows,
+                        lrpp.step, kernel, int(kernel.get_step()), kernel.get_learning_rate(), later
                     )
                 )
 
