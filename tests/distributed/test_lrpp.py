@@ -144,7 +144,7 @@ def test_writer_filtered_store_writes_only_allowed_rows():
 def test_gather_global_kjt_keeps_weights_on_one_rank():
     import torch.distributed as dist
 
-    from torchrec_lookahead.distributed.lrpp import gather_global_kjt
+    from torchrec_lookahead.distributed.lockstep import gather_global_kjt
 
     from ..conftest import free_port
 

@@ -8,9 +8,9 @@ from torchrec_lookahead.data.datamodules import (
     RecDataModule,
     TaobaoDataModule,
 )
-from torchrec_lookahead.data.loader import ResumableBatchLoader
 from torchrec_lookahead.data.lookahead import LookaheadBatch, LookaheadDataModule, LookaheadLoader
 from torchrec_lookahead.data.readers import CriteoTSVParser, MovieLensParser, TaobaoParser
+from torchrec_lookahead.data.resumable import ResumableBatchLoader
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig
 from torchrec_lookahead.data.text import LineBatchDataset
 from torchrec_lookahead.data.wrapper import WrappedDataModule

@@ -1,6 +1,6 @@
 """Lightning DataModules yielding TorchRec batches: synthetic Criteo, Criteo TSV, MovieLens, Taobao.
 
-All of them hand out whole batches through :class:`~torchrec_lookahead.data.loader.ResumableBatchLoader`
+All of them hand out whole batches through :class:`~torchrec_lookahead.data.resumable.ResumableBatchLoader`
 (exact mid-epoch resume), split each global batch over the ranks of the run, and tell the model its inputs
 through :attr:`RecDataModule.num_embeddings_per_feature` and :attr:`RecDataModule.num_dense_features`.
 """
@@ -15,7 +15,6 @@ from torch.utils.data import IterableDataset
 from typing_extensions import override
 
 from torchrec_lookahead.data.criteo_spec import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
-from torchrec_lookahead.data.loader import ResumableBatchLoader
 from torchrec_lookahead.data.readers import (
     MOVIELENS_FEATURES,
     TAOBAO_FEATURES,
@@ -24,6 +23,7 @@ from torchrec_lookahead.data.readers import (
     TaobaoParser,
     read_movielens_genres,
 )
+from torchrec_lookahead.data.resumable import ResumableBatchLoader
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig
 from torchrec_lookahead.data.text import LineBatchDataset, check_files
 from torchrec_lookahead.errors import ConfigError, DataError

@@ -48,7 +48,7 @@ from torchrec_lookahead.distributed import (
     lookahead_sharding_plan,
     with_default_sharders,
 )
-from torchrec_lookahead.distributed.lrpp import gather_global_kjt
+from torchrec_lookahead.distributed.lockstep import gather_global_kjt
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, init_embedding_bag_tables_
 from torchrec_lookahead.store.init import init_embedding_weights
