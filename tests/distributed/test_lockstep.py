@@ -51,7 +51,8 @@ def _sharded_loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: f
     """The loader over a row-sharded store: each rank holds half of the rows, the stager's gathers are
     collectives on a group of their own."""
     from torchrec_lookahead.data.lookahead import CacheTarget, LookaheadLoader
-    from torchrec_lookahead.store import STAGE_CHANNEL, RowShardedStore, TensorStore, row_bounds
+    from torchrec_lookahead.store import RowShardedStore, TensorStore, row_bounds
+    from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL
 
     bounds = row_bounds(ROWS, 2)
     lo, hi = bounds[rank : rank + 2]

@@ -14,15 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
-from torchrec_lookahead.store import (
-    STAGE_CHANNEL,
-    EmptyShardStore,
-    MmapStore,
-    RowShardedStore,
-    TensorStore,
-    collective_channel,
-    row_bounds,
-)
+from torchrec_lookahead.store import MmapStore, RowShardedStore, TensorStore, row_bounds
+from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, EmptyShardStore, collective_channel
 
 from ..conftest import free_port
 

@@ -12,13 +12,13 @@ import torch
 
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
 from torchrec_lookahead.store import (
-    INIT_BLOCK_ROWS,
     EmbeddingStore,
     MmapStore,
     TensorStore,
     init_embedding_weights,
     init_rows,
 )
+from torchrec_lookahead.store.init import INIT_BLOCK_ROWS
 
 N, D = 20000, 4  # three chunks of 8192 rows
 WIDTHS = {"momentum1": D, "momentum2": 1}

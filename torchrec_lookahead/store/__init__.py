@@ -7,19 +7,22 @@
   torch.distributed collectives.
 * :func:`init_rows` / :func:`init_embedding_weights`: the deterministic initial values every store uses, also
   for initialising a resident TorchRec model identically.
+
+The collective plumbing of :class:`RowShardedStore` (``STAGE_CHANNEL``, ``collective_channel``, ``current_wait``,
+``CollectiveWait``, ``EmptyShardStore``) lives in :mod:`torchrec_lookahead.store.sharded_store`, and the
+initialisation block size ``INIT_BLOCK_ROWS`` in :mod:`torchrec_lookahead.store.init`.
+
+Example:
+    >>> import torch
+    >>> from torchrec_lookahead.store import TensorStore
+    >>> store = TensorStore(10, 4, {"momentum1": 1}, name="t", seed=0)
+    >>> store.gather(torch.tensor([3]))[0].shape
+    torch.Size([1, 4])
 """
 
-from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_embedding_weights, init_rows
+from torchrec_lookahead.store.init import init_embedding_weights, init_rows
 from torchrec_lookahead.store.mmap_store import MmapStore
-from torchrec_lookahead.store.sharded_store import (
-    STAGE_CHANNEL,
-    CollectiveWait,
-    EmptyShardStore,
-    RowShardedStore,
-    collective_channel,
-    current_wait,
-    row_bounds,
-)
+from torchrec_lookahead.store.sharded_store import RowShardedStore, row_bounds
 from torchrec_lookahead.store.tensor_store import TensorStore
 from torchrec_lookahead.store.types import EmbeddingStore
 
@@ -28,13 +31,7 @@ __all__ = [
     "TensorStore",
     "MmapStore",
     "RowShardedStore",
-    "EmptyShardStore",
     "row_bounds",
-    "collective_channel",
-    "current_wait",
-    "CollectiveWait",
-    "STAGE_CHANNEL",
-    "INIT_BLOCK_ROWS",
     "init_rows",
     "init_embedding_weights",
 ]
