@@ -273,10 +273,14 @@ def test_preserved_rng_keeps_a_shuffling_loaders_order():
 
 
 def test_capacity_check_value_is_validated():
-    from torchrec_lookahead.data import CriteoSyntheticDataModule
+    from torchrec_lookahead.data import CapacityCheck, CriteoSyntheticDataModule
 
-    with pytest.raises(ConfigError, match="capacity_check"):
+    with pytest.raises(ConfigError, match="capacity_check 'epoch' or 'lookahead' but got 'never'"):
         LookaheadDataModule(CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), capacity_check="never")
+    dm = LookaheadDataModule(
+        CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), capacity_check=CapacityCheck.LOOKAHEAD
+    )
+    assert dm.capacity_check == "lookahead"
 
 
 def test_lookahead_threads_run_their_operators_single_threaded_without_changing_others():

@@ -39,6 +39,20 @@ def test_compute_kernels_and_argument_checks():
         LookaheadEmbeddingBagCollectionSharder(capacity={"t": 4}, device_budget_bytes=100)
 
 
+def test_store_sharding_is_a_string_enum_and_bad_values_list_the_valid_ones():
+    from torchrec_lookahead.distributed.sharder import StoreSharding
+
+    assert LookaheadEmbeddingBagCollectionSharder().store_sharding is StoreSharding.HOST
+    sharder = LookaheadEmbeddingBagCollectionSharder(store_sharding="row_wise")
+    assert sharder.store_sharding is StoreSharding.ROW_WISE and sharder.store_sharding == "row_wise"
+    assert (
+        LookaheadEmbeddingBagCollectionSharder(store_sharding=StoreSharding.ROW_WISE).store_sharding
+        == "row_wise"
+    )
+    with pytest.raises(ConfigError, match=r"one of \['host', 'row_wise'\] but got 'rows'"):
+        LookaheadEmbeddingBagCollectionSharder(store_sharding="rows")
+
+
 def test_sharding_plan_marks_cached_tables_customized_and_refuses_unknown_tables():
     from torchrec import EmbeddingBagCollection
 

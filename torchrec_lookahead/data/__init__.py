@@ -1,5 +1,6 @@
 """DataModules and datasets yielding TorchRec batches (dense features, KeyedJaggedTensor, labels)."""
 
+from torchrec_lookahead.data.capacity import CapacityCheck
 from torchrec_lookahead.data.criteo_spec import CRITEO_KAGGLE_CARDINALITIES, scaled_cardinalities
 from torchrec_lookahead.data.datamodules import (
     CriteoSyntheticDataModule,
@@ -28,6 +29,7 @@ __all__ = [
     "LookaheadDataModule",
     "LookaheadBatch",
     "LookaheadLoader",
+    "CapacityCheck",
     "CriteoTSVParser",
     "MovieLensParser",
     "TaobaoParser",

@@ -8,6 +8,7 @@ first: the same per-window working sets, ids checked against the table sizes, an
 
 from __future__ import annotations
 
+import enum
 import random
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Tuple
 
@@ -19,7 +20,20 @@ from torchrec_lookahead.oracle._batch import split_batch
 from torchrec_lookahead.oracle.oracle import window_working_sets
 from torchrec_lookahead.oracle.types import describe_window
 
-__all__ = ["check_stream", "preserved_rng"]
+__all__ = ["CapacityCheck", "check_stream", "preserved_rng"]
+
+
+class CapacityCheck(enum.StrEnum):
+    """When ``LookaheadDataModule`` checks that every window of an epoch fits the cache (its
+    ``capacity_check``); a ``str``, so the YAML strings ``epoch`` and ``lookahead`` are its values.
+
+    Example:
+        >>> CapacityCheck("epoch") is CapacityCheck.EPOCH, CapacityCheck.LOOKAHEAD == "lookahead"
+        (True, True)
+    """
+
+    EPOCH = "epoch"  #: before training, scan the epoch's sparse features once (:func:`check_stream`)
+    LOOKAHEAD = "lookahead"  #: only as the oracle plans, ``horizon`` batches ahead of training
 
 
 class preserved_rng:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import enum
 import fcntl
 import logging
 import os
@@ -43,9 +44,28 @@ from torchrec_lookahead.store import MmapStore, RowShardedStore, TensorStore, ro
 from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, EmptyShardStore
 from torchrec_lookahead.store.types import EmbeddingStore
 
-__all__ = ["LookaheadEmbeddingBagCollectionSharder", "cache_optimizer_from_module", "STORE_SHARDINGS"]
+__all__ = [
+    "LookaheadEmbeddingBagCollectionSharder",
+    "cache_optimizer_from_module",
+    "StoreSharding",
+    "STORE_SHARDINGS",
+]
 
-STORE_SHARDINGS = ("host", "row_wise")
+
+class StoreSharding(enum.StrEnum):
+    """Where the host stores of a multi-rank job live (the sharder's ``store_sharding``); a ``str``, so the
+    YAML strings ``host`` and ``row_wise`` are its values.
+
+    Example:
+        >>> StoreSharding("row_wise") is StoreSharding.ROW_WISE, StoreSharding.HOST == "host"
+        (True, True)
+    """
+
+    HOST = "host"  #: one copy of each table per host (several hosts: sharded row-wise over the hosts)
+    ROW_WISE = "row_wise"  #: one shard per rank
+
+
+STORE_SHARDINGS = tuple(s.value for s in StoreSharding)
 """Values of the sharder's ``store_sharding`` option."""
 
 _IN_BACKWARD_ATTRS = ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers")
@@ -320,7 +340,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             raise ConfigError(
                 f"store_sharding must be one of {list(STORE_SHARDINGS)} but got {store_sharding!r}"
             )
-        self.store_sharding = store_sharding or "host"
+        self.store_sharding = StoreSharding(store_sharding or StoreSharding.HOST)
         self._store_groups: Optional[Dict[str, Any]] = None
         self.delayed_sync = bool(delayed_sync)
         self.fuse_resident = None if fuse_resident is None else bool(fuse_resident)
@@ -517,7 +537,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if self.stores:  # checked on every rank, before any collective
             raise ConfigError("explicit stores= are not supported with several ranks; use store_dir=")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-        if self.store_sharding == "row_wise":
+        if self.store_sharding is StoreSharding.ROW_WISE:
             return self._sharded_stores(cfgs, optimizer, env, list(range(env.world_size)))
         if local == env.world_size:
             return self._one_host_stores(cfgs, optimizer, env)
