@@ -93,7 +93,7 @@ def run_calibration(config_path: str, overrides: Sequence[str] = ()) -> tuple[Ho
             f"{config_path} has no hot_budget_bytes; add one (e.g. data.init_args.hot_budget_bytes: 268435456 under "
             "a torchrec_lookahead.hotcold.HotColdDataModule)"
         )
-    from torchrec_lookahead.cli import build_cli
+    from torchrec_lookahead.launch import build_cli
 
     cli = build_cli(["--config", config_path, *overrides], run=False)
     dm, model = cli.datamodule, cli.model

@@ -38,7 +38,7 @@ class LookaheadError(Exception):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         # jsonargparse keeps only the text of an error raised while it tries a Union's subtypes; the CLI finds
-        # the error itself here to report it with its own type (see torchrec_lookahead.cli)
+        # the error itself here to report it with its own type (see torchrec_lookahead.launch)
         _RECENT.append(self)
 
 

@@ -142,7 +142,7 @@ def export_checkpoint(ckpt: Path, out: Path, config: Optional[Sequence[str]] = N
 
 
 def _check_against(config: Sequence[str], state: Mapping[str, torch.Tensor]) -> None:
-    from torchrec_lookahead.cli import build_cli
+    from torchrec_lookahead.launch import build_cli
 
     args = [a for c in config for a in ("--config", c)] + ["--trainer.logger=false"]
     lm = build_cli(args).model

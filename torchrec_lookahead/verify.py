@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.export import resident_key
+from torchrec_lookahead.launch import build_cli, shutdown_distributed
 
 __all__ = ["verify", "comparable_state", "main", "QUIET_TRAINER_ARGS"]
 
@@ -80,8 +81,6 @@ def comparable_state(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _build(config: Union[str, Sequence[str]], overrides: Sequence[str]) -> Any:
-    from torchrec_lookahead.cli import build_cli
-
     configs = [config] if isinstance(config, str) else list(config)
     return build_cli([a for c in configs for a in ("--config", c)] + list(overrides))
 
@@ -241,8 +240,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--tolerance", type=float, default=0.0, help="largest difference that passes (default: bit-exact)"
     )
     args, overrides = p.parse_known_args(argv)
-    from torchrec_lookahead.cli import shutdown_distributed
-
     code = _run_and_report(args, overrides)
     shutdown_distributed(exit_code=code)
     return code

@@ -1,0 +1,38 @@
+"""The commands share torchrec_lookahead.launch, and no command module imports the CLI's dispatcher back."""
+
+import ast
+import importlib
+from pathlib import Path
+
+import torchrec_lookahead
+
+PACKAGE = Path(torchrec_lookahead.__file__).parent
+
+
+def _imported_modules(path: Path) -> set:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_no_command_module_imports_the_cli_and_launch_imports_no_command():
+    commands = ["verify", "export", "calibrate"]
+    for name in commands:
+        imported = _imported_modules(PACKAGE / f"{name}.py")
+        assert "torchrec_lookahead.cli" not in imported, name
+        assert "torchrec_lookahead.launch" in imported, name
+    launch_imports = _imported_modules(PACKAGE / "launch.py")
+    assert not {f"torchrec_lookahead.{n}" for n in [*commands, "cli"]} & launch_imports
+
+
+def test_the_cli_reexports_what_the_commands_share():
+    cli, launch = (
+        importlib.import_module("torchrec_lookahead.cli"),
+        importlib.import_module("torchrec_lookahead.launch"),
+    )
+    for name in launch.__all__:
+        assert getattr(cli, name) is getattr(launch, name), name

@@ -1,0 +1,197 @@
+"""What every command of the CLI shares: building the :class:`~lightning.pytorch.cli.LightningCLI` over a config,
+reporting a :class:`~torchrec_lookahead.errors.LookaheadError` as one line, and ending a multi-rank process.
+
+:mod:`torchrec_lookahead.cli` (``fit``, ``validate``, ``test``, and the dispatch to the other commands),
+:mod:`torchrec_lookahead.verify`, :mod:`torchrec_lookahead.export` and :mod:`torchrec_lookahead.calibrate` all
+import it, and it imports none of them.
+
+A :class:`LookaheadCLI` runs over :class:`~torchrec_lookahead.models.DLRMModule` (or a subclass) and any
+DataModule exposing ``num_embeddings_per_feature`` and ``num_dense_features``; the model's table sizes and dense
+width are linked from the DataModule, so a config names them once. After ``fit`` it prints where the TensorBoard
+logs are and the final metrics.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import traceback
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
+from torchrec_lookahead.errors import LookaheadError, recent_errors
+from torchrec_lookahead.models import DLRMModule
+
+__all__ = [
+    "LookaheadCLI",
+    "build_cli",
+    "shutdown_distributed",
+    "fail_fast_on_error",
+    "short_lookahead_errors",
+    "find_lookahead_error",
+    "TRACEBACK_ENV",
+]
+
+TRACEBACK_ENV = "TORCHREC_LOOKAHEAD_TRACEBACK"
+"""Set to 1 to see the full traceback of a :class:`~torchrec_lookahead.errors.LookaheadError` from the CLI."""
+
+
+class LookaheadCLI(LightningCLI):
+    """LightningCLI with the data -> model links this project's configs rely on."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments(
+            "data.num_embeddings_per_feature",
+            "model.init_args.num_embeddings_per_feature",
+            apply_on="instantiate",
+        )
+        parser.link_arguments(
+            "data.num_dense_features", "model.init_args.num_dense_features", apply_on="instantiate"
+        )
+
+    def _summary(self) -> None:
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        lines: List[str] = []
+        if trainer.logger is not None and trainer.logger.log_dir is not None:
+            lines.append(f"TensorBoard logs: {trainer.logger.log_dir}")
+            lines.append(f"  open them with: tensorboard --logdir {trainer.logger.save_dir}")
+        metrics: Dict[str, Any] = {
+            k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if isinstance(v, torch.Tensor)
+        }
+        if metrics:
+            lines.append("Final metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        if lines:
+            sys.stdout.write("\n".join(lines) + "\n")
+            sys.stdout.flush()
+
+    def after_fit(self) -> None:
+        self._summary()
+
+    def after_validate(self) -> None:
+        self._summary()
+
+    def after_test(self) -> None:
+        self._summary()
+
+
+def shutdown_distributed(exit_code: Optional[int] = None) -> None:
+    """Destroy the process groups before the interpreter exits. With several ranks and ``exit_code`` given,
+    also end the process right away (after the atexit handlers and a flush of the standard streams): the
+    interpreter's own teardown of gloo's threads after a lookahead run with several ranks was seen to abort
+    ("terminate called without an active exception") after all work had finished."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    multi = dist.get_world_size() > 1
+    dist.destroy_process_group()
+    if multi and exit_code is not None:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+
+
+@contextlib.contextmanager
+def fail_fast_on_error() -> Iterator[None]:
+    """With several ranks, end the process as soon as the wrapped code raises: print the traceback, run the
+    atexit handlers (which remove the shared stores), flush the standard streams and exit with status 1.
+
+    A rank that fails must not wait for its peers at exit: a collective left unjoined (a peer stuck in a step's
+    all-reduce, or an id all-gather the lookahead planner abandoned) keeps the interpreter's teardown of gloo
+    waiting until the peer goes, and the peer waits for this rank, while ``torchrun`` ends the other ranks only
+    once one of them has exited.
+    """
+    import torch.distributed as dist
+
+    try:
+        yield
+    except BaseException as e:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            raise
+        code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
+        if code and not isinstance(e, SystemExit):
+            traceback.print_exc()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def find_lookahead_error(error: BaseException) -> Optional[LookaheadError]:
+    """The :class:`~torchrec_lookahead.errors.LookaheadError` behind ``error``: ``error`` itself, one in its
+    chain of causes, or (jsonargparse keeps only the messages of the errors it met while trying a Union's
+    subtypes) a recent one whose message ``error``'s text quotes. ``None`` when there is none.
+
+    Example:
+        >>> from torchrec_lookahead.errors import ConfigError
+        >>> inner = ConfigError("capacity of table 't' must be a positive number of rows but got 0")
+        >>> wrapped = ValueError(f"Does not validate against any of the Union subtypes\\n - {inner}")
+        >>> type(find_lookahead_error(wrapped)).__name__
+        'ConfigError'
+    """
+    seen = set()
+    stack: List[Optional[BaseException]] = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, LookaheadError):
+            return e
+        stack += [e.__cause__, e.__context__]
+    text = str(error)
+    for e in reversed(recent_errors()):
+        if str(e) and str(e) in text:
+            return e
+    return None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+@contextlib.contextmanager
+def short_lookahead_errors() -> Iterator[None]:
+    """Report a :class:`~torchrec_lookahead.errors.LookaheadError` raised inside (also one jsonargparse buried in a
+    "Does not validate against any of the Union subtypes" message) as one line, ``<Type>: <message>``, on rank 0
+    only, and exit with status 1. Other exceptions pass unchanged; ``TORCHREC_LOOKAHEAD_TRACEBACK=1`` lets the
+    LookaheadError through too, with its traceback."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        error = find_lookahead_error(e)
+        if error is None or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        if _rank() == 0:
+            sys.stderr.write(f"{type(error).__name__}: {error}\n")
+            sys.stderr.flush()
+        raise SystemExit(1) from None
+
+
+def build_cli(args: Optional[Sequence[str]], run: bool = False) -> LookaheadCLI:
+    """The CLI over ``args`` (``--config ...`` and overrides; ``None``: the command line); with ``run=False`` it
+    only instantiates the Trainer, model and DataModule (``cli.trainer``, ``cli.model``, ``cli.datamodule``)."""
+    return LookaheadCLI(
+        DLRMModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=None if args is None else list(args),
+        run=run,
+        save_config_kwargs={"overwrite": True},
+    )
