@@ -128,3 +128,13 @@ def test_damaged_or_mismatched_checkpoints_are_refused_with_what_to_do(tmp_path)
         fit(tmp_path / "r3", max_steps=3, ckpt_path=other)
     trainer, _ = fit(tmp_path / "r4", max_steps=3, ckpt_path=str(good))  # the intact one still resumes
     assert trainer.global_step == 3
+
+
+def test_importing_the_strategies_registers_them_with_lightning():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from torchrec_lookahead.strategies import HierarchicalStrategy, TorchRecStrategy
+
+    assert StrategyRegistry["torchrec"]["strategy"] is TorchRecStrategy
+    assert StrategyRegistry["hierarchical"]["strategy"] is HierarchicalStrategy
+    assert "TorchRec" in StrategyRegistry["torchrec"]["description"]

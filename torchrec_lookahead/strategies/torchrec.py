@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -131,7 +132,8 @@ class TorchRecStrategy(DDPStrategy):
         self.dmp: Optional[DistributedModelParallel] = None
 
     @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:  # type: ignore[override]
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``strategy="torchrec"`` (Lightning's own hook, typed as Lightning types it)."""
         strategy_registry.register(
             cls.strategy_name, cls, description="TorchRec DistributedModelParallel under Lightning"
         )
