@@ -24,6 +24,7 @@ from torchrec.optim import optimizers as trec_optim
 from torchrec.optim import rowwise_adagrad as _rowwise
 
 from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.modules.config import OPTIMIZER_NAMES
 
 __all__ = [
     "EmbeddingOptimizerName",
@@ -35,7 +36,8 @@ __all__ = [
 
 
 class EmbeddingOptimizerName(str, enum.Enum):
-    """Supported embedding optimizers (row-wise Adagrad is TorchRec's default for recommendation)."""
+    """Supported embedding optimizers (row-wise Adagrad is TorchRec's default for recommendation); the same
+    names as :data:`~torchrec_lookahead.modules.config.OPTIMIZER_NAMES`, which the cache's optimizer takes too."""
 
     SGD = "sgd"
     ROWWISE_ADAGRAD = "rowwise_adagrad"
@@ -116,13 +118,8 @@ class EmbeddingOptimizerSpec:
         return torch.optim.Adam(ps, lr=self.lr, eps=self.eps, betas=(b1, b2), weight_decay=self.weight_decay)
 
     def emb_opt_type(self) -> EmbOptimType:
-        """The FBGEMM fused optimizer type."""
-        return {
-            EmbeddingOptimizerName.SGD: EmbOptimType.EXACT_SGD,
-            EmbeddingOptimizerName.ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            EmbeddingOptimizerName.ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
-            EmbeddingOptimizerName.ADAM: EmbOptimType.ADAM,
-        }[EmbeddingOptimizerName(self.name)]
+        """The FBGEMM fused optimizer type (:data:`~torchrec_lookahead.modules.config.OPTIMIZER_NAMES`)."""
+        return OPTIMIZER_NAMES[EmbeddingOptimizerName(self.name).value]
 
     def fused_params(self) -> Dict[str, Any]:
         """FBGEMM fused parameters (for a sharder's ``fused_params``)."""

@@ -11,6 +11,7 @@
 from torchrec_lookahead.modules.cached_ebc import CachedEmbeddingBagCollection
 from torchrec_lookahead.modules.config import (
     FBGEMM_CPU_OPTIMIZERS,
+    OPTIMIZER_NAMES,
     SUPPORTED_OPTIMIZERS,
     CacheOptimizerConfig,
     KernelChoice,
@@ -25,6 +26,7 @@ __all__ = [
     "CacheOptimizerConfig",
     "KernelChoice",
     "SUPPORTED_OPTIMIZERS",
+    "OPTIMIZER_NAMES",
     "FBGEMM_CPU_OPTIMIZERS",
     "StagedRows",
     "StagedTable",

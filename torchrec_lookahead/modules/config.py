@@ -11,7 +11,24 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMo
 
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["CacheOptimizerConfig", "KernelChoice", "SUPPORTED_OPTIMIZERS", "FBGEMM_CPU_OPTIMIZERS"]
+__all__ = [
+    "CacheOptimizerConfig",
+    "KernelChoice",
+    "OPTIMIZER_NAMES",
+    "SUPPORTED_OPTIMIZERS",
+    "FBGEMM_CPU_OPTIMIZERS",
+]
+
+OPTIMIZER_NAMES: Dict[str, EmbOptimType] = {
+    "sgd": EmbOptimType.EXACT_SGD,
+    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "adagrad": EmbOptimType.EXACT_ADAGRAD,
+    "adam": EmbOptimType.ADAM,
+}
+"""The package's embedding optimizer names (those of ``embedding_optimizer.name`` in a config, TorchRec's
+optimizer classes) and the FBGEMM kernel each one runs. :class:`CacheOptimizerConfig` also accepts FBGEMM's own
+``EmbOptimType`` values (``exact_row_wise_adagrad``, ``partial_row_wise_adam``, ...) as aliases: sharder configs
+written with them keep working."""
 
 SUPPORTED_OPTIMIZERS = (
     EmbOptimType.EXACT_SGD,
@@ -53,6 +70,8 @@ def _to_optim(value: Union[EmbOptimType, str]) -> EmbOptimType:
     if isinstance(value, EmbOptimType):
         return value
     text = str(value).strip()
+    if text.lower() in OPTIMIZER_NAMES:
+        return OPTIMIZER_NAMES[text.lower()]
     for member in EmbOptimType:
         if text.lower() in (member.value, member.name.lower()):
             return member
@@ -67,8 +86,10 @@ class CacheOptimizerConfig:
     ``EmbeddingBagCollectionSharder(fused_params=...)``.
 
     Attributes:
-        optimizer: an ``EmbOptimType`` or its name (``"exact_sgd"``, ``"exact_row_wise_adagrad"``, ``"adam"``,
-            ``"partial_row_wise_adam"``, ``"exact_adagrad"``).
+        optimizer: a name of :data:`OPTIMIZER_NAMES` (``"sgd"``, ``"rowwise_adagrad"``, ``"adagrad"``,
+            ``"adam"``, as the model's ``embedding_optimizer`` names them), or an ``EmbOptimType`` or its value
+            (FBGEMM's names, accepted as aliases: ``"exact_sgd"``, ``"exact_row_wise_adagrad"``,
+            ``"exact_adagrad"``, ``"adam"``, and ``"partial_row_wise_adam"``, which has no short name).
         learning_rate: step size.
         eps: Adagrad / Adam epsilon.
         beta1: Adam first-moment decay.
@@ -79,7 +100,9 @@ class CacheOptimizerConfig:
         kernel: :class:`KernelChoice` (``"auto"``, ``"fbgemm"``, ``"torch"``).
 
     Example:
-        >>> cfg = CacheOptimizerConfig("exact_row_wise_adagrad", learning_rate=0.1)
+        >>> cfg = CacheOptimizerConfig("rowwise_adagrad", learning_rate=0.1)
+        >>> cfg == CacheOptimizerConfig("exact_row_wise_adagrad", learning_rate=0.1)  # FBGEMM's name, an alias
+        True
         >>> cfg.state_widths(8), cfg.fused_params()["learning_rate"]
         ({'momentum1': 1}, 0.1)
         >>> CacheOptimizerConfig("adam").state_widths(8)
