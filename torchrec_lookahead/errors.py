@@ -2,21 +2,27 @@
 
 Every error the library raises on bad input derives from :class:`LookaheadError`, so a user can catch the
 whole family with one ``except`` clause, and each message names the argument, the value received, the
-allowed values and the fix.
+allowed values and the fix. Errors about a table's ids or its cache also carry those facts as attributes
+(``table``, ``batch``, ``id``, ``num_rows``, ``needed``, ``available``; ``None`` where the raising code does not
+know one), the way TorchRec's ``PlannerError`` carries its ``error_type``, so a caller can act on them without
+parsing the message.
 
 Example:
-    >>> from torchrec_lookahead import LookaheadError, ConfigError
+    >>> from torchrec_lookahead import CapacityError, ConfigError, LookaheadError
     >>> try:
     ...     raise ConfigError("num_embeddings for table 't0' must be > 0 but got 0; set a positive size")
     ... except LookaheadError as e:
     ...     print(type(e).__name__)
     ConfigError
+    >>> e = CapacityError("table 't': batch 3 needs 9 cache rows but ...", table="t", batch=3, needed=9, available=8)
+    >>> e.table, e.batch, e.needed - e.available
+    ('t', 3, 1)
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any, Deque, List
+from typing import Any, ClassVar, Deque, Dict, List, Optional, Tuple
 
 __all__ = [
     "LookaheadError",
@@ -33,13 +39,32 @@ _RECENT: Deque[LookaheadError] = collections.deque(maxlen=16)
 
 
 class LookaheadError(Exception):
-    """Base class of every error raised by torchrec_lookahead on bad input or bad configuration."""
+    """Base class of every error raised by torchrec_lookahead on bad input or bad configuration.
 
-    def __init__(self, *args: Any) -> None:
+    Args:
+        args: the message (as for any exception).
+        facts: keyword facts of the error, each set as an attribute; a subclass names those it takes in
+            :attr:`FACTS` (any other raises ``TypeError``). The message is the caller's, unchanged.
+    """
+
+    #: names of the keyword facts this class takes (each an attribute, ``None`` unless given)
+    FACTS: ClassVar[Tuple[str, ...]] = ()
+
+    def __init__(self, *args: Any, **facts: Any) -> None:
         super().__init__(*args)
+        unknown = sorted(set(facts) - set(self.FACTS))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} takes the facts {list(self.FACTS)}, not {unknown}")
+        for name, value in facts.items():
+            setattr(self, name, value)
         # jsonargparse keeps only the text of an error raised while it tries a Union's subtypes; the CLI finds
         # the error itself here to report it with its own type (see torchrec_lookahead.launch)
         _RECENT.append(self)
+
+    @property
+    def facts(self) -> Dict[str, Any]:
+        """The error's facts by name (those of :attr:`FACTS`; ``None`` where not given)."""
+        return {name: getattr(self, name) for name in self.FACTS}
 
 
 def recent_errors() -> List[LookaheadError]:
@@ -58,9 +83,21 @@ class DataError(LookaheadError, ValueError):
 class InvalidIdError(DataError):
     """An embedding id is negative or not below its table's number of rows."""
 
+    FACTS = ("table", "batch", "id", "num_rows")
+    table: Optional[str] = None  #: the table the id is for
+    batch: Optional[int] = None  #: the batch (step) holding it, where known
+    id: Optional[int] = None  #: the offending id (the lowest negative one, else the highest)
+    num_rows: Optional[int] = None  #: the table's number of rows (valid ids are ``0 .. num_rows - 1``)
+
 
 class CapacityError(LookaheadError, ValueError):
     """A cache capacity is below the working set of one prefetch window."""
+
+    FACTS = ("table", "batch", "needed", "available")
+    table: Optional[str] = None  #: the table whose cache is too small
+    batch: Optional[int] = None  #: the (last) batch of the window that does not fit
+    needed: Optional[int] = None  #: rows the window needs
+    available: Optional[int] = None  #: rows the cache can give it (its capacity, or the evictable rows)
 
 
 class SetupError(LookaheadError, RuntimeError):

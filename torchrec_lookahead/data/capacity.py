@@ -120,7 +120,11 @@ def check_stream(
                 bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
                 raise InvalidIdError(
                     f"table {n!r}: batch {step} holds id {bad} outside [0, {int(num_embeddings[n])}); remap or "
-                    "hash ids into the table before training"
+                    "hash ids into the table before training",
+                    table=n,
+                    batch=step,
+                    id=bad,
+                    num_rows=int(num_embeddings[n]),
                 )
             best[n] = max(best[n], need)
             if need > int(capacity[n]) and n not in first:
@@ -133,6 +137,10 @@ def check_stream(
             f"table {n!r}: {describe_window(lo, hi, prefetch_depth)} need{'s' if lo == hi else ''} {need} "
             f"cache rows but capacity[{n!r}] is {int(capacity[n])}; the epoch's largest windows need {short} "
             "rows: raise those capacities, lower prefetch_depth, or use smaller batches (found before training "
-            "by LookaheadDataModule(capacity_check='epoch'))"
+            "by LookaheadDataModule(capacity_check='epoch'))",
+            table=n,
+            batch=hi,
+            needed=need,
+            available=int(capacity[n]),
         )
     return best

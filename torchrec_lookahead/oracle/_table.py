@@ -127,7 +127,11 @@ class _TablePlanner:
             valid = f"[0, {self.rows})" if self.rows is not None else "[0, 2**62)"
             raise InvalidIdError(
                 f"table {self.name!r}: id {bad} in batch {step} is outside the valid range {valid}; fix the input "
-                f"ids or set num_embeddings[{self.name!r}] to the table's number of rows"
+                f"ids or set num_embeddings[{self.name!r}] to the table's number of rows",
+                table=self.name,
+                batch=step,
+                id=bad,
+                num_rows=self.rows,
             )
         if high >= self.slot_of.size:
             self._grow(high + 1)
@@ -231,7 +235,11 @@ class _TablePlanner:
             raise CapacityError(
                 f"table {self.name!r}: {describe_window(lo, step, self.depth)} need{'s' if lo == step else ''} "
                 f"{need} cache rows but capacity[{self.name!r}] is {self.capacity}; raise "
-                f"capacity[{self.name!r}] to at least {need}, lower prefetch_depth, or use smaller batches"
+                f"capacity[{self.name!r}] to at least {need}, lower prefetch_depth, or use smaller batches",
+                table=self.name,
+                batch=step,
+                needed=need,
+                available=self.capacity,
             )
 
     def consume(self) -> Tuple[_Record, np.ndarray]:

@@ -115,7 +115,11 @@ class BeladyPlanner(_TablePlanner):
         if cand.size < rest:
             raise CapacityError(
                 f"table {self.name!r}: step {t} needs {need} evictable rows but only {out.size + cand.size} are "
-                f"not needed within prefetch_depth={self.depth}; raise capacity[{self.name!r}]"
+                f"not needed within prefetch_depth={self.depth}; raise capacity[{self.name!r}]",
+                table=self.name,
+                batch=t,
+                needed=int(need),
+                available=int(out.size + cand.size),
             )
         nx, rr = res_next[cand], rk[cand]
         if self.capacity < self.pool_min_capacity:  # no pool: the victims straight from the scan

@@ -50,7 +50,11 @@ class LRUPlanner(_TablePlanner):
         if out.size < need:
             raise CapacityError(
                 f"table {self.name!r}: step {t} needs {need} evictable rows but only {out.size} are not needed "
-                f"within prefetch_depth={self.depth}; raise capacity[{self.name!r}]"
+                f"within prefetch_depth={self.depth}; raise capacity[{self.name!r}]",
+                table=self.name,
+                batch=t,
+                needed=int(need),
+                available=int(out.size),
             )
         return out
 

@@ -65,7 +65,11 @@ class TTLPlanner(_TablePlanner):
             raise CapacityError(
                 f"table {self.name!r}: policy 'ttl' needs {need} cache rows at batch {t} (horizon "
                 f"{self.horizon}) but capacity[{self.name!r}] is {self.capacity}; raise capacity[{self.name!r}] "
-                "or lower the horizon"
+                "or lower the horizon",
+                table=self.name,
+                batch=t,
+                needed=need,
+                available=self.capacity,
             )
         fetch_ids = uniq[miss]
         fetch_slots = self.pop_free(miss.size)

@@ -118,7 +118,11 @@ class WindowPlanner(_TablePlanner):
             raise CapacityError(
                 f"table {self.name!r}: the window of batches {t}..{t + self.window - 1} has {over.size} set "
                 f"conflicts but {free_victim.size} free victim rows (capacity {cap}, {sets} sets x {ways} ways); "
-                f"raise capacity[{self.name!r}] or victim_rows, raise ways, or lower window"
+                f"raise capacity[{self.name!r}] or victim_rows, raise ways, or lower window",
+                table=self.name,
+                batch=t,
+                needed=int(over.size),
+                available=int(free_victim.size),
             )
         fetch_ids = np.concatenate([ms[ok], over])
         fetch_slots = np.concatenate([set_slots, free_victim[: over.size]])

@@ -158,7 +158,9 @@ class _RowStore(EmbeddingStore):
                 if isinstance(ids, torch.Tensor)
                 else type(ids).__name__
             )
-            raise InvalidIdError(f"ids for table '{self._name}' must be a 1-D integer tensor but got {desc}")
+            raise InvalidIdError(
+                f"ids for table '{self._name}' must be a 1-D integer tensor but got {desc}", table=self._name
+            )
         ids = ids.to(device="cpu", dtype=torch.int64)
         if ids.numel() == 0:
             return ids
@@ -168,11 +170,15 @@ class _RowStore(EmbeddingStore):
             bad = lo if lo < 0 else hi
             raise InvalidIdError(
                 f"id {bad} of table '{self._name}' is out of range [0, {self._num}); "
-                "remap or hash ids into the table before training"
+                "remap or hash ids into the table before training",
+                table=self._name,
+                id=bad,
+                num_rows=self._num,
             )
         if unique and torch.unique(ids).numel() != ids.numel():
             raise InvalidIdError(
-                f"scatter into table '{self._name}' got repeated ids; pass each id at most once"
+                f"scatter into table '{self._name}' got repeated ids; pass each id at most once",
+                table=self._name,
             )
         return ids
 

@@ -310,7 +310,7 @@ class RowShardedStore(EmbeddingStore):
                 else type(ids).__name__
             )
             return InvalidIdError(
-                f"ids for table '{self.name}' must be a 1-D integer tensor but got {desc}"
+                f"ids for table '{self.name}' must be a 1-D integer tensor but got {desc}", table=self.name
             ), empty
         ids = ids.to(device="cpu", dtype=torch.int64).contiguous()
         if ids.numel():
@@ -319,11 +319,15 @@ class RowShardedStore(EmbeddingStore):
                 bad = lo if lo < 0 else hi
                 return InvalidIdError(
                     f"id {bad} of table '{self.name}' is out of range [0, {self._num}); remap or hash ids into "
-                    "the table before training"
+                    "the table before training",
+                    table=self.name,
+                    id=bad,
+                    num_rows=self._num,
                 ), empty
             if unique and torch.unique(ids).numel() != ids.numel():
                 return InvalidIdError(
-                    f"scatter into table '{self.name}' got repeated ids; pass each id at most once"
+                    f"scatter into table '{self.name}' got repeated ids; pass each id at most once",
+                    table=self.name,
                 ), empty
         return None, ids
 
