@@ -10,10 +10,10 @@ Example:
 from __future__ import annotations
 
 import enum
-import numbers
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
+from torchrec_lookahead._checks import check_int
 from torchrec_lookahead.errors import ConfigError
 
 __all__ = ["Policy", "OracleConfig", "MAX_RANKS"]
@@ -37,16 +37,6 @@ class Policy(str, enum.Enum):
     TTL = "ttl"
     WINDOW = "window"
     LRU = "lru"
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, minimum: int, fix: str) -> int:
-    if not _is_int(value) or int(value) < minimum:  # type: ignore[call-overload]
-        raise ConfigError(f"{name} must be an integer >= {minimum} but got {value!r}; {fix}")
-    return int(value)  # type: ignore[call-overload]
 
 
 def _next_prime_at_most(n: int) -> int:
@@ -103,7 +93,7 @@ class OracleConfig:
             )
         self.capacity = dict(self.capacity)
         for table, rows in self.capacity.items():
-            _check_int(f"capacity[{table!r}]", rows, 1, "give every cached table a positive number of rows")
+            check_int(f"capacity[{table!r}]", rows, 1, "give every cached table a positive number of rows")
         try:
             self.policy = Policy(self.policy)
         except ValueError:
@@ -111,8 +101,8 @@ class OracleConfig:
             raise ConfigError(
                 f"policy must be one of {valid} but got {self.policy!r}; pick one of them"
             ) from None
-        self.horizon = _check_int("horizon", self.horizon, 0, "set a non-negative lookahead in batches")
-        self.prefetch_depth = _check_int("prefetch_depth", self.prefetch_depth, 0, "set 0, 1 or more")
+        self.horizon = check_int("horizon", self.horizon, 0, "set a non-negative lookahead in batches")
+        self.prefetch_depth = check_int("prefetch_depth", self.prefetch_depth, 0, "set 0, 1 or more")
         if self.horizon < self.prefetch_depth:
             raise ConfigError(
                 f"horizon must be >= prefetch_depth={self.prefetch_depth} but got horizon={self.horizon}; "
@@ -124,10 +114,10 @@ class OracleConfig:
                 f"horizon={self.horizon}; ttl writes back an id after its last use within the horizon, so the "
                 "horizon must cover the next step and the prefetched ones: raise horizon"
             )
-        self.window = _check_int("window", self.window, 1, "set the cDLRM window length in batches")
-        self.ways = _check_int("ways", self.ways, 1, "set the associativity of the window cache")
-        self.seed = _check_int("seed", self.seed, 0, "set a non-negative seed")
-        self.num_ranks = _check_int("num_ranks", self.num_ranks, 1, "set the data-parallel world size")
+        self.window = check_int("window", self.window, 1, "set the cDLRM window length in batches")
+        self.ways = check_int("ways", self.ways, 1, "set the associativity of the window cache")
+        self.seed = check_int("seed", self.seed, 0, "set a non-negative seed")
+        self.num_ranks = check_int("num_ranks", self.num_ranks, 1, "set the data-parallel world size")
         if self.num_ranks > MAX_RANKS:
             raise ConfigError(
                 f"num_ranks must be <= {MAX_RANKS} (the reader bit mask is an int64) but got {self.num_ranks}; "
@@ -136,13 +126,11 @@ class OracleConfig:
         if self.num_embeddings is not None:
             self.num_embeddings = dict(self.num_embeddings)
             for table, rows in self.num_embeddings.items():
-                _check_int(
-                    f"num_embeddings[{table!r}]", rows, 1, "give every table a positive number of rows"
-                )
+                check_int(f"num_embeddings[{table!r}]", rows, 1, "give every table a positive number of rows")
         if self.feature_to_table is not None:
             self.feature_to_table = dict(self.feature_to_table)
         if self.victim_rows is not None:
-            _check_int(
+            check_int(
                 "victim_rows", self.victim_rows, 0, "set the number of conflict rows of the window cache"
             )
         if self.policy is Policy.WINDOW:

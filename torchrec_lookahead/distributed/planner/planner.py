@@ -44,6 +44,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
+from torchrec_lookahead._checks import is_int
 from torchrec_lookahead.distributed.planner.types import CachePlan, FetchCurve, Placement, TablePlacement
 from torchrec_lookahead.distributed.planner.working_set import (
     _simulate,
@@ -88,10 +89,6 @@ class _Table:
     rows: int
     dim: int
     bpr: int
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _lower_hull(points: Sequence[Tuple[int, float]]) -> List[Tuple[int, float]]:
@@ -145,17 +142,17 @@ class LookaheadPlanner:
         oracle_options: Optional[Mapping[str, Any]] = None,
         floor_headroom: float = 1.0,
     ) -> None:
-        if not _is_int(device_budget_bytes) or int(device_budget_bytes) <= 0:
+        if not is_int(device_budget_bytes) or int(device_budget_bytes) <= 0:
             raise ConfigError(
                 f"device_budget_bytes must be a positive integer but got {device_budget_bytes!r}; pass the device "
                 "bytes available for embedding rows and optimizer state, e.g. 64 << 20"
             )
-        if not _is_int(num_sample_batches) or int(num_sample_batches) < 1:
+        if not is_int(num_sample_batches) or int(num_sample_batches) < 1:
             raise ConfigError(
                 f"num_sample_batches must be an integer >= 1 but got {num_sample_batches!r}; a few dozen batches "
                 "give a useful plan"
             )
-        if warmup_batches is not None and (not _is_int(warmup_batches) or int(warmup_batches) < 0):
+        if warmup_batches is not None and (not is_int(warmup_batches) or int(warmup_batches) < 0):
             raise ConfigError(
                 f"warmup_batches must be None or an integer >= 0 but got {warmup_batches!r}; leave it None for a "
                 "quarter of the sample"
@@ -292,7 +289,7 @@ class LookaheadPlanner:
             name = getattr(cfg, "name", None)
             rows: Any = getattr(cfg, "num_embeddings", None)
             dim: Any = getattr(cfg, "embedding_dim", None)
-            if not isinstance(name, str) or not _is_int(rows) or not _is_int(dim):
+            if not isinstance(name, str) or not is_int(rows) or not is_int(dim):
                 raise ConfigError(
                     f"tables must be TorchRec EmbeddingBagConfigs (name, num_embeddings, embedding_dim) but got "
                     f"{cfg!r}; build them with torchrec.EmbeddingBagConfig"
