@@ -1,4 +1,7 @@
-"""Shared plumbing of the benchmark scripts: machine description, tables, JSON output, timing callback."""
+"""Shared plumbing of the benchmark scripts: machine description, tables, JSON output, timing callbacks, and
+the cached / resident training job of ``cache_overhead.py`` that ``memory.py``, ``scale.py`` and ``gpu.py``
+reuse (``build``, ``capacities``, ``train``). Scripts import it as ``benchmarks._common`` with the repository
+root on ``sys.path``; no script imports another."""
 
 from __future__ import annotations
 
@@ -6,12 +9,21 @@ import argparse
 import json
 import os
 import platform
+import socket
 import statistics
+import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch
+
+from torchrec_lookahead.data import LookaheadDataModule
+from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+from torchrec_lookahead.launch import build_cli
+from torchrec_lookahead.oracle import OracleConfig, min_capacity
+from torchrec_lookahead.strategies import TorchRecStrategy
+from torchrec_lookahead.verify import QUIET_TRAINER_ARGS
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -97,3 +109,194 @@ class StepTimeLog(StepTimer):
         super().on_train_batch_end(trainer, *args)
         if len(self.times) > timed and trainer.logger is not None and trainer.is_global_zero:
             trainer.logger.log_metrics({"time/step_ms": self.times[-1] * 1e3}, step=trainer.global_step)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(REPO, "configs", "dlrm_synthetic.yaml")
+
+_QUIET = [
+    "--trainer.logger=false",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.limit_val_batches=0",
+    "--trainer.enable_model_summary=false",
+]
+
+
+def build(config: str = CONFIG, overrides: Sequence[str] = ()) -> Any:
+    """A fresh model and DataModule of ``config`` (LightningCLI, not run)."""
+    return build_cli(["--config", config, *_QUIET, *overrides])
+
+
+def batch_size(dm: Any) -> int:
+    """Samples per batch of a (possibly wrapped) synthetic DataModule."""
+    inner = dm.datamodule if isinstance(dm, LookaheadDataModule) else dm
+    cfg = getattr(inner, "config", None)
+    return int(cfg.batch_size if cfg is not None else inner.hparams["batch_size"])
+
+
+def table_rows(dm: Any) -> Dict[str, int]:
+    """Table name (``t_<feature>``, as DLRMModule names them) -> rows."""
+    return {f"t_{f}": int(n) for f, n in dm.num_embeddings_per_feature.items()}
+
+
+def capacities(
+    dm: Any, fraction: float, min_cached_rows: int, prefetch_depth: int = 1, batches: int = 0
+) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """Capacity per cached table: ``fraction`` of its rows, bumped to the oracle's minimum where below it.
+
+    The minimum (largest number of distinct ids in a batch and the next ``prefetch_depth``) is measured on the
+    first ``batches`` training batches (all of them when 0). Returns ``(capacity, bumped)``; ``bumped`` maps the
+    tables whose capacity was raised to the rows they would have had.
+    """
+    rows = table_rows(dm)
+    cached = {t: n for t, n in rows.items() if n > min_cached_rows}
+    cap = {t: max(1, int(n * fraction)) for t, n in cached.items()}
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+
+    def stream() -> Any:
+        for i, b in enumerate(loader):
+            if batches and i >= batches:
+                return
+            yield b.sparse_features
+
+    f2t = {f: f"t_{f}" for f in dm.num_embeddings_per_feature}
+    need = min_capacity(stream(), prefetch_depth, OracleConfig(capacity=cap, feature_to_table=f2t))
+    bumped = {t: cap[t] for t in cap if cap[t] < need[t]}
+    cap.update({t: need[t] for t in bumped})
+    return cap, bumped
+
+
+def train(
+    cli: Any,
+    capacity: Optional[Dict[str, int]],
+    steps: int,
+    warmup: int = 3,
+    horizon: int = 64,
+    prefetch_depth: int = 1,
+    policy: str = "belady",
+    store_dir: Optional[str] = None,
+    callbacks: Sequence[pl.Callback] = (),
+    accelerator: str = "cpu",
+    lookahead_kwargs: Optional[Dict[str, Any]] = None,
+    sharder_kwargs: Optional[Dict[str, Any]] = None,
+) -> Dict[str, Any]:
+    """Train ``cli``'s model for ``warmup + steps`` timed steps, resident (``capacity=None``) or cached.
+
+    Returns the per-step times (after warm-up), samples/s, the strategy and the trainer.
+    """
+    dm = cli.datamodule
+    if isinstance(dm, LookaheadDataModule):
+        dm = dm.datamodule
+    if capacity is not None:
+        sharders = [
+            LookaheadEmbeddingBagCollectionSharder(
+                capacity=capacity, store_dir=store_dir, **(sharder_kwargs or {})
+            )
+        ]
+        dm = LookaheadDataModule(
+            dm, horizon=horizon, prefetch_depth=prefetch_depth, policy=policy, **(lookahead_kwargs or {})
+        )
+        strategy = TorchRecStrategy(sharders=sharders, init_seed=0)
+    else:
+        strategy = TorchRecStrategy(init_seed=0)
+    timer = StepTimer(warmup=warmup)
+    window = LoaderWindow(warmup)
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        strategy=strategy,
+        max_steps=steps + warmup + 1,
+        callbacks=[timer, window, *callbacks],
+        **QUIET_TRAINER_ARGS,
+    )
+    pl.seed_everything(0, verbose=False)
+    t0 = time.perf_counter()
+    trainer.fit(cli.model, datamodule=dm)
+    wall = time.perf_counter() - t0
+    batch = batch_size(dm)
+    step = median(timer.times)
+    return {
+        "times": list(timer.times),
+        "cpu_times": list(timer.cpu_times),
+        "loader": window.figures(),
+        "step_ms": step * 1e3,
+        "samples_per_s": batch / step,
+        "fit_s": wall,
+        "torch_threads": timer.torch_threads,
+        "strategy": strategy,
+        "trainer": trainer,
+        "datamodule": dm,
+    }
+
+
+class LoaderWindow(pl.Callback):
+    """The lookahead loader's counters over the timed steps (after ``warmup``), so that start-up (the oracle
+    reading its first horizon of batches) does not count: ``per_step`` (waits, ms a step) and ``per_batch``
+    (the planner's and stager's CPU time, ms a batch) once training ended."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self._first: Optional[Tuple[int, Dict[str, float]]] = None
+        self._last: Optional[Tuple[int, Dict[str, float]]] = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
+        if loader is None or trainer.global_step < self.warmup:
+            return
+        snap = (trainer.global_step, loader.stats())
+        if self._first is None:
+            self._first = snap
+        self._last = snap
+
+    def figures(self) -> Dict[str, float]:
+        if self._first is None or self._last is None or self._last[0] == self._first[0]:
+            return {}
+        steps = self._last[0] - self._first[0]
+        d = {k: v - self._first[1][k] for k, v in self._last[1].items()}
+        return {
+            "stager wait ms/step": d["stats_wait_s"] / steps * 1e3,
+            "batch wait ms/step": d["stats_batch_wait_s"] / steps * 1e3,
+            "planner cpu ms/batch": d["stats_planner_cpu_s"] / max(d["stats_planned"], 1) * 1e3,
+            "stager cpu ms/batch": d["stats_stager_cpu_s"] / max(d["stats_staged"], 1) * 1e3,
+        }
+
+
+def cache_counters(strategy: TorchRecStrategy) -> Dict[str, int]:
+    """Counters of every cached table, summed."""
+    out: Dict[str, int] = {}
+    for m in strategy.cached_modules():
+        for st in m.cache.stats().values():
+            for k, v in st.items():
+                out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+def quiet() -> None:
+    """Silence the warnings and info lines that Lightning and TorchRec print for every run."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchrec", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger().setLevel(logging.ERROR)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    sys.argv = sys.argv[:1]  # LightningCLI(args=...) warns about unrelated command-line arguments
+
+
+def proc_status(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -10,8 +10,8 @@ median step time of each kind over all runs after warm-up, and their ratio (JSON
 
     python benchmarks/cache_overhead.py [--quick] [--json PATH] [--profile]
 
-The helpers here (``build``, ``train``, ``capacities``) are shared by ``memory.py``, ``scale.py`` and
-``gpu.py``.
+The job's helpers (``build``, ``train``, ``capacities``) are in ``_common.py``, shared with ``memory.py``,
+``scale.py`` and ``gpu.py``.
 """
 
 from __future__ import annotations
@@ -23,181 +23,28 @@ import os
 import pstats
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
 
 import lightning.pytorch as pl
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import StepTimer, machine, median, parser, table, write_json  # noqa: E402
-
-from torchrec_lookahead.cli import build_cli  # noqa: E402
-from torchrec_lookahead.data import LookaheadDataModule  # noqa: E402
-from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder  # noqa: E402
-from torchrec_lookahead.oracle import OracleConfig, min_capacity  # noqa: E402
-from torchrec_lookahead.strategies import TorchRecStrategy  # noqa: E402
-from torchrec_lookahead.verify import QUIET_TRAINER_ARGS  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(REPO, "configs", "dlrm_synthetic.yaml")
-
-_QUIET = [
-    "--trainer.logger=false",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_checkpointing=false",
-    "--trainer.limit_val_batches=0",
-    "--trainer.enable_model_summary=false",
-]
-
-
-def build(config: str = CONFIG, overrides: Sequence[str] = ()) -> Any:
-    """A fresh model and DataModule of ``config`` (LightningCLI, not run)."""
-    return build_cli(["--config", config, *_QUIET, *overrides])
-
-
-def batch_size(dm: Any) -> int:
-    """Samples per batch of a (possibly wrapped) synthetic DataModule."""
-    inner = dm.datamodule if isinstance(dm, LookaheadDataModule) else dm
-    cfg = getattr(inner, "config", None)
-    return int(cfg.batch_size if cfg is not None else inner.hparams["batch_size"])
-
-
-def table_rows(dm: Any) -> Dict[str, int]:
-    """Table name (``t_<feature>``, as DLRMModule names them) -> rows."""
-    return {f"t_{f}": int(n) for f, n in dm.num_embeddings_per_feature.items()}
-
-
-def capacities(
-    dm: Any, fraction: float, min_cached_rows: int, prefetch_depth: int = 1, batches: int = 0
-) -> Tuple[Dict[str, int], Dict[str, int]]:
-    """Capacity per cached table: ``fraction`` of its rows, bumped to the oracle's minimum where below it.
-
-    The minimum (largest number of distinct ids in a batch and the next ``prefetch_depth``) is measured on the
-    first ``batches`` training batches (all of them when 0). Returns ``(capacity, bumped)``; ``bumped`` maps the
-    tables whose capacity was raised to the rows they would have had.
-    """
-    rows = table_rows(dm)
-    cached = {t: n for t, n in rows.items() if n > min_cached_rows}
-    cap = {t: max(1, int(n * fraction)) for t, n in cached.items()}
-    dm.setup("fit")
-    loader = dm.train_dataloader()
-
-    def stream() -> Any:
-        for i, b in enumerate(loader):
-            if batches and i >= batches:
-                return
-            yield b.sparse_features
-
-    f2t = {f: f"t_{f}" for f in dm.num_embeddings_per_feature}
-    need = min_capacity(stream(), prefetch_depth, OracleConfig(capacity=cap, feature_to_table=f2t))
-    bumped = {t: cap[t] for t in cap if cap[t] < need[t]}
-    cap.update({t: need[t] for t in bumped})
-    return cap, bumped
-
-
-def train(
-    cli: Any,
-    capacity: Optional[Dict[str, int]],
-    steps: int,
-    warmup: int = 3,
-    horizon: int = 64,
-    prefetch_depth: int = 1,
-    policy: str = "belady",
-    store_dir: Optional[str] = None,
-    callbacks: Sequence[pl.Callback] = (),
-    accelerator: str = "cpu",
-    lookahead_kwargs: Optional[Dict[str, Any]] = None,
-    sharder_kwargs: Optional[Dict[str, Any]] = None,
-) -> Dict[str, Any]:
-    """Train ``cli``'s model for ``warmup + steps`` timed steps, resident (``capacity=None``) or cached.
-
-    Returns the per-step times (after warm-up), samples/s, the strategy and the trainer.
-    """
-    dm = cli.datamodule
-    if isinstance(dm, LookaheadDataModule):
-        dm = dm.datamodule
-    if capacity is not None:
-        sharders = [
-            LookaheadEmbeddingBagCollectionSharder(
-                capacity=capacity, store_dir=store_dir, **(sharder_kwargs or {})
-            )
-        ]
-        dm = LookaheadDataModule(
-            dm, horizon=horizon, prefetch_depth=prefetch_depth, policy=policy, **(lookahead_kwargs or {})
-        )
-        strategy = TorchRecStrategy(sharders=sharders, init_seed=0)
-    else:
-        strategy = TorchRecStrategy(init_seed=0)
-    timer = StepTimer(warmup=warmup)
-    window = LoaderWindow(warmup)
-    trainer = pl.Trainer(
-        accelerator=accelerator,
-        devices=1,
-        strategy=strategy,
-        max_steps=steps + warmup + 1,
-        callbacks=[timer, window, *callbacks],
-        **QUIET_TRAINER_ARGS,
-    )
-    pl.seed_everything(0, verbose=False)
-    t0 = time.perf_counter()
-    trainer.fit(cli.model, datamodule=dm)
-    wall = time.perf_counter() - t0
-    batch = batch_size(dm)
-    step = median(timer.times)
-    return {
-        "times": list(timer.times),
-        "cpu_times": list(timer.cpu_times),
-        "loader": window.figures(),
-        "step_ms": step * 1e3,
-        "samples_per_s": batch / step,
-        "fit_s": wall,
-        "torch_threads": timer.torch_threads,
-        "strategy": strategy,
-        "trainer": trainer,
-        "datamodule": dm,
-    }
-
-
-class LoaderWindow(pl.Callback):
-    """The lookahead loader's counters over the timed steps (after ``warmup``), so that start-up (the oracle
-    reading its first horizon of batches) does not count: ``per_step`` (waits, ms a step) and ``per_batch``
-    (the planner's and stager's CPU time, ms a batch) once training ended."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self._first: Optional[Tuple[int, Dict[str, float]]] = None
-        self._last: Optional[Tuple[int, Dict[str, float]]] = None
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
-        if loader is None or trainer.global_step < self.warmup:
-            return
-        snap = (trainer.global_step, loader.stats())
-        if self._first is None:
-            self._first = snap
-        self._last = snap
-
-    def figures(self) -> Dict[str, float]:
-        if self._first is None or self._last is None or self._last[0] == self._first[0]:
-            return {}
-        steps = self._last[0] - self._first[0]
-        d = {k: v - self._first[1][k] for k, v in self._last[1].items()}
-        return {
-            "stager wait ms/step": d["stats_wait_s"] / steps * 1e3,
-            "batch wait ms/step": d["stats_batch_wait_s"] / steps * 1e3,
-            "planner cpu ms/batch": d["stats_planner_cpu_s"] / max(d["stats_planned"], 1) * 1e3,
-            "stager cpu ms/batch": d["stats_stager_cpu_s"] / max(d["stats_staged"], 1) * 1e3,
-        }
-
-
-def cache_counters(strategy: TorchRecStrategy) -> Dict[str, int]:
-    """Counters of every cached table, summed."""
-    out: Dict[str, int] = {}
-    for m in strategy.cached_modules():
-        for st in m.cache.stats().values():
-            for k, v in st.items():
-                out[k] = out.get(k, 0) + int(v)
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._common import (  # noqa: E402
+    CONFIG,
+    batch_size,
+    build,
+    cache_counters,
+    capacities,
+    machine,
+    median,
+    parser,
+    quiet,
+    table,
+    table_rows,
+    train,
+    write_json,
+)
 
 
 class _Profile(pl.Callback):
@@ -315,19 +162,6 @@ def _top(prof: cProfile.Profile, n: int = 25) -> str:
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(n)
     return s.getvalue()
-
-
-def quiet() -> None:
-    """Silence the warnings and info lines that Lightning and TorchRec print for every run."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchrec", "torch.distributed"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    logging.getLogger().setLevel(logging.ERROR)
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    sys.argv = sys.argv[:1]  # LightningCLI(args=...) warns about unrelated command-line arguments
 
 
 def main() -> None:

@@ -49,8 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import machine, median, parser, table, write_json  # noqa: E402
-from benchmarks.sync_volume import free_port  # noqa: E402
+from benchmarks._common import free_port, machine, median, parser, table, write_json  # noqa: E402
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig  # noqa: E402
 from torchrec_lookahead.distributed.exact_sync import KernelLayout, exchange_batches  # noqa: E402
 from torchrec_lookahead.distributed.lrpp import LRPPTracker, slice_samples  # noqa: E402

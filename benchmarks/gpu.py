@@ -33,9 +33,21 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine, median, parser, table, write_json  # noqa: E402
-from cache_overhead import CONFIG, batch_size, build, capacities, quiet, table_rows, train  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import (  # noqa: E402
+    CONFIG,
+    batch_size,
+    build,
+    capacities,
+    machine,
+    median,
+    parser,
+    quiet,
+    table,
+    table_rows,
+    train,
+    write_json,
+)
 
 
 class _ToDevice(nn.Module):

@@ -28,10 +28,20 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine, parser, table, write_json  # noqa: E402
-from cache_overhead import REPO, build, quiet, table_rows, train  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import (  # noqa: E402
+    REPO,
+    build,
+    capacities,
+    machine,
+    parser,
+    proc_status,
+    quiet,
+    table,
+    table_rows,
+    train,
+    write_json,
+)
 from torchrec_lookahead.strategies import TorchRecStrategy  # noqa: E402
 
 LOOKAHEAD = os.path.join(REPO, "configs", "dlrm_lookahead.yaml")
@@ -45,15 +55,6 @@ _DIST_ENV = (
     "NODE_RANK",
     "LOCAL_WORLD_SIZE",
 )
-
-
-def proc_status(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def config_capacity(config: str) -> Dict[str, int]:
@@ -195,8 +196,6 @@ def main() -> None:
     figures: Dict[str, Any] = {}
     if args.scale is not None:
         # host measurement at another scale: 5 % of every table above 5,000 rows (as cache_overhead.py)
-        from cache_overhead import capacities
-
         ov = [f"--data.init_args.datamodule.init_args.scale={args.scale}"]
         probe = build(args.config, ov)
         dm = probe.datamodule.datamodule

@@ -32,10 +32,21 @@ from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine, median, parser, table, write_json  # noqa: E402
-from cache_overhead import batch_size, build, capacities, quiet, table_rows, train  # noqa: E402
-from memory import proc_status  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import (  # noqa: E402
+    batch_size,
+    build,
+    capacities,
+    machine,
+    median,
+    parser,
+    proc_status,
+    quiet,
+    table,
+    table_rows,
+    train,
+    write_json,
+)
 
 GIB = float(1 << 30)
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import csv
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -43,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import machine, median, parser, table, write_json  # noqa: E402
+from benchmarks._common import free_port, machine, median, parser, table, write_json  # noqa: E402
 from benchmarks._zipf import KAGGLE_ROWS, table_names, zipf_ids  # noqa: E402
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, RankAnnotation  # noqa: E402
 
@@ -299,12 +298,6 @@ def rank_rows(sims: Mapping[int, Dict[str, Any]], batch: int) -> List[Dict[str, 
 
 
 # ---------------------------------------------------------------------------------------------- gloo
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _gloo_worker(
     rank: int, port: int, sizes: Dict[str, List[int]], warmup: int, gap_ms: float, queue: Any
 ) -> None:
