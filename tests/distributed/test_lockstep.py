@@ -87,7 +87,18 @@ def _consume(it: Any, n: int) -> int:
     return done
 
 
-def _scenario(rank: int, name: str, group: Any) -> Dict[str, Any]:
+def _wait_until(condition: Any, what: str, timeout_s: float = 120.0) -> None:
+    """Poll ``condition`` (no fixed sleep: a loaded machine only makes this slower, never wrong)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.01)
+
+
+def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
+    """One scenario on one rank. ``group``: the loader's planner group; ``side``: a group of its own that orders
+    the ranks' steps where a scenario needs one rank to act after the other (a barrier, not a sleep)."""
     out: Dict[str, Any] = {}
     if name == "equal":  # two epochs of 6 batches each: both end at the same gather
         loader = _loader(rank, _batches(rank, 6), group)
@@ -122,18 +133,34 @@ def _scenario(rank: int, name: str, group: Any) -> Dict[str, Any]:
             out["error"] = f"{type(e).__name__}: {e}"
         loader.close()
     elif name == "peer_gone":  # rank 1 stops; rank 0's planner never joins (its queue is full for 8 s)
-        loader = _loader(rank, _batches(rank, 40), group, stop_timeout_s=1.0)
-        it = iter(loader)
-        _consume(it, 2)
-        time.sleep(1.0)  # both planners fill their queues and wait in put()
+        from torchrec_lookahead.data import lookahead as la
+
+        blocked = threading.Event()
+        put = la._Run.put
+
+        def put_noting_a_full_queue(run: Any, item: Any) -> bool:
+            if run.out.full():  # the planner gathers nothing more until the training thread takes a batch
+                blocked.set()
+            return put(run, item)
+
+        la._Run.put = put_noting_a_full_queue  # type: ignore[method-assign]
+        try:
+            loader = _loader(rank, _batches(rank, 40), group, stop_timeout_s=1.0)
+            it = iter(loader)
+            _consume(it, 2)
+            _wait_until(blocked.is_set, "the planner waits in put() with a full queue")
+        finally:
+            la._Run.put = put  # type: ignore[method-assign]
+        dist.barrier(group=side)  # both planners wait in put(), out of the gathers
         t0 = time.monotonic()
         if rank == 1:
             try:
                 loader.close()
             except Exception as e:
                 out["error"] = f"{type(e).__name__}: {e}"
+            dist.barrier(group=side)
         else:
-            time.sleep(8)
+            dist.barrier(group=side)  # rank 0's planner joins only once rank 1 gave up
             loader.close()
         out["close_s"] = time.monotonic() - t0
     elif name == "sharded_equal":  # two epochs over a row-sharded store: rows as the unsharded table's
@@ -161,12 +188,13 @@ def _scenario(rank: int, name: str, group: Any) -> Dict[str, Any]:
         loader = _sharded_loader(rank, _batches(rank, 40), group)
         it = iter(loader)
         _consume(it, 3 if rank == 0 else 2)
+        dist.barrier(group=side)  # rank 0 has plan 2's rows (rank 1's stager joined their gather)
         t0 = time.monotonic()
         if rank == 1:
-            time.sleep(0.5)
             loader.close()
+            dist.barrier(group=side)
         else:
-            time.sleep(2.0)
+            dist.barrier(group=side)  # rank 1 has stopped: plan 3's rows can no longer be gathered
             try:
                 b = next(it)
                 out["plan"] = b.plan.step
@@ -178,20 +206,38 @@ def _scenario(rank: int, name: str, group: Any) -> Dict[str, Any]:
     elif name == "stager_peer_gone":
         # Rank 1's stager waits in the row gather of plan 2 for rank 0's, which never starts (rank 0 reads
         # batches without starting their steps); once rank 1 stopped, it gives up within its timeout.
-        loader = _sharded_loader(rank, _batches(rank, 40), group, stop_timeout_s=1.0)
-        it = iter(loader)
+        from torchrec_lookahead.distributed.lockstep import StageGathers
+
+        at_plan_2 = threading.Event()
+        begin = StageGathers.begin
+
+        def begin_noting_plan_2(gathers: Any) -> bool:
+            if gathers.count >= 2:  # the exchanges of plans 0 and 1 are done: this is plan 2's
+                at_plan_2.set()
+            return begin(gathers)
+
+        StageGathers.begin = begin_noting_plan_2  # type: ignore[method-assign]
+        try:
+            loader = _sharded_loader(rank, _batches(rank, 40), group, stop_timeout_s=1.0)
+            it = iter(loader)
+            if rank == 1:
+                _consume(it, 2)
+                _wait_until(at_plan_2.is_set, "the stager waits in plan 2's row gather")
+        finally:
+            StageGathers.begin = begin  # type: ignore[method-assign]
         if rank == 1:
-            _consume(it, 2)
-            time.sleep(1.0)
+            dist.barrier(group=side)  # rank 0 has read its 6 batches
             t0 = time.monotonic()
             try:
                 loader.close()
             except Exception as e:
                 out["error"] = f"{type(e).__name__}: {e}"
+            dist.barrier(group=side)
         else:
             for _ in range(6):
                 next(it)
-            time.sleep(4.0)
+            dist.barrier(group=side)
+            dist.barrier(group=side)  # close only once rank 1 gave up
             t0 = time.monotonic()
             try:
                 loader.close()
@@ -226,9 +272,10 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     os.environ["PYTHONWARNINGS"] = "ignore"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     results = {}
+    side = dist.new_group(backend="gloo")
     for name in SCENARIOS:  # one pair of processes for all scenarios, a fresh planner group for each
         t0 = time.monotonic()
-        results[name] = _scenario(rank, name, dist.new_group(backend="gloo"))
+        results[name] = _scenario(rank, name, dist.new_group(backend="gloo"), side)
         results[name]["wall_s"] = time.monotonic() - t0
         dist.barrier()
     Path(outdir, f"{rank}.json").write_text(json.dumps(results))

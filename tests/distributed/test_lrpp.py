@@ -148,13 +148,19 @@ def test_gather_global_kjt_keeps_weights_on_one_rank():
 
     from ..conftest import free_port
 
-    if not dist.is_initialized():
+    already = dist.is_initialized()
+    if not already:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    kjt = KeyedJaggedTensor(
-        keys=["a"],
-        values=torch.tensor([1, 2, 3]),
-        lengths=torch.tensor([1, 2]),
-        weights=torch.tensor([0.5, 2.0, 3.0]),
-    )
-    out = gather_global_kjt(kjt, 1, None)
-    assert out.values().tolist() == [1, 2, 3] and out.weights().tolist() == [0.5, 2.0, 3.0]
+    try:
+        kjt = KeyedJaggedTensor(
+            keys=["a"],
+            values=torch.tensor([1, 2, 3]),
+            lengths=torch.tensor([1, 2]),
+            weights=torch.tensor([0.5, 2.0, 3.0]),
+        )
+        out = gather_global_kjt(kjt, 1, None)
+        assert out.values().tolist() == [1, 2, 3] and out.weights().tolist() == [0.5, 2.0, 3.0]
+    finally:
+        if not already:  # leave no global process group behind for the tests that follow
+            dist.destroy_process_group()
+    assert dist.is_initialized() == already
