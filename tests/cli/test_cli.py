@@ -1,9 +1,17 @@
+"""The command line, built in-process (``torchrec_lookahead.cli.main``) except for one real subprocess smoke
+test (``test_default_config_fits_a_few_steps_and_writes_tensorboard_logs``; ``tests/cli/test_errors.py`` has
+another for the one-line error a user sees)."""
+
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import List, Tuple
 
 import pytest
+
+from torchrec_lookahead.cli import main
 
 from ..conftest import REPO, shared_data
 
@@ -28,11 +36,27 @@ def run_cli(*args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.Comp
     )
 
 
+def cli_in_process(capsys: pytest.CaptureFixture, args: List[str]) -> Tuple[int, str, str]:
+    """Run ``python -m torchrec_lookahead <args>`` in this process, from the repository root: (exit status,
+    stdout, stderr)."""
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.chdir(cwd)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
-def test_every_config_loads(config):
-    out = run_cli("fit", "--config", str(config), "--print_config")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "class_path" in out.stdout
+def test_every_config_loads(capsys, config):
+    code, out, err = cli_in_process(capsys, ["fit", "--config", str(config), "--print_config"])
+    assert code == 0, err[-3000:]
+    assert "class_path" in out
 
 
 @pytest.mark.slow
@@ -51,38 +75,48 @@ def test_default_config_fits_a_few_steps_and_writes_tensorboard_logs(tmp_path):
     assert "TensorBoard logs:" in out.stdout and "Final metrics:" in out.stdout
 
 
-def test_tiny_validate_and_test_subcommands(tmp_path):
+def test_tiny_validate_and_test_subcommands(capsys, tmp_path):
     for cmd in ("validate", "test"):
-        out = run_cli(cmd, "--config", "configs/dlrm_tiny.yaml", f"--trainer.default_root_dir={tmp_path}")
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert f"{'val' if cmd == 'validate' else 'test'}/auc" in out.stdout
+        code, out, err = cli_in_process(
+            capsys, [cmd, "--config", "configs/dlrm_tiny.yaml", f"--trainer.default_root_dir={tmp_path}"]
+        )
+        assert code == 0, err[-3000:]
+        assert f"{'val' if cmd == 'validate' else 'test'}/auc" in out
 
 
-def test_bad_config_values_fail_with_typed_errors(tmp_path):
-    out = run_cli(
-        "fit", "--config", "configs/dlrm_tiny.yaml", "--model.init_args.embedding_optimizer.name=adamw"
+def test_bad_config_values_fail_with_typed_errors(capsys):
+    code, _, err = cli_in_process(
+        capsys,
+        ["fit", "--config", "configs/dlrm_tiny.yaml", "--model.init_args.embedding_optimizer.name=adamw"],
     )
-    assert out.returncode != 0 and "ConfigError" in out.stderr and "adamw" in out.stderr
-    out = run_cli(
-        "fit",
-        "--config",
-        "configs/dlrm_tiny.yaml",
-        "--data.init_args.num_embeddings=[0,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]",
+    assert code != 0 and "ConfigError" in err and "adamw" in err
+    code, _, err = cli_in_process(
+        capsys,
+        [
+            "fit",
+            "--config",
+            "configs/dlrm_tiny.yaml",
+            "--data.init_args.num_embeddings=[0,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]",
+        ],
     )
-    assert out.returncode != 0 and "must be a positive integer" in out.stderr
+    assert code != 0 and "must be a positive integer" in err
 
 
-def test_criteo_tsv_config_with_a_missing_file_names_it(tmp_path):
+def test_criteo_tsv_config_with_a_missing_file_names_it(capsys, tmp_path):
     shared_data("criteo_kaggle_head")
-    out = run_cli(
-        "fit", "--config", "configs/criteo_tsv.yaml", f"--data.init_args.train_files={tmp_path}/missing.tsv"
+    code, _, err = cli_in_process(
+        capsys,
+        [
+            "fit",
+            "--config",
+            "configs/criteo_tsv.yaml",
+            f"--data.init_args.train_files={tmp_path}/missing.tsv",
+        ],
     )
-    assert out.returncode != 0 and "DataError" in out.stderr and "missing.tsv" in out.stderr
+    assert code != 0 and "DataError" in err and "missing.tsv" in err
 
 
 def test_help_lists_the_project_s_commands(capsys):
-    from torchrec_lookahead.cli import main
-
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
@@ -90,16 +124,12 @@ def test_help_lists_the_project_s_commands(capsys):
     assert "fit" in out and "verify" in out and "export" in out
 
 
-def test_a_cached_fit_shows_the_cache_plan_and_the_capacity_check(tmp_path):
-    out = run_cli(
-        "fit",
-        "--config",
-        "configs/dlrm_tiny_lookahead.yaml",
-        "--trainer.max_steps=2",
-        f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.limit_val_batches=0",
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    text = out.stdout + out.stderr
+def test_a_cached_fit_shows_the_cache_plan_and_the_capacity_check(capsys, caplog, tmp_path):
+    caplog.set_level(logging.INFO)
+    args = ["fit", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.max_steps=2",
+            f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_val_batches=0"]  # fmt: skip
+    code, out, err = cli_in_process(capsys, args)
+    assert code == 0, err[-3000:]
+    text = out + err + caplog.text
     assert "Lookahead cache: t_cat_11 120 rows, t_cat_15 110 rows, t_cat_2 140 rows" in text, text[-3000:]
     assert "Lookahead capacity check: 12 batches read ahead" in text

@@ -2,28 +2,33 @@ import json
 
 import pytest
 
-from .test_cli import run_cli
+from .test_cli import cli_in_process
 
 
 @pytest.mark.slow
-def test_verify_passes_on_the_tiny_cached_config_and_fails_on_an_impossible_tolerance():
-    out = run_cli("verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--steps", "20")
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+def test_verify_passes_on_the_tiny_cached_config_and_fails_on_an_impossible_tolerance(capsys):
+    code, out, err = cli_in_process(
+        capsys, ["verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--steps", "20"]
+    )
+    assert code == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
     assert result["passed"] and result["steps"] == 20
     assert result["max_abs_weight_diff"] == result["tolerance"] == 0.0  # bit-exact by default
     assert {"max_abs_loss_diff", "tensors"} <= result.keys()
-    out = run_cli(
-        "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--steps", "3", "--tolerance", "-1"
+    code, out, _ = cli_in_process(
+        capsys,
+        ["verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--steps", "3", "--tolerance", "-1"],
     )
-    assert out.returncode == 1 and json.loads(out.stdout.strip().splitlines()[-1])["passed"] is False
+    assert code == 1 and json.loads(out.strip().splitlines()[-1])["passed"] is False
 
 
-def test_verify_refuses_a_config_without_the_torchrec_strategy(tmp_path):
+def test_verify_refuses_a_config_without_the_torchrec_strategy(capsys, tmp_path):
     cfg = tmp_path / "plain.yaml"
     cfg.write_text("trainer:\n  strategy: auto\n")
-    out = run_cli("verify", "--config", "configs/dlrm_tiny.yaml", "--config", str(cfg), "--steps", "1")
-    assert out.returncode != 0 and "strategy='torchrec'" in out.stderr
+    code, _, err = cli_in_process(
+        capsys, ["verify", "--config", "configs/dlrm_tiny.yaml", "--config", str(cfg), "--steps", "1"]
+    )
+    assert code != 0 and "strategy='torchrec'" in err
 
 
 def test_verify_notes_caches_trained_with_the_pytorch_kernel_where_fbgemm_has_the_optimizer():
