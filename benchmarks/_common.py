@@ -9,16 +9,19 @@ import argparse
 import json
 import os
 import platform
+import queue
 import socket
 import statistics
 import sys
+import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch
 
-from torchrec_lookahead.data import LookaheadDataModule
+from torchrec_lookahead.data import LookaheadDataModule, WrappedDataModule
+from torchrec_lookahead.data.lookahead import lower_thread_priority, single_threaded_ops
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
 from torchrec_lookahead.launch import build_cli
 from torchrec_lookahead.oracle import OracleConfig, min_capacity
@@ -130,7 +133,7 @@ def build(config: str = CONFIG, overrides: Sequence[str] = ()) -> Any:
 
 def batch_size(dm: Any) -> int:
     """Samples per batch of a (possibly wrapped) synthetic DataModule."""
-    inner = dm.datamodule if isinstance(dm, LookaheadDataModule) else dm
+    inner = dm.datamodule if isinstance(dm, WrappedDataModule) else dm
     cfg = getattr(inner, "config", None)
     return int(cfg.batch_size if cfg is not None else inner.hparams["batch_size"])
 
@@ -181,8 +184,13 @@ def train(
     accelerator: str = "cpu",
     lookahead_kwargs: Optional[Dict[str, Any]] = None,
     sharder_kwargs: Optional[Dict[str, Any]] = None,
+    background_loading: bool = False,
 ) -> Dict[str, Any]:
     """Train ``cli``'s model for ``warmup + steps`` timed steps, resident (``capacity=None``) or cached.
+
+    ``background_loading`` (resident only): read the training batches on a background thread, as the cached
+    job's planner thread does (:class:`BackgroundLoadingDataModule`, same nice value and single-threaded
+    operators), so that the two jobs differ by the cache only, not by where the batches are generated.
 
     Returns the per-step times (after warm-up), samples/s, the strategy and the trainer.
     """
@@ -201,6 +209,8 @@ def train(
         strategy = TorchRecStrategy(sharders=sharders, init_seed=0)
     else:
         strategy = TorchRecStrategy(init_seed=0)
+        if background_loading:
+            dm = BackgroundLoadingDataModule(dm, nice=int((lookahead_kwargs or {}).get("planner_nice", 19)))
     timer = StepTimer(warmup=warmup)
     window = LoaderWindow(warmup)
     trainer = pl.Trainer(
@@ -300,3 +310,63 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class BackgroundLoader:
+    """Iterates over ``loader`` with its batches read ahead by a background thread (at most ``depth`` waiting),
+    the way the lookahead loader's planner thread reads the cached job's batches: at nice ``nice`` and with
+    single-threaded torch operators. ``len()`` is the wrapped loader's."""
+
+    def __init__(self, loader: Any, depth: int = 8, nice: int = 19) -> None:
+        self.loader, self.depth, self.nice = loader, depth, nice
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        items: queue.Queue[Any] = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        end = object()
+
+        def read() -> None:
+            single_threaded_ops()
+            lower_thread_priority(self.nice)
+            try:
+                for batch in self.loader:
+                    while not stop.is_set():
+                        try:
+                            items.put(batch, timeout=0.05)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            except BaseException as e:  # handed to the training thread
+                items.put(e)
+                return
+            items.put(end)
+
+        thread = threading.Thread(target=read, daemon=True, name="benchmark-loader")
+        thread.start()
+        try:
+            while True:
+                item = items.get()
+                if item is end:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+
+
+class BackgroundLoadingDataModule(WrappedDataModule):
+    """The wrapped DataModule with its training batches read by a :class:`BackgroundLoader`."""
+
+    def __init__(self, datamodule: pl.LightningDataModule, nice: int = 19) -> None:
+        super().__init__(datamodule)
+        self.nice = nice
+
+    def train_dataloader(self) -> Any:
+        return BackgroundLoader(self.datamodule.train_dataloader(), nice=self.nice)
