@@ -75,27 +75,52 @@ class _TablePlanner:
         self.rows: Optional[int] = None if rows is None else int(rows)
         n = self.rows if self.rows is not None else 1024
         # np.full touches every page now: first touches in the hot loop cost page faults
+        # --- per table row (id)
+        #: slot holding each id, -1 when the id is not resident
         self.slot_of = np.full(n, -1, dtype=np.int64)
+        #: each id's last occurrence in the window: ``step << 32 | position in that batch's unique ids``, -1 never
         self.last_occ = np.full(n, -1, dtype=np.int64)
+        #: per-id scratch of the dense-array dedup (position of an id in the batch being read, -1 elsewhere)
         self.scratch = np.full(n, -1, dtype=np.int32)
         self._arange = np.arange(1024, dtype=np.int32)
         cap = self.capacity
+        # --- per cache slot
+        #: id held by each slot, -1 when free
         self.id_of_slot = np.full(cap, -1, dtype=np.int64)
+        #: step of the next use of each slot's id (``INF`` beyond the horizon, ``FREE`` for a free slot)
         self.res_next = np.full(cap, FREE, dtype=np.int64)
+        #: recency key of each slot's id: ``last use step << 32 | position in that batch's unique ids``
         self.rk = np.zeros(cap, dtype=np.int64)
+        #: stack of free slots (the top is ``free[n_free - 1]``)
         self.free = np.arange(cap - 1, -1, -1, dtype=np.int64)
         self.n_free = cap
+        #: the step the next :meth:`consume` plans
         self.next_step = 0
+        # --- the lookahead window
+        #: the read but not yet planned batches, oldest first
         self.recs: Deque[_Record] = collections.deque()
+        #: next-occurrence buffer: per unique id of every batch in the window, the step at which it occurs next
+        #: (``INF`` until a later batch reads it); the live part is ``occ[lo:hi]``
         self.occ = np.empty(4096, dtype=np.int64)
+        #: start of the live part of :attr:`occ` (the oldest unplanned batch's entries)
         self.lo = 0
+        #: end of the live part of :attr:`occ`
         self.hi = 0
+        #: offset in :attr:`occ` of each window batch's entries, indexed by ``step % ring.size``
         self.ring = np.zeros(self.horizon + 2, dtype=np.int64)
+        # --- the LRU queue: (slot, id, rk) in ascending rk; an entry whose slot no longer holds that id with that
+        # rk is stale and skipped when popped (lazy deletion)
+        #: slots of the queue's compacted part
         self.q_slot = _EMPTY
+        #: ids of the queue's compacted part
         self.q_id = _EMPTY
+        #: recency keys of the queue's compacted part
         self.q_rk = _EMPTY
+        #: first live entry of the compacted part
         self.q_head = 0
+        #: entries appended since the last compaction, merged in on the next pop
         self.q_pending: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        #: entries in the queue, stale ones included (compacted when it grows past ``2 x capacity + 65536``)
         self.q_len = 0
         # Without a table size, a table is planned as direct mapped while every id read fits in its capacity
         # (``provisional``); the first larger id converts it to the fixed-capacity planner (``_leave_direct``).
@@ -200,11 +225,11 @@ class _TablePlanner:
         base = self._alloc(n)
         self.ring[step % self.ring.size] = base
         if self.track_next and n:
-            sl = self.slot_of[uniq]
-            sl = sl[sl >= 0]
-            sl = sl[self.res_next[sl] == INF]
-            self.res_next[sl] = step
-            self.note_next_changed(sl)
+            slots = self.slot_of[uniq]
+            slots = slots[slots >= 0]
+            slots = slots[self.res_next[slots] == INF]
+            self.res_next[slots] = step
+            self.note_next_changed(slots)
         ranks = readers(inv, samples, batch_size, n, self.num_ranks) if self.num_ranks > 1 else None
         self.recs.append(_Record(step, uniq, inv, prev_step, ranks))
         if self.fixed_capacity:
@@ -247,9 +272,9 @@ class _TablePlanner:
         rec = self.recs.popleft()
         n = rec.uniq.size
         base = int(self.ring[rec.step % self.ring.size])
-        nxt = self.occ[base : base + n].copy()
+        next_use = self.occ[base : base + n].copy()
         self.lo = base + n
-        return rec, nxt
+        return rec, next_use
 
     # ---------------------------------------------------------------- slots
     def pop_free(self, k: int) -> np.ndarray:
@@ -368,11 +393,11 @@ class _TablePlanner:
         if self.direct:
             return self.plan_direct()
         t = self.next_step
-        rec, nxt = self.consume()
+        rec, next_use = self.consume()
         uniq = rec.uniq
         n = uniq.size
-        sl = self.slot_of[uniq]
-        miss = np.flatnonzero(sl < 0)
+        slots = self.slot_of[uniq]
+        miss = np.flatnonzero(slots < 0)
         m = miss.size
         ev_slots, ev_ids = _EMPTY, _EMPTY
         if m > self.n_free:
@@ -381,12 +406,12 @@ class _TablePlanner:
         fetch_ids = uniq[miss]
         fetch_slots = self.pop_free(m)
         self.place(fetch_ids, fetch_slots)
-        sl[miss] = fetch_slots
-        self.res_next[sl] = nxt
+        slots[miss] = fetch_slots
+        self.res_next[slots] = next_use
         rks = (np.int64(t) << np.int64(32)) | self.arange(n)
-        self.rk[sl] = rks
-        self.after_step(sl, uniq, rks, nxt)
-        return self.finish_plan(t, rec, nxt, sl, ev_ids, ev_slots, fetch_ids, fetch_slots)
+        self.rk[slots] = rks
+        self.after_step(slots, uniq, rks, next_use)
+        return self.finish_plan(t, rec, next_use, slots, ev_ids, ev_slots, fetch_ids, fetch_slots)
 
     def victims(self, t: int, need: int) -> np.ndarray:
         """Choose ``need`` resident slots to evict at step ``t``; the policy's rule."""
@@ -395,15 +420,16 @@ class _TablePlanner:
     def note_next_changed(self, slots: np.ndarray) -> None:
         """Policy hook: the next use of these resident slots became finite or changed."""
 
-    def after_step(self, sl: np.ndarray, uniq: np.ndarray, rks: np.ndarray, nxt: np.ndarray) -> None:
-        """Policy hook after the batch's ids were placed (queue bookkeeping)."""
+    def after_step(self, slots: np.ndarray, uniq: np.ndarray, rks: np.ndarray, next_use: np.ndarray) -> None:
+        """Policy hook after the batch's ids were placed (queue bookkeeping): ``slots`` of its unique ids
+        ``uniq``, their new recency keys ``rks`` and the step of their next use ``next_use``."""
 
     def finish_plan(
         self,
         t: int,
         rec: _Record,
-        nxt: np.ndarray,
-        sl: np.ndarray,
+        next_use: np.ndarray,
+        slots: np.ndarray,
         ev_ids: np.ndarray,
         ev_slots: np.ndarray,
         fetch_ids: np.ndarray,
@@ -421,7 +447,7 @@ class _TablePlanner:
         self.next_step = t + 1
         # With horizon 0, step t is planned before batch t + 1 is read: its next uses are unknown.
         ranks = (
-            annotate(rec.uniq, rec.ranks, nxt, t, next_known=self.horizon >= 1)
+            annotate(rec.uniq, rec.ranks, next_use, t, next_known=self.horizon >= 1)
             if rec.ranks is not None
             else None
         )
@@ -430,7 +456,7 @@ class _TablePlanner:
             evict_slots=_tensor(ev_slots),
             fetch_ids=_tensor(fetch_ids),
             fetch_slots=_tensor(fetch_slots),
-            slots=_tensor(sl[rec.inv]),
+            slots=_tensor(slots[rec.inv]),
             ranks=ranks,
         )
 

@@ -140,12 +140,12 @@ class BeladyPlanner(_TablePlanner):
             self._drop_pool()
         return np.concatenate([out, cand[pick]])
 
-    def after_step(self, sl: np.ndarray, uniq: np.ndarray, rks: np.ndarray, nxt: np.ndarray) -> None:
+    def after_step(self, slots: np.ndarray, uniq: np.ndarray, rks: np.ndarray, next_use: np.ndarray) -> None:
         """Queue the ids with no use within the horizon; log the others as pool arrivals."""
-        beyond = nxt == INF
+        beyond = next_use == INF
         idx = np.flatnonzero(beyond)
-        self.q_append(sl[idx], uniq[idx], rks[idx])
-        self.note_next_changed(sl[~beyond])
+        self.q_append(slots[idx], uniq[idx], rks[idx])
+        self.note_next_changed(slots[~beyond])
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore the base state; the victim pool is rebuilt on demand."""

@@ -58,6 +58,6 @@ class LRUPlanner(_TablePlanner):
             )
         return out
 
-    def after_step(self, sl: np.ndarray, uniq: np.ndarray, rks: np.ndarray, nxt: np.ndarray) -> None:
+    def after_step(self, slots: np.ndarray, uniq: np.ndarray, rks: np.ndarray, next_use: np.ndarray) -> None:
         """Every id of the batch becomes the most recently used, in order of first occurrence."""
-        self.q_append(sl, uniq, rks)
+        self.q_append(slots, uniq, rks)

@@ -77,16 +77,16 @@ def readers(
 
 
 def annotate(
-    uniq: np.ndarray, info: RankInfo, nxt: np.ndarray, step: int, next_known: bool = True
+    uniq: np.ndarray, info: RankInfo, next_use: np.ndarray, step: int, next_known: bool = True
 ) -> RankAnnotation:
     """Build the :class:`RankAnnotation` of one table at ``step``.
 
     Args:
         uniq: (U,) unique ids (any order).
         info: :func:`readers` output aligned with ``uniq``.
-        nxt: (U,) step of each id's next use.
+        next_use: (U,) step of each id's next use.
         step: the planned step.
-        next_known: whether batch ``step + 1`` had been read when ``nxt`` was taken (the oracle plans step
+        next_known: whether batch ``step + 1`` had been read when ``next_use`` was taken (the oracle plans step
             ``t`` before reading batch ``t + 1`` when its horizon is 0). When not, every shared id is labelled
             ``shared_next``: synchronising on the critical path is always correct, delaying an id the next
             step reads is not.
@@ -97,7 +97,7 @@ def annotate(
     mask, count = info
     order = np.argsort(uniq, kind="stable")
     shared = count[order] > 1
-    nxt_is_next = nxt[order] == step + 1 if next_known else np.ones(order.size, dtype=bool)
+    nxt_is_next = next_use[order] == step + 1 if next_known else np.ones(order.size, dtype=bool)
     return RankAnnotation(
         unique_ids=torch.from_numpy(uniq[order].astype(np.int64)),
         reader_mask=torch.from_numpy(mask[order]),

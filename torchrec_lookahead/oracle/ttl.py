@@ -56,10 +56,10 @@ class TTLPlanner(_TablePlanner):
         t = self.next_step
         ev_slots = self.pending
         ev_ids = self.evict(ev_slots) if ev_slots.size else _EMPTY
-        rec, nxt = self.consume()
+        rec, next_use = self.consume()
         uniq = rec.uniq
-        sl = self.slot_of[uniq]
-        miss = np.flatnonzero(sl < 0)
+        slots = self.slot_of[uniq]
+        miss = np.flatnonzero(slots < 0)
         if miss.size > self.n_free:
             need = self.capacity - self.n_free + miss.size
             raise CapacityError(
@@ -74,9 +74,9 @@ class TTLPlanner(_TablePlanner):
         fetch_ids = uniq[miss]
         fetch_slots = self.pop_free(miss.size)
         self.place(fetch_ids, fetch_slots)
-        sl[miss] = fetch_slots
-        self.pending = sl[nxt == INF]
-        return self.finish_plan(t, rec, nxt, sl, ev_ids, ev_slots, fetch_ids, fetch_slots)
+        slots[miss] = fetch_slots
+        self.pending = slots[next_use == INF]
+        return self.finish_plan(t, rec, next_use, slots, ev_ids, ev_slots, fetch_ids, fetch_slots)
 
     def state_dict(self) -> Dict[str, Any]:
         """Base state plus the slots to write back at the next step."""

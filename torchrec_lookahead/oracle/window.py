@@ -143,9 +143,9 @@ class WindowPlanner(_TablePlanner):
             ev_ids, ev_slots, fetch_ids, fetch_slots = self._boundary(t)
             self.place(fetch_ids, fetch_slots)
             self.n_resident += fetch_ids.size - ev_ids.size
-        rec, nxt = self.consume()
-        sl = self.slot_of[rec.uniq]
-        return self.finish_plan(t, rec, nxt, sl, ev_ids, ev_slots, fetch_ids, fetch_slots)
+        rec, next_use = self.consume()
+        slots = self.slot_of[rec.uniq]
+        return self.finish_plan(t, rec, next_use, slots, ev_ids, ev_slots, fetch_ids, fetch_slots)
 
     def state_dict(self) -> Dict[str, Any]:
         """Base state plus the random generator's state."""
