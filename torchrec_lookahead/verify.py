@@ -182,9 +182,16 @@ def verify(
     rank and on several (against TorchRec's ``DistributedModelParallel`` with the same ranks).
 
     Returns:
-        ``max_abs_weight_diff``, ``max_abs_loss_diff``, ``steps``, ``tolerance``, ``passed``, ``tensors``
-        (compared weight tensors), ``worst`` (the key with the largest difference) and, where a cached table
-        trains with arithmetic that is not the resident side's, ``notes`` saying which and why.
+        On rank 0 (and with one process): ``max_abs_weight_diff``, ``max_abs_loss_diff``, ``steps`` (the
+        shorter run's), ``tolerance``, ``passed`` (both differences within ``tolerance`` and the runs equally
+        long), ``tensors`` (compared weight tensors), ``worst`` (the key with the largest difference) and,
+        where a cached table trains with arithmetic that is not the resident side's, ``notes`` saying which
+        and why. On the other ranks of a multi-rank run, only ``{"passed": None, "rank": <rank>}``: the
+        comparison is complete on rank 0, and :func:`main` broadcasts it.
+
+    Raises:
+        ConfigError: ``steps < 1``, the config caches no table or does not use ``strategy="torchrec"``, or the
+            two models have different weights.
     """
     if steps < 1:
         raise ConfigError(f"Expected steps >= 1 but got {steps}")

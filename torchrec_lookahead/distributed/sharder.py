@@ -250,29 +250,27 @@ def remove_orphaned_store_dirs(base: Optional[str]) -> List[str]:
 class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """TorchRec's EBC sharder, extended with the lookahead cache for ``CUSTOMIZED_KERNEL`` tables.
 
+    Its arguments, by concern (the Args below follow this order):
+
+    * cache size: ``capacity``, ``device_budget_bytes``, ``planner_options``;
+    * host stores: ``stores``, ``store_dir``, ``keep_stores``, ``store_sharding``, ``seed``;
+    * optimizer: ``optimizer``;
+    * several ranks: ``cdlrm_average_every``, ``delayed_sync``;
+    * resident tables (TorchRec's): ``fuse_resident``, ``fused_params``, ``qcomm_codecs_registry``.
+
     Args:
         capacity: cache rows per cached table (e.g. ``CachePlan.capacity`` from the lookahead planner).
-        optimizer: the cache's fused optimizer; by default the one declared on the table parameters with
-            ``apply_optimizer_in_backward``, else ``fused_params``.
+        device_budget_bytes: instead of ``capacity``, a device memory budget: the ``torchrec`` strategy runs
+            the :class:`~torchrec_lookahead.distributed.planner.LookaheadPlanner` on sampled training batches
+            to choose resident tables and cache sizes (:meth:`plan_capacity`).
+        planner_options: keyword arguments of the planner (``horizon``, ``prefetch_depth``, ``policy``,
+            ``num_sample_batches``, ...).
         stores: explicit host stores per cached table.
         store_dir: create memory-mapped stores instead of in-RAM ones, for tables larger than host memory: in a
             fresh directory ``<store_dir>/torchrec_lookahead_stores_*/<table>.bin`` per run, removed when the
             process exits (a later run removes those of runs that were killed) unless ``keep_stores``.
         keep_stores: keep the store directories under ``store_dir`` after the run (to inspect the trained
             tables; a new run never reopens them). Default: remove them.
-        seed: seed of the initial table values (identical to a resident model initialised with
-            :func:`~torchrec_lookahead.modules.init_embedding_bag_tables_` and the same seed); default: the
-            ``torchrec`` strategy's ``init_seed``, else 0.
-        device_budget_bytes: instead of ``capacity``, a device memory budget: the ``torchrec`` strategy runs
-            the :class:`~torchrec_lookahead.distributed.planner.LookaheadPlanner` on sampled training batches
-            to choose resident tables and cache sizes (:meth:`plan_capacity`).
-        planner_options: keyword arguments of the planner (``horizon``, ``prefetch_depth``, ``policy``,
-            ``num_sample_batches``, ...).
-        cdlrm_average_every: with several ranks, cDLRM's scheme instead of LRPP: each rank updates its cache
-            replica with its own gradients only, and the replicas (rows and optimizer state) are averaged every
-            this many steps, before evictions (use the ``window`` policy with ``window`` a multiple of it;
-            ``LookaheadDataModule`` refuses schedules that evict between averagings unless it is 1).
-            **Approximate by design** (exact only for SGD averaged every step); see docs/design.md.
         store_sharding: where the host stores of a multi-rank job live. ``"host"`` (the default): one copy of
             each table per host, in memory the host's ranks share (``/dev/shm``, or ``store_dir``); on one host
             that is one shared store, with several hosts the table is sharded row-wise over the hosts (one
@@ -282,6 +280,16 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             rank's own memory (a memory-mapped file under ``store_dir`` when given), also on one host (how
             the sharded store is tested on one machine, and a way to spread the tables over the ranks' memory).
             Ignored with one rank.
+        seed: seed of the initial table values (identical to a resident model initialised with
+            :func:`~torchrec_lookahead.modules.init_embedding_bag_tables_` and the same seed); default: the
+            ``torchrec`` strategy's ``init_seed``, else 0.
+        optimizer: the cache's fused optimizer; by default the one declared on the table parameters with
+            ``apply_optimizer_in_backward``, else ``fused_params``.
+        cdlrm_average_every: with several ranks, cDLRM's scheme instead of LRPP: each rank updates its cache
+            replica with its own gradients only, and the replicas (rows and optimizer state) are averaged every
+            this many steps, before evictions (use the ``window`` policy with ``window`` a multiple of it;
+            ``LookaheadDataModule`` refuses schedules that evict between averagings unless it is 1).
+            **Approximate by design** (exact only for SGD averaged every step); see docs/design.md.
         delayed_sync: with several ranks (LRPP), synchronise the gradients of shared rows that no rank reads
             at the next step in the background, on a process group of their own, off the critical path; their
             update lands before the next step's plan is applied, exactly as if applied in the step. ``False``:
@@ -296,7 +304,6 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             module. With several ranks the resident tables stay TorchRec-sharded.
         fused_params: TorchRec fused parameters for the resident tables.
         qcomm_codecs_registry: TorchRec communication codecs.
-
     Example:
         >>> sharder = LookaheadEmbeddingBagCollectionSharder(capacity={"t_big": 4096})
         >>> sharder.fuse_resident is None  # resident tables join the cache's kernel where that is exact
