@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -206,6 +207,22 @@ def real(quick: bool) -> List[Dict[str, Any]]:
     return out
 
 
+def default_model(inner: Any) -> Any:
+    """The default job's DLRM (configs/dlrm_synthetic.yaml) for ``inner``'s tables."""
+    from torchrec_lookahead.models import DLRMModule
+    from torchrec_lookahead.optim import DenseOptimizerSpec, EmbeddingOptimizerSpec
+
+    return DLRMModule(
+        inner.num_embeddings_per_feature,
+        inner.num_dense_features,
+        embedding_dim=16,
+        dense_arch_layer_sizes=[64, 16],
+        over_arch_layer_sizes=[64, 32, 1],
+        embedding_optimizer=EmbeddingOptimizerSpec("rowwise_adagrad", lr=0.05),
+        dense_optimizer=DenseOptimizerSpec("adagrad", lr=0.05),
+    )
+
+
 def train(
     batches: int, batch_size: int, orders: tuple = ("original", "fae", "cold_then_hot")
 ) -> Dict[str, Any]:
@@ -214,8 +231,6 @@ def train(
     import torchrec_lookahead.strategies  # noqa: F401
     from torchrec_lookahead.callbacks import HotColdScheduler
     from torchrec_lookahead.hotcold import HotColdDataModule
-    from torchrec_lookahead.models import DLRMModule
-    from torchrec_lookahead.optim import DenseOptimizerSpec, EmbeddingOptimizerSpec
 
     def run(kind: str) -> Dict[str, float]:
         pl.seed_everything(0, verbose=False)
@@ -231,15 +246,7 @@ def train(
                 if kind == "fae"
                 else HotColdScheduler(initial_rate=100.0, monitor="fixed-rate")
             )
-        model = DLRMModule(
-            inner.num_embeddings_per_feature,
-            inner.num_dense_features,
-            embedding_dim=16,
-            dense_arch_layer_sizes=[64, 16],
-            over_arch_layer_sizes=[64, 32, 1],
-            embedding_optimizer=EmbeddingOptimizerSpec("rowwise_adagrad", lr=0.05),
-            dense_optimizer=DenseOptimizerSpec("adagrad", lr=0.05),
-        )
+        model = default_model(inner)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=1,
@@ -270,28 +277,142 @@ def train(
     }
 
 
+class _StepTimer:
+    """Seconds between consecutive training batch starts (plan application and the step included)."""
+
+    def __init__(self) -> None:
+        import lightning.pytorch as pl
+
+        outer = self
+
+        class _Callback(pl.Callback):
+            def on_train_batch_start(self, *args: Any) -> None:
+                outer.starts.append(time.perf_counter())
+
+        self.starts: List[float] = []
+        self.callback = _Callback()
+
+    def median(self, skip: int = 5) -> float:
+        gaps = [b - a for a, b in zip(self.starts, self.starts[1:])][skip:]
+        return float(statistics.median(gaps)) if gaps else float("nan")
+
+
+def cache_training(batches: int, batch_size: int) -> Dict[str, Any]:
+    """The default job three ways in one process: resident, lookahead-only cached, and FAE (pinned hot rows,
+    hot/cold batches with the scheduler, lookahead for the cold rows). Median step time and rows fetched from
+    the stores per trained sample; the lookahead caches are configs/dlrm_lookahead.yaml's, FAE's the same
+    dynamic slots plus its pinned hot rows."""
+    import lightning.pytorch as pl
+    import yaml
+
+    import torchrec_lookahead.strategies  # noqa: F401
+    from torchrec_lookahead.callbacks import HotColdScheduler
+    from torchrec_lookahead.data import LookaheadDataModule
+    from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+    from torchrec_lookahead.hotcold import HotColdDataModule
+    from torchrec_lookahead.strategies import TorchRecStrategy
+
+    cfg = yaml.safe_load((REPO / "configs" / "dlrm_lookahead.yaml").read_text())
+    lookahead_capacity: Dict[str, int] = cfg["trainer"]["strategy"]["init_args"]["sharders"][0]["init_args"][
+        "capacity"
+    ]
+
+    def run(kind: str) -> Dict[str, float]:
+        pl.seed_everything(0, verbose=False)
+        inner = CriteoSyntheticDataModule(batch_size=batch_size, num_train_batches=batches, num_val_batches=2)
+        dm: pl.LightningDataModule = inner
+        callbacks: List[pl.Callback] = []
+        capacity = dict(lookahead_capacity)
+        if kind == "fae":
+            hot = HotColdDataModule(inner, hot_budget_bytes=4 * MIB, embedding_dim=16)
+            hot.setup("fit")
+            assert hot.hot_set is not None
+            capacity = {t: c + hot.hot_set.hot_rows[t] for t, c in capacity.items()}
+            dm = LookaheadDataModule(hot, horizon=64)
+            callbacks.append(HotColdScheduler())
+        elif kind == "lookahead":
+            dm = LookaheadDataModule(inner, horizon=64)
+        sharders = [LookaheadEmbeddingBagCollectionSharder(capacity=capacity)] if kind != "resident" else None
+        model = default_model(inner)
+        timer = _StepTimer()
+        strategy = TorchRecStrategy(sharders=sharders)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=strategy,
+            max_epochs=1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[*callbacks, timer.callback],
+        )
+        trainer.fit(model, datamodule=dm)
+        fetched = sum(s["rows_fetched"] for m in strategy.cached_modules() for s in m.cache.stats().values())
+        samples = trainer.global_step * batch_size
+        return {
+            "median_step_ms": 1e3 * timer.median(),
+            "rows_fetched_per_sample": fetched / max(samples, 1),
+            "device_cache_rows": float(sum(capacity.values())) if sharders else float("nan"),
+            "steps": float(trainer.global_step),
+        }
+
+    rows = {k: run(k) for k in ("resident", "lookahead", "fae")}
+    print(table([{"run": k, **v} for k, v in rows.items()]))
+    return {
+        "runs": rows,
+        "fae_over_resident_step_time": rows["fae"]["median_step_ms"] / rows["resident"]["median_step_ms"],
+        "lookahead_over_resident_step_time": rows["lookahead"]["median_step_ms"]
+        / rows["resident"]["median_step_ms"],
+        "fae_over_lookahead_rows_fetched": rows["fae"]["rows_fetched_per_sample"]
+        / rows["lookahead"]["rows_fetched_per_sample"],
+    }
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--scale", type=float, default=None, help="factor on the Kaggle table sizes (default 1.0)")
     p.add_argument("--batches", type=int, default=None, help="synthetic batches of 4,096 (default 160)")
     p.add_argument("--train-batches", type=int, default=None, help="training batches (default 300, 0 skips)")
+    p.add_argument(
+        "--cache-batches",
+        type=int,
+        default=None,
+        help="batches of the pinned-rows comparison (default 300, 0 skips)",
+    )
+    p.add_argument("--skip-calibration", action="store_true", help="only the training comparisons")
     args = p.parse_args(argv)
     scale = args.scale if args.scale is not None else (0.05 if args.quick else 1.0)
     batches = args.batches if args.batches is not None else (40 if args.quick else 160)
     train_batches = args.train_batches if args.train_batches is not None else (30 if args.quick else 300)
+    if args.cache_batches is None:
+        args.cache_batches = 30 if args.quick else 300
     print(machine())
-    figures: Dict[str, Any] = {
-        "synthetic": synthetic(scale, batches, 4096, [4.0, 16.0, 64.0] if not args.quick else [4.0, 8.0])
-    }
-    figures["real"] = real(args.quick)
+    figures: Dict[str, Any] = {}
+    if not args.skip_calibration:
+        figures["synthetic"] = synthetic(
+            scale, batches, 4096, [4.0, 16.0, 64.0] if not args.quick else [4.0, 8.0]
+        )
+        figures["real"] = real(args.quick)
     if train_batches:
         figures["training"] = train(train_batches, 2048 if not args.quick else 512)
-    head = figures["synthetic"]
-    headline = {
-        "estimate_max_rel_error": head["estimate_max_rel_error"],
-        "upper_max_rel_error": head["upper_max_rel_error"],
-        "calibration_speedup": head["calibration_speedup"],
-    }
+    if args.cache_batches:
+        figures["cache"] = cache_training(args.cache_batches, 2048 if not args.quick else 512)
+    headline: Dict[str, Any] = {}
+    if "synthetic" in figures:
+        head = figures["synthetic"]
+        headline["estimate_max_rel_error"] = head["estimate_max_rel_error"]
+        headline["upper_max_rel_error"] = head["upper_max_rel_error"]
+        headline["calibration_speedup"] = head["calibration_speedup"]
+    if "cache" in figures:
+        for key in (
+            "fae_over_resident_step_time",
+            "lookahead_over_resident_step_time",
+            "fae_over_lookahead_rows_fetched",
+        ):
+            headline[key] = figures["cache"][key]
     if "training" in figures:
         headline["abs_auc_gap"] = figures["training"]["abs_auc_gap"]
         headline["cold_then_hot_abs_auc_gap"] = figures["training"]["cold_then_hot_abs_auc_gap"]

@@ -134,3 +134,17 @@ def weights(model: DLRMModule) -> Dict[str, torch.Tensor]:
     from torchrec_lookahead.verify import comparable_state
 
     return comparable_state(model)
+
+
+def check_mid_epoch_resume(fit: Any, tmp_path: Any) -> None:
+    """``fit(path, max_steps, ckpt_path=None, callbacks=None) -> (trainer, model, scheduler, dm)`` stopped at
+    step 5 and resumed to step 10 equals 10 uninterrupted steps: weights bit for bit, the scheduler's counts."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    _, full, sched_full, _ = fit(tmp_path / "full", max_steps=10, callbacks=[ckpt])
+    path = tmp_path / "ckpt" / "epoch=0-step=5.ckpt"
+    trainer, resumed, sched, _ = fit(tmp_path / "resumed", max_steps=10, ckpt_path=str(path))
+    assert trainer.global_step == 10
+    assert sched.trained == sched_full.trained and sched.swaps == sched_full.swaps
+    assert max_abs_diff(local_state(full.model), local_state(resumed.model)) == 0.0

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from typing import Any, Dict, Optional, Sequence
 
+import lightning.pytorch as pl
 import yaml
 
 from torchrec_lookahead.errors import ConfigError
@@ -97,6 +98,10 @@ def run_calibration(config_path: str, overrides: Sequence[str] = ()) -> tuple[Ho
 
     cli = build_cli(["--config", config_path, *overrides], run=False)
     dm, model = cli.datamodule, cli.model
+    while not isinstance(dm, HotColdDataModule) and isinstance(
+        getattr(dm, "datamodule", None), pl.LightningDataModule
+    ):
+        dm = dm.datamodule  # a LookaheadDataModule (pinned hot rows) around the hot/cold DataModule
     if isinstance(dm, HotColdDataModule):
         return calibrate(
             calibration_source(dm.datamodule), dm.num_embeddings_per_feature, dm.calibration_config(model)

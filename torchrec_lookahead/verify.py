@@ -88,6 +88,7 @@ def _build(config: Union[str, Sequence[str]], overrides: Sequence[str]) -> Any:
 def _train(
     cli: Any, resident: bool, steps: int, seed: int
 ) -> Tuple[Dict[str, torch.Tensor], List[float], List[str]]:
+    from torchrec_lookahead.callbacks import HotColdScheduler
     from torchrec_lookahead.data import LookaheadDataModule
     from torchrec_lookahead.strategies import HierarchicalStrategy, TorchRecStrategy
 
@@ -114,13 +115,15 @@ def _train(
     else:
         strategy = TorchRecStrategy(**common)
     recorder = _LossRecorder()
+    # FAE's scheduler chooses the hot/cold interleaving: both sides train the stream it chooses.
+    schedulers = [c for c in cli.trainer.callbacks if isinstance(c, HotColdScheduler)]
     trainer = pl.Trainer(
         accelerator=cli.trainer.accelerator,
         devices=len(cli.trainer.device_ids),
         num_nodes=cli.trainer.num_nodes,
         strategy=strategy,
         max_steps=steps,
-        callbacks=[recorder],
+        callbacks=[recorder, *schedulers],
         **QUIET_TRAINER_ARGS,
     )
     pl.seed_everything(seed, verbose=False)

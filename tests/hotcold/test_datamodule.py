@@ -11,7 +11,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from torchrec_lookahead.callbacks import HotColdScheduler, RateRule
 from torchrec_lookahead.cli import main as cli_main
@@ -20,7 +19,7 @@ from torchrec_lookahead.errors import CheckpointError, ConfigError
 from torchrec_lookahead.hotcold import BatchKind, HotColdDataModule, HotSet
 
 from ..conftest import REPO, tiny_data_args
-from ..helpers import _trainer, local_state, make_model, max_abs_diff
+from ..helpers import _trainer, check_mid_epoch_resume, make_model
 
 FAE = dict(hot_budget_bytes=40_000, sample_fraction=0.5, small_table_bytes=1024, num_chunks=4, chunk_rows=16)
 
@@ -122,13 +121,7 @@ def test_trains_end_to_end_with_the_scheduler(tmp_path: Path) -> None:
 
 
 def test_mid_epoch_resume_equals_uninterrupted(tmp_path: Path) -> None:
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
-    _, full, sched_full, _ = _fit(tmp_path / "full", max_steps=10, callbacks=[ckpt])
-    path = tmp_path / "ckpt" / "epoch=0-step=5.ckpt"
-    trainer, resumed, sched, _ = _fit(tmp_path / "resumed", max_steps=10, ckpt_path=str(path))
-    assert trainer.global_step == 10
-    assert sched.trained == sched_full.trained and sched.swaps == sched_full.swaps
-    assert max_abs_diff(local_state(full.model), local_state(resumed.model)) == 0.0
+    check_mid_epoch_resume(_fit, tmp_path)
 
 
 def _tiny_config(tmp_path: Path, **data: Any) -> str:

@@ -125,6 +125,7 @@ class HotColdScheduler(pl.Callback):
     def _loader(trainer: pl.Trainer) -> HotColdLoader:
         dm = getattr(trainer, "datamodule", None)
         loader = getattr(dm, "loader", None)
+        loader = getattr(loader, "hotcold", loader)  # pinned hot rows: the lookahead loader wraps it
         if isinstance(loader, HotColdLoader):
             return loader
         raise SetupError(

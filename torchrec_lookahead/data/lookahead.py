@@ -19,6 +19,7 @@ the stores are collectives (a row-sharded store), the stager threads keep their 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -48,6 +49,7 @@ from torchrec_lookahead.distributed.lrpp import (
     slice_samples,
 )
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
+from torchrec_lookahead.hotcold.pinned import PinnedRows
 from torchrec_lookahead.modules import remap_kjt, stage_rows, table_ids
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, Policy
@@ -67,13 +69,18 @@ class LookaheadBatch(Batch):
     Attributes:
         plan: the step's plan (apply before the step).
         staged: future of the rows the plan fetches (gathered in the background).
-        loader: the loader that produced the batch (told when the plan has been applied).
+        loader: the loader that produced the batch (told when the plan has been applied); ``None`` for a
+            hot batch of pinned rows, which moves nothing.
+        lrpp: with several ranks, the step's synchronisation plan.
+        pin: a plan to apply before ``plan``, on an empty cache: it loads the pinned hot rows (first batch of
+            a plan stream with pinned rows, see :class:`~torchrec_lookahead.hotcold.PinnedRows`).
     """
 
     plan: Optional[BatchPlan] = None
     staged: Optional[Future[StagedRows]] = None
     loader: Optional[LookaheadLoader] = field(default=None, repr=False)
     lrpp: Optional[Any] = None
+    pin: Optional[BatchPlan] = None
 
     def to(self, device: torch.device, non_blocking: bool = False) -> LookaheadBatch:
         return LookaheadBatch(
@@ -84,6 +91,7 @@ class LookaheadBatch(Batch):
             staged=self.staged,
             loader=self.loader,
             lrpp=self.lrpp,
+            pin=self.pin,
         )
 
     def wait_staged(self) -> Optional[StagedRows]:
@@ -317,6 +325,9 @@ class LookaheadLoader:
             training).
         planner_nice: nice value of the planner thread (Linux; 0 leaves it at the process's priority), see
             :class:`LookaheadDataModule`.
+        pinned: hot rows pinned in the first slots of the caches: the oracle plans the rest of each cache
+            (:meth:`~torchrec_lookahead.hotcold.PinnedRows.cold_part` of every batch) and its plans are lifted
+            to the whole cache. The pinned rows themselves are loaded by whoever starts the plan stream.
     """
 
     def __init__(
@@ -331,6 +342,7 @@ class LookaheadLoader:
         oracle_kwargs: Optional[Dict[str, Any]] = None,
         stop_timeout_s: float = 60.0,
         planner_nice: int = 19,
+        pinned: Optional[PinnedRows] = None,
     ) -> None:
         if not stop_timeout_s > 0:
             raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s}")
@@ -339,8 +351,9 @@ class LookaheadLoader:
         self.loader = loader
         self.stop_timeout_s = float(stop_timeout_s)
         self.target = target
+        self.pinned = pinned
         self._oracle_kwargs: Dict[str, Any] = dict(
-            capacity=dict(target.capacity),
+            capacity=dict(target.capacity) if pinned is None else pinned.dynamic_capacity(),
             horizon=horizon,
             prefetch_depth=prefetch_depth,
             policy=policy,
@@ -515,17 +528,21 @@ class LookaheadLoader:
         tracker = LRPPTracker(self.target.capacity, self.target.num_ranks) if multi else None
         globals_: queue.Queue[Any] = queue.Queue()
 
+        pinned = self.pinned
+
         def record() -> Iterator[Any]:
             for kjt in itertools.chain([first], stream):
                 globals_.put(kjt)
-                yield kjt
+                yield kjt if pinned is None else pinned.cold_part(kjt)
 
         cpu = time.thread_time()
         for plan in oracle.plan_stream(record()):
             b = batches.get()
+            global_kjt = globals_.get()
+            if pinned is not None:
+                plan = pinned.lift(plan, global_kjt)
             fut: Future[StagedRows] = Future()
             run.to_stage.put((plan, fut))
-            global_kjt = globals_.get()
             kjt = remap_kjt(global_kjt, plan, f2t_cached, cached)
             lrpp = None
             if tracker is not None:
@@ -686,6 +703,21 @@ def scan_epoch(
     return need
 
 
+class _ColdParts:
+    """Batches of ``loader`` without their pinned (hot) ids: what the oracle plans (for the capacity check)."""
+
+    def __init__(self, loader: Any, pinned: PinnedRows) -> None:
+        self.loader = loader
+        self.pinned = pinned
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for b in self.loader:
+            yield Batch(b.dense_features, self.pinned.cold_part(b.sparse_features), b.labels)
+
+
 class LookaheadDataModule(WrappedDataModule):
     """Wrap a DataModule of TorchRec batches so that the model's cached tables are planned ahead.
 
@@ -762,7 +794,7 @@ class LookaheadDataModule(WrappedDataModule):
         if ways is not None:
             self.oracle_kwargs["ways"] = ways
         self.capacity_check = capacity_check
-        self.loader: Optional[LookaheadLoader] = None
+        self.loader: Optional[Any] = None  # a LookaheadLoader, or a HotColdLookaheadLoader around one
 
     @override
     def teardown(self, stage: str) -> None:
@@ -779,8 +811,12 @@ class LookaheadDataModule(WrappedDataModule):
 
     @override
     def train_dataloader(self) -> Any:
+        from torchrec_lookahead.hotcold.datamodule import HotColdLoader  # hotcold/ imports data/'s wrapper
+
         inner = self.datamodule.train_dataloader()
         target = self._target()
+        if isinstance(inner, HotColdLoader) and target is not None and target.capacity:
+            return self._hotcold_loader(inner, target)
         if target is not None and target.capacity and self.trainer is not None:
             inner = split_for_ranks(self.trainer, inner)
         if target is None or not target.capacity:
@@ -788,23 +824,67 @@ class LookaheadDataModule(WrappedDataModule):
                 "LookaheadDataModule: the model has no cached tables; batches pass through unplanned"
             )
             return inner
-        strategy = self.trainer.strategy  # type: ignore[union-attr]
         window = int(self.oracle_kwargs.get("window", OracleConfig.__dataclass_fields__["window"].default))
         check_cdlrm_schedule(self.policy, window, target.average_every)
         if self.loader is not None:  # a reload: the previous loader's threads must not outlive it
             self.loader.close()
         self._check_epoch(inner, target)
-        self.loader = LookaheadLoader(
+        self.loader = self._lookahead(inner, target)
+        return self.loader
+
+    def _lookahead(
+        self, inner: Any, target: CacheTarget, pinned: Optional[PinnedRows] = None
+    ) -> LookaheadLoader:
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        return LookaheadLoader(
             inner,
             target,
             self.horizon,
             self.prefetch_depth,
             self.policy,
             self.queue_depth,
-            on_epoch_start=getattr(strategy, "reset_caches", None),
+            on_epoch_start=None if pinned is not None else getattr(strategy, "reset_caches", None),
             oracle_kwargs=self.oracle_kwargs,
             stop_timeout_s=self.stop_timeout_s,
             planner_nice=self.planner_nice,
+            pinned=pinned,
+        )
+
+    def _hotcold_loader(self, inner: Any, target: CacheTarget) -> Any:
+        """FAE with pinned hot rows: hot batches read pinned slots, the oracle plans the cold batches alone."""
+        from torchrec_lookahead.data.hotcold_lookahead import ColdBatches, HotColdLookaheadLoader
+
+        if target.num_ranks > 1:
+            raise ConfigError(
+                "Pinned hot rows (a HotColdDataModule inside a LookaheadDataModule over cached tables) train on one "
+                f"rank; this run has {target.num_ranks}. Train FAE with resident tables on several ranks (drop the "
+                "LookaheadDataModule), or run on one rank"
+            )
+        if self.policy == Policy.WINDOW.value:
+            raise ConfigError("Pinned hot rows need a fixed-slot policy (belady, ttl or lru), not 'window'")
+        hot_set = getattr(self.datamodule, "hot_set", None)
+        if hot_set is None:
+            raise SetupError("The hot/cold DataModule has no hot set; call its setup('fit') first")
+        pinned = PinnedRows(
+            {name: table.hot_ids for name, table in hot_set.tables.items()},
+            target.feature_to_table,
+            target.capacity,
+            target.num_embeddings,
+        )
+        rank_zero_info("Pinned hot rows in the lookahead cache:\n  " + "\n  ".join(pinned.summary()))
+        if self.loader is not None:
+            self.loader.close()
+        if self.capacity_check == "epoch":
+            t0 = time.perf_counter()
+            dynamic = dataclasses.replace(target, capacity=pinned.dynamic_capacity())
+            need = scan_epoch(_ColdParts(ColdBatches(inner.stream), pinned), dynamic, self.prefetch_depth)
+            rank_zero_info(
+                f"Lookahead capacity check of the cold batches: {time.perf_counter() - t0:.1f} s; the largest "
+                f"windows need {need} dynamic cache rows"
+            )
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        self.loader = HotColdLookaheadLoader(
+            inner, pinned, target, self._lookahead, on_epoch_start=getattr(strategy, "reset_caches", None)
         )
         return self.loader
 

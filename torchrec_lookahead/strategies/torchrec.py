@@ -380,6 +380,11 @@ class TorchRecStrategy(DDPStrategy):
         lm = self.lightning_module
         trainer = lm._trainer if lm is not None else None
         training = trainer is not None and trainer.training
+        if isinstance(batch, LookaheadBatch) and batch.pin is not None and training:
+            for (
+                m
+            ) in self.cached_modules():  # pinned hot rows, into the caches the loader's epoch start emptied
+                m.apply_plan(batch.pin)
         if isinstance(batch, LookaheadBatch) and batch.plan is not None and training:
             batch.mark_started()
             staged = batch.wait_staged()

@@ -1,0 +1,182 @@
+"""FAE inside the lookahead cache: pinned hot rows, the oracle planning the cold batches alone.
+
+Anchors: cached FAE training equals resident training of the same hot/cold stream bit for bit (SGD, row-wise
+Adagrad, Adagrad; the whole default job in the slow test); the hot rows sit in their pinned slots and hot
+batches move no rows; mid-epoch resume equals the uninterrupted run; the cold batches read ahead are the ones
+the training order serves, whatever the interleaving; bad input is refused before training.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+from torchrec import KeyedJaggedTensor
+from torchrec.datasets.utils import Batch
+
+from torchrec_lookahead.callbacks import HotColdScheduler
+from torchrec_lookahead.data import CriteoSyntheticDataModule, LookaheadDataModule
+from torchrec_lookahead.data.hotcold_lookahead import ColdBatches, HotColdLookaheadLoader
+from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError
+from torchrec_lookahead.hotcold import BatchKind, HotColdDataModule, HotColdStream, PinnedRows
+from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
+from torchrec_lookahead.strategies import TorchRecStrategy
+from torchrec_lookahead.verify import verify
+
+from ..conftest import REPO, tiny_data_args
+from ..helpers import _trainer, check_mid_epoch_resume, make_model
+
+FAE = dict(hot_budget_bytes=40_000, sample_fraction=0.5, small_table_bytes=1024, num_chunks=4, chunk_rows=16)
+CAPACITY = {"t_cat_2": 200, "t_cat_11": 160, "t_cat_15": 150}
+TINY = str(REPO / "configs" / "dlrm_tiny_fae_lookahead.yaml")
+_E = torch.empty(0, dtype=torch.int64)
+
+
+def test_pinned_rows_map_hot_ids_to_their_slots_and_plan_the_rest() -> None:
+    pins = PinnedRows({"t": torch.tensor([3, 7, 9])}, {"f": "t", "g": "t"}, {"t": 6}, {"t": 50})
+    assert pins.pinned_rows == {"t": 3} and pins.dynamic_capacity() == {"t": 3}
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["f", "g"], torch.tensor([7, 40, 3, 41, 9, 40]), torch.tensor([2, 1, 2, 1])
+    )
+    cold = pins.cold_part(kjt)
+    assert cold.values().tolist() == [40, 41, 40] and cold.lengths().tolist() == [1, 0, 1, 1]
+    plan = BatchPlan(
+        4, {"t": TablePlan(_E, _E, torch.tensor([40, 41]), torch.tensor([0, 2]), torch.tensor([0, 2, 0]))}
+    )
+    lifted = pins.lift(plan, kjt).tables["t"]
+    assert lifted.fetch_slots.tolist() == [3, 5] and lifted.slots.tolist() == [1, 3, 0, 5, 2, 3]
+    pin = pins.pin_plan().tables["t"]
+    assert pin.fetch_ids.tolist() == [3, 7, 9] and pin.fetch_slots.tolist() == [0, 1, 2]
+    hot = KeyedJaggedTensor.from_lengths_sync(["f", "g"], torch.tensor([9, 3, 7]), torch.tensor([1, 1, 1, 0]))
+    assert pins.hot_plan(hot, 0).tables["t"].slots.tolist() == [2, 0, 1]
+    with pytest.raises(DataError, match="id 40 of table 't', which is not a hot row"):
+        pins.hot_plan(kjt, 0)
+
+
+def test_pinned_rows_refuse_bad_input() -> None:
+    with pytest.raises(CapacityError, match="pins 3 hot rows in a cache of 3 rows"):
+        PinnedRows({"t": torch.tensor([1, 2, 3])}, {"f": "t"}, {"t": 3}, {"t": 50})
+    with pytest.raises(InvalidIdError, match="hot id 50 of table 't' is outside"):
+        PinnedRows({"t": torch.tensor([1, 50])}, {"f": "t"}, {"t": 8}, {"t": 50})
+    with pytest.raises(ConfigError, match="sorted and unique"):
+        PinnedRows({"t": torch.tensor([4, 2])}, {"f": "t"}, {"t": 8}, {"t": 50})
+
+
+def _source(n: int = 30, rows: int = 6) -> Any:
+    def src() -> Any:
+        g = torch.Generator().manual_seed(3)
+        for _ in range(n):
+            ids = torch.randint(0, 6, (rows * 2,), generator=g)
+            kjt = KeyedJaggedTensor(["a", "b"], ids, lengths=torch.ones(rows * 2, dtype=torch.int32))
+            yield Batch(torch.randn(rows, 2, generator=g), kjt, torch.arange(rows, dtype=torch.float32))
+
+    return src
+
+
+def test_cold_batches_are_the_training_orders_whatever_the_interleaving() -> None:
+    masks = {k: torch.tensor([True, True, True, False, False, False]) for k in "ab"}
+    src = _source()
+    from torchrec_lookahead.hotcold.stream import count_hot_samples
+
+    num = count_hot_samples(src(), masks)
+    for seed in range(3):
+        stream = HotColdStream(src, masks, batch_size=4, window=3, num_samples=num)
+        rng = random.Random(seed)
+        served: List[Batch] = []
+        it = iter(stream)
+        while True:
+            stream.request(rng.choice([BatchKind.HOT, BatchKind.COLD, None]))
+            nxt = next(it, None)
+            if nxt is None:
+                break
+            if nxt[0] is BatchKind.COLD:
+                served.append(nxt[1])
+        ahead = list(ColdBatches(stream))
+        assert len(ahead) == len(served) == len(ColdBatches(stream)) > 3
+        for a, b in zip(ahead, served):
+            assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
+            assert torch.equal(a.dense_features, b.dense_features)
+        resumed = ColdBatches(stream)
+        resumed.load_state_dict({"batches_yielded": 2})
+        assert [b.sparse_features.values().tolist() for b in resumed] == [
+            b.sparse_features.values().tolist() for b in ahead[2:]
+        ]
+
+
+def _fit(
+    tmp_path: Path,
+    max_steps: int,
+    cached: bool = True,
+    ckpt_path: Optional[str] = None,
+    callbacks: Optional[List[Any]] = None,
+    capacity: Optional[Dict[str, int]] = None,
+    **kw: Any,
+) -> Any:
+    import lightning.pytorch as pl
+
+    pl.seed_everything(0, verbose=False)
+    inner = CriteoSyntheticDataModule(**tiny_data_args())
+    dm: Any = HotColdDataModule(inner, **FAE)
+    if cached:
+        dm = LookaheadDataModule(dm, horizon=8)
+        strategy: Any = TorchRecStrategy(
+            sharders=[LookaheadEmbeddingBagCollectionSharder(capacity=capacity or CAPACITY)]
+        )
+    else:
+        strategy = TorchRecStrategy()
+    model = make_model(inner)
+    sched = HotColdScheduler(initial_rate=50.0, patience=1)
+    trainer = _trainer(
+        tmp_path,
+        max_steps,
+        [sched, *(callbacks or [])],
+        strategy=strategy,
+        limit_val_batches=2,
+        val_check_interval=3,
+        **kw,
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return trainer, model, sched, dm
+
+
+def test_hot_rows_stay_pinned_and_hot_batches_move_nothing(tmp_path: Path) -> None:
+    trainer, model, sched, dm = _fit(tmp_path, max_steps=-1, max_epochs=1)
+    loader = dm.loader
+    assert isinstance(loader, HotColdLookaheadLoader)
+    per = loader.batches_per_epoch()
+    assert sched.trained == per and loader.stats()["stats_hot_batches"] == per[BatchKind.HOT] > 0
+    cache = trainer.strategy.cached_modules()[0].cache
+    stats = cache.stats()
+    for table, hot in loader.pinned.hot_ids.items():
+        assert torch.equal(cache.slot_ids(table)[: hot.numel()], hot)  # never evicted
+        # Rows moved: the pinned rows once, then only cold ids (a hot id is never fetched again).
+        assert stats[table]["rows_fetched"] >= hot.numel()
+    assert trainer.global_step == sum(per.values())
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])
+def test_fae_cached_equals_resident_on_the_same_stream(optimizer: str) -> None:
+    out = verify(TINY, steps=30, overrides=[f"--model.init_args.embedding_optimizer.name={optimizer}"])
+    assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["max_abs_loss_diff"] == 0.0, out
+    assert out["steps"] == 30
+
+
+def test_mid_epoch_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    check_mid_epoch_resume(_fit, tmp_path)
+
+
+def test_a_cache_too_small_for_the_hot_rows_is_refused_before_training(tmp_path: Path) -> None:
+    with pytest.raises(CapacityError, match="pins .* hot rows in a cache of 20 rows"):
+        _fit(tmp_path, max_steps=2, capacity={**CAPACITY, "t_cat_2": 20})
+
+
+@pytest.mark.slow
+def test_default_fae_job_cached_equals_resident_over_a_full_epoch(tmp_path: Path) -> None:
+    out = verify(str(REPO / "configs" / "dlrm_fae.yaml"), steps=300)
+    (tmp_path / "verify.json").write_text(json.dumps(out))
+    assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["steps"] == 300, out

@@ -1,0 +1,201 @@
+"""FAE inside the lookahead cache: hot batches read pinned rows, the oracle plans the cold stream only.
+
+:class:`HotColdLookaheadLoader` is what :class:`~torchrec_lookahead.data.LookaheadDataModule` serves when it
+wraps a :class:`~torchrec_lookahead.hotcold.HotColdDataModule` and the model has cached tables::
+
+    training order  <- HotColdStream (the scheduler's requests choose hot or cold at run time)
+      hot batch j   -> ids mapped to pinned slots (PinnedRows.hot_plan): no plan ahead, no staging, no store
+      cold batch j  -> the j-th batch of a LookaheadLoader over the cold batches alone, read on their own:
+                       its oracle plans cold_part(batch) in the dynamic slots, its plans are lifted to the
+                       whole cache, its stager gathers their rows ahead, as for any cached job
+
+The cold batches' contents are fixed by the data alone (the scheduler only chooses the interleaving), so the
+planner reads them ahead without knowing the scheduler's future decisions, and a decision never invalidates a
+plan. The first batch of every plan stream (epoch start, resume) carries the pin plan, which loads the hot
+rows into their slots after the strategy has emptied the cache. Every cold batch is checked against the one
+the training order holds (same labels and ids), so a loader that does not give the same batches when read
+twice fails with a typed error instead of training on the wrong plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional
+
+import torch
+from torchrec.datasets.utils import Batch
+
+from torchrec_lookahead.data.lookahead import CacheTarget, LookaheadBatch, LookaheadLoader
+from torchrec_lookahead.errors import CheckpointError, DataError
+from torchrec_lookahead.hotcold.datamodule import HotColdLoader
+from torchrec_lookahead.hotcold.pinned import PinnedRows
+from torchrec_lookahead.hotcold.stream import BatchKind, HotColdStream
+from torchrec_lookahead.modules import remap_kjt
+from torchrec_lookahead.oracle.types import BatchPlan
+
+__all__ = ["ColdBatches", "HotColdLookaheadLoader"]
+
+
+class ColdBatches:
+    """The cold batches of a hot/cold stream, in order, read on their own (a second pass over the source).
+
+    Args:
+        stream: the training order's stream (its source, hot masks, batch size, window and length are used).
+
+    Example:
+        >>> from torchrec import KeyedJaggedTensor
+        >>> ones = torch.ones(4, dtype=torch.int32)
+        >>> batches = [Batch(torch.zeros(4, 1), KeyedJaggedTensor(["a"], torch.tensor([i, 2, 3, 0]), lengths=ones),
+        ...                  torch.zeros(4)) for i in range(3)]
+        >>> src = lambda: iter(batches)
+        >>> s = HotColdStream(src, {"a": torch.tensor([True, True, False, False])}, 2, 4, num_samples=(5, 12))
+        >>> [b.sparse_features.values().tolist() for b in ColdBatches(s)]
+        [[2, 3], [2, 3], [2, 2], [3, 0]]
+    """
+
+    def __init__(self, stream: HotColdStream) -> None:
+        self.stream = stream
+        self._resume = 0
+
+    def __len__(self) -> int:
+        return self.stream.batches_per_epoch()[BatchKind.COLD]
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Start the next iteration after ``state_dict["batches_yielded"]`` cold batches."""
+        if "batches_yielded" not in state_dict:
+            raise CheckpointError(f"Cold batch state {dict(state_dict)} has no 'batches_yielded'")
+        self._resume = int(state_dict["batches_yielded"])
+
+    def __iter__(self) -> Iterator[Batch]:
+        main = self.stream
+        cold = HotColdStream(
+            main.source,
+            main.masks,
+            main.batch_size,
+            window=main.window,
+            num_samples=main.num_samples,
+            rank=main.rank,
+            world_size=main.world_size,
+            gather=main.gather,
+        )
+        if self._resume:
+            cold.load_state_dict({"hot_served": 0, "cold_served": self._resume})
+            self._resume = 0
+        cold.request(BatchKind.COLD)
+        for kind, batch in cold:
+            if kind is BatchKind.COLD:
+                yield batch
+
+
+def _same_batch(a: Batch, b: Batch) -> bool:
+    return torch.equal(a.labels, b.labels) and torch.equal(
+        a.sparse_features.lengths(), b.sparse_features.lengths()
+    )
+
+
+class HotColdLookaheadLoader:
+    """Training loader of FAE with pinned hot rows and a lookahead cache for the cold rows (module docstring).
+
+    It stands in for the :class:`~torchrec_lookahead.hotcold.HotColdLoader` it wraps: ``request``,
+    ``last_kind``, ``remaining`` and ``batches_per_epoch`` (the scheduler's interface), ``len`` and the
+    mid-epoch state are that loader's.
+
+    Args:
+        hotcold: the hot/cold DataModule's training loader.
+        pinned: the hot rows pinned in the caches.
+        target: the model's cached tables (full capacities).
+        on_epoch_start: empties the caches at every new iteration (the strategy's ``reset_caches``).
+        lookahead: builds the :class:`~torchrec_lookahead.data.LookaheadLoader` of the cold batches from a
+            loader, a target and the pinned rows (the DataModule passes its horizon, depth and policy).
+    """
+
+    def __init__(
+        self,
+        hotcold: HotColdLoader,
+        pinned: PinnedRows,
+        target: CacheTarget,
+        lookahead: Callable[[Any, CacheTarget, PinnedRows], LookaheadLoader],
+        on_epoch_start: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self.hotcold = hotcold
+        self.pinned = pinned
+        self.target = target
+        self.on_epoch_start = on_epoch_start
+        self.cold_batches = ColdBatches(hotcold.stream)
+        self.cold = lookahead(self.cold_batches, target, pinned)
+        self._cached = sorted(target.capacity)
+        self._f2t = dict(target.feature_to_table)
+        #: hot batches served (each read only pinned rows)
+        self.stats_hot_batches = 0
+
+    # the scheduler's and Lightning's view: the hot/cold loader's
+    def __len__(self) -> int:
+        return len(self.hotcold)
+
+    def request(self, kind: Optional[BatchKind]) -> None:
+        """Serve ``kind`` next when the window allows (``None``: stream order)."""
+        self.hotcold.request(kind)
+
+    @property
+    def last_kind(self) -> Optional[BatchKind]:
+        """The kind of the batch handed out last."""
+        return self.hotcold.last_kind
+
+    def remaining(self) -> Dict[BatchKind, int]:
+        """Batches of each kind still to come this epoch."""
+        return self.hotcold.remaining()
+
+    def batches_per_epoch(self) -> Dict[BatchKind, int]:
+        """Hot and cold batches per epoch."""
+        return self.hotcold.batches_per_epoch()
+
+    def stats(self) -> Dict[str, float]:
+        """The cold lookahead loader's counters, and hot batches served."""
+        return {**self.cold.stats(), "stats_hot_batches": float(self.stats_hot_batches)}
+
+    def oracle_lead(self) -> int:
+        """Cold batches planned but not yet applied."""
+        return self.cold.oracle_lead()
+
+    def state_dict(self) -> Dict[str, int]:
+        return self.hotcold.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.hotcold.load_state_dict(state_dict)
+        self.cold.load_state_dict({"batches_yielded": int(state_dict["cold_served"])})
+
+    def close(self) -> None:
+        """Stop the cold loader's background threads."""
+        self.cold.close()
+
+    def _hot(self, batch: Batch, step: int) -> LookaheadBatch:
+        plan = self.pinned.hot_plan(batch.sparse_features, step)
+        kjt = remap_kjt(batch.sparse_features, plan, self._f2t, self._cached)
+        self.stats_hot_batches += 1
+        return LookaheadBatch(batch.dense_features, kjt, batch.labels, plan=plan)
+
+    def __iter__(self) -> Iterator[LookaheadBatch]:
+        if self.on_epoch_start is not None:
+            self.on_epoch_start()  # the caches are empty: the pinned rows load with the first batch
+        pin: Optional[BatchPlan] = self.pinned.pin_plan()
+        cold_it = iter(self.cold)
+        last_cold = -1
+        try:
+            for kind, batch in self.hotcold.stream:
+                if kind is BatchKind.COLD:
+                    item = next(cold_it, None)
+                    if item is None or not _same_batch(item, batch):
+                        raise DataError(
+                            f"cold batch {self.hotcold.stream.served[BatchKind.COLD] - 1} of the epoch differs "
+                            "between two reads of the training data; the hot/cold lookahead reads the cold batches "
+                            "ahead in a second pass, so the wrapped loader must give the same batches every time "
+                            "it is read in an epoch (seed its shuffling by epoch)"
+                        )
+                    if item.plan is not None:
+                        last_cold = item.plan.step
+                else:
+                    item = self._hot(batch, last_cold)
+                if pin is not None:
+                    item.pin, pin = pin, None
+                yield item
+        finally:
+            self.cold.close()

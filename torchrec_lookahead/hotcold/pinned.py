@@ -1,0 +1,224 @@
+"""Pinned hot rows: FAE's hot embeddings kept in the lookahead cache, never evicted.
+
+A cached table of capacity ``C`` with ``P`` hot rows splits its slots in two: slots ``[0, P)`` hold the hot rows
+(hot id ``hot_ids[i]`` in slot ``i``), loaded once per plan stream and never evicted; slots ``[P, C)`` are the
+dynamic cache the :class:`~torchrec_lookahead.oracle.LookaheadOracle` plans. :class:`PinnedRows` turns one into
+the other:
+
+* :meth:`~PinnedRows.pin_plan` loads the hot rows (with their optimizer state) into their slots;
+* :meth:`~PinnedRows.hot_plan` maps a hot batch's ids to pinned slots: no fetch, no eviction, no store traffic;
+* :meth:`~PinnedRows.cold_part` drops the hot ids of a cold batch, so the oracle plans only the rest, with
+  capacity ``C - P`` (:meth:`~PinnedRows.dynamic_capacity`);
+* :meth:`~PinnedRows.lift` maps that plan back to the whole cache: its slots move up by ``P`` and the hot ids
+  of the batch get their pinned slots.
+
+Because a pinned row is an ordinary cache row, the cache's own lookups, fused optimizer, flush and checkpoint
+cover it, and training stays exactly equal to resident training of the same batch stream.
+
+Example:
+    >>> import torch
+    >>> from torchrec import KeyedJaggedTensor
+    >>> from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
+    >>> pins = PinnedRows({"t": torch.tensor([3, 7])}, {"f": "t"}, {"t": 5}, {"t": 100})
+    >>> pins.dynamic_capacity()
+    {'t': 3}
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([7, 40, 3]), torch.tensor([2, 1]))
+    >>> pins.cold_part(kjt).values().tolist(), pins.cold_part(kjt).lengths().tolist()
+    ([40], [1, 0])
+    >>> e = torch.empty(0, dtype=torch.long)
+    >>> plan = BatchPlan(0, {"t": TablePlan(e, e, torch.tensor([40]), torch.tensor([0]), torch.tensor([0]))})
+    >>> lifted = pins.lift(plan, kjt)
+    >>> lifted.tables["t"].fetch_slots.tolist(), lifted.tables["t"].slots.tolist()
+    ([2], [1, 2, 0])
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping
+
+import numpy as np
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError
+from torchrec_lookahead.modules.remap import table_ids
+from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
+
+__all__ = ["PinnedRows"]
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class PinnedRows:
+    """The hot rows of the cached tables, pinned in the first slots of each table's cache.
+
+    Args:
+        hot_ids: table name -> sorted unique int64 hot ids (tables that are not cached are ignored).
+        feature_to_table: feature -> table, for the cached tables' features.
+        capacity: cached table -> cache rows (pinned plus dynamic).
+        num_embeddings: cached table -> rows of the table.
+
+    Raises:
+        InvalidIdError: a hot id is outside its table.
+        ConfigError: hot ids are not sorted and unique.
+        CapacityError: a table's hot rows leave no room for the dynamic cache (capacity <= hot rows).
+    """
+
+    def __init__(
+        self,
+        hot_ids: Mapping[str, torch.Tensor],
+        feature_to_table: Mapping[str, str],
+        capacity: Mapping[str, int],
+        num_embeddings: Mapping[str, int],
+    ) -> None:
+        self.feature_to_table = dict(feature_to_table)
+        self.capacity = {t: int(c) for t, c in capacity.items()}
+        self.hot_ids: Dict[str, torch.Tensor] = {}
+        self._slot_of: Dict[str, np.ndarray] = {}
+        for table, cap in self.capacity.items():
+            ids = hot_ids.get(table)
+            ids = _EMPTY if ids is None else torch.as_tensor(ids).to("cpu", torch.int64).flatten()
+            rows = int(num_embeddings[table])
+            if ids.numel():
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= rows:
+                    raise InvalidIdError(
+                        f"hot id {lo if lo < 0 else hi} of table '{table}' is outside [0, {rows}); the hot set "
+                        "was calibrated for other tables: calibrate again"
+                    )
+                if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+                    raise ConfigError(f"hot ids of table '{table}' must be sorted and unique")
+            if ids.numel() >= cap:
+                raise CapacityError(
+                    f"table '{table}' pins {ids.numel():,} hot rows in a cache of {cap:,} rows, which leaves no "
+                    "room for its cold rows; raise its capacity (or the device budget) above the hot rows plus "
+                    "the cold working set, or lower hot_budget_bytes",
+                )
+            self.hot_ids[table] = ids
+            slot_of = np.full(rows, -1, dtype=np.int64)
+            slot_of[ids.numpy()] = np.arange(ids.numel(), dtype=np.int64)
+            self._slot_of[table] = slot_of
+
+    @property
+    def pinned_rows(self) -> Dict[str, int]:
+        """Cached table -> pinned (hot) rows."""
+        return {t: int(ids.numel()) for t, ids in self.hot_ids.items()}
+
+    def dynamic_capacity(self) -> Dict[str, int]:
+        """Cached table -> slots left to the oracle (capacity minus pinned rows)."""
+        return {t: c - int(self.hot_ids[t].numel()) for t, c in self.capacity.items()}
+
+    def pin_plan(self, step: int = -1) -> BatchPlan:
+        """The plan that loads every hot row into its pinned slot (apply to an empty cache)."""
+        return BatchPlan(
+            step,
+            {
+                t: TablePlan(_EMPTY, _EMPTY, ids, torch.arange(ids.numel(), dtype=torch.int64), _EMPTY)
+                for t, ids in self.hot_ids.items()
+                if ids.numel()
+            },
+        )
+
+    def _slots(self, table: str, ids: torch.Tensor) -> np.ndarray:
+        arr = ids.to("cpu", torch.int64).numpy()
+        rows = self._slot_of[table].size
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= rows):
+            bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+            raise InvalidIdError(f"table '{table}' is looked up with id {bad} outside [0, {rows})")
+        return self._slot_of[table][arr]
+
+    def hot_plan(self, kjt: KeyedJaggedTensor, step: int) -> BatchPlan:
+        """The plan of a hot batch: every id of the cached tables maps to its pinned slot; nothing moves.
+
+        Raises:
+            DataError: an id of a cached table is not hot (the batch is not a hot batch).
+        """
+        tables: Dict[str, TablePlan] = {}
+        for table, ids in table_ids(kjt, self.feature_to_table, self.capacity).items():
+            slots = self._slots(table, ids)
+            if slots.size and int(slots.min()) < 0:
+                bad = int(ids[torch.from_numpy(slots < 0)][0])
+                raise DataError(
+                    f"a hot batch looks up id {bad} of table '{table}', which is not a hot row; hot batches "
+                    "must come from the same hot set as the pinned rows"
+                )
+            tables[table] = TablePlan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, torch.from_numpy(slots))
+        return BatchPlan(step, tables)
+
+    def _hot_masks(self, kjt: KeyedJaggedTensor) -> Dict[str, np.ndarray]:
+        return {
+            t: self._slots(t, ids) >= 0
+            for t, ids in table_ids(kjt, self.feature_to_table, self.capacity).items()
+        }
+
+    def cold_part(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``kjt`` without the hot ids of the cached tables (the oracle's input); other features unchanged."""
+        values = kjt.values()
+        keep = np.ones(values.numel(), dtype=bool)
+        bounds = kjt.offset_per_key()
+        masks = self._hot_masks(kjt)
+        used: Dict[str, int] = {}
+        for i, key in enumerate(kjt.keys()):
+            table = self.feature_to_table.get(key)
+            if table not in masks:
+                continue
+            lo, hi = bounds[i], bounds[i + 1]
+            pos = used.get(table, 0)
+            keep[lo:hi] = ~masks[table][pos : pos + hi - lo]
+            used[table] = pos + hi - lo
+        if keep.all():
+            return kjt
+        kept = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
+        offsets = kjt.offsets().to("cpu", torch.int64).numpy()
+        lengths = np.diff(kept[offsets])
+        index = torch.from_numpy(np.flatnonzero(keep))
+        weights = kjt.weights_or_none()
+        return KeyedJaggedTensor(
+            keys=kjt.keys(),
+            values=values.index_select(0, index),
+            weights=None if weights is None else weights.index_select(0, index),
+            lengths=torch.from_numpy(lengths).to(kjt.lengths().dtype),
+            stride=kjt.stride(),
+        )
+
+    def lift(self, plan: BatchPlan, kjt: KeyedJaggedTensor) -> BatchPlan:
+        """Map the oracle's plan of :meth:`cold_part` ``(kjt)`` to the whole cache of ``kjt``'s step."""
+        tables: Dict[str, TablePlan] = {}
+        ids_of = table_ids(kjt, self.feature_to_table, self.capacity)
+        for table in sorted(set(plan.tables) | {t for t, ids in ids_of.items() if ids.numel()}):
+            tp = plan.tables.get(table)
+            if tp is None:  # only hot ids of this table at this step: the oracle had nothing to plan
+                tp = TablePlan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+            if table not in self.hot_ids:
+                raise ConfigError(
+                    f"plan step {plan.step} names table '{table}' which is not cached; cached tables: "
+                    f"{sorted(self.capacity)}"
+                )
+            pinned = int(self.hot_ids[table].numel())
+            if not pinned:
+                tables[table] = tp
+                continue
+            slots = self._slots(table, ids_of[table])
+            cold = slots < 0
+            if int(cold.sum()) != tp.slots.numel():
+                raise DataError(
+                    f"plan step {plan.step} has {tp.slots.numel()} slots for the cold ids of table '{table}' but "
+                    f"the batch has {int(cold.sum())}; the plan was made for another batch"
+                )
+            slots[cold] = tp.slots.numpy() + pinned
+            tables[table] = TablePlan(
+                tp.evict_ids,
+                tp.evict_slots + pinned,
+                tp.fetch_ids,
+                tp.fetch_slots + pinned,
+                torch.from_numpy(slots),
+                tp.ranks,
+            )
+        return BatchPlan(plan.step, tables)
+
+    def summary(self) -> List[str]:
+        """One line per cached table: pinned rows and dynamic slots."""
+        dyn = self.dynamic_capacity()
+        return [
+            f"{t}: {self.pinned_rows[t]:,} pinned + {dyn[t]:,} dynamic slots" for t in sorted(self.capacity)
+        ]
