@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
+from torchrec_lookahead.bundled import resolve_config_args
 from torchrec_lookahead.errors import LookaheadError, recent_errors
 from torchrec_lookahead.models import DLRMModule
 
@@ -195,7 +196,8 @@ def build_cli(args: Optional[Sequence[str]], run: bool = False) -> LookaheadCLI:
 def main(args: Optional[List[str]] = None) -> None:
     """Run the CLI (``args`` defaults to ``sys.argv[1:]``); ``verify`` compares cached and resident training,
     ``calibrate`` runs FAE's calibrator (:mod:`torchrec_lookahead.calibrate`)."""
-    argv = list(sys.argv[1:] if args is None else args)
+    with short_lookahead_errors():  # `--config NAME` may name a bundled config (torchrec_lookahead.bundled)
+        argv = resolve_config_args(sys.argv[1:] if args is None else args)
     if argv[:1] == ["verify"]:
         from torchrec_lookahead.verify import main as verify_main
 
@@ -216,12 +218,12 @@ def main(args: Optional[List[str]] = None) -> None:
         raise SystemExit(code)
     if argv[:1] in (["-h"], ["--help"]):
         try:
-            build_cli(None if args is None else argv, run=True)
+            build_cli(argv, run=True)
         finally:  # LightningCLI prints its subcommands and exits; ours follow
             sys.stdout.write(EXTRA_COMMANDS)
             sys.stdout.flush()
     with fail_fast_on_error(), short_lookahead_errors():
-        build_cli(None if args is None else argv, run=True)
+        build_cli(argv, run=True)
     shutdown_distributed(exit_code=0)
 
 
