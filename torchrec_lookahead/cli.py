@@ -1,7 +1,7 @@
 """Command line: ``python -m torchrec_lookahead {fit,validate,test,verify,export,calibrate} --config <yaml>``.
 
-A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`~torchrec_lookahead.models.DLRMModule` (or a
-subclass) and any DataModule exposing ``num_embeddings_per_feature`` and ``num_dense_features``; the model's table sizes and dense width
+A :class:`~lightning.pytorch.cli.LightningCLI` over any :class:`~torchrec_lookahead.models.TorchRecModule`
+(DLRM, DCN, DeepFM or your own subclass) and any DataModule exposing ``num_embeddings_per_feature`` and ``num_dense_features``; the model's table sizes and dense width
 are linked from the DataModule, so a config names them once. After ``fit`` it prints where the TensorBoard
 logs are and the final metrics.
 """
@@ -22,7 +22,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead.bundled import resolve_config_args
 from torchrec_lookahead.errors import LookaheadError, recent_errors
-from torchrec_lookahead.models import DLRMModule
+from torchrec_lookahead.models import TorchRecModule
 
 __all__ = [
     "LookaheadCLI",
@@ -183,7 +183,7 @@ def build_cli(args: Optional[Sequence[str]], run: bool = False) -> LookaheadCLI:
     """The CLI over ``args`` (``--config ...`` and overrides; ``None``: the command line); with ``run=False`` it
     only instantiates the Trainer, model and DataModule (``cli.trainer``, ``cli.model``, ``cli.datamodule``)."""
     return LookaheadCLI(
-        DLRMModule,
+        TorchRecModule,
         pl.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
