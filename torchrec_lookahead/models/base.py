@@ -5,7 +5,8 @@ the ``meta`` device for the ``torchrec`` strategy (``DistributedModelParallel`` 
 sharder, the lookahead one included) and declares the embedding optimizer on every embedding collection with
 TorchRec's ``apply_optimizer_in_backward``, so that the sharder fuses it into the embedding kernel. Under
 another strategy the tables are materialised on the module's device and trained by an ordinary optimizer of
-the same kind. Training, evaluation (BCE, AUC, log-loss) and prediction (probabilities) are the same for all.
+the same kind. Training, evaluation (BCE, AUC, log-loss) and prediction (``predict_step``: probabilities) are the same
+for all.
 """
 
 from __future__ import annotations
@@ -208,6 +209,12 @@ class TorchRecModule(pl.LightningModule, abc.ABC):
     @override
     def test_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:  # type: ignore[override]
         return self._eval_step(batch, "test")
+
+    @override
+    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:  # type: ignore[override]
+        """Click probabilities of the batch's samples, shape (B,) (``predict``; write them with
+        :class:`~torchrec_lookahead.callbacks.PredictionWriter`)."""
+        return self.probabilities(self(batch.dense_features, batch.sparse_features).detach())
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
