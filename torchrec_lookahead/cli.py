@@ -51,6 +51,14 @@ class LookaheadCLI(LightningCLI):
             "data.num_dense_features", "model.init_args.num_dense_features", apply_on="instantiate"
         )
 
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        """Lightning's Trainer, its model summary counting embedding tables where they live."""
+        from torchrec_lookahead.callbacks import use_embedding_summary
+
+        trainer = super().instantiate_trainer(**kwargs)
+        use_embedding_summary(trainer)
+        return trainer
+
     def _summary(self) -> None:
         trainer = self.trainer
         if not trainer.is_global_zero:
