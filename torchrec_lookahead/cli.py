@@ -1,7 +1,7 @@
 """Command line: ``python -m torchrec_lookahead {fit,validate,test,verify,export,calibrate} --config <yaml>``.
 
 ``fit``, ``validate``, ``test`` and ``predict`` are Lightning's (a :class:`~torchrec_lookahead.launch.LookaheadCLI`
-over :class:`~torchrec_lookahead.models.DLRMModule` or a subclass and any DataModule exposing
+over any :class:`~torchrec_lookahead.models.TorchRecModule` (DLRM, DCN, DeepFM or your own subclass) and any DataModule exposing
 ``num_embeddings_per_feature`` and ``num_dense_features``); ``verify``, ``export`` and ``calibrate`` are this
 package's. What the commands share (building the CLI, one-line errors, multi-rank shutdown) is in
 :mod:`torchrec_lookahead.launch`, re-exported here.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
+from torchrec_lookahead.bundled import resolve_config_args
 from torchrec_lookahead.launch import (
     TRACEBACK_ENV,
     LookaheadCLI,
@@ -37,7 +38,8 @@ __all__ = [
 def main(args: Optional[List[str]] = None) -> None:
     """Run the CLI (``args`` defaults to ``sys.argv[1:]``); ``verify`` compares cached and resident training,
     ``calibrate`` runs FAE's calibrator (:mod:`torchrec_lookahead.calibrate`)."""
-    argv = list(sys.argv[1:] if args is None else args)
+    with short_lookahead_errors():  # `--config NAME` may name a bundled config (torchrec_lookahead.bundled)
+        argv = resolve_config_args(sys.argv[1:] if args is None else args)
     if argv[:1] == ["verify"]:
         from torchrec_lookahead.verify import main as verify_main
 
@@ -58,12 +60,12 @@ def main(args: Optional[List[str]] = None) -> None:
         raise SystemExit(code)
     if argv[:1] in (["-h"], ["--help"]):
         try:
-            build_cli(None if args is None else argv, run=True)
+            build_cli(argv, run=True)
         finally:  # LightningCLI prints its subcommands and exits; ours follow
             sys.stdout.write(EXTRA_COMMANDS)
             sys.stdout.flush()
     with fail_fast_on_error(), short_lookahead_errors():
-        build_cli(None if args is None else argv, run=True)
+        build_cli(argv, run=True)
     shutdown_distributed(exit_code=0)
 
 

@@ -5,7 +5,8 @@ reporting a :class:`~torchrec_lookahead.errors.LookaheadError` as one line, and 
 :mod:`torchrec_lookahead.verify`, :mod:`torchrec_lookahead.export` and :mod:`torchrec_lookahead.calibrate` all
 import it, and it imports none of them.
 
-A :class:`LookaheadCLI` runs over :class:`~torchrec_lookahead.models.DLRMModule` (or a subclass) and any
+A :class:`LookaheadCLI` runs over any :class:`~torchrec_lookahead.models.TorchRecModule` (DLRM, DCN, DeepFM or a
+subclass of your own) and any
 DataModule exposing ``num_embeddings_per_feature`` and ``num_dense_features``; the model's table sizes and dense
 width are linked from the DataModule, so a config names them once. After ``fit`` it prints where the TensorBoard
 logs are and the final metrics.
@@ -26,7 +27,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead.errors import LookaheadError, recent_errors
-from torchrec_lookahead.models import DLRMModule
+from torchrec_lookahead.models import TorchRecModule
 
 __all__ = [
     "LookaheadCLI",
@@ -54,6 +55,14 @@ class LookaheadCLI(LightningCLI):
         parser.link_arguments(
             "data.num_dense_features", "model.init_args.num_dense_features", apply_on="instantiate"
         )
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        """Lightning's Trainer, its model summary counting embedding tables where they live."""
+        from torchrec_lookahead.callbacks import use_embedding_summary
+
+        trainer = super().instantiate_trainer(**kwargs)
+        use_embedding_summary(trainer)
+        return trainer
 
     def _summary(self) -> None:
         trainer = self.trainer
@@ -187,7 +196,7 @@ def build_cli(args: Optional[Sequence[str]], run: bool = False) -> LookaheadCLI:
     """The CLI over ``args`` (``--config ...`` and overrides; ``None``: the command line); with ``run=False`` it
     only instantiates the Trainer, model and DataModule (``cli.trainer``, ``cli.model``, ``cli.datamodule``)."""
     return LookaheadCLI(
-        DLRMModule,
+        TorchRecModule,
         pl.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,

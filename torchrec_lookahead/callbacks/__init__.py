@@ -1,6 +1,16 @@
-"""Lightning callbacks: cache statistics, FAE's hot/cold shuffle scheduler."""
+"""Lightning callbacks: cache statistics, FAE's hot/cold shuffle scheduler, the predictions of ``predict``, a
+model summary that counts embedding tables where they live."""
 
 from torchrec_lookahead.callbacks.cache_monitor import CacheMonitor
 from torchrec_lookahead.callbacks.hotcold_scheduler import HotColdScheduler, RateRule
+from torchrec_lookahead.callbacks.model_summary import EmbeddingModelSummary, use_embedding_summary
+from torchrec_lookahead.callbacks.prediction_writer import PredictionWriter
 
-__all__ = ["CacheMonitor", "HotColdScheduler", "RateRule"]
+__all__ = [
+    "CacheMonitor",
+    "EmbeddingModelSummary",
+    "HotColdScheduler",
+    "PredictionWriter",
+    "RateRule",
+    "use_embedding_summary",
+]

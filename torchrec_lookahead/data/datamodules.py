@@ -94,6 +94,11 @@ class RecDataModule(pl.LightningDataModule, abc.ABC):
     def test_dataloader(self) -> ResumableBatchLoader:
         return ResumableBatchLoader(self.dataset("test"))
 
+    @override
+    def predict_dataloader(self) -> ResumableBatchLoader:
+        """The test split's batches (``predict`` scores the test data; the labels ride along)."""
+        return ResumableBatchLoader(self.dataset("test"))
+
 
 class CriteoSyntheticDataModule(RecDataModule):
     """Synthetic Criteo-shaped data (13 dense, 26 sparse features), streamed and deterministic by seed.

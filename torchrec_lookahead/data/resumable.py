@@ -35,7 +35,13 @@ class ResumableBatchLoader(DataLoader):
         {'batches_yielded': 1}
     """
 
-    def __init__(self, dataset: IterableDataset) -> None:
+    def __init__(self, dataset: IterableDataset, sampler: None = None, batch_sampler: None = None) -> None:
+        # ``sampler``/``batch_sampler``: Lightning re-creates a ``predict`` loader passing both as None (an
+        # iterable dataset has none); anything else is refused.
+        if sampler is not None or batch_sampler is not None:
+            raise TypeError(
+                "ResumableBatchLoader serves whole batches of an IterableDataset; it takes no sampler"
+            )
         if not hasattr(dataset, "start_batch"):
             raise TypeError(f"{type(dataset).__name__} has no 'start_batch' attribute; it cannot be resumed")
         super().__init__(dataset, batch_size=None, num_workers=0)

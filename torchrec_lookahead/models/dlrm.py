@@ -1,65 +1,22 @@
-"""DLRM as a LightningModule: TorchRec's ``DLRM`` with BCE loss, AUC and log-loss.
-
-The embedding tables are built on the ``meta`` device in :meth:`DLRMModule.configure_model`; the
-``torchrec`` strategy shards them with ``DistributedModelParallel`` (which materialises them), and the
-embedding optimizer is declared on the table parameters with TorchRec's ``apply_optimizer_in_backward`` so
-that any sharder fuses it into the embedding kernel. Under another strategy the tables are materialised on
-the module's device and trained by an ordinary optimizer of the same kind.
-"""
+"""DLRM as a LightningModule: TorchRec's ``DLRM`` with BCE loss, AUC and log-loss (see
+:class:`~torchrec_lookahead.models.TorchRecModule` for how it is built, sharded and trained)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
-import lightning.pytorch as pl
 import torch
-import torchmetrics
-from torch import nn
-from torchrec.datasets.utils import Batch
 from torchrec.models.dlrm import DLRM
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-from torchrec.optim.keyed import KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
-from typing_extensions import override
 
-from torchrec_lookahead.errors import ConfigError, SetupError
-from torchrec_lookahead.optim import DenseOptimizerSpec, EmbeddingOptimizerSpec, StepOnceCombinedOptimizer
+from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.models.base import TorchRecModule, table_configs
+from torchrec_lookahead.optim import DenseOptimizerSpec, EmbeddingOptimizerSpec
 
 __all__ = ["DLRMModule", "table_configs"]
 
 
-def table_configs(num_embeddings_per_feature: Dict[str, int], embedding_dim: int) -> List[EmbeddingBagConfig]:
-    """One table per feature, named ``t_<feature>``.
-
-    Raises:
-        ConfigError: a table size below 1 or an empty mapping.
-
-    Example:
-        >>> [t.name for t in table_configs({"a": 10, "b": 5}, 4)]
-        ['t_a', 't_b']
-    """
-    if not num_embeddings_per_feature:
-        raise ConfigError("num_embeddings_per_feature is empty; the model needs at least one sparse feature")
-    out = []
-    for feature, n in num_embeddings_per_feature.items():
-        if int(n) < 1:
-            raise ConfigError(
-                f"Table size for feature '{feature}' must be a positive integer but got {n}; give every table >= 1 row"
-            )
-        out.append(
-            EmbeddingBagConfig(
-                name=f"t_{feature}",
-                embedding_dim=embedding_dim,
-                num_embeddings=int(n),
-                feature_names=[feature],
-            )
-        )
-    return out
-
-
-class DLRMModule(pl.LightningModule):
+class DLRMModule(TorchRecModule):
     """TorchRec DLRM trained on batches of :class:`~torchrec.datasets.utils.Batch`.
 
     Args:
@@ -90,15 +47,13 @@ class DLRMModule(pl.LightningModule):
         embedding_optimizer: Optional[EmbeddingOptimizerSpec] = None,
         dense_optimizer: Optional[DenseOptimizerSpec] = None,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        if num_embeddings_per_feature is None:
-            raise ConfigError(
-                "num_embeddings_per_feature is required: pass the DataModule's num_embeddings_per_feature "
-                "(the CLI links it automatically)"
-            )
-        if num_dense_features < 1:
-            raise ConfigError(f"Expected num_dense_features >= 1 but got {num_dense_features}")
+        super().__init__(
+            num_embeddings_per_feature,
+            num_dense_features,
+            embedding_dim,
+            embedding_optimizer,
+            dense_optimizer,
+        )
         self.dense_arch_layer_sizes = list(dense_arch_layer_sizes or [64, embedding_dim])
         self.over_arch_layer_sizes = list(over_arch_layer_sizes or [64, 32, 1])
         if self.dense_arch_layer_sizes[-1] != embedding_dim:
@@ -114,21 +69,10 @@ class DLRMModule(pl.LightningModule):
             raise ConfigError(
                 f"The last over_arch_layer_sizes entry must be 1 but got {self.over_arch_layer_sizes}"
             )
-        self.tables = table_configs(dict(num_embeddings_per_feature), embedding_dim)
-        self.num_dense_features = num_dense_features
-        self.embedding_optimizer = embedding_optimizer or EmbeddingOptimizerSpec()
-        self.dense_optimizer = dense_optimizer or DenseOptimizerSpec()
-        self.model: Optional[nn.Module] = None
-        self.loss_fn = nn.BCEWithLogitsLoss()
-        self.val_auc = torchmetrics.classification.BinaryAUROC()
-        self.test_auc = torchmetrics.classification.BinaryAUROC()
-        self.val_logloss = torchmetrics.MeanMetric()
-        self.test_logloss = torchmetrics.MeanMetric()
 
     def build_model(self, device: torch.device, dense_device: Optional[torch.device] = None) -> DLRM:
         """The unsharded DLRM with its tables on ``device`` (``meta`` for sharding) and its dense layers on
-        ``dense_device`` (default ``device``; real tensors, so that they are initialised from the seed
-        before any table is)."""
+        ``dense_device`` (default ``device``)."""
         ebc = EmbeddingBagCollection(tables=self.tables, device=device)
         dense_device = dense_device or device
         return DLRM(
@@ -138,113 +82,3 @@ class DLRMModule(pl.LightningModule):
             over_arch_layer_sizes=self.over_arch_layer_sizes,
             dense_device=dense_device,
         )
-
-    def _sharded(self) -> bool:
-        trainer = self._trainer
-        return trainer is not None and getattr(trainer.strategy, "shards_embeddings", False)
-
-    @override
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        if self._sharded():
-            model = self.build_model(torch.device("meta"), dense_device=self.trainer.strategy.root_device)
-            ebc = model.sparse_arch.embedding_bag_collection
-            apply_optimizer_in_backward(
-                self.embedding_optimizer.optimizer_class(),
-                ebc.parameters(),
-                self.embedding_optimizer.optimizer_kwargs(),
-            )
-        else:
-            model = self.build_model(self.device)
-        self.model = model
-
-    def _require_model(self) -> nn.Module:
-        if self.model is None:
-            raise SetupError(
-                "The model is not built yet; call configure_model() (the Trainer does it in fit/validate)"
-            )
-        return self.model
-
-    @override
-    def forward(self, dense_features: torch.Tensor, sparse_features: Any) -> torch.Tensor:  # type: ignore[override]
-        return self._require_model()(dense_features, sparse_features).squeeze(-1)
-
-    def _step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self(batch.dense_features, batch.sparse_features)
-        return self.loss_fn(logits, batch.labels), logits
-
-    @override
-    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:  # type: ignore[override]
-        loss, _ = self._step(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
-        return loss
-
-    def _eval_step(self, batch: Batch, prefix: str) -> torch.Tensor:
-        loss, logits = self._step(batch)
-        auc = self.val_auc if prefix == "val" else self.test_auc
-        logloss = self.val_logloss if prefix == "val" else self.test_logloss
-        auc.update(torch.sigmoid(logits.detach()), batch.labels.long())
-        logloss.update(loss.detach(), weight=batch.labels.numel())
-        n = batch.labels.numel()
-        self.log(f"{prefix}/auc", auc, prog_bar=True, on_step=False, on_epoch=True, batch_size=n)
-        self.log(f"{prefix}/logloss", logloss, prog_bar=True, on_step=False, on_epoch=True, batch_size=n)
-        return loss
-
-    @override
-    def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:  # type: ignore[override]
-        return self._eval_step(batch, "val")
-
-    @override
-    def test_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:  # type: ignore[override]
-        return self._eval_step(batch, "test")
-
-    @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        model = self._require_model()
-        fused = getattr(model, "fused_optimizer", None)
-        if fused is None:
-            if self._sharded():
-                raise SetupError(
-                    "The torchrec strategy did not shard the model; no fused embedding optimizer found"
-                )
-            emb = self.embedding_optimizer
-            ebc_params = list(model.sparse_arch.parameters())  # type: ignore[union-attr]
-            ebc_ids = {id(p) for p in ebc_params}
-            dense = [p for p in model.parameters() if id(p) not in ebc_ids]
-            opt = emb.build_unfused(ebc_params)
-            dense_opt = self.dense_optimizer.build(dense)
-            return _ChainedOptimizer([opt, dense_opt])
-        dense_params = dict(in_backward_optimizer_filter(model.named_parameters()))
-        dense_opt = KeyedOptimizerWrapper(dense_params, lambda ps: self.dense_optimizer.build(ps))
-        return StepOnceCombinedOptimizer([("embeddings", fused), ("dense", dense_opt)])
-
-
-class _ChainedOptimizer(torch.optim.Optimizer):
-    """Several torch optimizers stepped as one (closure evaluated once); for unsharded training."""
-
-    def __init__(self, optimizers: List[torch.optim.Optimizer]) -> None:
-        self.optimizers = optimizers
-        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-        super().__init__(params, {})
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
-
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for o in self.optimizers:
-            o.step()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"optimizers": [o.state_dict() for o in self.optimizers]}
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        for o, s in zip(self.optimizers, state_dict["optimizers"]):
-            o.load_state_dict(s)

@@ -1,0 +1,60 @@
+"""``PredictionWriter``: the probabilities of ``predict`` in a file, one per rank.
+
+LightningCLI's ``predict`` subcommand keeps nothing of what the model returns; with this callback in the
+config (or ``--trainer.callbacks+=torchrec_lookahead.callbacks.PredictionWriter``) it writes them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from typing_extensions import override
+
+__all__ = ["PredictionWriter"]
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Write the predictions of a ``predict`` run, in batch order, as one tensor saved with ``torch.save``.
+
+    Args:
+        path: the file; with several ranks each writes ``<stem>.rank<r><suffix>`` (its own samples).
+
+    Example:
+        >>> PredictionWriter("predictions.pt").path.name
+        'predictions.pt'
+    """
+
+    def __init__(self, path: str = "predictions.pt") -> None:
+        super().__init__(write_interval="epoch")
+        self.path = Path(path)
+
+    def rank_path(self, rank: int, world_size: int) -> Path:
+        """Where rank ``rank`` of ``world_size`` writes."""
+        if world_size == 1:
+            return self.path
+        return self.path.with_name(f"{self.path.stem}.rank{rank}{self.path.suffix}")
+
+    @override
+    def write_on_epoch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        predictions: Sequence[Any],
+        batch_indices: Optional[Sequence[Any]],
+    ) -> None:
+        # one dataloader: a list of per-batch tensors; several: a list per dataloader
+        batches = (
+            [p for group in predictions for p in group]
+            if predictions and isinstance(predictions[0], list)
+            else predictions
+        )
+        out = torch.cat([p.reshape(-1).cpu() for p in batches]) if batches else torch.empty(0)
+        path = self.rank_path(trainer.global_rank, trainer.world_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(out, tmp)
+        tmp.replace(path)  # nothing half-written
