@@ -12,8 +12,8 @@ both from the values at the round's start. Zhang et al.'s center moves by ``alph
 differences (``beta = p * alpha``, stable for ``alpha <= 1/p``); here by ``alpha`` times their mean, so ``alpha``
 in (0, 1] is stable for any ``p``. A round leaves ``sum_k x_k + p * c`` unchanged: the center, which receives no
 gradient, weighs as much as all the replicas, and while the model moves steadily (``v`` per step) replicas and
-center settle to a common speed of ``v / 2`` whatever ``alpha`` and ``sync_every`` are. The mean leaves the
-replicas' mean where their steps put it, which is why it is the strategy's default.
+center settle to a common speed of ``v / 2`` whatever ``alpha`` and ``sync_every`` are: half the dense learning
+rate until the gradients are mostly noise. The mean leaves the replicas' mean where their steps put it.
 
 ``background=True`` (ShadowSync): the round's all-reduce runs on a snapshot while training goes on; every
 rank launches it at the same step and waits for it at the next round (or before a checkpoint, or at the end),
