@@ -5,12 +5,17 @@ data, global batch (4 x ``--batch`` rows) and number of steps for every run; the
 each run (the mean over the four ranks' validation shards):
 
 * ``sync``: synchronous data parallel (``strategy="torchrec"``: DMP, DDP over all four ranks);
-* ``flat_easgd``, ``flat_mean``: four dense replicas (``group_size=1``) averaged every ``--sync-every`` steps
-  in the background, by EASGD and by the plain mean;
-* ``ht_2x2``, ``ht_2x2_mean``: two groups of two (``group_size=2``, the tagger's placement), EASGD / mean in
-  the background.
+* ``flat_mean``, ``flat_easgd``: four dense replicas (``group_size=1``) averaged every ``--sync-every`` steps
+  in the background, by the plain mean and by EASGD (the strategy's default);
+* ``ht_2x2_mean``, ``ht_2x2``: two groups of two (``group_size=2``, the tagger's placement), the same two
+  averagings in the background;
+* ``ht_2x2_split``: ``ht_2x2`` (EASGD) with the over arch's first two layers split across each group (a
+  co-partitioned pair), so the quality runs exercise real splits too.
 
-``ht_over_flat_val_logloss`` compares like with like (EASGD, two replicas against four).
+Every hierarchical run is the strategy's defaults plus ``background=True`` (HT's ShadowSync rounds); each fit
+ends with its groups on the replicas' mean (``average_at_end``). ``ht_over_flat_val_logloss`` compares like
+with like (the same averaging, two replicas against four). ``--seeds`` repeats everything with other model
+initialisations and data; the headline figures are means over seeds, with each seed's ratio beside them.
 
 The embedding tables are sharded over all four ranks and exact in every run; only the dense part differs.
 
@@ -27,6 +32,7 @@ Embedding traffic (TorchRec's all-to-all) is the same in both and left out. Exam
 machine (4 processes on its cores), reported as ratios to ``sync``.
 
     python benchmarks/hierarchical.py [--quick] [--json PATH] [--steps N] [--batch B] [--sync-every K]
+        [--elastic-alpha A] [--seeds 0,1,2]
 """
 
 from __future__ import annotations
@@ -55,11 +61,15 @@ from torchrec_lookahead.strategies._tagger import CostModel, _costs, tag  # noqa
 WORLD = 4
 RUNS: Dict[str, Any] = {
     "sync": "torchrec",
-    "flat_easgd": {"group_size": 1, "averaging": "easgd", "background": True},
-    "flat_mean": {"group_size": 1, "averaging": "mean", "background": True},
-    "ht_2x2": {"group_size": 2, "averaging": "easgd", "background": True},
-    "ht_2x2_mean": {"group_size": 2, "averaging": "mean", "background": True},
-}
+    "flat_mean": {"group_size": 1, "averaging": "mean"},
+    "flat_easgd": {"group_size": 1, "averaging": "easgd"},
+    "ht_2x2_mean": {"group_size": 2, "averaging": "mean"},
+    "ht_2x2": {"group_size": 2, "averaging": "easgd"},
+    # real splits: the over arch's first two layers as a co-partitioned pair (256 columns, then 256 rows)
+    "ht_2x2_split": {"group_size": 2, "averaging": "easgd",
+                     "placement": {"over_arch.model.0._mlp.0._linear": "colwise",
+                                   "over_arch.model.0._mlp.1._linear": "rowwise"}},
+}  # fmt: skip
 MODEL = {"embedding_dim": 16, "dense_arch_layer_sizes": [64, 16], "over_arch_layer_sizes": [256, 64, 1]}
 WIDE = {
     "embedding_dim": 64,
@@ -68,13 +78,13 @@ WIDE = {
 }
 
 
-def _data_args(steps: int, batch: int) -> Dict[str, Any]:
+def _data_args(steps: int, batch: int, seed: int) -> Dict[str, Any]:
     return dict(batch_size=batch, num_train_batches=steps * WORLD, num_val_batches=8 * WORLD, num_test_batches=4,
-                scale=0.002, min_rows=200, zipf_exponent=1.05, seed=0)  # fmt: skip
+                scale=0.002, min_rows=200, zipf_exponent=1.05, seed=seed)  # fmt: skip
 
 
-def _worker(out: str, steps: int, batch: int, sync_every: int) -> None:
-    """One torchrun process: every run in turn; rank 0 writes the results."""
+def _worker(out: str, steps: int, batch: int, sync_every: int, seeds: List[int], alpha: float) -> None:
+    """One torchrun process: every run in turn, for every seed; rank 0 writes the results."""
     import lightning.pytorch as pl
     import torch.distributed as dist
 
@@ -84,35 +94,39 @@ def _worker(out: str, steps: int, batch: int, sync_every: int) -> None:
     from torchrec_lookahead.strategies import HierarchicalStrategy
 
     results: Dict[str, Any] = {}
-    for name, spec in RUNS.items():
-        pl.seed_everything(0, verbose=False)
-        dm = CriteoSyntheticDataModule(**_data_args(steps, batch))
-        model = DLRMModule(dm.num_embeddings_per_feature, dm.num_dense_features, **MODEL,
-                           embedding_optimizer=EmbeddingOptimizerSpec("rowwise_adagrad", lr=0.05),
-                           dense_optimizer=DenseOptimizerSpec("adagrad", lr=0.05))  # fmt: skip
-        strategy: Any = spec if isinstance(spec, str) else HierarchicalStrategy(sync_every=sync_every, **spec)
-        timer = StepTimer(warmup=5)
-        trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, max_epochs=1,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                             callbacks=[timer])  # fmt: skip
-        trainer.fit(model, datamodule=dm)
-        if isinstance(strategy, HierarchicalStrategy) and strategy.averager is not None:
-            strategy.averager.finish()
-        trainer.limit_val_batches = 1.0
-        val = trainer.validate(model, datamodule=dm, verbose=False)[0]
-        step_s = sorted(timer.times)[len(timer.times) // 2]
-        results[name] = {
-            "val_logloss": float(val["val/logloss"]),
-            "val_auc": float(val["val/auc"]),
-            "examples_per_s": WORLD * batch / step_s,
-        }
-        dist.barrier()
+    for seed in seeds:
+        for name, spec in RUNS.items():
+            pl.seed_everything(seed, verbose=False)
+            dm = CriteoSyntheticDataModule(**_data_args(steps, batch, seed))
+            model = DLRMModule(dm.num_embeddings_per_feature, dm.num_dense_features, **MODEL,
+                               embedding_optimizer=EmbeddingOptimizerSpec("rowwise_adagrad", lr=0.05),
+                               dense_optimizer=DenseOptimizerSpec("adagrad", lr=0.05))  # fmt: skip
+            strategy: Any = spec
+            if isinstance(
+                spec, dict
+            ):  # the replicas are validated, then averaged (the fit's default) and again
+                kw = {"sync_every": sync_every, "elastic_alpha": alpha, **spec, "average_at_end": False}
+                strategy = HierarchicalStrategy(**kw)
+            timer = StepTimer(warmup=5)
+            trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, max_epochs=1,
+                                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                                 callbacks=[timer])  # fmt: skip
+            trainer.fit(model, datamodule=dm)
+            trainer.limit_val_batches = 1.0  # the fit ended with every group on the replicas' mean
+            val = trainer.validate(model, datamodule=dm, verbose=False)[0]
+            step_s = sorted(timer.times)[len(timer.times) // 2]
+            results.setdefault(name, []).append({"val_logloss": float(val["val/logloss"]),
+                                                 "val_auc": float(val["val/auc"]),
+                                                 "examples_per_s": WORLD * batch / step_s})  # fmt: skip
+            dist.barrier()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
 
 
-def quality(steps: int, batch: int, sync_every: int) -> Dict[str, Any]:
+def quality(steps: int, batch: int, sync_every: int, seeds: List[int], alpha: float) -> Dict[str, Any]:
+    """Per run, one row per seed (``val_logloss``: after the fit's final averaging, the mean over the ranks'
+    validation shards)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "quality.json"
         env = {
@@ -122,7 +136,8 @@ def quality(steps: int, batch: int, sync_every: int) -> Dict[str, Any]:
         }
         env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--standalone",
-               __file__, "--worker", str(out), str(steps), str(batch), str(sync_every)]  # fmt: skip
+               __file__, "--worker", str(out), str(steps), str(batch), str(sync_every),
+               ",".join(map(str, seeds)), str(alpha)]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-4000:])
@@ -171,31 +186,43 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument(
         "--batch", type=int, default=None, help="rows per rank and step (default 256; --quick 128)"
     )
-    p.add_argument("--sync-every", type=int, default=4)
+    p.add_argument(
+        "--sync-every", type=int, default=1, help="steps between rounds (default: the strategy's, 1)"
+    )
+    p.add_argument(
+        "--elastic-alpha", type=float, default=0.5, help="EASGD runs (default: the strategy's, 0.5)"
+    )
+    p.add_argument("--seeds", type=str, default=None, help="comma-separated seeds (default 0,1; --quick 0)")
     p.add_argument("--skip-quality", action="store_true", help="the traffic model only (no training)")
     args = p.parse_args(argv)
     steps = args.steps or (60 if args.quick else 300)
     batch = args.batch or (128 if args.quick else 256)
-    figures: Dict[str, Any] = {"steps": steps, "batch_per_rank": batch, "sync_every": args.sync_every}
+    seeds = [int(x) for x in (args.seeds or ("0" if args.quick else "0,1")).split(",")]
+    figures: Dict[str, Any] = {"steps": steps, "batch_per_rank": batch, "sync_every": args.sync_every,
+                               "elastic_alpha": args.elastic_alpha, "seeds": seeds}  # fmt: skip
     if not args.skip_quality:
-        q = quality(steps, batch, args.sync_every)
-        rows = [{"run": k, **v, "examples_s_over_sync": v["examples_per_s"] / q["sync"]["examples_per_s"]}
-                for k, v in q.items()]  # fmt: skip
-        print(
-            f"Quality: 4 gloo ranks, {steps} steps, global batch {WORLD * batch}, sync_every={args.sync_every}"
-        )
+        q = quality(steps, batch, args.sync_every, seeds, args.elastic_alpha)
+        rows = [{"run": k, "seed": seed, **v, "examples_s_over_sync": v["examples_per_s"] / q["sync"][i]["examples_per_s"]}
+                for k, vs in q.items() for i, (seed, v) in enumerate(zip(seeds, vs))]  # fmt: skip
+        print(f"Quality: 4 gloo ranks, {steps} steps, global batch {WORLD * batch}, sync_every={args.sync_every}, "
+              f"elastic_alpha={args.elastic_alpha}, seeds {seeds}")  # fmt: skip
         print(table(rows))
         figures["quality"] = q
-        figures["ht_over_sync_val_logloss"] = q["ht_2x2"]["val_logloss"] / q["sync"]["val_logloss"]
-        # like for like (the same averaging, two replicas instead of four), and against the better flat run
-        figures["ht_over_flat_val_logloss"] = q["ht_2x2"]["val_logloss"] / q["flat_easgd"]["val_logloss"]
-        figures["ht_mean_over_flat_mean_val_logloss"] = (
-            q["ht_2x2_mean"]["val_logloss"] / q["flat_mean"]["val_logloss"]
-        )
-        best_ht = min(q["ht_2x2"]["val_logloss"], q["ht_2x2_mean"]["val_logloss"])
-        best_flat = min(q["flat_easgd"]["val_logloss"], q["flat_mean"]["val_logloss"])
-        figures["best_ht_over_best_flat_val_logloss"] = best_ht / best_flat
-        figures["best_ht_over_sync_val_logloss"] = best_ht / q["sync"]["val_logloss"]
+
+        def ratio(a: str, b: str) -> List[float]:
+            return [x["val_logloss"] / y["val_logloss"] for x, y in zip(q[a], q[b])]
+
+        # per seed, and the mean over seeds (the headline figures)
+        for fig, (a, b) in {
+            "ht_over_sync_val_logloss": ("ht_2x2", "sync"),
+            "ht_over_flat_val_logloss": ("ht_2x2", "flat_easgd"),  # like for like: two replicas against four
+            "ht_mean_over_sync_val_logloss": ("ht_2x2_mean", "sync"),
+            "ht_mean_over_flat_mean_val_logloss": ("ht_2x2_mean", "flat_mean"),
+            "ht_split_over_sync_val_logloss": ("ht_2x2_split", "sync"),
+            "ht_split_over_flat_val_logloss": ("ht_2x2_split", "flat_easgd"),
+        }.items():
+            figures[f"{fig}_per_seed"] = ratio(a, b)
+            figures[fig] = sum(figures[f"{fig}_per_seed"]) / len(seeds)
     for name, spec in (("benchmark model", MODEL), ("wide model", WIDE)):
         rows = traffic(spec, batch, args.sync_every)
         print(f"\nCritical-path bytes per rank and step, {name} ({spec['over_arch_layer_sizes']} over-arch), "
@@ -205,10 +232,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         figures[f"traffic_{key}"] = rows
         figures[f"ht_over_sync_critical_bytes_{key}"] = rows[1]["over_sync"]
         figures[f"ht_uncompressed_over_sync_critical_bytes_{key}"] = rows[3]["over_sync"]
-    for k in ("ht_over_sync_val_logloss", "ht_over_flat_val_logloss", "ht_mean_over_flat_mean_val_logloss",
-              "best_ht_over_best_flat_val_logloss", "best_ht_over_sync_val_logloss"):  # fmt: skip
-        if k in figures:
-            print(f"{k} = {figures[k]:.4f}")
+    for k, v in figures.items():
+        if k.endswith("val_logloss"):
+            print(
+                f"{k} = {v:.4f}  (per seed: {', '.join(f'{x:.4f}' for x in figures.get(k + '_per_seed', []))})"
+            )
     figures["machine"] = machine()
     write_json(args.json, figures)
     return figures
@@ -216,6 +244,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+                [int(x) for x in sys.argv[6].split(",")], float(sys.argv[7]))  # fmt: skip
     else:
         main()

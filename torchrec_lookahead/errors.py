@@ -80,6 +80,11 @@ class DataError(LookaheadError, ValueError):
     """Input data is malformed: a missing file, a malformed line, a wrong column count, NaN features."""
 
 
+class UnevenBatchError(DataError):
+    """The ranks of a group read batches of different sizes, which layers split across the group cannot
+    combine (hierarchical training)."""
+
+
 class InvalidIdError(DataError):
     """An embedding id is negative or not below its table's number of rows."""
 

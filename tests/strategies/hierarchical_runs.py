@@ -6,7 +6,9 @@ with one strategy and rank 0 writes every rank's final weights (full dense tenso
 
 with JSON a list of ``{"name": ..., "strategy": {...} or "torchrec", "steps": N, "dense": "adagrad"}``, and
 optionally ``ckpt_dir`` + ``ckpt_every`` (checkpoints), ``resume`` (a checkpoint to start from), ``log_dir``
-(TensorBoard), ``num_nodes`` (launchers of WORLD_SIZE / num_nodes ranks each).
+(TensorBoard), ``num_nodes`` (launchers of WORLD_SIZE / num_nodes ranks each), ``epochs`` (with ``steps`` -1:
+whole epochs), ``data`` (overrides of the tiny data set), ``validate`` (adds ``val/logloss`` after the fit).
+A strategy's ``placement`` may name one of ``PLACEMENTS``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ from torchrec_lookahead.verify import QUIET_TRAINER_ARGS
 
 from ..conftest import tiny_data_args
 
+# every dense layer split (two co-partitioned pairs): nothing is left for DDP
+ALL_SPLIT = {
+    "dense_arch.model._mlp.0._linear": "colwise",
+    "dense_arch.model._mlp.1._linear": "rowwise",
+    "over_arch.model.0._mlp.0._linear": "colwise",
+    "over_arch.model.1": "rowwise",
+}
+# the dense arch's layers as a co-partitioned pair, the over arch replicated
+PAIR = {"dense_arch.model._mlp.0._linear": "colwise", "dense_arch.model._mlp.1._linear": "rowwise"}
+PLACEMENTS = {"split": None, "all_split": ALL_SPLIT, "pair": PAIR}
 SPLIT = {
     "dense_arch.model._mlp.0._linear": "colwise",
     "dense_arch.model._mlp.1._linear": "rowwise",
@@ -43,10 +55,7 @@ SPLIT = {
 def _state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     out: Dict[str, torch.Tensor] = {}
     for k, v in model.state_dict().items():
-        # DMP names its dense layers model.model.* when no layer is left for DDP to wrap
-        k = ".".join(p for p in k.split(".") if p not in ("_dmp_wrapped_module", "module")).replace(
-            "model.model.", "model."
-        )
+        k = ".".join(p for p in k.split(".") if p not in ("_dmp_wrapped_module", "module"))
         if isinstance(v, ShardedTensor):
             for i, shard in enumerate(v.local_shards()):
                 out[f"{k}#{i}"] = shard.tensor.detach().clone()
@@ -59,7 +68,7 @@ def _state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 def run(spec: Dict[str, Any], devices: int) -> Dict[str, torch.Tensor]:
     pl.seed_everything(0, verbose=False)
-    dm = CriteoSyntheticDataModule(**tiny_data_args())
+    dm = CriteoSyntheticDataModule(**tiny_data_args(**spec.get("data", {})))
     model = DLRMModule(
         dm.num_embeddings_per_feature,
         dm.num_dense_features,
@@ -72,8 +81,8 @@ def run(spec: Dict[str, Any], devices: int) -> Dict[str, torch.Tensor]:
     strategy: Any = spec["strategy"]
     if isinstance(strategy, dict):
         kw = dict(strategy)
-        if kw.get("placement") == "split":
-            kw["placement"] = SPLIT
+        if isinstance(kw.get("placement"), str) and kw["placement"] in PLACEMENTS:
+            kw["placement"] = PLACEMENTS[kw["placement"]] or SPLIT
         strategy = HierarchicalStrategy(**kw)
     kw: Dict[str, Any] = {}
     if "ckpt_dir" in spec:  # a checkpoint every ckpt_every steps
@@ -85,9 +94,15 @@ def run(spec: Dict[str, Any], devices: int) -> Dict[str, torch.Tensor]:
     nodes = int(spec.get("num_nodes", 1))
     kw["num_nodes"] = nodes
     trainer = pl.Trainer(**{**QUIET_TRAINER_ARGS, "accelerator": "cpu", "devices": devices // nodes, "strategy": strategy,
-                            "max_steps": spec["steps"], "max_epochs": None, **kw})  # fmt: skip
+                            "max_steps": spec["steps"], "max_epochs": spec.get("epochs"), **kw})  # fmt: skip
     trainer.fit(model, datamodule=dm, ckpt_path=spec.get("resume"))
-    return _state(model)
+    state = _state(model)
+    if spec.get("validate"):  # the validation log-loss after the fit (the mean over the ranks' shards)
+        trainer.limit_val_batches = 1.0
+        state["val/logloss"] = torch.tensor(
+            trainer.validate(model, datamodule=dm, verbose=False)[0]["val/logloss"]
+        )
+    return state
 
 
 def main(out: str, runs: str) -> None:

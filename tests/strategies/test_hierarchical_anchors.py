@@ -7,7 +7,8 @@
   data parallel within tolerance;
 * one group, split, int8 activations and bf16 gradients: close to synchronous DMP after 3 SGD steps, not equal
   (over more steps the training's chaos amplifies any difference, see the split anchor);
-* two groups, EASGD in the background: trains, and the groups' replicas differ (they are not synchronous).
+* two groups, EASGD in the background: trains, and the groups' replicas differ (they are not synchronous), until
+  the fit's final round sets both to their mean (``average_at_end``, the default).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..conftest import REPO, free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
+EASGD_BG = {"group_size": 1, "averaging": "easgd", "background": True, "sync_every": 3, "elastic_alpha": 0.3}
 RUNS = [
     {"name": "sync", "strategy": "torchrec", "steps": 20},
     {"name": "replicate", "strategy": {"placement": "replicate"}, "steps": 20},
@@ -53,17 +55,9 @@ RUNS = [
         "dense": "sgd",
         "emb": "sgd",
     },  # fmt: skip
-    {
-        "name": "groups_easgd_bg",
-        "strategy": {
-            "group_size": 1,
-            "averaging": "easgd",
-            "background": True,
-            "sync_every": 3,
-            "elastic_alpha": 0.3,
-        },
-        "steps": 20,
-    },  # fmt: skip
+    # the same background EASGD, ending as configured (each group its own replica) and by default (their mean)
+    {"name": "groups_easgd_bg", "strategy": {**EASGD_BG, "average_at_end": False}, "steps": 20},
+    {"name": "groups_easgd_bg_averaged", "strategy": EASGD_BG, "steps": 20},
 ]
 
 
@@ -151,6 +145,12 @@ def test_background_easgd_groups_hold_different_replicas_that_stay_close(runs) -
     gap = max((a[k] - b[k]).abs().max().item() for k in dense)
     assert 0 < gap < 1.0, gap
     assert all(torch.isfinite(a[k]).all() for k in a)
+    # by default the same training ends with a blocking round to the groups' mean: one model, as synchronous
+    # training leaves
+    c, d = runs["groups_easgd_bg_averaged"]
+    for k in dense:
+        assert torch.equal(c[k], d[k]), k
+        assert torch.allclose(c[k], (a[k] + b[k]) / 2, atol=1e-6), k
 
 
 def test_verify_compares_a_hierarchical_cached_config_with_synchronous_dmp(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from torchrec_lookahead.strategies import HierarchicalStrategy
         ({"placement": "diagonal"}, "'auto', 'replicate'"),
         ({"placement": {"over_arch.model.1": "sideways"}}, r"\['colwise', 'rowwise', 'replicate'\]"),
         ({"background": "yes"}, "background to be True or False"),
+        ({"average_at_end": 1}, "average_at_end to be True or False"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs: Dict[str, Any], match: str) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.errors import ConfigError, UnevenBatchError
 from torchrec_lookahead.strategies._splits import (
     apply_splits,
     consecutive_pairs,
@@ -51,6 +51,7 @@ def _worker(rank: int, world: int, port: int, q) -> None:  # type: ignore[no-unt
         mesh = init_device_mesh("cpu", (world,))
         errs = {case: _errors(rank, world, mesh, case) for case in CASES}
         errs["bf16_hook"] = {"mean": _bf16_hook_error(rank, world)}
+        errs["uneven"] = _uneven_batch(rank, world, mesh)
         q.put((rank, errs))
     finally:
         dist.destroy_process_group()
@@ -79,6 +80,23 @@ def _errors(rank: int, world: int, mesh, case: str) -> Dict[str, float]:  # type
             g = g / world
         err[n] = (g - pr.grad).abs().max().item()
     return err
+
+
+def _uneven_batch(rank: int, world: int, mesh) -> Dict[str, str]:  # type: ignore[no-untyped-def]
+    """A group whose ranks read 5 and 4 rows, through a column split and through a lone row split: the error
+    each rank raised (every rank must raise, or the others would hang in the gather), then an even batch
+    through the same layers still works."""
+    out: Dict[str, str] = {}
+    for case in ("pair", "rowwise"):
+        model = _model()
+        apply_splits(model, mesh, resolve_placement(model, CASES[case], world))
+        try:
+            model(torch.randn(5 - rank, 6))
+            out[case] = "no error"
+        except UnevenBatchError as e:
+            out[case] = str(e)
+        model(torch.randn(3, 6))
+    return out
 
 
 def _bf16_hook_error(rank: int, world: int) -> float:
@@ -124,6 +142,13 @@ def test_split_equals_the_unsplit_layer_forward_and_backward(case: str, split_er
 def test_bf16_hook_averages_within_bf16_precision(split_errors) -> None:  # type: ignore[no-untyped-def]
     for errs in split_errors.values():
         assert 0 < errs["bf16_hook"]["mean"] < 1e-2
+
+
+@pytest.mark.distributed
+def test_uneven_batches_inside_a_group_raise_a_typed_error_on_every_rank(split_errors) -> None:  # type: ignore[no-untyped-def]
+    for errs in split_errors.values():
+        for case in ("pair", "rowwise"):
+            assert "[5, 4] rows" in errs["uneven"][case], (case, errs["uneven"])
 
 
 def test_placement_errors_name_the_valid_choices() -> None:

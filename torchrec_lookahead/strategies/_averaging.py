@@ -8,8 +8,12 @@ groups), a round at a step boundary is::
     easgd:  x_k <- x_k - alpha * (x_k - c)          c <- c + alpha * (mean_k x_k - c)
     mean:   x_k <- mean_k x_k
 
-both from the values at the round's start (Zhang et al.'s elastic averaging with the center's rate
-``beta = p * alpha`` applied to the mean, so ``alpha`` in (0, 1] is stable for any ``p``).
+both from the values at the round's start. Zhang et al.'s center moves by ``alpha`` times the sum of the
+differences (``beta = p * alpha``, stable for ``alpha <= 1/p``); here by ``alpha`` times their mean, so ``alpha``
+in (0, 1] is stable for any ``p``. A round leaves ``sum_k x_k + p * c`` unchanged: the center, which receives no
+gradient, weighs as much as all the replicas, and while the model moves steadily (``v`` per step) replicas and
+center settle to a common speed of ``v / 2`` whatever ``alpha`` and ``sync_every`` are: half the dense learning
+rate until the gradients are mostly noise. The mean leaves the replicas' mean where their steps put it.
 
 ``background=True`` (ShadowSync): the round's all-reduce runs on a snapshot while training goes on; every
 rank launches it at the same step and waits for it at the next round (or before a checkpoint, or at the end),
@@ -19,7 +23,8 @@ as a difference, so the local steps taken meanwhile are kept::
     easgd:  x_k <- x_k - alpha * (s_k - c)          c <- c + alpha * (mean_k s_k - c)
     mean:   x_k <- x_k + (mean_k s_k - s_k)
 
-with ``s_k`` the snapshot. The dense optimizer state (Adagrad sums, Adam moments) is not averaged: each
+with ``s_k`` the snapshot. :meth:`ReplicaAverager.average_now` is a blocking round to the mean for every group
+(the end of a fit). The dense optimizer state (Adagrad sums, Adam moments) is not averaged: each
 group keeps its own, as each HT trainer does; only the parameters move.
 """
 
@@ -204,6 +209,22 @@ class ReplicaAverager:
                 round_update(snapshot, total.div_(self.num_groups), self.center, self.method, self.alpha)
             )
         self.rounds += 1
+
+    def average_now(self) -> None:
+        """A blocking round that leaves every group with the same replica, the groups' mean (and the center
+        there too, EASGD): training's single model at the end of a fit. Every rank calls this at the same step.
+        """
+        if self.group is None:
+            return
+        self.finish()
+        with torch.no_grad():
+            total = self._flat()
+            self.bytes_sent += total.numel() * total.element_size()
+            dist.all_reduce(total, group=self.group)
+            total.div_(self.num_groups)
+            self._assign(total)
+            if self.center is not None:
+                self.center.copy_(total)
 
     def distance_to_center(self) -> float:
         """L2 distance of this rank's part of the replica to the center (EASGD; 0 for ``mean``)."""

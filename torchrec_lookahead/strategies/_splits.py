@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import partial
 from typing import Dict, List, Mapping, Optional, Tuple
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -31,7 +34,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.errors import ConfigError, UnevenBatchError
 from torchrec_lookahead.strategies._compression import CompressedColwiseParallel
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "split_plan",
     "apply_splits",
     "scale_split_gradients",
+    "check_equal_rows",
 ]
 
 
@@ -211,6 +215,7 @@ def apply_splits(
     if not layers:
         return []
     parallelize_module(model, mesh, split_plan(layers, compression))  # type: ignore[arg-type]
+    check_equal_rows(model, mesh, layers)
     return [
         f"{s.path}.{pname}" for s in layers for pname, _ in model.get_submodule(s.path).named_parameters()
     ]
@@ -232,3 +237,38 @@ def scale_split_gradients(model: nn.Module, group_size: int) -> List[nn.Paramete
     for p in hooked:
         p.register_hook(lambda grad, s=scale: grad * s)
     return hooked
+
+
+def _rows(inputs: Tuple[object, ...]) -> int:
+    x = inputs[0]
+    if isinstance(x, DTensor):
+        x = x.to_local()
+    assert isinstance(x, torch.Tensor)
+    return int(x.shape[0])
+
+
+def check_equal_rows(model: nn.Module, mesh: DeviceMesh, layers: List[SplitLayer]) -> None:
+    """Before each split that gathers the group's rows (a column split, or a row split that is not the second
+    of a pair), all-gather every rank's row count over the group (one int64 per rank) and raise
+    :class:`~torchrec_lookahead.errors.UnevenBatchError` on every rank if they differ: the gather itself
+    would abort the process (gloo) or mix rows up (an even split of an uneven batch). The check runs at every
+    forward (training, validation, test), ahead of torch's input preparation.
+    """
+    group = mesh.get_group()
+    size = mesh.size()
+
+    def hook(path: str, mod: nn.Module, inputs: Tuple[object, ...]) -> None:
+        rows = torch.tensor([_rows(inputs)], dtype=torch.int64)
+        every = rows.new_empty(size)
+        dist.all_gather_into_tensor(every, rows, group=group)
+        if bool((every != every[0]).any()):
+            raise UnevenBatchError(
+                f"layer {path!r} is split across the group but the group's ranks read batches of "
+                f"{every.tolist()} rows; split layers need the same batch size on every rank of a group: drop "
+                "the last uneven batch (drop_last), give every rank the same number of rows, or replicate every "
+                "layer (placement='replicate')"
+            )
+
+    for s in layers:
+        if s.placement is Placement.COLWISE or not s.paired:
+            model.get_submodule(s.path).register_forward_pre_hook(partial(hook, s.path), prepend=True)

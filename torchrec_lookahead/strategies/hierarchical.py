@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -135,8 +135,12 @@ class HierarchicalStrategy(TorchRecStrategy):
         group_size: ranks per group (consecutive ranks); default: the ranks of one node, so in-group traffic
             stays on the host and only averaging crosses hosts. Must divide the world size.
         sync_every: optimizer steps between averaging rounds (>= 1).
-        averaging: ``"easgd"`` (elastic averaging with a center variable) or ``"mean"`` (plain periodic
-            averaging, the baseline torch ships).
+        averaging: ``"easgd"`` (elastic averaging with a center variable, HT's choice; the default) or
+            ``"mean"`` (plain periodic model averaging, ShadowSync's MA, the baseline torch ships). EASGD's
+            center receives no gradient and halves the replicas' progress while the model drifts (a smaller
+            effective dense learning rate, see :mod:`~torchrec_lookahead.strategies._averaging`); on the default
+            job that gave 0.990 of synchronous training's validation log-loss over three seeds, the mean 1.007
+            (docs/benchmarks.md).
         elastic_alpha: EASGD's moving rate, in (0, 1].
         background: run each round's all-reduce on a snapshot on a process group of its own and apply it at the
             next round (ShadowSync), instead of blocking the step.
@@ -146,6 +150,10 @@ class HierarchicalStrategy(TorchRecStrategy):
             inside the group), or a mapping from a dense linear layer's module path (inside the sharded model)
             to ``"colwise"`` / ``"rowwise"`` / ``"replicate"``; layers not named are placed by the tagger.
         cost_model: rates the tagger weighs (batch size, bandwidths, memory); the group layout fills in.
+        average_at_end: when a fit ends, a blocking round sets every group's replica (and the EASGD center) to
+            the groups' mean, so the fit leaves one model, as synchronous training does (the replicas differ by
+            their local steps since the last round; their mean is the better model). Off: each group keeps its
+            own replica.
         **kwargs: passed to :class:`~torchrec_lookahead.strategies.TorchRecStrategy`.
 
     Raises:
@@ -167,6 +175,7 @@ class HierarchicalStrategy(TorchRecStrategy):
         compression: Union[str, Compression] = "none",
         placement: Union[str, Mapping[str, str]] = "auto",
         cost_model: Optional[CostModel] = None,
+        average_at_end: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -181,6 +190,9 @@ class HierarchicalStrategy(TorchRecStrategy):
         if not isinstance(background, bool):
             raise ConfigError(f"Expected background to be True or False but got {background!r}")
         self.background = background
+        if not isinstance(average_at_end, bool):
+            raise ConfigError(f"Expected average_at_end to be True or False but got {average_at_end!r}")
+        self.average_at_end = average_at_end
         self.compression: Compression = _enum(Compression, compression, "compression")
         if isinstance(placement, str):
             if placement not in ("auto", "replicate"):
@@ -220,6 +232,7 @@ class HierarchicalStrategy(TorchRecStrategy):
             "compression": self.compression,
             "placement": self.placement,
             "cost_model": self.cost_model,
+            "average_at_end": self.average_at_end,
         }
 
     @classmethod
@@ -415,7 +428,10 @@ class HierarchicalStrategy(TorchRecStrategy):
     @override
     def on_train_end(self) -> None:
         if self.averager is not None:
-            self.averager.finish()
+            if self.average_at_end:
+                self.averager.average_now()
+            else:
+                self.averager.finish()
         super().on_train_end()
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -433,9 +449,23 @@ class HierarchicalStrategy(TorchRecStrategy):
                         out[f"{i}.{key}"] = v.to_local() if isinstance(v, DTensor) else v
         return out
 
+    def layout(self) -> str:
+        """What the per-rank state's shapes depend on: the groups and every dense layer's placement.
+
+        Example:
+            >>> HierarchicalStrategy(group_size=2).layout()
+            'group_size=2 placement='
+        """
+        placed = self.tagging.placement.items() if self.tagging is not None else []
+        return f"group_size={self.group_size} placement=" + ",".join(f"{k}:{v.value}" for k, v in placed)
+
     def _local_state(self) -> Dict[str, Any]:
         assert self.averager is not None
-        state = {"replica": self.averager._flat(), "optimizer": self._dense_optimizer_state()}
+        state = {
+            "layout": self.layout(),
+            "replica": self.averager._flat(),
+            "optimizer": self._dense_optimizer_state(),
+        }
         state.update(self.averager.state_dict())
         if state["center"] is None:
             state.pop("center")
@@ -454,11 +484,31 @@ class HierarchicalStrategy(TorchRecStrategy):
             dcp.save(self._local_state(), checkpoint_id=Path(self.broadcast(str(filepath))) / _STATE_DIR)
             self.barrier("hierarchical_ckpt_saved")
 
+    def _same_layout(self, path: Path) -> bool:
+        """Whether the checkpoint's per-rank state was written under this run's groups and placement. If not,
+        its flat replica and dense optimizer state do not fit this run's layers: every group goes on from the
+        checkpoint's shared weights and optimizer state (group 0's replica, what synchronous training would
+        load), with the averaging counters kept and the center restarted there."""
+        key = f"rank{self.global_rank}"
+        saved: Dict[str, Any] = {key: {"layout": "", "steps": 0, "rounds": 0}}
+        dcp.load(saved, checkpoint_id=path)
+        if saved[key]["layout"] == self.layout():
+            return True
+        rank_zero_warn(
+            f"checkpoint {path.parent} was written by hierarchical training with {saved[key]['layout']!r}; this run "
+            f"has {self.layout()!r}: every group resumes from group 0's replica and dense optimizer state"
+        )
+        assert self.averager is not None
+        self.averager.load_state_dict(saved[key])
+        if self.averager.center is not None:
+            self.averager.center.copy_(self.averager._flat())
+        return False
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         meta = super().load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(str(checkpoint_path))) / _STATE_DIR
-        if self.averager is not None and path.is_dir():
+        if self.averager is not None and path.is_dir() and self._same_layout(path):
             target = self._local_state()
             dcp.load(target, checkpoint_id=path)  # the optimizer's state tensors are loaded in place
             state = target[f"rank{self.global_rank}"]

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders
+from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders, get_module
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -79,6 +79,23 @@ def _check_cpu_fused_optimizers(module: nn.Module) -> None:
                         "those, train on CUDA, or train the table through the lookahead cache, whose optimizer "
                         "runs on any device"
                     )
+
+
+class _DistributedModelParallel(DistributedModelParallel):
+    """TorchRec's ``DistributedModelParallel`` whose state-dict keys do not depend on whether DDP wraps its
+    dense part. TorchRec's ``state_dict(prefix=p)`` strips DDP's ``module.`` and then adds ``p`` to every key;
+    when nothing is left for DDP (every dense layer split across a hierarchical group) the keys already carry
+    ``p``, which came twice (``model.model.*``), so such a checkpoint did not load into a run with a replicated
+    layer (or into synchronous training). Loading needs no change: TorchRec's own load handles both layouts.
+    """
+
+    def state_dict(  # type: ignore[override]
+        self, destination: Optional[Dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False
+    ) -> Dict[str, Any]:
+        inner = get_module(self)
+        if isinstance(inner, nn.parallel.DistributedDataParallel):
+            return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return inner.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)  # type: ignore[no-any-return]
 
 
 class TorchRecStrategy(DDPStrategy):
@@ -274,7 +291,7 @@ class TorchRecStrategy(DDPStrategy):
             if isinstance(m, EmbeddingBagCollection)
             for c in m.embedding_bag_configs()
         ]
-        dmp = DistributedModelParallel(
+        dmp = _DistributedModelParallel(
             module,
             env=ShardingEnv.from_process_group(pg),  # type: ignore[arg-type]
             device=self.root_device,
