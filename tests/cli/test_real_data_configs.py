@@ -1,0 +1,24 @@
+"""The cached configs of the real data samples train exactly like their resident twins (a few steps each)."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchrec_lookahead.verify import verify
+
+from ..conftest import REPO, shared_data
+
+CONFIGS = {
+    "criteo_tsv_lookahead": ("criteo_kaggle_head", "head8000_split_train.txt"),
+    "movielens_lookahead": ("movielens_latest_small_2016", "ratings.csv"),
+    "taobao_lookahead": ("taobao_userbehavior_head", "UserBehavior_head.csv"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_cached_real_data_config_equals_resident(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared_data(*CONFIGS[name])
+    monkeypatch.chdir(REPO)  # the configs name ../shared/data relative to the repository
+    out = verify(str(REPO / "configs" / f"{name}.yaml"), steps=6)
+    assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["steps"] == 6, out
