@@ -153,9 +153,19 @@ def validate_plan(
         if what.endswith("slots"):
             raise CapacityError(
                 f"plan step {step}, table '{name}': {what} holds slot {bad} outside [0, {cap}) (capacity "
-                f"{cap}); plan with the capacity this cache was built with"
+                f"{cap}); plan with the capacity this cache was built with",
+                table=name,
+                batch=step,
+                needed=bad + 1 if bad >= 0 else None,
+                available=cap,
             )
-        raise InvalidIdError(f"plan step {step}, table '{name}': {what} holds id {bad} outside [0, {n})")
+        raise InvalidIdError(
+            f"plan step {step}, table '{name}': {what} holds id {bad} outside [0, {n})",
+            table=name,
+            batch=step,
+            id=bad,
+            num_rows=n,
+        )
     s2i = t.slot_to_id
     assert s2i is not None  # cached tables only (checked by the caller)
     if trusted:

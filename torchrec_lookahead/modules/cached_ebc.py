@@ -32,6 +32,7 @@ from torch import nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_lookahead._checks import is_int
 from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError, SetupError
 from torchrec_lookahead.modules._checkpoint import load_tables, save_tables
 from torchrec_lookahead.modules._kernels import _CacheKernel, make_kernel
@@ -180,7 +181,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 )
             if c.name in capacity:
                 cap = capacity[c.name]
-                if not isinstance(cap, numbers.Integral) or isinstance(cap, bool) or cap <= 0:
+                if not is_int(cap) or cap <= 0:
                     raise ConfigError(f"capacity of table '{c.name}' must be a positive int but got {cap!r}")
             if c.name in stores:
                 store = stores[c.name]
@@ -251,7 +252,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         Raises:
             ConfigError: ``step`` is not a non-negative integer.
         """
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        if not is_int(step) or step < 0:
             raise ConfigError(f"Expected a non-negative integer optimizer step but got {step!r}")
         for kernel in self._kernels:
             kernel.set_step(int(step))
@@ -425,13 +426,19 @@ class CachedEmbeddingBagCollection(nn.Module):
                 if vmin < 0 or vmax >= t.rows:
                     raise InvalidIdError(
                         f"feature '{key}' of table '{t.config.name}' has id {vmin if vmin < 0 else vmax} outside "
-                        f"[0, {t.rows}); hash or clip ids into the table"
+                        f"[0, {t.rows}); hash or clip ids into the table",
+                        table=t.config.name,
+                        id=vmin if vmin < 0 else vmax,
+                        num_rows=t.rows,
                     )
                 continue
             if vmin < 0 or vmax >= t.rows:
                 raise CapacityError(
                     f"feature '{key}' of cached table '{t.config.name}' has slot {vmin if vmin < 0 else vmax} "
-                    f"outside [0, {t.rows}) (capacity {t.rows}); pass values remapped by the plan (remap())"
+                    f"outside [0, {t.rows}) (capacity {t.rows}); pass values remapped by the plan (remap())",
+                    table=t.config.name,
+                    needed=vmax + 1 if vmin >= 0 else None,
+                    available=t.rows,
                 )
             if bool((t.slot_to_id.index_select(0, seg.to("cpu", torch.int64)) < 0).any()):
                 raise SetupError(
