@@ -23,6 +23,7 @@ from torchrec_lookahead.data._threads import lower_thread_priority as lower_thre
 from torchrec_lookahead.data._threads import single_threaded_ops as single_threaded_ops
 from torchrec_lookahead.data.batch import CacheTarget as CacheTarget
 from torchrec_lookahead.data.batch import LookaheadBatch as LookaheadBatch
+from torchrec_lookahead.data.capacity import CapacityCheck
 from torchrec_lookahead.data.lookahead_loader import LookaheadLoader as LookaheadLoader
 from torchrec_lookahead.data.lookahead_loader import global_batches as global_batches
 from torchrec_lookahead.data.lookahead_loader import scan_epoch
@@ -76,11 +77,13 @@ class LookaheadDataModule(WrappedDataModule):
         datamodule: any DataModule whose loaders yield :class:`~torchrec.datasets.utils.Batch` es.
         horizon: batches the oracle reads ahead.
         prefetch_depth: steps ahead the fetched rows are gathered (must not exceed ``horizon``).
-        policy: ``belady`` (default), ``ttl``, ``window`` or ``lru``.
+        policy: a :class:`~torchrec_lookahead.oracle.Policy` or its value: ``belady`` (default), ``ttl``,
+            ``window`` or ``lru``.
         queue_depth: planned batches kept ready.
         window: batches per window of the ``window`` policy.
         ways: associativity of the ``window`` policy.
-        capacity_check: ``"epoch"`` (default): before training, read the epoch's sparse features once and
+        capacity_check: a :class:`~torchrec_lookahead.data.CapacityCheck` or its value. ``"epoch"``
+            (default): before training, read the epoch's sparse features once and
             raise :class:`~torchrec_lookahead.errors.CapacityError` / :class:`~torchrec_lookahead.errors.InvalidIdError`
             if any window does not fit its cache or an id is out of range (costs one pass over the training
             data; torch's, numpy's and Python's random states are restored, so a shuffling loader keeps its
@@ -93,8 +96,8 @@ class LookaheadDataModule(WrappedDataModule):
         planner_nice: how much lower the planner thread runs than training (Linux nice value, 0 to 19;
             default 19, 0 leaves it alone). The planner reads and plans batches ahead, so it only has to keep
             up on average; at lower priority it takes the CPU time training leaves, instead of preempting
-            the training thread or its OpenMP workers in the middle of a parallel operator, which made cached
-            steps on 2 cores 1.23-1.28x resident ones instead of 1.04-1.11x.
+            the training thread or its OpenMP workers in the middle of a parallel operator (measured in
+            ``docs/benchmarks.md``).
 
     Example:
         >>> from torchrec_lookahead.data import CriteoSyntheticDataModule
@@ -119,7 +122,7 @@ class LookaheadDataModule(WrappedDataModule):
         super().__init__(datamodule)
         _check_nice(planner_nice)
         self.planner_nice = int(planner_nice)
-        if capacity_check not in ("epoch", "lookahead"):
+        if capacity_check not in (CapacityCheck.EPOCH, CapacityCheck.LOOKAHEAD):
             raise ConfigError(f"Expected capacity_check 'epoch' or 'lookahead' but got {capacity_check!r}")
         if not stop_timeout_s > 0:
             raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s}")
@@ -132,19 +135,18 @@ class LookaheadDataModule(WrappedDataModule):
                 f"horizon={horizon}; raise horizon or lower prefetch_depth"
             )
         try:
-            Policy(policy)
+            self.policy = Policy(policy)
         except ValueError:
             raise ConfigError(f"Expected policy in {[p.value for p in Policy]} but got {policy!r}") from None
         self.horizon = horizon
         self.prefetch_depth = prefetch_depth
-        self.policy = policy
         self.queue_depth = queue_depth
         self.oracle_kwargs: Dict[str, Any] = {}
         if window is not None:
             self.oracle_kwargs["window"] = window
         if ways is not None:
             self.oracle_kwargs["ways"] = ways
-        self.capacity_check = capacity_check
+        self.capacity_check = CapacityCheck(capacity_check)
         self.loader: Optional[Any] = None  # a LookaheadLoader, or a HotColdLookaheadLoader around one
 
     @override
@@ -176,7 +178,7 @@ class LookaheadDataModule(WrappedDataModule):
             )
             return inner
         window = int(self.oracle_kwargs.get("window", OracleConfig.__dataclass_fields__["window"].default))
-        check_cdlrm_schedule(self.policy, window, target.average_every)
+        check_cdlrm_schedule(self.policy.value, window, target.average_every)
         if self.loader is not None:  # a reload: the previous loader's threads must not outlive it
             self.loader.close()
         self._check_epoch(inner, target)
@@ -192,7 +194,7 @@ class LookaheadDataModule(WrappedDataModule):
             target,
             self.horizon,
             self.prefetch_depth,
-            self.policy,
+            self.policy.value,
             self.queue_depth,
             on_epoch_start=None if pinned is not None else getattr(strategy, "reset_caches", None),
             oracle_kwargs=self.oracle_kwargs,
@@ -211,7 +213,7 @@ class LookaheadDataModule(WrappedDataModule):
                 f"rank; this run has {target.num_ranks}. Train FAE with resident tables on several ranks (drop the "
                 "LookaheadDataModule), or run on one rank"
             )
-        if self.policy == Policy.WINDOW.value:
+        if self.policy is Policy.WINDOW:
             raise ConfigError("Pinned hot rows need a fixed-slot policy (belady, ttl or lru), not 'window'")
         hot_set = getattr(self.datamodule, "hot_set", None)
         if hot_set is None:
@@ -225,7 +227,7 @@ class LookaheadDataModule(WrappedDataModule):
         rank_zero_info("Pinned hot rows in the lookahead cache:\n  " + "\n  ".join(pinned.summary()))
         if self.loader is not None:
             self.loader.close()
-        if self.capacity_check == "epoch":
+        if self.capacity_check is CapacityCheck.EPOCH:
             t0 = time.perf_counter()
             dynamic = dataclasses.replace(target, capacity=pinned.dynamic_capacity())
             need = scan_epoch(_ColdParts(ColdBatches(inner.stream), pinned), dynamic, self.prefetch_depth)
@@ -241,7 +243,7 @@ class LookaheadDataModule(WrappedDataModule):
 
     def _check_epoch(self, inner: Any, target: CacheTarget) -> None:
         """``capacity_check="epoch"``: fail before training if a window of the epoch does not fit (contract 2)."""
-        if self.capacity_check != "epoch" or self.policy == Policy.WINDOW.value:
+        if self.capacity_check is not CapacityCheck.EPOCH or self.policy is Policy.WINDOW:
             return
         try:
             len(inner)
