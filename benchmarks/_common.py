@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 
 from torchrec_lookahead.data import LookaheadDataModule, WrappedDataModule
-from torchrec_lookahead.data.lookahead import lower_thread_priority, single_threaded_ops
+from torchrec_lookahead.data._threads import lower_thread_priority, single_threaded_ops
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
 from torchrec_lookahead.launch import build_cli
 from torchrec_lookahead.oracle import OracleConfig, min_capacity

@@ -48,3 +48,14 @@ def test_facts_survive_pickling_and_unknown_facts_are_refused():
     assert ConfigError("plain").facts == {}
     with pytest.raises(TypeError, match="not \\['rows'\\]"):
         CapacityError("x", rows=3)
+
+
+def test_pinned_rows_errors_name_the_table_and_its_rows():
+    from torchrec_lookahead.hotcold.pinned import PinnedRows
+
+    with pytest.raises(CapacityError, match="pins 2 hot rows in a cache of 2 rows") as info:
+        PinnedRows({"t": torch.tensor([3, 7])}, {"f": "t"}, {"t": 2}, {"t": 100})
+    assert info.value.facts == {"table": "t", "batch": None, "needed": 3, "available": 2}
+    with pytest.raises(InvalidIdError, match="hot id 300") as info:
+        PinnedRows({"t": torch.tensor([300])}, {"f": "t"}, {"t": 5}, {"t": 100})
+    assert info.value.facts == {"table": "t", "batch": None, "id": 300, "num_rows": 100}

@@ -274,13 +274,21 @@ def test_preserved_rng_keeps_a_shuffling_loaders_order():
 
 def test_capacity_check_value_is_validated():
     from torchrec_lookahead.data import CapacityCheck, CriteoSyntheticDataModule
+    from torchrec_lookahead.oracle import Policy
 
     with pytest.raises(ConfigError, match="capacity_check 'epoch' or 'lookahead' but got 'never'"):
         LookaheadDataModule(CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), capacity_check="never")
     dm = LookaheadDataModule(
         CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), capacity_check=CapacityCheck.LOOKAHEAD
     )
-    assert dm.capacity_check == "lookahead"
+    assert dm.capacity_check is CapacityCheck.LOOKAHEAD
+    # the YAML strings convert to the enums; a bad policy is a typed error naming the values
+    dm = LookaheadDataModule(
+        CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), policy="ttl", capacity_check="epoch"
+    )
+    assert dm.policy is Policy.TTL and dm.capacity_check is CapacityCheck.EPOCH
+    with pytest.raises(ConfigError, match=r"policy in \['belady', 'ttl', 'window', 'lru'\] but got 'fifo'"):
+        LookaheadDataModule(CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), policy="fifo")
 
 
 def test_lookahead_threads_run_their_operators_single_threaded_without_changing_others():

@@ -38,7 +38,8 @@ def _batches(rank: int, n: int, size: int = 2) -> List[Any]:
 
 
 def _loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 20.0) -> Any:
-    from torchrec_lookahead.data.lookahead import CacheTarget, LookaheadLoader
+    from torchrec_lookahead.data.batch import CacheTarget
+    from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
     from torchrec_lookahead.store import TensorStore
 
     target = CacheTarget(capacity={"t": 16}, feature_to_table={"f": "t"}, num_embeddings={"t": ROWS},
@@ -50,7 +51,8 @@ def _loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 2
 def _sharded_loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 20.0) -> Any:
     """The loader over a row-sharded store: each rank holds half of the rows, the stager's gathers are
     collectives on a group of their own."""
-    from torchrec_lookahead.data.lookahead import CacheTarget, LookaheadLoader
+    from torchrec_lookahead.data.batch import CacheTarget
+    from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
     from torchrec_lookahead.store import RowShardedStore, TensorStore, row_bounds
     from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL
 
@@ -133,24 +135,24 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
             out["error"] = f"{type(e).__name__}: {e}"
         loader.close()
     elif name == "peer_gone":  # rank 1 stops; rank 0's planner never joins (its queue is full for 8 s)
-        from torchrec_lookahead.data import lookahead as la
+        from torchrec_lookahead.data import _threads
 
         blocked = threading.Event()
-        put = la._Run.put
+        put = _threads._Run.put
 
         def put_noting_a_full_queue(run: Any, item: Any) -> bool:
             if run.out.full():  # the planner gathers nothing more until the training thread takes a batch
                 blocked.set()
             return put(run, item)
 
-        la._Run.put = put_noting_a_full_queue  # type: ignore[method-assign]
+        _threads._Run.put = put_noting_a_full_queue  # type: ignore[method-assign]
         try:
             loader = _loader(rank, _batches(rank, 40), group, stop_timeout_s=1.0)
             it = iter(loader)
             _consume(it, 2)
             _wait_until(blocked.is_set, "the planner waits in put() with a full queue")
         finally:
-            la._Run.put = put  # type: ignore[method-assign]
+            _threads._Run.put = put  # type: ignore[method-assign]
         dist.barrier(group=side)  # both planners wait in put(), out of the gathers
         t0 = time.monotonic()
         if rank == 1:
@@ -245,7 +247,7 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
                 out["error"] = f"{type(e).__name__}: {e}"
         out["close_s"] = time.monotonic() - t0
     elif name in ("scan", "scan_fails"):  # the capacity pre-scan: rank 1's loader fails at batch 3
-        from torchrec_lookahead.data.lookahead import scan_epoch
+        from torchrec_lookahead.data.lookahead_loader import scan_epoch
 
         batches: Any = _batches(rank, 6)
         if name == "scan_fails" and rank == 1:

@@ -220,8 +220,9 @@ def test_empty_dataset_and_bad_ids() -> None:
         calibrate([], {"a": 4}, _cfg())
     kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([1, 9]), lengths=torch.tensor([1, 1]))
     b = Batch(dense_features=torch.zeros(2, 1), sparse_features=kjt, labels=torch.zeros(2))
-    with pytest.raises(InvalidIdError, match="id 9"):
+    with pytest.raises(InvalidIdError, match="id 9") as info:
         calibrate([b], {"a": 4}, _cfg(sample_fraction=1.0))
+    assert info.value.facts == {"table": None, "batch": None, "id": 9, "num_rows": 4}
     with pytest.raises(ConfigError, match="features"):
         calibrate([b], {"b": 4}, _cfg(sample_fraction=1.0))
 
@@ -243,8 +244,9 @@ def test_bad_hot_set_files(tmp_path: Any) -> None:
     raw = torch.load(path, weights_only=True)
     raw["hot_ids"]["t_cat_0"] = torch.tensor([5, 3000], dtype=torch.int64)
     torch.save(raw, path)
-    with pytest.raises(InvalidIdError, match="3000"):
+    with pytest.raises(InvalidIdError, match="3000") as info:
         HotSet.load(path)
+    assert info.value.facts == {"table": "t_cat_0", "batch": None, "id": 3000, "num_rows": 3000}
 
 
 def test_exact_pass_raises_a_threshold_the_box_underestimated() -> None:

@@ -75,14 +75,25 @@ BAD_PLANS = {
 }
 
 
+#: the facts a range error carries (errors of other kinds carry none)
+RANGE_FACTS = {
+    "slot_at_capacity": {"table": "t0", "batch": 1, "needed": 5, "available": 4},
+    "negative_slot": {"table": "t0", "batch": 1, "needed": None, "available": 4},
+    "id_out_of_range": {"table": "t0", "batch": 1, "id": 200, "num_rows": 200},
+    "negative_id": {"table": "t0", "batch": 1, "id": -3, "num_rows": 200},
+    "second_table_bad": {"table": "t1", "batch": 1, "needed": 3, "available": 2},
+}
+
+
 @pytest.mark.parametrize("case", sorted(BAD_PLANS))
 def test_bad_plan_is_refused_and_nothing_moves(case: str) -> None:
     error, tables = BAD_PLANS[case]
     ebc = _loaded()
     snap = _snapshot(ebc)
-    with pytest.raises(error):
+    with pytest.raises(error) as info:
         ebc.apply_plan(BatchPlan(1, tables))
     assert _unchanged(ebc, snap)
+    assert info.value.facts == RANGE_FACTS.get(case, {})
 
 
 def test_bad_staged_rows_are_refused() -> None:
@@ -106,10 +117,12 @@ def test_forward_refuses_bad_values() -> None:
         return KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2", "f3"], _t(f0, f2, f3), _t(1, 0, 1, 1))
 
     ebc(kjt(0, 0, 29))  # fine
-    with pytest.raises(InvalidIdError, match="t2"):
+    with pytest.raises(InvalidIdError, match="t2") as bad_id:
         ebc(kjt(0, 0, 30))  # resident table: id out of range
-    with pytest.raises(CapacityError, match="t0"):
+    assert bad_id.value.facts == {"table": "t2", "batch": None, "id": 30, "num_rows": 30}
+    with pytest.raises(CapacityError, match="t0") as bad_slot:
         ebc(kjt(4, 0, 0))  # slot >= capacity
+    assert bad_slot.value.facts == {"table": "t0", "batch": None, "needed": 5, "available": 4}
     with pytest.raises(SetupError, match="empty slot"):
         ebc(kjt(3, 0, 0))
     with pytest.raises(DataError, match="missing"):

@@ -1,5 +1,6 @@
 """DataModules and datasets yielding TorchRec batches (dense features, KeyedJaggedTensor, labels)."""
 
+from torchrec_lookahead.data.batch import LookaheadBatch
 from torchrec_lookahead.data.capacity import CapacityCheck
 from torchrec_lookahead.data.criteo_spec import CRITEO_KAGGLE_CARDINALITIES, scaled_cardinalities
 from torchrec_lookahead.data.datamodules import (
@@ -9,7 +10,8 @@ from torchrec_lookahead.data.datamodules import (
     RecDataModule,
     TaobaoDataModule,
 )
-from torchrec_lookahead.data.lookahead import LookaheadBatch, LookaheadDataModule, LookaheadLoader
+from torchrec_lookahead.data.lookahead import LookaheadDataModule
+from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
 from torchrec_lookahead.data.readers import CriteoTSVParser, MovieLensParser, TaobaoParser
 from torchrec_lookahead.data.resumable import ResumableBatchLoader
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig

@@ -24,7 +24,8 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 import torch
 from torchrec.datasets.utils import Batch
 
-from torchrec_lookahead.data.lookahead import CacheTarget, LookaheadBatch, LookaheadLoader
+from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
+from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
 from torchrec_lookahead.errors import CheckpointError, DataError
 from torchrec_lookahead.hotcold.datamodule import HotColdLoader
 from torchrec_lookahead.hotcold.pinned import PinnedRows

@@ -296,11 +296,16 @@ class HotSet:
                 bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
                 raise InvalidIdError(
                     f"{path!r}: hot id {bad} of table {name!r} is out of range for its {n} rows (valid 0..{n - 1}); "
-                    "recalibrate"
+                    "recalibrate",
+                    table=name,
+                    id=bad,
+                    num_rows=n,
                 )
             if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
                 raise InvalidIdError(
-                    f"{path!r}: hot ids of table {name!r} are not sorted and distinct; recalibrate"
+                    f"{path!r}: hot ids of table {name!r} are not sorted and distinct; recalibrate",
+                    table=name,
+                    num_rows=n,
                 )
             tables[name] = HotTable(name=name, hot_ids=ids, **meta)
         return cls(

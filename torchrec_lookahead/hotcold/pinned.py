@@ -84,7 +84,10 @@ class PinnedRows:
                 if lo < 0 or hi >= rows:
                     raise InvalidIdError(
                         f"hot id {lo if lo < 0 else hi} of table '{table}' is outside [0, {rows}); the hot set "
-                        "was calibrated for other tables: calibrate again"
+                        "was calibrated for other tables: calibrate again",
+                        table=table,
+                        id=lo if lo < 0 else hi,
+                        num_rows=rows,
                     )
                 if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
                     raise ConfigError(f"hot ids of table '{table}' must be sorted and unique")
@@ -93,6 +96,9 @@ class PinnedRows:
                     f"table '{table}' pins {ids.numel():,} hot rows in a cache of {cap:,} rows, which leaves no "
                     "room for its cold rows; raise its capacity (or the device budget) above the hot rows plus "
                     "the cold working set, or lower hot_budget_bytes",
+                    table=table,
+                    needed=ids.numel() + 1,
+                    available=cap,
                 )
             self.hot_ids[table] = ids
             slot_of = np.full(rows, -1, dtype=np.int64)
@@ -124,7 +130,12 @@ class PinnedRows:
         rows = self._slot_of[table].size
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= rows):
             bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-            raise InvalidIdError(f"table '{table}' is looked up with id {bad} outside [0, {rows})")
+            raise InvalidIdError(
+                f"table '{table}' is looked up with id {bad} outside [0, {rows})",
+                table=table,
+                id=bad,
+                num_rows=rows,
+            )
         return self._slot_of[table][arr]
 
     def hot_plan(self, kjt: KeyedJaggedTensor, step: int) -> BatchPlan:

@@ -75,7 +75,9 @@ def check_ids(feature: str, values: torch.Tensor, num_rows: int) -> None:
         bad = lo if lo < 0 else hi
         raise InvalidIdError(
             f"Feature '{feature}' has id {bad} but its table has {num_rows} rows (valid ids 0..{num_rows - 1}); "
-            "fix the data or the table size"
+            "fix the data or the table size",
+            id=bad,
+            num_rows=num_rows,
         )
 
 

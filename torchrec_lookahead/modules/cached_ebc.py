@@ -23,7 +23,6 @@ tables): a dense optimizer must not see them. ``state_dict()`` flushes the cache
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
@@ -33,41 +32,19 @@ from torch import nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_lookahead._checks import is_int
 from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError, SetupError
+from torchrec_lookahead.modules._checkpoint import load_tables, save_tables
 from torchrec_lookahead.modules._kernels import _CacheKernel, make_kernel
+from torchrec_lookahead.modules._plans import COUNTERS, CheckedPlan, _Table, move_rows, validate_plan
 from torchrec_lookahead.modules.config import CacheOptimizerConfig
 from torchrec_lookahead.modules.remap import refuse_variable_batch, remap_kjt, table_ids
 from torchrec_lookahead.modules.staging import stage_rows
 from torchrec_lookahead.modules.types import StagedRows
-from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
+from torchrec_lookahead.oracle.types import BatchPlan
 from torchrec_lookahead.store import EmbeddingStore, TensorStore, init_embedding_weights
 
 __all__ = ["CachedEmbeddingBagCollection"]
-
-_COUNTERS = ("steps", "lookups", "hits", "rows_fetched", "rows_written_back", "rows_flushed", "bytes_moved")
-
-
-@dataclass
-class _Table:
-    """Bookkeeping of one table."""
-
-    config: EmbeddingBagConfig
-    group: int
-    local: int
-    rows: int
-    store: Optional[EmbeddingStore]
-    slot_to_id: Optional[torch.Tensor]
-    counters: Dict[str, int]
-
-    @property
-    def cached(self) -> bool:
-        return self.store is not None
-
-
-def _as_index(name: str, what: str, t: torch.Tensor) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
-        raise DataError(f"plan field {what} of table '{name}' must be a 1-D integer tensor but got {t!r}")
-    return t.to(device="cpu", dtype=torch.int64)
 
 
 class CachedEmbeddingBagCollection(nn.Module):
@@ -169,9 +146,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                     kernel.weights(i).zero_()
                 else:
                     init_embedding_weights(kernel.weights(i), c.name, self._seed)
-                self._tables[c.name] = _Table(
-                    c, g, i, rows[i], store, slot_to_id, dict.fromkeys(_COUNTERS, 0)
-                )
+                self._tables[c.name] = _Table(c, g, i, rows[i], store, slot_to_id, dict.fromkeys(COUNTERS, 0))
         self._output_order_matches = [f for fs in self._group_features for f in fs] == self._feature_names
         self._dims = [
             self._tables[self._feature_to_table[f]].config.embedding_dim for f in self._feature_names
@@ -206,7 +181,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 )
             if c.name in capacity:
                 cap = capacity[c.name]
-                if not isinstance(cap, numbers.Integral) or isinstance(cap, bool) or cap <= 0:
+                if not is_int(cap) or cap <= 0:
                     raise ConfigError(f"capacity of table '{c.name}' must be a positive int but got {cap!r}")
             if c.name in stores:
                 store = stores[c.name]
@@ -277,7 +252,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         Raises:
             ConfigError: ``step`` is not a non-negative integer.
         """
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        if not is_int(step) or step < 0:
             raise ConfigError(f"Expected a non-negative integer optimizer step but got {step!r}")
         for kernel in self._kernels:
             kernel.set_step(int(step))
@@ -451,13 +426,19 @@ class CachedEmbeddingBagCollection(nn.Module):
                 if vmin < 0 or vmax >= t.rows:
                     raise InvalidIdError(
                         f"feature '{key}' of table '{t.config.name}' has id {vmin if vmin < 0 else vmax} outside "
-                        f"[0, {t.rows}); hash or clip ids into the table"
+                        f"[0, {t.rows}); hash or clip ids into the table",
+                        table=t.config.name,
+                        id=vmin if vmin < 0 else vmax,
+                        num_rows=t.rows,
                     )
                 continue
             if vmin < 0 or vmax >= t.rows:
                 raise CapacityError(
                     f"feature '{key}' of cached table '{t.config.name}' has slot {vmin if vmin < 0 else vmax} "
-                    f"outside [0, {t.rows}) (capacity {t.rows}); pass values remapped by the plan (remap())"
+                    f"outside [0, {t.rows}) (capacity {t.rows}); pass values remapped by the plan (remap())",
+                    table=t.config.name,
+                    needed=vmax + 1 if vmin >= 0 else None,
+                    available=t.rows,
                 )
             if bool((t.slot_to_id.index_select(0, seg.to("cpu", torch.int64)) < 0).any()):
                 raise SetupError(
@@ -498,7 +479,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 occupied slot or an id already cached, reading an empty slot) or staged rows do not match the
                 plan.
         """
-        checked: Dict[str, Dict[str, Any]] = {}
+        checked: Dict[str, CheckedPlan] = {}
         for name, table_plan in plan.tables.items():
             t = self._tables.get(name)
             if t is None or t.slot_to_id is None:
@@ -506,186 +487,11 @@ class CachedEmbeddingBagCollection(nn.Module):
                 raise ConfigError(
                     f"plan step {plan.step} names table '{name}' which is {what}; cached tables: {sorted(self.capacity)}"
                 )
-            checked[name] = self._validate(plan.step, t, table_plan, staged, trusted)
+            checked[name] = validate_plan(plan.step, t, table_plan, staged, self._optimizer_config, trusted)
         for name, c in checked.items():
-            self._move(self._tables[name], c)
+            t = self._tables[name]
+            move_rows(t, self._kernels[t.group], self._device, c)
         self._trusted_forward = trusted
-
-    def _validate(
-        self, step: int, t: _Table, tp: TablePlan, staged: Optional[StagedRows], trusted: bool = False
-    ) -> Dict[str, Any]:
-        name, cap, n = t.config.name, t.rows, t.config.num_embeddings
-        ev_ids, ev_slots = (
-            _as_index(name, "evict_ids", tp.evict_ids),
-            _as_index(name, "evict_slots", tp.evict_slots),
-        )
-        fe_ids, fe_slots = (
-            _as_index(name, "fetch_ids", tp.fetch_ids),
-            _as_index(name, "fetch_slots", tp.fetch_slots),
-        )
-        slots = _as_index(name, "slots", tp.slots)
-        if ev_ids.numel() != ev_slots.numel() or fe_ids.numel() != fe_slots.numel():
-            raise DataError(
-                f"plan step {step}, table '{name}': evict_ids/evict_slots ({ev_ids.numel()}/{ev_slots.numel()}) and "
-                f"fetch_ids/fetch_slots ({fe_ids.numel()}/{fe_slots.numel()}) must have equal lengths"
-            )
-        for what, s, limit in (
-            ("evict_slots", ev_slots, cap),
-            ("fetch_slots", fe_slots, cap),
-            ("slots", slots, cap),
-            ("evict_ids", ev_ids, n),
-            ("fetch_ids", fe_ids, n),
-        ):
-            if not s.numel():
-                continue
-            arr = s.numpy()  # NumPy's reductions: no intra-op threads for a plan's few hundred entries
-            low, high = int(arr.min()), int(arr.max())
-            if low >= 0 and high < limit:
-                continue
-            bad = low if low < 0 else high
-            if what.endswith("slots"):
-                raise CapacityError(
-                    f"plan step {step}, table '{name}': {what} holds slot {bad} outside [0, {cap}) (capacity "
-                    f"{cap}); plan with the capacity this cache was built with"
-                )
-            raise InvalidIdError(f"plan step {step}, table '{name}': {what} holds id {bad} outside [0, {n})")
-        s2i = t.slot_to_id
-        assert s2i is not None  # cached tables only (checked by the caller)
-        if trusted:
-            rows = (
-                self._check_staged(step, t, fe_ids, ev_ids, staged, trusted=True)
-                if staged is not None and fe_ids.numel()
-                else None
-            )
-            return {"ev_ids": ev_ids, "ev_slots": ev_slots, "fe_ids": fe_ids, "fe_slots": fe_slots,
-                    "slots": slots, "after": None, "staged": rows}  # fmt: skip
-        sync_hint = "plans must be applied in order, each once, starting from an empty cache"
-        if (
-            torch.unique(ev_slots).numel() != ev_slots.numel()
-            or torch.unique(fe_slots).numel() != fe_slots.numel()
-        ):
-            raise SetupError(f"plan step {step}, table '{name}': evict_slots or fetch_slots repeat a slot")
-        if torch.unique(fe_ids).numel() != fe_ids.numel():
-            raise SetupError(f"plan step {step}, table '{name}': fetch_ids repeat an id")
-        held = s2i.index_select(0, ev_slots)
-        if not torch.equal(held, ev_ids):
-            i = int((held != ev_ids).nonzero()[0])
-            raise SetupError(
-                f"plan step {step}, table '{name}': evicts id {int(ev_ids[i])} from slot {int(ev_slots[i])} which "
-                f"holds {int(held[i])}; {sync_hint}"
-            )
-        after = s2i.clone()
-        after[ev_slots] = -1
-        occupied = after.index_select(0, fe_slots)
-        if bool((occupied >= 0).any()):
-            i = int((occupied >= 0).nonzero()[0])
-            raise SetupError(
-                f"plan step {step}, table '{name}': fetches id {int(fe_ids[i])} into slot {int(fe_slots[i])} which "
-                f"still holds id {int(occupied[i])}; {sync_hint}"
-            )
-        dup = torch.isin(fe_ids, after[after >= 0])
-        if bool(dup.any()):
-            raise SetupError(
-                f"plan step {step}, table '{name}': fetches id {int(fe_ids[dup][0])} which is already cached; "
-                f"{sync_hint}"
-            )
-        after[fe_slots] = fe_ids
-        if slots.numel() and bool((after.index_select(0, slots) < 0).any()):
-            raise SetupError(f"plan step {step}, table '{name}': the batch reads an empty slot; {sync_hint}")
-        rows = None
-        if staged is not None and fe_ids.numel():
-            rows = self._check_staged(step, t, fe_ids, ev_ids, staged)
-        return {
-            "ev_ids": ev_ids,
-            "ev_slots": ev_slots,
-            "fe_ids": fe_ids,
-            "fe_slots": fe_slots,
-            "slots": slots,
-            "after": after,
-            "staged": rows,
-        }
-
-    def _check_staged(
-        self,
-        step: int,
-        t: _Table,
-        fe_ids: torch.Tensor,
-        ev_ids: torch.Tensor,
-        staged: StagedRows,
-        trusted: bool = False,
-    ) -> Any:
-        name = t.config.name
-        if staged.step != step:
-            raise SetupError(f"staged rows are for step {staged.step} but the plan is for step {step}")
-        rows = staged.tables.get(name)
-        if rows is None or not torch.equal(rows.ids.to("cpu", torch.int64), fe_ids):
-            raise SetupError(
-                f"plan step {step}, table '{name}': staged rows do not hold the plan's fetch ids; stage with the "
-                "same plan"
-            )
-        # The oracle never fetches an id at the step that evicts it (trusted plans skip this O(n log n) check).
-        if not trusted and bool(torch.isin(fe_ids, ev_ids).any()):
-            raise SetupError(
-                f"plan step {step}, table '{name}': fetches an id it also evicts, so rows staged before this step "
-                "are stale; apply this plan without staged rows"
-            )
-        widths = self._optimizer_config.state_widths(t.config.embedding_dim)
-        if tuple(rows.weights.shape) != (fe_ids.numel(), t.config.embedding_dim) or set(rows.states) != set(
-            widths
-        ):
-            raise DataError(
-                f"plan step {step}, table '{name}': staged weights {tuple(rows.weights.shape)} / states "
-                f"{sorted(rows.states)} do not match ({fe_ids.numel()}, {t.config.embedding_dim}) / {sorted(widths)}"
-            )
-        for key, w in widths.items():
-            if rows.states[key].numel() != fe_ids.numel() * w:
-                raise DataError(f"plan step {step}, table '{name}': staged state '{key}' has a wrong shape")
-        return rows
-
-    @torch.no_grad()
-    def _move(self, t: _Table, c: Dict[str, Any]) -> None:
-        kernel = self._kernels[t.group]
-        weights, states = kernel.weights(t.local), kernel.states(t.local)
-        store = t.store
-        assert store is not None and t.slot_to_id is not None
-        ev_ids, ev_slots, fe_ids, fe_slots = c["ev_ids"], c["ev_slots"], c["fe_ids"], c["fe_slots"]
-        if ev_ids.numel():
-            dev_slots = ev_slots.to(self._device)
-            store.write_back(  # the ids this cache loaded (checked then), so the store's checks are skipped
-                ev_ids,
-                weights.index_select(0, dev_slots).cpu(),
-                {k: v.index_select(0, dev_slots).cpu() for k, v in states.items()},
-            )
-        if fe_ids.numel():
-            if c["staged"] is not None:
-                fw, fs = c["staged"].weights, c["staged"].states
-            else:
-                fw, fs = store.gather(fe_ids)
-            dev_slots = fe_slots.to(self._device)
-            weights.index_copy_(0, dev_slots, fw.to(self._device, weights.dtype, non_blocking=True))
-            for k, v in states.items():
-                v.index_copy_(
-                    0, dev_slots, fs[k].reshape(-1, v.shape[1]).to(self._device, v.dtype, non_blocking=True)
-                )
-        if c["after"] is not None:
-            t.slot_to_id.copy_(c["after"])
-        else:  # trusted plan: update the slot map in place
-            t.slot_to_id[ev_slots] = -1
-            t.slot_to_id[fe_slots] = fe_ids
-        slots = c["slots"]
-        row_bytes = store.row_width * 4
-        cnt = t.counters
-        cnt["steps"] += 1
-        cnt["lookups"] += slots.numel()
-        if fe_slots.numel():  # lookups of a slot loaded at this step are misses
-            loaded = np.zeros(t.rows, dtype=bool)
-            loaded[fe_slots.numpy()] = True
-            cnt["hits"] += slots.numel() - int(np.count_nonzero(loaded[slots.numpy()]))
-        else:
-            cnt["hits"] += slots.numel()
-        cnt["rows_fetched"] += fe_ids.numel()
-        cnt["rows_written_back"] += ev_ids.numel()
-        cnt["bytes_moved"] += (fe_ids.numel() + ev_ids.numel()) * row_bytes
 
     # ------------------------------------------------------------------------------------------------------
     # durability and statistics
@@ -732,7 +538,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     def reset_stats(self) -> None:
         """Zero every counter."""
         for t in self._tables.values():
-            t.counters = dict.fromkeys(_COUNTERS, 0)
+            t.counters = dict.fromkeys(COUNTERS, 0)
 
     # ------------------------------------------------------------------------------------------------------
     # checkpoints: full tables
@@ -740,18 +546,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         self.flush()
-        for name, t in self._tables.items():
-            key = f"{prefix}embedding_bags.{name}."
-            if t.store is not None:
-                destination[key + "weight"] = t.store.full_weights()
-                for s, v in t.store.full_states().items():
-                    destination[key + s] = v
-            else:
-                kernel = self._kernels[t.group]
-                destination[key + "weight"] = kernel.weights(t.local).detach()
-                for s, v in kernel.states(t.local).items():
-                    destination[key + s] = v.detach()
-        destination[prefix + "optimizer_step"] = torch.tensor(self._kernels[0].get_step(), dtype=torch.int64)
+        save_tables(self._tables, self._kernels, destination, prefix)
 
     def _load_from_state_dict(
         self,
@@ -763,49 +558,18 @@ class CachedEmbeddingBagCollection(nn.Module):
         unexpected_keys: List[str],
         error_msgs: List[str],
     ) -> None:
-        expected: Dict[str, tuple] = {}
-        for name, t in self._tables.items():
-            dim, n = t.config.embedding_dim, t.config.num_embeddings
-            expected[f"{prefix}embedding_bags.{name}.weight"] = (n, dim)
-            for s, w in self._optimizer_config.state_widths(dim).items():
-                expected[f"{prefix}embedding_bags.{name}.{s}"] = (n, w)
-        expected[prefix + "optimizer_step"] = ()
-        errors = len(error_msgs)
-        for key, shape in expected.items():
-            if key not in state_dict:
-                missing_keys.append(key)
-            elif tuple(state_dict[key].shape) != shape and not (
-                len(shape) == 2 and shape[1] == 1 and tuple(state_dict[key].shape) == shape[:1]
-            ):
-                error_msgs.append(f"{key}: expected shape {shape} but got {tuple(state_dict[key].shape)}")
-        if strict:
-            ours = prefix + "embedding_bags."
-            for key in state_dict:
-                if key.startswith(ours) and key not in expected:
-                    unexpected_keys.append(key)
-        if len(error_msgs) > errors:
-            return
-        with torch.no_grad():
-            for name, t in self._tables.items():
-                key = f"{prefix}embedding_bags.{name}."
-                if key + "weight" not in state_dict:
-                    continue
-                widths = self._optimizer_config.state_widths(t.config.embedding_dim)
-                states = {s: state_dict[key + s] for s in widths if key + s in state_dict}
-                if t.store is not None:
-                    t.store.load(state_dict[key + "weight"], states)
-                else:
-                    kernel = self._kernels[t.group]
-                    kernel.weights(t.local).copy_(state_dict[key + "weight"])
-                    for s, v in kernel.states(t.local).items():
-                        if s in states:
-                            v.copy_(states[s].reshape(v.shape))
-                        else:
-                            v.zero_()
-            if prefix + "optimizer_step" in state_dict:
-                for kernel in self._kernels:
-                    kernel.set_step(int(state_dict[prefix + "optimizer_step"]))
-        self.invalidate()
+        if load_tables(
+            self._tables,
+            self._kernels,
+            self._optimizer_config,
+            state_dict,
+            prefix,
+            strict,
+            missing_keys,
+            unexpected_keys,
+            error_msgs,
+        ):
+            self.invalidate()
 
     @classmethod
     def from_ebc(

@@ -40,7 +40,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from typing_extensions import override
 
-from torchrec_lookahead.data.lookahead import CacheTarget, LookaheadBatch
+from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
     ShardedLookaheadEmbeddingBagCollection,

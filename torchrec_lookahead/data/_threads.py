@@ -1,0 +1,124 @@
+"""Threads of the lookahead loader: one iteration's queues and stop flag (:class:`_Run`), and what its planner
+and stager threads do first (:func:`single_threaded_ops`, :func:`lower_thread_priority`).
+
+Example:
+    >>> run = _Run(queue_depth=2)
+    >>> run.put("batch"), run.get(), run.stopped
+    (True, 'batch', False)
+    >>> run.stop() is None, run.stopped, run.put("late")
+    (True, True, False)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+from typing import Any, List, Optional
+
+import torch
+
+from torchrec_lookahead.errors import ConfigError
+
+__all__ = ["single_threaded_ops", "lower_thread_priority"]
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+def single_threaded_ops() -> None:
+    """Run the calling thread's torch operators on one thread (the lookahead threads call it first).
+
+    With OpenMP, a parallel operator started from a thread other than the training thread gets a thread team of
+    its own, as large as torch's intra-op setting: the planner's and stager's small operators would add that
+    many spinning workers beside the training thread's team (oversubscription). ``torch.set_num_threads``
+    sets the calling thread's team size and also the default that threads initialising later start from;
+    the default is set back from a short-lived thread, so that only this thread changes.
+    """
+    default = torch.get_num_threads()
+    if default == 1:
+        return
+    torch.set_num_threads(1)
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="restore-num-threads")
+    restore.start()
+    restore.join()
+
+
+def _check_nice(nice: int) -> None:
+    if not 0 <= int(nice) <= 19:
+        raise ConfigError(f"Expected planner_nice in [0, 19] but got {nice}")
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by ``nice`` (Linux schedules threads as tasks; elsewhere, and for 0,
+    nothing happens). A thread can lower its own priority without privileges, never raise it back."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + nice, 19))
+    except OSError as e:  # e.g. a sandbox refusing setpriority: run at normal priority
+        log.debug("could not lower the planner thread's priority: %s", e)
+
+
+class _Run:
+    """The queues, stop flag and threads of one iteration of a :class:`LookaheadLoader`."""
+
+    def __init__(self, queue_depth: int, join_timeout_s: float = 30.0) -> None:
+        self.out: queue.Queue[Any] = queue.Queue(maxsize=queue_depth)
+        self.to_stage: queue.Queue[Any] = queue.Queue()
+        self._stop = threading.Event()
+        self.threads: List[threading.Thread] = []
+        self.join_timeout_s = join_timeout_s
+        #: the first error of the planner's or the stager's shutdown (its last collective was not joined by every
+        #: rank)
+        self.shutdown_error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self, plan: Any, stage: Any) -> None:
+        self.threads = [
+            threading.Thread(target=plan, args=(self,), daemon=True, name="lookahead-oracle"),
+            threading.Thread(target=stage, args=(self,), daemon=True, name="lookahead-stager"),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def put(self, item: Any) -> bool:
+        """Hand an item to the training thread; ``False`` once the run is stopped."""
+        while not self.stopped:
+            try:
+                self.out.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self) -> Any:
+        return self.out.get()
+
+    def shutdown_failed(self, error: BaseException) -> None:
+        """Record an error of a thread's shutdown (the first one is kept)."""
+        with self._lock:
+            if self.shutdown_error is None:
+                self.shutdown_error = error
+
+    def stop(self) -> Optional[BaseException]:
+        """Stop and join the threads; returns the first shutdown error of the planner or the stager, if any."""
+        self._stop.set()
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join(timeout=self.join_timeout_s)
+                if t.is_alive():
+                    log.warning(
+                        "lookahead thread %s did not stop within %g s (blocked in the wrapped loader?)",
+                        t.name,
+                        self.join_timeout_s,
+                    )
+        return self.shutdown_error

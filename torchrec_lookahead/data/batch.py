@@ -1,0 +1,135 @@
+"""The batch the lookahead loader yields (:class:`LookaheadBatch`) and what it knows of the model's cached
+tables (:class:`CacheTarget`).
+
+Example:
+    >>> from torchrec_lookahead.store import TensorStore
+    >>> target = CacheTarget({"t": 8}, {"f": "t"}, {"t": 100}, {"t": TensorStore(100, 4, {}, name="t", seed=0)})
+    >>> target.num_ranks, sorted(target.capacity)
+    (1, ['t'])
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import torch
+from torchrec.datasets.utils import Batch
+
+from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.modules import stage_rows
+from torchrec_lookahead.modules.types import StagedRows
+from torchrec_lookahead.oracle.types import BatchPlan
+from torchrec_lookahead.store.types import EmbeddingStore
+
+if TYPE_CHECKING:
+    from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
+
+__all__ = ["LookaheadBatch", "CacheTarget"]
+
+
+@dataclass
+class LookaheadBatch(Batch):
+    """A TorchRec batch whose cached features hold cache slots, with the step's plan and staged rows.
+
+    Attributes:
+        plan: the step's plan (apply before the step).
+        staged: future of the rows the plan fetches (gathered in the background).
+        loader: the loader that produced the batch (told when the plan has been applied); ``None`` for a
+            hot batch of pinned rows, which moves nothing.
+        lrpp: with several ranks, the step's synchronisation plan.
+        pin: a plan to apply before ``plan``, on an empty cache: it loads the pinned hot rows (first batch of
+            a plan stream with pinned rows, see :class:`~torchrec_lookahead.hotcold.PinnedRows`).
+    """
+
+    plan: Optional[BatchPlan] = None
+    staged: Optional[Future[StagedRows]] = None
+    loader: Optional[LookaheadLoader] = field(default=None, repr=False)
+    lrpp: Optional[Any] = None
+    pin: Optional[BatchPlan] = None
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> LookaheadBatch:
+        return LookaheadBatch(
+            dense_features=self.dense_features.to(device=device, non_blocking=non_blocking),
+            sparse_features=self.sparse_features.to(device=device, non_blocking=non_blocking),
+            labels=self.labels.to(device=device, non_blocking=non_blocking),
+            plan=self.plan,
+            staged=self.staged,
+            loader=self.loader,
+            lrpp=self.lrpp,
+            pin=self.pin,
+        )
+
+    def wait_staged(self) -> Optional[StagedRows]:
+        """The staged rows (blocks until the stager has gathered them); the wait is counted by the loader.
+
+        Raises:
+            SetupError: the loader was stopped before the rows were gathered (the batch is from a finished
+                iteration).
+        """
+        if self.staged is None:
+            return None
+        t0 = time.perf_counter()
+        loader = self.loader
+        if (
+            loader is not None
+            and self.plan is not None
+            and not self.staged.done()
+            and loader.may_gather_here
+            and self.staged.cancel()
+        ):
+            # The stager has not started these rows (it is behind, or not scheduled): gather them here rather
+            # than wait for it. Every write-back they could depend on has landed (plan t - 1 is applied).
+            rows = stage_rows(self.plan, loader.target.stores)
+            loader.stats_wait_s += time.perf_counter() - t0
+            loader.stats_gathered_here += 1
+            return rows
+        try:
+            rows = self.staged.result()
+        except CancelledError:
+            raise SetupError(
+                f"the staged rows of step {self.plan.step if self.plan else '?'} were cancelled: the lookahead "
+                "loader that produced this batch has been stopped"
+            ) from None
+        if self.loader is not None:
+            self.loader.stats_wait_s += time.perf_counter() - t0
+        return rows
+
+    def mark_started(self) -> None:
+        """Call before waiting for the staged rows. With several ranks, this rank finishing step ``t - 1``
+        (whose backward collectives wait for every rank) proves that every rank applied plan ``t - 1``, so
+        its write-backs have landed in the shared store."""
+        if self.loader is not None and self.plan is not None and self.loader.target.num_ranks > 1:
+            self.loader.mark_applied(self.plan.step - 1)
+
+    def mark_applied(self) -> None:
+        """Call after applying the plan: on one rank, its write-backs have landed."""
+        if self.loader is not None and self.plan is not None and self.loader.target.num_ranks == 1:
+            self.loader.mark_applied(self.plan.step)
+
+
+@dataclass(frozen=True)
+class CacheTarget:
+    """What the oracle and stager need to know about the model's cached tables.
+
+    Attributes:
+        capacity: cache rows per cached table.
+        feature_to_table: feature -> table, for every cached table's features.
+        num_embeddings: rows per cached table.
+        stores: host store per cached table.
+        num_ranks: data-parallel ranks (LRPP when > 1: every rank plans the global batch).
+        rank: this rank.
+        group: process group on which the planner thread gathers the other ranks' ids.
+        average_every: cDLRM mode's averaging period λ (``None``: exact LRPP).
+    """
+
+    capacity: Mapping[str, int]
+    feature_to_table: Mapping[str, str]
+    num_embeddings: Mapping[str, int]
+    stores: Mapping[str, EmbeddingStore]
+    num_ranks: int = 1
+    rank: int = 0
+    group: Optional[Any] = None
+    average_every: Optional[int] = None

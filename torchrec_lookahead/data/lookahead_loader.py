@@ -1,0 +1,476 @@
+"""``LookaheadLoader``: plans the cache ahead of training, for :class:`~torchrec_lookahead.data.LookaheadDataModule`.
+
+A background thread reads the wrapped training loader, runs the
+:class:`~torchrec_lookahead.oracle.LookaheadOracle` over the stream (``horizon`` batches ahead) and replaces
+the ids of cached tables by cache slots; a second thread gathers the rows each plan fetches (with their
+optimizer state) from the host stores, ``prefetch_depth`` steps ahead, but never before the write-backs
+they depend on have landed: rows for step ``t`` are gathered only after plan ``t - prefetch_depth - 1`` has
+been applied (the oracle never evicts an id needed within the prefetch window, so no later write-back can
+touch them). The ``torchrec`` strategy applies each batch's plan right before its training step.
+
+With several ranks, the planner threads all-gather every batch's ids in lockstep (an
+:class:`~torchrec_lookahead.distributed.lrpp.IdGatherer`): all ranks stop gathering at the same batch, whether
+the epoch ends, a rank's loader runs out early (a typed error on every rank) or a rank stops training. When
+the stores are collectives (a row-sharded store), the stager threads keep their gathers in lockstep too (a
+:class:`~torchrec_lookahead.distributed.lrpp.StageGathers`: a status exchanged before each plan's gathers).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, Generator, Iterator, Optional, Tuple
+
+import torch.distributed as dist
+from torchrec.datasets.utils import Batch
+
+from torchrec_lookahead.data._threads import (
+    _END,
+    _check_nice,
+    _Run,
+    lower_thread_priority,
+    single_threaded_ops,
+)
+from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
+from torchrec_lookahead.data.capacity import check_stream, preserved_rng
+from torchrec_lookahead.distributed.lrpp import (
+    GatherStatus,
+    IdGatherer,
+    LRPPTracker,
+    StageGathers,
+    slice_samples,
+)
+from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
+from torchrec_lookahead.hotcold.pinned import PinnedRows
+from torchrec_lookahead.modules import remap_kjt, stage_rows, table_ids
+from torchrec_lookahead.modules.types import StagedRows
+from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, collective_channel
+
+__all__ = ["LookaheadLoader", "scan_epoch", "global_batches"]
+
+log = logging.getLogger(__name__)
+
+
+def global_batches(
+    loader: Any, gatherer: Optional[IdGatherer], stopped: Callable[[], bool] = lambda: False
+) -> Iterator[Tuple[Batch, Any]]:
+    """``(batch, global sparse features)`` for each batch of ``loader``: with a gatherer (several ranks), every
+    rank's ids of the batch gathered in lockstep (dense features never leave the rank); without, the batch's
+    own. Ends with the loader (with a gatherer: when the gathers end) or once ``stopped()``."""
+    it = iter(loader)
+    while not stopped():
+        b = next(it, None)
+        if stopped():
+            return
+        if gatherer is None:
+            if b is None:
+                return
+            yield b, b.sparse_features
+            continue
+        global_kjt = gatherer.gather(None if b is None else b.sparse_features)
+        if global_kjt is None or b is None:
+            return
+        yield b, global_kjt
+
+
+class LookaheadLoader:
+    """Iterable of :class:`LookaheadBatch` es planned ahead of training (see the module docstring).
+
+    Args:
+        loader: the wrapped training loader (yields TorchRec batches).
+        target: the model's cached tables.
+        horizon: batches the oracle reads ahead.
+        prefetch_depth: steps ahead the rows are gathered.
+        policy: the oracle's policy.
+        queue_depth: planned batches kept ready (bounds memory and the oracle's lead).
+        on_epoch_start: called at every new iteration (the strategy flushes and empties the cache there, so
+            that a fresh oracle starts from an empty cache).
+        oracle_kwargs: extra :class:`~torchrec_lookahead.oracle.OracleConfig` fields (``window``, ``ways``, ...).
+        stop_timeout_s: with several ranks, how long a rank that stopped training waits for the others to join
+            its planner thread's last id all-gather (and, over row-sharded stores, its stager's last row gather)
+            before it gives up with a :class:`~torchrec_lookahead.errors.SetupError` (a peer failed or keeps
+            training).
+        planner_nice: nice value of the planner thread (Linux; 0 leaves it at the process's priority), see
+            :class:`~torchrec_lookahead.data.LookaheadDataModule`.
+        pinned: hot rows pinned in the first slots of the caches: the oracle plans the rest of each cache
+            (:meth:`~torchrec_lookahead.hotcold.PinnedRows.cold_part` of every batch) and its plans are lifted
+            to the whole cache. The pinned rows themselves are loaded by whoever starts the plan stream.
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        target: CacheTarget,
+        horizon: int,
+        prefetch_depth: int,
+        policy: str,
+        queue_depth: int = 8,
+        on_epoch_start: Optional[Any] = None,
+        oracle_kwargs: Optional[Dict[str, Any]] = None,
+        stop_timeout_s: float = 60.0,
+        planner_nice: int = 19,
+        pinned: Optional[PinnedRows] = None,
+    ) -> None:
+        if not stop_timeout_s > 0:
+            raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s}")
+        _check_nice(planner_nice)
+        self.planner_nice = int(planner_nice)
+        self.loader = loader
+        self.stop_timeout_s = float(stop_timeout_s)
+        self.target = target
+        self.pinned = pinned
+        self._oracle_kwargs: Dict[str, Any] = dict(
+            capacity=dict(target.capacity) if pinned is None else pinned.dynamic_capacity(),
+            horizon=horizon,
+            prefetch_depth=prefetch_depth,
+            policy=policy,
+            num_embeddings=dict(target.num_embeddings),
+            **(oracle_kwargs or {}),
+        )
+        if target.num_ranks > 1:
+            self._oracle_kwargs["num_ranks"] = target.num_ranks
+        # Validate the arguments here, in the training thread; the planner thread builds the oracle per
+        # iteration, once it has seen the batches' feature names.
+        OracleConfig(feature_to_table=dict(target.feature_to_table), **self._oracle_kwargs)
+        self.prefetch_depth = prefetch_depth
+        self.queue_depth = max(queue_depth, prefetch_depth + 2)
+        self.on_epoch_start = on_epoch_start
+        self._yielded = 0
+        self._resume_from = 0
+        self._applied = -1
+        self._planned = -1
+        self._cond = threading.Condition()
+        self._run: Optional[_Run] = None
+        self._stop_error: Optional[BaseException] = None
+        self.stats_wait_s = 0.0
+        #: seconds the training thread waited for the planner's next batch (the planner was behind)
+        self.stats_batch_wait_s = 0.0
+        #: CPU seconds of the planner thread (reading the wrapped loader, planning, remapping) and batches planned
+        self.stats_planner_cpu_s = 0.0
+        self.stats_planned = 0
+        #: CPU seconds of the stager thread (gathering rows) and plans staged
+        self.stats_stager_cpu_s = 0.0
+        self.stats_staged = 0
+        #: steps whose rows the training thread gathered itself because the stager had not started them
+        self.stats_gathered_here = 0
+        #: the training thread may gather a step's rows itself (not when gathers are collectives, which run
+        #: in lockstep on the stager's own process group)
+        self.may_gather_here = not any(s.collective for s in target.stores.values())
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def sampler(self) -> Any:
+        """The wrapped loader's sampler: Lightning calls its ``set_epoch`` at every epoch, as for the resident job."""
+        return getattr(self.loader, "sampler", None)
+
+    @property
+    def batch_sampler(self) -> Any:
+        """The wrapped loader's batch sampler (see :attr:`sampler`)."""
+        return getattr(self.loader, "batch_sampler", None)
+
+    # ------------------------------------------------------------------------------------------- progress
+    def mark_applied(self, step: int) -> None:
+        with self._cond:
+            self._applied = max(self._applied, step)
+            self._cond.notify_all()
+
+    def oracle_lead(self) -> int:
+        """Batches planned but not yet applied."""
+        return max(self._planned - self._applied, 0)
+
+    def stats(self) -> Dict[str, float]:
+        """The cumulative ``stats_*`` counters (waits and CPU seconds, counts), by attribute name."""
+        return {k: float(v) for k, v in vars(self).items() if k.startswith("stats_")}
+
+    # ------------------------------------------------------------------------------------------ iteration
+    def close(self) -> None:
+        """Stop the background threads of the current iteration (the strategy or DataModule calls it when
+        training stops before the epoch ends; a new iteration starts fresh threads).
+
+        Raises:
+            SetupError: with several ranks, the planner thread's last id all-gather (or the stager's last row
+                gather over row-sharded stores) was not joined by every rank within ``stop_timeout_s`` (raised unless another exception is being handled, in which case it
+                is logged).
+        """
+        run, self._run = self._run, None
+        if run is not None:
+            self._stopped(run)
+        err, self._stop_error = self._stop_error, None
+        if err is not None and sys.exc_info()[0] is None:
+            raise err
+
+    def _stopped(self, run: _Run) -> None:
+        err = run.stop()
+        if err is not None:
+            log.error("%s", err)
+            self._stop_error = err
+
+    def __iter__(self) -> Iterator[LookaheadBatch]:
+        self.close()
+        start, self._resume_from = self._resume_from, 0
+        if start:
+            if not hasattr(self.loader, "load_state_dict"):
+                raise CheckpointError(
+                    f"Resuming mid-epoch (batch {start}) needs a wrapped loader with load_state_dict(); "
+                    f"{type(self.loader).__name__} would replay the epoch from its first batch. Use a resumable "
+                    "loader (e.g. torchrec_lookahead.data.ResumableBatchLoader) or resume from an end-of-epoch "
+                    "checkpoint"
+                )
+            self.loader.load_state_dict({"batches_yielded": start})
+        if self.on_epoch_start is not None:
+            self.on_epoch_start()
+        self._yielded = start
+        self._applied = -1
+        self._planned = -1
+        run = _Run(self.queue_depth, join_timeout_s=self.stop_timeout_s + 30.0)
+        self._run = run
+        run.start(self._plan, self._stage)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = run.get()
+                self.stats_batch_wait_s += time.perf_counter() - t0
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                self._yielded += 1
+                yield item
+        finally:
+            self._stopped(run)
+            if self._run is run:
+                self._run = None
+
+    def _plan(self, run: _Run) -> None:
+        single_threaded_ops()
+        lower_thread_priority(self.planner_nice)
+        gatherer = None
+        if self.target.num_ranks > 1:
+            gatherer = IdGatherer(
+                self.target.num_ranks, self.target.group, lambda: run.stopped, self.stop_timeout_s
+            )
+        try:
+            self._plan_stream(run, gatherer)
+            if gatherer is not None and gatherer.peer_stopped:
+                # Only seen by a rank that keeps training after another one stopped (not in lockstep).
+                run.put(
+                    SetupError(
+                        f"rank(s) {gatherer.peer_stopped} stopped training at batch {gatherer.count - 1} of the "
+                        f"epoch while rank {self.target.rank} still asks for batches: every rank must stop at the "
+                        "same step (did another rank fail?)"
+                    )
+                )
+            else:
+                run.put(_END)
+        except BaseException as e:  # handed to the training thread
+            run.put(e)
+        finally:
+            run.to_stage.put(None)
+            if gatherer is not None:
+                try:  # tell the other ranks, through the same collective, that this rank stops
+                    gatherer.stop()
+                except BaseException as e:
+                    run.shutdown_failed(e)
+
+    def _plan_stream(self, run: _Run, gatherer: Optional[IdGatherer]) -> None:
+        batches: queue.Queue[Batch] = queue.Queue()
+        multi = gatherer is not None
+
+        def sparse() -> Iterator[Any]:
+            for b, global_kjt in global_batches(self.loader, gatherer, lambda: run.stopped):
+                batches.put(b)
+                yield global_kjt
+
+        stream = sparse()
+        first = next(stream, None)
+        if first is None:
+            return
+        # Features of tables the cache does not plan (other modules' features too) are ignored.
+        f2t = {k: self.target.feature_to_table.get(k, f"__unplanned__/{k}") for k in first.keys()}
+        oracle = LookaheadOracle(OracleConfig(feature_to_table=f2t, **self._oracle_kwargs))
+        cached = sorted(self.target.capacity)
+        f2t_cached = dict(self.target.feature_to_table)
+        tracker = LRPPTracker(self.target.capacity, self.target.num_ranks) if multi else None
+        globals_: queue.Queue[Any] = queue.Queue()
+
+        pinned = self.pinned
+
+        def record() -> Iterator[Any]:
+            for kjt in itertools.chain([first], stream):
+                globals_.put(kjt)
+                yield kjt if pinned is None else pinned.cold_part(kjt)
+
+        cpu = time.thread_time()
+        for plan in oracle.plan_stream(record()):
+            b = batches.get()
+            global_kjt = globals_.get()
+            if pinned is not None:
+                plan = pinned.lift(plan, global_kjt)
+            fut: Future[StagedRows] = Future()
+            run.to_stage.put((plan, fut))
+            kjt = remap_kjt(global_kjt, plan, f2t_cached, cached)
+            lrpp = None
+            if tracker is not None:
+                lrpp = tracker.step(plan, table_ids(global_kjt, f2t_cached, cached), features=kjt)
+                stride = b.sparse_features.stride()
+                kjt = slice_samples(kjt, self.target.rank * stride, (self.target.rank + 1) * stride)
+            item = LookaheadBatch(
+                b.dense_features, kjt, b.labels, plan=plan, staged=fut, loader=self, lrpp=lrpp
+            )
+            self._planned = plan.step
+            now = time.thread_time()
+            self.stats_planner_cpu_s += now - cpu
+            self.stats_planned += 1
+            cpu = now
+            if not run.put(item):
+                return
+
+    def _stage_gathers(self, run: _Run) -> Optional[StageGathers]:
+        """Lockstep for the stager's gathers when they are collectives (a row-sharded store over several ranks):
+        they run on the stores' :data:`STAGE_CHANNEL` group, the status exchanges too."""
+        for store in self.target.stores.values():
+            if not store.collective:
+                continue
+            inner = getattr(store, "inner", store)
+            group = inner.channel_group(STAGE_CHANNEL) if hasattr(inner, "channel_group") else None
+            world = dist.get_world_size(group)
+            if world > 1:
+                return StageGathers(world, group, lambda: run.stopped, self.stop_timeout_s)
+        return None
+
+    def _stage(self, run: _Run) -> None:
+        single_threaded_ops()
+        gathers = self._stage_gathers(run)
+        wait = None if gathers is None else gathers.wait
+        status = GatherStatus.STOP
+        try:
+            while not run.stopped:
+                try:
+                    item = run.to_stage.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    status = GatherStatus.END
+                    return
+                plan, fut = item
+                need = plan.step - self.prefetch_depth - 1
+                with self._cond:
+                    while self._applied < need and not run.stopped:
+                        self._cond.wait(timeout=0.05)
+                if run.stopped:
+                    fut.cancel()
+                    return
+                if not fut.set_running_or_notify_cancel():
+                    continue  # the training thread gathered these rows itself
+                try:
+                    if gathers is not None and not gathers.begin():
+                        fut.set_exception(
+                            SetupError(
+                                f"rank(s) {gathers.peer_stopped} stopped gathering rows before plan {plan.step} "
+                                f"while rank {self.target.rank} still trains: every rank must stop at the same step "
+                                "(did another rank fail?)"
+                            )
+                        )
+                        return
+                    # A row-sharded store's gathers are collectives: on a process group of the stager's own,
+                    # so they never interleave with the training thread's write-backs, and in lockstep.
+                    cpu = time.thread_time()
+                    with collective_channel(STAGE_CHANNEL, wait):
+                        rows = stage_rows(plan, self.target.stores)
+                    self.stats_stager_cpu_s += time.thread_time() - cpu
+                    self.stats_staged += 1
+                    fut.set_result(rows)
+                except BaseException as e:
+                    fut.set_exception(e)
+                    if (
+                        gathers is not None
+                    ):  # no further collective once one failed (the training thread raises)
+                        return
+        finally:
+            if gathers is not None:
+                try:  # tell the other ranks' stagers, through the same exchange, that this one stops
+                    gathers.stop(status)
+                except BaseException as e:
+                    run.shutdown_failed(e)
+                if (
+                    gathers.timed_out is not None
+                ):  # a gather abandoned after the stop (nobody waits for its rows)
+                    run.shutdown_failed(gathers.timed_out)
+            while True:  # cancel what is left, so that no one waits for it
+                try:
+                    item = run.to_stage.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[1].cancel()
+
+    # ------------------------------------------------------------------------------------------ resumption
+    def state_dict(self) -> Dict[str, int]:
+        """Batches handed out in the current epoch (the oracle restarts from an empty cache on resume)."""
+        return {"batches_yielded": self._yielded}
+
+    def load_state_dict(self, state_dict: Dict[str, int]) -> None:
+        if "batches_yielded" not in state_dict:
+            raise CheckpointError(f"Loader state {state_dict} has no 'batches_yielded'")
+        self._resume_from = int(state_dict["batches_yielded"])
+
+
+def scan_epoch(
+    inner: Any, target: CacheTarget, prefetch_depth: int, stop_timeout_s: float = 60.0
+) -> Dict[str, int]:
+    """Read one epoch of ``inner`` (a loader of TorchRec batches) and check every window and id against the cache
+    before training (:func:`~torchrec_lookahead.data.capacity.check_stream`; with several ranks over the
+    global batches, gathered in lockstep). Random states, the loader's generators included, are restored.
+
+    Returns:
+        The largest window working set per cached table.
+
+    Raises:
+        CapacityError, InvalidIdError: see :func:`~torchrec_lookahead.data.capacity.check_stream`.
+        SetupError: another rank failed during its scan.
+    """
+
+    def sparse() -> Generator[Any, None, None]:
+        if target.num_ranks == 1:
+            yield from (kjt for _, kjt in global_batches(inner, None))
+            return
+        # Every rank plans the global batch: the same lockstep gathers as the planner thread's. A rank that
+        # fails (its loader raises, a check fails) tells the others, which then fail too instead of waiting.
+        failed = False
+        gatherer = IdGatherer(target.num_ranks, target.group, lambda: failed, stop_timeout_s)
+        try:
+            yield from (kjt for _, kjt in global_batches(inner, gatherer))
+        except BaseException:
+            failed = True
+            try:
+                gatherer.stop()
+            except SetupError as e:
+                log.error("capacity check: %s", e)
+            raise
+        if gatherer.peer_stopped:
+            raise SetupError(
+                f"rank(s) {gatherer.peer_stopped} failed during the capacity check of the training data (see "
+                "their error)"
+            )
+
+    stream = sparse()
+    try:
+        with preserved_rng(inner):
+            need = check_stream(
+                stream,
+                target.capacity,
+                target.feature_to_table,
+                target.num_embeddings,
+                prefetch_depth,
+            )
+    finally:
+        stream.close()
+    return need

@@ -1,0 +1,303 @@
+"""Plan validation and row movement of :class:`~torchrec_lookahead.modules.CachedEmbeddingBagCollection`.
+
+:func:`validate_plan` checks one table's part of a :class:`~torchrec_lookahead.oracle.types.BatchPlan` against
+the cache without changing anything and returns a :class:`CheckedPlan`; :func:`move_rows` then writes back the
+evicted rows and loads the fetched ones. ``apply_plan`` validates every table before it moves any, so a refused
+plan leaves cache and stores unchanged.
+
+Example:
+    >>> import torch
+    >>> from torchrec import EmbeddingBagConfig
+    >>> from torchrec_lookahead.oracle.types import TablePlan
+    >>> cfg = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])
+    >>> t = _Table(cfg, 0, 0, 2, None, torch.tensor([3, -1]), dict.fromkeys(COUNTERS, 0))
+    >>> e = torch.empty(0, dtype=torch.long)
+    >>> c = validate_plan(0, t, TablePlan(e, e, torch.tensor([5]), torch.tensor([1]), torch.tensor([0, 1])),
+    ...                   None, CacheOptimizerConfig("exact_sgd"))
+    >>> c.after.tolist(), c.fetch_ids.tolist()
+    ([3, 5], [5])
+    >>> validate_plan(0, t, TablePlan(e, e, torch.tensor([3]), torch.tensor([1]), torch.tensor([1])),
+    ...               None, CacheOptimizerConfig("exact_sgd"))
+    Traceback (most recent call last):
+    ...
+    torchrec_lookahead.errors.SetupError: plan step 0, table 't': fetches id 3 which is already cached; plans must be applied in order, each once, starting from an empty cache
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from torchrec_lookahead.errors import CapacityError, DataError, InvalidIdError, SetupError
+from torchrec_lookahead.modules._kernels import _CacheKernel
+from torchrec_lookahead.modules.config import CacheOptimizerConfig
+from torchrec_lookahead.modules.types import StagedRows, StagedTable
+from torchrec_lookahead.oracle.types import TablePlan
+from torchrec_lookahead.store import EmbeddingStore
+
+__all__ = ["COUNTERS", "CheckedPlan", "validate_plan", "check_staged", "move_rows"]
+
+#: the per-table counters of ``CachedEmbeddingBagCollection.stats()``
+COUNTERS = ("steps", "lookups", "hits", "rows_fetched", "rows_written_back", "rows_flushed", "bytes_moved")
+
+_SYNC_HINT = "plans must be applied in order, each once, starting from an empty cache"
+
+
+@dataclass
+class _Table:
+    """Bookkeeping of one table."""
+
+    config: EmbeddingBagConfig
+    group: int
+    local: int
+    rows: int
+    store: Optional[EmbeddingStore]
+    slot_to_id: Optional[torch.Tensor]
+    counters: Dict[str, int]
+
+    @property
+    def cached(self) -> bool:
+        return self.store is not None
+
+
+@dataclass(frozen=True)
+class CheckedPlan:
+    """One table's part of a plan, validated against the cache and ready to move (CPU int64 tensors).
+
+    Attributes:
+        evict_ids: (E,) ids written back to the store.
+        evict_slots: (E,) the slots they leave.
+        fetch_ids: (F,) ids loaded from the store (or from ``staged``).
+        fetch_slots: (F,) the slots they go to.
+        slots: the slots the batch reads.
+        after: the slot map after the plan, or ``None`` for a trusted plan (the map is updated in place).
+        staged: the table's pre-gathered fetch rows, or ``None`` to gather them now.
+    """
+
+    evict_ids: torch.Tensor
+    evict_slots: torch.Tensor
+    fetch_ids: torch.Tensor
+    fetch_slots: torch.Tensor
+    slots: torch.Tensor
+    after: Optional[torch.Tensor]
+    staged: Optional[StagedTable]
+
+
+def _as_index(name: str, what: str, t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
+        raise DataError(f"plan field {what} of table '{name}' must be a 1-D integer tensor but got {t!r}")
+    return t.to(device="cpu", dtype=torch.int64)
+
+
+def validate_plan(
+    step: int,
+    t: _Table,
+    tp: TablePlan,
+    staged: Optional[StagedRows],
+    optimizer: CacheOptimizerConfig,
+    trusted: bool = False,
+) -> CheckedPlan:
+    """Check table ``t``'s plan ``tp`` for step ``step`` against the cache; nothing changes.
+
+    Args:
+        step: the plan's step.
+        t: the (cached) table.
+        tp: its part of the plan.
+        staged: rows gathered ahead for the step, or ``None``.
+        optimizer: the fused optimizer (the layout of staged optimizer state).
+        trusted: run only the cheap checks (shapes, slot and id ranges, staged rows), not the O(capacity)
+            consistency checks against the cache contents.
+
+    Returns:
+        The validated plan.
+
+    Raises:
+        DataError: a field is not a 1-D integer tensor, lengths differ, or staged rows have wrong shapes.
+        CapacityError: a slot is not below the table's capacity.
+        InvalidIdError: an id is out of the table's range.
+        SetupError: the plan does not match the cache, or staged rows do not match the plan.
+    """
+    name, cap, n = t.config.name, t.rows, t.config.num_embeddings
+    ev_ids, ev_slots = (
+        _as_index(name, "evict_ids", tp.evict_ids),
+        _as_index(name, "evict_slots", tp.evict_slots),
+    )
+    fe_ids, fe_slots = (
+        _as_index(name, "fetch_ids", tp.fetch_ids),
+        _as_index(name, "fetch_slots", tp.fetch_slots),
+    )
+    slots = _as_index(name, "slots", tp.slots)
+    if ev_ids.numel() != ev_slots.numel() or fe_ids.numel() != fe_slots.numel():
+        raise DataError(
+            f"plan step {step}, table '{name}': evict_ids/evict_slots ({ev_ids.numel()}/{ev_slots.numel()}) and "
+            f"fetch_ids/fetch_slots ({fe_ids.numel()}/{fe_slots.numel()}) must have equal lengths"
+        )
+    for what, s, limit in (
+        ("evict_slots", ev_slots, cap),
+        ("fetch_slots", fe_slots, cap),
+        ("slots", slots, cap),
+        ("evict_ids", ev_ids, n),
+        ("fetch_ids", fe_ids, n),
+    ):
+        if not s.numel():
+            continue
+        arr = s.numpy()  # NumPy's reductions: no intra-op threads for a plan's few hundred entries
+        low, high = int(arr.min()), int(arr.max())
+        if low >= 0 and high < limit:
+            continue
+        bad = low if low < 0 else high
+        if what.endswith("slots"):
+            raise CapacityError(
+                f"plan step {step}, table '{name}': {what} holds slot {bad} outside [0, {cap}) (capacity "
+                f"{cap}); plan with the capacity this cache was built with",
+                table=name,
+                batch=step,
+                needed=bad + 1 if bad >= 0 else None,
+                available=cap,
+            )
+        raise InvalidIdError(
+            f"plan step {step}, table '{name}': {what} holds id {bad} outside [0, {n})",
+            table=name,
+            batch=step,
+            id=bad,
+            num_rows=n,
+        )
+    s2i = t.slot_to_id
+    assert s2i is not None  # cached tables only (checked by the caller)
+    if trusted:
+        rows = (
+            check_staged(step, t, fe_ids, ev_ids, staged, optimizer, trusted=True)
+            if staged is not None and fe_ids.numel()
+            else None
+        )
+        return CheckedPlan(ev_ids, ev_slots, fe_ids, fe_slots, slots, None, rows)
+    if (
+        torch.unique(ev_slots).numel() != ev_slots.numel()
+        or torch.unique(fe_slots).numel() != fe_slots.numel()
+    ):
+        raise SetupError(f"plan step {step}, table '{name}': evict_slots or fetch_slots repeat a slot")
+    if torch.unique(fe_ids).numel() != fe_ids.numel():
+        raise SetupError(f"plan step {step}, table '{name}': fetch_ids repeat an id")
+    held = s2i.index_select(0, ev_slots)
+    if not torch.equal(held, ev_ids):
+        i = int((held != ev_ids).nonzero()[0])
+        raise SetupError(
+            f"plan step {step}, table '{name}': evicts id {int(ev_ids[i])} from slot {int(ev_slots[i])} which "
+            f"holds {int(held[i])}; {_SYNC_HINT}"
+        )
+    after = s2i.clone()
+    after[ev_slots] = -1
+    occupied = after.index_select(0, fe_slots)
+    if bool((occupied >= 0).any()):
+        i = int((occupied >= 0).nonzero()[0])
+        raise SetupError(
+            f"plan step {step}, table '{name}': fetches id {int(fe_ids[i])} into slot {int(fe_slots[i])} which "
+            f"still holds id {int(occupied[i])}; {_SYNC_HINT}"
+        )
+    dup = torch.isin(fe_ids, after[after >= 0])
+    if bool(dup.any()):
+        raise SetupError(
+            f"plan step {step}, table '{name}': fetches id {int(fe_ids[dup][0])} which is already cached; "
+            f"{_SYNC_HINT}"
+        )
+    after[fe_slots] = fe_ids
+    if slots.numel() and bool((after.index_select(0, slots) < 0).any()):
+        raise SetupError(f"plan step {step}, table '{name}': the batch reads an empty slot; {_SYNC_HINT}")
+    rows = None
+    if staged is not None and fe_ids.numel():
+        rows = check_staged(step, t, fe_ids, ev_ids, staged, optimizer)
+    return CheckedPlan(ev_ids, ev_slots, fe_ids, fe_slots, slots, after, rows)
+
+
+def check_staged(
+    step: int,
+    t: _Table,
+    fe_ids: torch.Tensor,
+    ev_ids: torch.Tensor,
+    staged: StagedRows,
+    optimizer: CacheOptimizerConfig,
+    trusted: bool = False,
+) -> StagedTable:
+    """Table ``t``'s staged rows, checked against the plan's fetch ids and the optimizer's state layout.
+
+    Raises:
+        SetupError: the rows are for another step or other ids, or (untrusted) the plan fetches an id it also
+            evicts, so rows staged before the step are stale.
+        DataError: the rows' shapes do not match the table.
+    """
+    name = t.config.name
+    if staged.step != step:
+        raise SetupError(f"staged rows are for step {staged.step} but the plan is for step {step}")
+    rows = staged.tables.get(name)
+    if rows is None or not torch.equal(rows.ids.to("cpu", torch.int64), fe_ids):
+        raise SetupError(
+            f"plan step {step}, table '{name}': staged rows do not hold the plan's fetch ids; stage with the "
+            "same plan"
+        )
+    # The oracle never fetches an id at the step that evicts it (trusted plans skip this O(n log n) check).
+    if not trusted and bool(torch.isin(fe_ids, ev_ids).any()):
+        raise SetupError(
+            f"plan step {step}, table '{name}': fetches an id it also evicts, so rows staged before this step "
+            "are stale; apply this plan without staged rows"
+        )
+    widths = optimizer.state_widths(t.config.embedding_dim)
+    if tuple(rows.weights.shape) != (fe_ids.numel(), t.config.embedding_dim) or set(rows.states) != set(
+        widths
+    ):
+        raise DataError(
+            f"plan step {step}, table '{name}': staged weights {tuple(rows.weights.shape)} / states "
+            f"{sorted(rows.states)} do not match ({fe_ids.numel()}, {t.config.embedding_dim}) / {sorted(widths)}"
+        )
+    for key, w in widths.items():
+        if rows.states[key].numel() != fe_ids.numel() * w:
+            raise DataError(f"plan step {step}, table '{name}': staged state '{key}' has a wrong shape")
+    return rows
+
+
+@torch.no_grad()
+def move_rows(t: _Table, kernel: _CacheKernel, device: torch.device, c: CheckedPlan) -> None:
+    """Write back ``c``'s evicted rows, load its fetched rows (with their optimizer state) into ``kernel``'s
+    slots on ``device``, update the slot map and count the traffic in ``t.counters``."""
+    weights, states = kernel.weights(t.local), kernel.states(t.local)
+    store = t.store
+    assert store is not None and t.slot_to_id is not None
+    ev_ids, ev_slots, fe_ids, fe_slots = c.evict_ids, c.evict_slots, c.fetch_ids, c.fetch_slots
+    if ev_ids.numel():
+        dev_slots = ev_slots.to(device)
+        store.write_back(  # the ids this cache loaded (checked then), so the store's checks are skipped
+            ev_ids,
+            weights.index_select(0, dev_slots).cpu(),
+            {k: v.index_select(0, dev_slots).cpu() for k, v in states.items()},
+        )
+    if fe_ids.numel():
+        if c.staged is not None:
+            fw, fs = c.staged.weights, c.staged.states
+        else:
+            fw, fs = store.gather(fe_ids)
+        dev_slots = fe_slots.to(device)
+        weights.index_copy_(0, dev_slots, fw.to(device, weights.dtype, non_blocking=True))
+        for k, v in states.items():
+            v.index_copy_(0, dev_slots, fs[k].reshape(-1, v.shape[1]).to(device, v.dtype, non_blocking=True))
+    if c.after is not None:
+        t.slot_to_id.copy_(c.after)
+    else:  # trusted plan: update the slot map in place
+        t.slot_to_id[ev_slots] = -1
+        t.slot_to_id[fe_slots] = fe_ids
+    slots = c.slots
+    row_bytes = store.row_width * 4
+    cnt = t.counters
+    cnt["steps"] += 1
+    cnt["lookups"] += slots.numel()
+    if fe_slots.numel():  # lookups of a slot loaded at this step are misses
+        loaded = np.zeros(t.rows, dtype=bool)
+        loaded[fe_slots.numpy()] = True
+        cnt["hits"] += slots.numel() - int(np.count_nonzero(loaded[slots.numpy()]))
+    else:
+        cnt["hits"] += slots.numel()
+    cnt["rows_fetched"] += fe_ids.numel()
+    cnt["rows_written_back"] += ev_ids.numel()
+    cnt["bytes_moved"] += (fe_ids.numel() + ev_ids.numel()) * row_bytes
