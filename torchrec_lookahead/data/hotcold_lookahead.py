@@ -26,9 +26,12 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
 from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
-from torchrec_lookahead.errors import CheckpointError, DataError
+from torchrec_lookahead.distributed.lockstep import IdGatherer
+from torchrec_lookahead.distributed.lrpp import LRPPPlan, LRPPTablePlan, LRPPTracker, slice_samples
+from torchrec_lookahead.errors import CheckpointError, DataError, SetupError
 from torchrec_lookahead.hotcold.datamodule import HotColdLoader
 from torchrec_lookahead.hotcold.pinned import PinnedRows
+from torchrec_lookahead.hotcold.samples import Samples
 from torchrec_lookahead.hotcold.stream import BatchKind, HotColdStream
 from torchrec_lookahead.modules import remap_kjt
 from torchrec_lookahead.oracle.types import BatchPlan
@@ -56,6 +59,13 @@ class ColdBatches:
     def __init__(self, stream: HotColdStream) -> None:
         self.stream = stream
         self._resume = 0
+        self._lockstep: Optional[IdGatherer] = None
+
+    def join_lockstep(self, gatherer: IdGatherer) -> None:
+        """Gather the ranks' source slices of the next iteration through ``gatherer`` (the lookahead planner's
+        lockstep, on its thread and process group) instead of the stream's own gather on the default group,
+        which the training thread uses at the same time."""
+        self._lockstep = gatherer
 
     def __len__(self) -> int:
         return self.stream.batches_per_epoch()[BatchKind.COLD]
@@ -76,7 +86,7 @@ class ColdBatches:
             num_samples=main.num_samples,
             rank=main.rank,
             world_size=main.world_size,
-            gather=main.gather,
+            gather=main.gather if self._lockstep is None else self._lockstep_gather(self._lockstep),
         )
         if self._resume:
             cold.load_state_dict({"hot_served": 0, "cold_served": self._resume})
@@ -85,6 +95,14 @@ class ColdBatches:
         for kind, batch in cold:
             if kind is BatchKind.COLD:
                 yield batch
+
+    @staticmethod
+    def _lockstep_gather(gatherer: IdGatherer) -> Callable[[Samples], Optional[Samples]]:
+        def gather(s: Samples) -> Optional[Samples]:
+            parts = gatherer.gather_object(s.tensors())
+            return None if parts is None else s.joined(parts)
+
+        return gather
 
 
 def _same_batch(a: Batch, b: Batch) -> bool:
@@ -168,11 +186,45 @@ class HotColdLookaheadLoader:
         """Stop the cold loader's background threads."""
         self.cold.close()
 
-    def _hot(self, batch: Batch, step: int) -> LookaheadBatch:
-        plan = self.pinned.hot_plan(batch.sparse_features, step)
-        kjt = remap_kjt(batch.sparse_features, plan, self._f2t, self._cached)
+    def _hot(self, batch: Batch, step: int, writers: Mapping[str, torch.Tensor]) -> LookaheadBatch:
+        if self.target.num_ranks == 1:
+            plan = self.pinned.hot_plan(batch.sparse_features, step)
+            kjt = remap_kjt(batch.sparse_features, plan, self._f2t, self._cached)
+            self.stats_hot_batches += 1
+            return LookaheadBatch(batch.dense_features, kjt, batch.labels, plan=plan)
+        # Several ranks: every rank holds every pinned row, so each updates every row the global batch reads,
+        # from every bag that reads it (LRPPPlan.pinned); the plan moves nothing, and no slot's replicas change.
+        whole = self.hotcold.stream.last_global
+        if whole is None:
+            raise SetupError("the hot/cold stream handed out a batch without its global batch")
+        plan = self.pinned.hot_plan(whole.batch().sparse_features, step)
+        glob = remap_kjt(whole.batch().sparse_features, plan, self._f2t, self._cached)
+        stride = batch.sparse_features.stride()
+        rank = self.target.rank
+        kjt = slice_samples(glob, rank * stride, (rank + 1) * stride)
+        none = torch.zeros(0, dtype=torch.int64)
+        lrpp = LRPPPlan(
+            step,
+            {
+                t: LRPPTablePlan(
+                    evict_writer=none,
+                    refresh_slots=none,
+                    refresh_source=none,
+                    shared_slots=none,
+                    writer=writers[t],
+                    rows_read=0,
+                )
+                for t in plan.tables
+            },
+            glob,
+            self.pinned.pinned_rows,
+        )
         self.stats_hot_batches += 1
-        return LookaheadBatch(batch.dense_features, kjt, batch.labels, plan=plan)
+        return LookaheadBatch(batch.dense_features, kjt, batch.labels, plan=plan, lrpp=lrpp)
+
+    def _first_writers(self) -> Dict[str, torch.Tensor]:
+        """Slot writers before the first cold plan: rank 0 for the pinned rows, nobody for the empty rest."""
+        return LRPPTracker(self.target.capacity, self.target.num_ranks, self.pinned.pinned_rows).writers()
 
     def __iter__(self) -> Iterator[LookaheadBatch]:
         if self.on_epoch_start is not None:
@@ -180,6 +232,7 @@ class HotColdLookaheadLoader:
         pin: Optional[BatchPlan] = self.pinned.pin_plan()
         cold_it = iter(self.cold)
         last_cold = -1
+        writers = self._first_writers() if self.target.num_ranks > 1 else {}
         try:
             for kind, batch in self.hotcold.stream:
                 if kind is BatchKind.COLD:
@@ -193,8 +246,10 @@ class HotColdLookaheadLoader:
                         )
                     if item.plan is not None:
                         last_cold = item.plan.step
+                    if item.lrpp is not None:
+                        writers.update({t: tp.writer for t, tp in item.lrpp.tables.items()})
                 else:
-                    item = self._hot(batch, last_cold)
+                    item = self._hot(batch, last_cold, writers)
                 if pin is not None:
                     item.pin, pin = pin, None
                 yield item

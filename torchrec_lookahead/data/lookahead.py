@@ -207,11 +207,10 @@ class LookaheadDataModule(WrappedDataModule):
         """FAE with pinned hot rows: hot batches read pinned slots, the oracle plans the cold batches alone."""
         from torchrec_lookahead.data.hotcold_lookahead import ColdBatches, HotColdLookaheadLoader
 
-        if target.num_ranks > 1:
+        if target.average_every is not None:
             raise ConfigError(
-                "Pinned hot rows (a HotColdDataModule inside a LookaheadDataModule over cached tables) train on one "
-                f"rank; this run has {target.num_ranks}. Train FAE with resident tables on several ranks (drop the "
-                "LookaheadDataModule), or run on one rank"
+                "Pinned hot rows are kept identical on every rank by their exact gradient exchange; cDLRM's "
+                "periodic averaging (average_every) does not apply to them: drop average_every"
             )
         if self.policy is Policy.WINDOW:
             raise ConfigError("Pinned hot rows need a fixed-slot policy (belady, ttl or lru), not 'window'")

@@ -62,7 +62,12 @@ def global_batches(
 ) -> Iterator[Tuple[Batch, Any]]:
     """``(batch, global sparse features)`` for each batch of ``loader``: with a gatherer (several ranks), every
     rank's ids of the batch gathered in lockstep (dense features never leave the rank); without, the batch's
-    own. Ends with the loader (with a gatherer: when the gathers end) or once ``stopped()``."""
+    own. Ends with the loader (with a gatherer: when the gathers end) or once ``stopped()``. A loader whose own
+    reading needs collectives (``join_lockstep``, e.g. the cold pass of a hot/cold stream) makes them through the
+    gatherer, in the same lockstep."""
+    join = getattr(loader, "join_lockstep", None)
+    if gatherer is not None and join is not None:
+        join(gatherer)
     it = iter(loader)
     while not stopped():
         b = next(it, None)
@@ -298,7 +303,15 @@ class LookaheadLoader:
         oracle = LookaheadOracle(OracleConfig(feature_to_table=f2t, **self._oracle_kwargs))
         cached = sorted(self.target.capacity)
         f2t_cached = dict(self.target.feature_to_table)
-        tracker = LRPPTracker(self.target.capacity, self.target.num_ranks) if multi else None
+        tracker = (
+            LRPPTracker(
+                self.target.capacity,
+                self.target.num_ranks,
+                pinned=None if self.pinned is None else self.pinned.pinned_rows,
+            )
+            if multi
+            else None
+        )
         globals_: queue.Queue[Any] = queue.Queue()
 
         pinned = self.pinned

@@ -255,6 +255,7 @@ def exchange_batches(
     delayed: Sequence[torch.Tensor],
     group: Optional[dist.ProcessGroup],
     delayed_group: Optional[dist.ProcessGroup],
+    pinned: Optional[Sequence[int]] = None,
 ) -> Tuple[ExchangeBatch, Optional[DelayedExchange], int]:
     """This step's exchange batch for one kernel (see the module docstring), and the delayed part.
 
@@ -271,6 +272,8 @@ def exchange_batches(
         shared: per local table, the sorted slots read by several ranks.
         delayed: per local table, the shared slots whose update is delayed (empty without delayed sync).
         group: the critical-path process group; delayed_group: the background one.
+        pinned: per local table, rows pinned in its first slots (FAE's hot rows): every rank holds them, so they
+            count as shared by every rank wherever the global batch reads them (never delayed).
 
     Returns:
         (the batch to apply now, the delayed part or ``None``, floats sent by this rank).
@@ -282,8 +285,12 @@ def exchange_batches(
         )
     mine = np.zeros(int(g.base[-1]), dtype=bool)
     mine[g.kslot[g.rank == rank]] = True
-    late = g.mask(delayed)
-    now_shared = g.mask(shared) & ~late
+    everyone = np.zeros_like(mine)
+    for t, n in enumerate(pinned or ()):
+        everyone[g.base[t] : g.base[t] + int(n)] = True
+    mine |= everyone
+    late = g.mask(delayed) & ~everyone
+    now_shared = (g.mask(shared) | everyone) & ~late
     needed = _needed_bags(g, now_shared, world_size)
     sizes = _sizes(layout, needed)
     _, recv = _all_gather(_pack(grad, layout, needed[rank]), sizes, group, async_op=False)

@@ -239,13 +239,23 @@ class IdGatherer(LockstepGathers):
             DataError: the ranks' loaders have different lengths, or their slices differ in keys or sizes.
             SetupError: this rank stopped and its peers did not join within ``stop_timeout_s``.
         """
+        parts = self.gather_object(None if kjt is None else _local_part(kjt))
+        return None if parts is None else _merge_parts(parts)
+
+    def gather_object(self, obj: Any) -> Optional[List[Any]]:
+        """Every rank's ``obj`` (picklable; ``None``: this rank's loader is exhausted), in rank order, under the
+        same lockstep as :meth:`gather`, whose exchanges it may interleave with on the same thread (a loader
+        whose own reading needs collectives, such as the cold pass of a hot/cold stream, gathers through it).
+
+        Returns ``None`` once the gathers are over; raises as :meth:`gather`.
+        """
         if self.finished:
             return None
-        status = GatherStatus.BATCH if kjt is not None else GatherStatus.END
-        statuses, payloads = self._exchange(status, None if kjt is None else pickle.dumps(_local_part(kjt)))
+        status = GatherStatus.BATCH if obj is not None else GatherStatus.END
+        statuses, payloads = self._exchange(status, None if obj is None else pickle.dumps(obj))
         n = self.count - 1
         if all(s == GatherStatus.BATCH for s in statuses):
-            return _merge_parts([pickle.loads(p) for p in payloads])
+            return [pickle.loads(p) for p in payloads]
         self.finished = True
         self.peer_stopped = [r for r, s in enumerate(statuses) if s == GatherStatus.STOP]
         if self.peer_stopped:

@@ -36,7 +36,7 @@ from torchrec_lookahead.distributed.lockstep import (
     gather_global_kjt,
 )
 from torchrec_lookahead.errors import SetupError
-from torchrec_lookahead.oracle.types import BatchPlan
+from torchrec_lookahead.oracle.types import BatchPlan, RankAnnotation
 from torchrec_lookahead.store.types import EmbeddingStore
 
 __all__ = [
@@ -104,11 +104,15 @@ class LRPPPlan:
         features: the step's global batch (every rank's samples in rank order) with the cached features'
             values remapped to slots: each rank's backward rebuilds TorchRec's gradient order from it
             (``distributed/exact_sync.py``).
+        pinned: per cached table, the rows pinned in its first slots (FAE's hot rows,
+            :class:`~torchrec_lookahead.hotcold.PinnedRows`): every rank holds them, so every rank updates every
+            pinned row the global batch reads, from every bag that reads it.
     """
 
     step: int
     tables: Dict[str, LRPPTablePlan] = field(default_factory=dict)
     features: Optional[KeyedJaggedTensor] = None
+    pinned: Dict[str, int] = field(default_factory=dict)
 
     def counters(self, delayed_sync: bool = False) -> Dict[str, int]:
         """Rows synchronised on the critical path (refreshed, or gradient all-reduced inside the backward),
@@ -122,12 +126,18 @@ class LRPPPlan:
                 "rows_refreshed": refresh, "rows_grad_synced": shared, "rows_skipped": read - shared}  # fmt: skip
 
 
+_E = torch.zeros(0, dtype=torch.int64)
+_NO_READERS = RankAnnotation(_E, _E, _E.bool(), _E.bool(), _E.bool())
+
+
 class LRPPTracker:
     """Replica validity per cached slot, advanced plan by plan (identical on every rank).
 
     Args:
         capacity: cache rows per cached table.
         num_ranks: W (at most 62).
+        pinned: per cached table, rows pinned in its first slots: valid on every rank throughout (their
+            updates are applied by every rank), written back by rank 0; the plans never move them.
 
     Example:
         >>> from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
@@ -141,12 +151,21 @@ class LRPPTracker:
         2
     """
 
-    def __init__(self, capacity: Mapping[str, int], num_ranks: int) -> None:
+    def __init__(
+        self, capacity: Mapping[str, int], num_ranks: int, pinned: Optional[Mapping[str, int]] = None
+    ) -> None:
         if not 1 <= num_ranks <= 62:
             raise SetupError(f"LRPP supports 1 to 62 ranks but got {num_ranks}")
         self.num_ranks = num_ranks
         self._all = (1 << num_ranks) - 1
         self._valid = {t: np.zeros(int(c), dtype=np.int64) for t, c in capacity.items()}
+        self.pinned = {t: int(n) for t, n in (pinned or {}).items() if n}
+        for t, n in self.pinned.items():
+            self._valid[t][:n] = self._all
+
+    def writers(self) -> Dict[str, torch.Tensor]:
+        """Per cached table, the rank writing back each slot now (-1: empty), as in :attr:`LRPPTablePlan.writer`."""
+        return {t: torch.from_numpy(lowest_rank(v).astype(np.int8)) for t, v in self._valid.items()}
 
     def step(
         self,
@@ -166,6 +185,14 @@ class LRPPTracker:
         for name, tp in plan.tables.items():
             valid = self._valid[name]
             ann = tp.ranks
+            if (
+                ann is None
+                and self.pinned.get(name)
+                and not (tp.fetch_slots.numel() or tp.evict_slots.numel())
+            ):
+                ann = (
+                    _NO_READERS  # only pinned rows of this table at this step: nothing for the oracle to plan
+                )
             if ann is None:
                 raise SetupError(
                     f"plan step {plan.step} has no rank annotation for table '{name}'; plan with num_ranks > 1"
@@ -200,7 +227,7 @@ class LRPPTracker:
                 rows_read=int(uniq_ids.size),
                 delayed_slots=torch.from_numpy(delayed),
             )
-        return LRPPPlan(plan.step, out, features)
+        return LRPPPlan(plan.step, out, features, dict(self.pinned))
 
 
 class WriterFilteredStore(EmbeddingStore):

@@ -276,6 +276,18 @@ class ShardedLookaheadEmbeddingBagCollection(
         self._eval_flushed = False
         self._dirty = True
 
+    def pin_rows(self, plan: BatchPlan) -> None:
+        """Load pinned rows (a :meth:`~torchrec_lookahead.hotcold.PinnedRows.pin_plan`) into the emptied caches:
+        every rank loads every pinned row of its cached tables; nothing is evicted or written back. With
+        several ranks the stores' reads are collectives where the stores are row-sharded: every rank calls this
+        at the same step (the first batch of a plan stream)."""
+        mine = {t: p for t, p in plan.tables.items() if t in self.cache.capacity}
+        if any(p.evict_ids.numel() for p in mine.values()):
+            raise SetupError(f"the pin plan of step {plan.step} evicts rows; pin into an emptied cache")
+        self.cache.apply_plan(BatchPlan(plan.step, mine))
+        self._eval_flushed = False
+        self._dirty = True
+
     @property
     def collective_stores(self) -> bool:
         """Whether the cached tables' stores are row-sharded over the ranks (their reads and writes are
@@ -494,6 +506,7 @@ class ShardedLookaheadEmbeddingBagCollection(
                 delayed,
                 self._pg,
                 self._delayed_pg,
+                [lrpp.pinned.get(t, 0) for t in layout.tables],
             )
             kernel.apply_batch(now.indices, now.offsets, now.weights, now.grad)
             self.sync_counters["grad_floats_sent"] = self.sync_counters.get("grad_floats_sent", 0) + sent

@@ -53,12 +53,7 @@ def _gather(group: Optional[Any]) -> Any:
         world, _ = _world(group)
         parts: List[Any] = [None] * world
         dist.all_gather_object(parts, s.tensors(), group=group)
-        return Samples.cat(
-            [
-                Samples(s.keys, p["dense"], p["labels"], p["lengths"], p["values"], s.lengths_dtype)
-                for p in parts
-            ]
-        )
+        return s.joined(parts)
 
     return gather
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Sequence
 
 import torch
 from torchrec.datasets.utils import Batch
@@ -140,3 +140,12 @@ class Samples:
     def tensors(self) -> Dict[str, object]:
         """Plain tensors (for an all-gather)."""
         return {"dense": self.dense, "labels": self.labels, "lengths": self.lengths, "values": self.values}
+
+    def joined(self, parts: Sequence[Mapping[str, Any]]) -> Samples:
+        """The rows of every rank's :meth:`tensors`, in rank order, with this slice's keys and dtypes."""
+        return Samples.cat(
+            [
+                Samples(self.keys, p["dense"], p["labels"], p["lengths"], p["values"], self.lengths_dtype)
+                for p in parts
+            ]
+        )

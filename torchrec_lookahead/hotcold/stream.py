@@ -42,7 +42,7 @@ class BatchKind(str, enum.Enum):
     COLD = "cold"
 
 
-Gather = Callable[[Samples], Samples]
+Gather = Callable[[Samples], Optional[Samples]]
 
 
 def count_hot_samples(batches: Iterable[Batch], masks: Mapping[str, torch.Tensor]) -> tuple[int, int]:
@@ -98,6 +98,10 @@ class _Queue:
             self.pop(n)
 
 
+class _GathersOver(Exception):
+    """The stream's gathers ended (a peer stopped): the iteration ends."""
+
+
 class HotColdStream:
     """All-hot and cold mini-batches regrouped from a stream of batches.
 
@@ -109,7 +113,8 @@ class HotColdStream:
         num_samples: samples per epoch (global) and hot ones, if known (gives ``len``).
         rank: this rank.
         world_size: ranks.
-        gather: joins the ranks' slices of a source batch into the global batch (identity for one rank).
+        gather: joins the ranks' slices of a source batch into the global batch (identity for one rank);
+            ``None`` from it ends the iteration (the gathers are over: a peer stopped).
 
     Example:
         >>> from torchrec import KeyedJaggedTensor
@@ -154,6 +159,8 @@ class HotColdStream:
         self.requested: Optional[BatchKind] = None
         self.served: Dict[BatchKind, int] = {BatchKind.HOT: 0, BatchKind.COLD: 0}
         self.last_kind: Optional[BatchKind] = None
+        #: the global batch (every rank's rows) of the batch handed out last
+        self.last_global: Optional[Samples] = None
         self._resume: Optional[Dict[BatchKind, int]] = None
 
     @property
@@ -201,6 +208,12 @@ class HotColdStream:
         return s.slice(lo, lo + base + (1 if self.rank < extra else 0))
 
     def __iter__(self) -> Iterator[tuple[BatchKind, Batch]]:
+        try:
+            yield from self._iter()
+        except _GathersOver:
+            return
+
+    def _iter(self) -> Iterator[tuple[BatchKind, Batch]]:
         g = self.global_batch_size
         skip = self._resume or {BatchKind.HOT: 0, BatchKind.COLD: 0}
         self._resume = None
@@ -220,7 +233,10 @@ class HotColdStream:
                 return False
             s = Samples.of(b)
             if self.gather is not None and self.world_size > 1:
-                s = self.gather(s)
+                joined = self.gather(s)
+                if joined is None:
+                    raise _GathersOver
+                s = joined
             source_rows = max(source_rows, len(s))
             hot = s.hot(self.masks)
             for kind, part in ((BatchKind.HOT, s.select(hot)), (BatchKind.COLD, s.select(~hot))):
@@ -285,4 +301,5 @@ class HotColdStream:
                 )
             self.served[kind] += 1
             self.last_kind = kind
+            self.last_global = out
             yield kind, self._mine(out).batch()

@@ -401,7 +401,7 @@ class TorchRecStrategy(DDPStrategy):
             for (
                 m
             ) in self.cached_modules():  # pinned hot rows, into the caches the loader's epoch start emptied
-                m.apply_plan(batch.pin)
+                m.pin_rows(batch.pin)
         if isinstance(batch, LookaheadBatch) and batch.plan is not None and training:
             batch.mark_started()
             staged = batch.wait_staged()
