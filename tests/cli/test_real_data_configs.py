@@ -1,4 +1,5 @@
-"""The cached configs of the real data samples train exactly like their resident twins (a few steps each)."""
+"""The cached configs of the real data samples (FAE ones with pinned hot rows too) train exactly like their resident
+twins (a few steps each)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from ..conftest import REPO, shared_data
 
 CONFIGS = {
     "criteo_tsv_lookahead": ("criteo_kaggle_head", "head8000_split_train.txt"),
+    "criteo_tsv_fae": ("criteo_kaggle_head", "head8000_split_train.txt"),
+    "taobao_fae": ("taobao_userbehavior_head", "UserBehavior_head.csv"),
     "movielens_lookahead": ("movielens_latest_small_2016", "ratings.csv"),
     "taobao_lookahead": ("taobao_userbehavior_head", "UserBehavior_head.csv"),
 }

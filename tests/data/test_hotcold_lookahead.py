@@ -189,3 +189,71 @@ def test_pinned_rows_with_cdlrm_averaging_are_refused_clearly() -> None:
     target = CacheTarget(CAPACITY, {"cat_2": "t_cat_2"}, {"t_cat_2": 300}, {}, num_ranks=2, average_every=4)
     with pytest.raises(ConfigError, match="Pinned hot rows .* drop average_every"):
         dm._hotcold_loader(None, target)
+
+
+def _budget_override(tmp_path: Path, budget: int) -> str:
+    import yaml
+
+    sharder = {
+        "class_path": "torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder",
+        "init_args": {
+            "capacity": None,
+            "device_budget_bytes": budget,
+            "planner_options": {"horizon": 8, "prefetch_depth": 1, "policy": "belady"},
+        },
+    }
+    strategy = {
+        "class_path": "torchrec_lookahead.strategies.TorchRecStrategy",
+        "init_args": {"sharders": [sharder]},
+    }
+    path = tmp_path / "budget.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"strategy": strategy}}))
+    return str(path)
+
+
+def test_budget_planner_splits_the_device_budget_between_pinned_and_dynamic_rows() -> None:
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    rows, dim = {"a": 1000, "b": 40}, 4
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=t, embedding_dim=dim, num_embeddings=n, feature_names=[f"f_{t}"])
+                for t, n in rows.items()],
+        device=torch.device("meta"),
+    )  # fmt: skip
+    hot = {"a": torch.arange(0, 200, 2), "b": torch.arange(40)}  # b wholly hot
+    gen = torch.Generator().manual_seed(0)
+
+    def batches() -> Any:
+        for _ in range(20):
+            a = torch.cat(
+                [torch.randint(0, 200, (48,), generator=gen), torch.randint(200, 1000, (16,), generator=gen)]
+            )
+            b = torch.randint(0, 40, (64,), generator=gen)
+            yield KeyedJaggedTensor(
+                ["f_a", "f_b"], torch.cat([a, b]), lengths=torch.ones(128, dtype=torch.int32)
+            )
+
+    def plan(budget: int, pinned: Any) -> Dict[str, int]:
+        sharder = LookaheadEmbeddingBagCollectionSharder(
+            device_budget_bytes=budget,
+            planner_options={"horizon": 4, "prefetch_depth": 1, "policy": "belady", "floor_headroom": 1.0},
+        )
+        sharder.plan_capacity(ebc, list(batches()), pinned=pinned)
+        return dict(sharder.capacity)
+
+    bpr = dim * 4 + 4  # weights and row-wise Adagrad's state
+    pinned_bytes = (100 + 40) * bpr
+    budget = pinned_bytes + 300 * bpr
+    caps = plan(budget, hot)
+    assert set(caps) == {"a"}  # b is wholly hot: resident
+    # the dynamic part is planned over a's cold ids only, with what the pinned rows leave of the budget
+    assert 100 < caps["a"] <= 100 + 300
+    with pytest.raises(CapacityError, match="pinned hot rows"):
+        plan(pinned_bytes, hot)
+    with pytest.raises(ConfigError, match="tables \\['c'\\]"):
+        plan(budget, {"c": torch.arange(3)})
+
+
+def test_fae_with_a_device_budget_equals_resident(tmp_path: Path) -> None:
+    out = verify(TINY, steps=12, overrides=["--config", _budget_override(tmp_path, 40_000)])
+    assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["steps"] == 12, out

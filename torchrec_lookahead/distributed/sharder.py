@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
 from torchrec_lookahead.distributed.sharded import CUSTOMIZED, ShardedLookaheadEmbeddingBagCollection
-from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.errors import CapacityError, ConfigError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig
 from torchrec_lookahead.store import MmapStore, RowShardedStore, TensorStore, row_bounds
 from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, EmptyShardStore
@@ -363,17 +363,32 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self._owner_locks: List[int] = []  # descriptors holding shared-store directories' owner locks
         self.seed = seed
 
-    def plan_capacity(self, module: nn.Module, sample_batches: Iterable[Any]) -> Any:
+    def plan_capacity(
+        self,
+        module: nn.Module,
+        sample_batches: Iterable[Any],
+        pinned: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> Any:
         """Size the caches of every EmbeddingBagCollection in ``module`` for ``device_budget_bytes``.
 
         Sets :attr:`capacity` (cached tables only) and :attr:`cache_plan` (the planner's report) and returns
         the plan.
 
+        Args:
+            module: the model.
+            sample_batches: sparse features of training batches (for pinned rows: of the cold batches).
+            pinned: table -> sorted hot ids pinned in its cache (FAE). The budget holds the pinned rows plus the
+                dynamic caches: the pinned rows' bytes (weights and optimizer state) come off the budget, the
+                planner sizes each table's dynamic part from the samples' cold ids (as ids of a table of
+                ``rows - P`` rows), and a cached table's capacity is ``P`` plus its dynamic rows. A table whose
+                every row is hot stays resident.
+
         Raises:
-            ConfigError: no budget was given.
-            CapacityError: the budget cannot hold even the smallest feasible caches.
+            ConfigError: no budget was given, or pinned rows name a table the module does not have.
+            CapacityError: the budget cannot hold the pinned rows and the smallest feasible caches.
         """
         from torchrec_lookahead.distributed.planner import LookaheadPlanner
+        from torchrec_lookahead.hotcold.pinned import cold_table_ids
 
         if self.device_budget_bytes is None:
             raise ConfigError("plan_capacity() needs device_budget_bytes")
@@ -385,11 +400,40 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             optimizer = optimizer or cache_optimizer_from_module(m, names)
         optimizer = optimizer or CacheOptimizerConfig()
         # Leave 25% above the sampled working set by default: batches after the sample can need more rows.
-        planner = LookaheadPlanner(
-            self.device_budget_bytes, **{"floor_headroom": 1.25, **self.planner_options}
+        options = {"floor_headroom": 1.25, **self.planner_options}
+        hot = {t: ids for t, ids in (pinned or {}).items() if ids.numel()}
+        if not hot:
+            plan = LookaheadPlanner(self.device_budget_bytes, **options).plan(
+                tables, optimizer, sample_batches
+            )
+            self.capacity = dict(plan.capacity)
+            self.cache_plan = plan
+            return plan
+        unknown = sorted(set(hot) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"pinned rows name tables {unknown} the model does not have; its tables: {names}"
+            )
+        probe = LookaheadPlanner(self.device_budget_bytes, **options)
+        bpr = {t.name: t.bpr for t in probe._tables(tables, optimizer)}
+        pinned_rows = {t: int(ids.numel()) for t, ids in hot.items()}
+        pinned_bytes = sum(n * bpr[t] for t, n in pinned_rows.items())
+        if pinned_bytes >= self.device_budget_bytes:
+            raise CapacityError(
+                f"device_budget_bytes={self.device_budget_bytes:,} does not exceed the {pinned_bytes:,} bytes of the "
+                f"{sum(pinned_rows.values()):,} pinned hot rows; raise the budget or lower hot_budget_bytes"
+            )
+        dynamic = [
+            dataclasses.replace(c, num_embeddings=c.num_embeddings - pinned_rows.get(c.name, 0))
+            for c in tables
+            if c.num_embeddings > pinned_rows.get(c.name, 0)
+        ]
+        f2t = {f: c.name for c in dynamic for f in c.feature_names}
+        samples = (cold_table_ids(getattr(b, "sparse_features", b), f2t, hot) for b in sample_batches)
+        plan = LookaheadPlanner(self.device_budget_bytes - pinned_bytes, **options).plan(
+            dynamic, optimizer, samples
         )
-        plan = planner.plan(tables, optimizer, sample_batches)
-        self.capacity = dict(plan.capacity)
+        self.capacity = {t: c + pinned_rows.get(t, 0) for t, c in plan.capacity.items()}
         self.cache_plan = plan
         return plan
 

@@ -19,7 +19,7 @@ import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -260,8 +260,18 @@ class TorchRecStrategy(DDPStrategy):
         lookahead = [s for s in sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)]
         for s in lookahead:
             if s.device_budget_bytes is not None and not s.capacity:
-                plan_report = s.plan_capacity(module, self._sample_batches())
+                hot = self._pinned_hot_ids()
+                plan_report = s.plan_capacity(module, self._sample_batches(cold=hot is not None), pinned=hot)
                 rank_zero_info(f"Lookahead cache plan:\n{plan_report}")
+                if hot:
+                    rank_zero_info(
+                        "Pinned hot rows in those caches (capacity = pinned + planned): "
+                        + ", ".join(
+                            f"{t} {int(hot[t].numel()):,} + {c - int(hot[t].numel()):,}"
+                            for t, c in sorted(s.capacity.items())
+                            if t in hot
+                        )
+                    )
         cached: Dict[str, int] = {k: v for s in lookahead for k, v in s.capacity.items()}
         if cached:
             rank_zero_info(
@@ -318,17 +328,40 @@ class TorchRecStrategy(DDPStrategy):
         default, DDP over every rank. Subclasses override it (the hierarchical strategy: DDP inside a group)."""
         return None
 
-    def _sample_batches(self) -> Iterator[Any]:
-        """Training batches of the (unwrapped) DataModule, for sizing caches; identical on every rank."""
+    def _datamodules(self) -> Tuple[Any, Any]:
+        """The Trainer's DataModule and the one it wraps (the same when it wraps none)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         dm = getattr(trainer, "datamodule", None)
-        inner = getattr(dm, "datamodule", dm)
+        return dm, getattr(dm, "datamodule", dm)
+
+    def _pinned_hot_ids(self) -> Optional[Dict[str, torch.Tensor]]:
+        """FAE's hot ids per table when the DataModule pins them in the caches (a ``HotColdDataModule`` inside a
+        ``LookaheadDataModule``), calibrating or loading the hot set now (it is kept for training)."""
+        from torchrec_lookahead.data.lookahead import LookaheadDataModule
+        from torchrec_lookahead.hotcold import HotColdDataModule
+
+        dm, inner = self._datamodules()
+        if not (isinstance(dm, LookaheadDataModule) and isinstance(inner, HotColdDataModule)):
+            return None
+        if inner.hot_set is None:
+            inner.hot_set = inner.load_or_calibrate()
+        return {name: table.hot_ids for name, table in inner.hot_set.tables.items()}
+
+    def _sample_batches(self, cold: bool = False) -> Iterator[Any]:
+        """Training batches of the (unwrapped) DataModule, for sizing caches; identical on every rank. With
+        ``cold`` (pinned hot rows), the cold batches of its hot/cold stream: the dynamic caches see only them."""
+        _, inner = self._datamodules()
         if inner is None:
             raise ConfigError(
                 "The lookahead sharder has a device budget but no DataModule to sample batches from; pass a "
                 "DataModule to the Trainer or give the sharder explicit capacities"
             )
-        for batch in inner.train_dataloader():
+        loader = inner.train_dataloader()
+        if cold:
+            from torchrec_lookahead.data.hotcold_lookahead import ColdBatches
+
+            loader = ColdBatches(loader.stream)
+        for batch in loader:
             if self.world_size > 1:  # caches are planned for the global batch: gather every rank's ids
                 yield gather_global_kjt(batch.sparse_features, self.world_size, None)
             else:
