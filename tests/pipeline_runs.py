@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Tuple
 
 import torch
 import torch.distributed as dist
@@ -53,9 +53,15 @@ def whole_weights(dmp: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def train(cached: bool, steps: int = 12, batch_size: int = 64, horizon: int = 8) -> Dict[str, Any]:
-    """Train the tiny DLRM ``steps`` steps on this rank's part of the stream; returns the per-step losses and
-    :func:`whole_weights`."""
+def build(
+    cached: bool,
+    steps: int = 12,
+    batch_size: int = 64,
+    capacity: Mapping[str, int] = CAPACITY,
+    **pipeline_kw: Any,
+) -> Tuple[DistributedModelParallel, Any, CriteoSyntheticDataset]:
+    """The sharded tiny DLRM, its pipeline (TorchRec's ``TrainPipelineBase`` when resident) and this rank's part
+    of a ``steps``-batch stream."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     config = SyntheticCriteoConfig(batch_size=batch_size, num_batches=steps, num_embeddings=TABLES, seed=0,
@@ -76,9 +82,9 @@ def train(cached: bool, steps: int = 12, batch_size: int = 64, horizon: int = 8)
     topology = Topology(world_size=world, compute_device="cpu")
     device = torch.device("cpu")
     if cached:
-        sharders: List[Any] = [LookaheadEmbeddingBagCollectionSharder(capacity=CAPACITY, seed=0)]
+        sharders: List[Any] = [LookaheadEmbeddingBagCollectionSharder(capacity=dict(capacity), seed=0)]
         plan = lookahead_sharding_plan(
-            model, sharders, CAPACITY, topology, sharding_types=["table_wise"], pg=dist.group.WORLD
+            model, sharders, capacity, topology, sharding_types=["table_wise"], pg=dist.group.WORLD
         )
     else:
         sharders = [EmbeddingBagCollectionSharder()]
@@ -86,26 +92,44 @@ def train(cached: bool, steps: int = 12, batch_size: int = 64, horizon: int = 8)
                 for t in tables}  # fmt: skip
         plan = EmbeddingShardingPlanner(topology=topology, constraints=cons).collective_plan(model, sharders)
     dmp = DistributedModelParallel(model, device=device, sharders=sharders, plan=plan)
-    init_embedding_bag_tables_(dmp, [t for t in tables if not cached or t.name not in CAPACITY], seed=0)
+    init_embedding_bag_tables_(dmp, [t for t in tables if not cached or t.name not in capacity], seed=0)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
         lambda ps: torch.optim.Adagrad(ps, lr=0.05),
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     pipeline: Any = (
-        LookaheadTrainPipeline(dmp, optimizer, device, horizon=horizon)
+        LookaheadTrainPipeline(dmp, optimizer, device, **pipeline_kw)
         if cached
         else TrainPipelineBase(dmp, optimizer, device)
     )
+    return dmp, pipeline, data
+
+
+def counted(data: Iterable[Any], pulled: List[int]) -> Iterator[Any]:
+    """``data``'s batches, counting in ``pulled[0]`` how many have been read."""
+    for b in data:
+        pulled[0] += 1
+        yield b
+
+
+def train(cached: bool, epochs: int = 1, horizon: int = 8, **kw: Any) -> Dict[str, Any]:
+    """Train the tiny DLRM ``epochs`` times over this rank's part of the stream (:func:`build`); returns the
+    per-step losses, :func:`whole_weights` and, per step, the batches read from the stream by then."""
+    dmp, pipeline, data = build(cached, **kw, **({"horizon": horizon} if cached else {}))
     losses: List[float] = []
-    it = iter(data)  # streamed: the pipeline reads the iterator as training goes
-    while True:
-        try:
-            loss, _, _ = pipeline.progress(it)
-        except StopIteration:
-            break
-        losses.append(float(loss))
-    return {"losses": losses, "weights": whole_weights(dmp)}
+    pulled, read = [0], []
+    for _ in range(epochs):
+        it = counted(data, pulled)  # streamed: the pipeline reads the iterator as training goes
+        while True:
+            try:
+                loss, _, _ = pipeline.progress(it)
+            except StopIteration:
+                break
+            losses.append(float(loss))
+            read.append(pulled[0])
+        pipeline.reset()  # TorchRec's way to start the next stream
+    return {"losses": losses, "weights": whole_weights(dmp), "read": read}
 
 
 def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> Dict[str, Any]:

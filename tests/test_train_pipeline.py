@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchrec_lookahead import ConfigError, LookaheadTrainPipeline
+from torchrec_lookahead import CapacityError, ConfigError, LookaheadTrainPipeline, SetupError
 
 from .cli.test_cli import clean_env
 from .conftest import REPO, free_port
-from .pipeline_runs import compare, train
+from .pipeline_runs import build, compare, train
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +22,43 @@ def pg():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
-def test_one_rank_cached_pipeline_equals_torchrec_resident_pipeline(pg):
-    resident = train(cached=False)
-    cached = train(cached=True)
+def test_one_rank_cached_pipeline_equals_torchrec_resident_pipeline_over_two_epochs(pg):
+    resident = train(cached=False, epochs=2)
+    cached = train(cached=True, epochs=2)
     result = compare(cached, resident)
-    assert result["steps"] == 12 and result["losses_equal"], (cached["losses"], resident["losses"])
+    assert result["steps"] == 24 and result["losses_equal"], (cached["losses"], resident["losses"])
     assert sorted(resident["weights"]) == result["keys"]  # every table and dense layer compared
+    assert any(".embedding_bags.t_cat_2." in k for k in result["keys"])  # a cached table among them
     assert result["max_dw"] == 0.0
+
+
+def test_the_stream_is_read_as_training_goes_not_ahead_of_it(pg):
+    steps = 40
+    run = train(cached=True, steps=steps, batch_size=16, horizon=4, queue_depth=2)
+    assert len(run["losses"]) == steps
+    # the oracle's horizon and the queue of planned batches are read ahead, not the stream
+    assert run["read"][0] <= 4 + 4 + 2, run["read"]
+    assert all(r - i <= 4 + 4 + 2 for i, r in enumerate(run["read"], 1)), run["read"]
+
+
+def test_a_window_that_does_not_fit_is_a_typed_error_before_the_first_step_and_stops_the_threads(pg):
+    _, pipeline, data = build(cached=True, capacity={"t_cat_2": 4}, horizon=4)
+    with pytest.raises(CapacityError, match="t_cat_2"):
+        pipeline.progress(iter(data))
+    assert pipeline.loader is not None and pipeline.loader._run is None
+
+
+def test_eval_mode_is_refused_and_a_model_without_cached_tables_trains_as_under_torchrec(pg):
+    dmp, pipeline, data = build(cached=True, steps=2)
+    dmp.eval()
+    with pytest.raises(SetupError, match=r"model.train\(\)"):
+        pipeline.progress(iter(data))
+    dmp, pipeline, data = build(cached=True, steps=2, capacity={})
+    assert pipeline.loader is None and not pipeline.cached
+    it = iter(data)
+    assert pipeline.progress(it)[0].ndim == 0 and pipeline.progress(it)[0].ndim == 0
+    with pytest.raises(StopIteration):
+        pipeline.progress(it)
 
 
 def test_bad_settings_are_refused_before_anything_runs():
