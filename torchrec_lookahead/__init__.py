@@ -4,6 +4,8 @@ Tables live in a host store; a lookahead oracle plans which rows each upcoming b
 device cache holds just those rows, with results equal to resident training.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from torchrec_lookahead.errors import (
     CapacityError,
     CheckpointError,
@@ -13,6 +15,9 @@ from torchrec_lookahead.errors import (
     LookaheadError,
     SetupError,
 )
+
+if TYPE_CHECKING:
+    from torchrec_lookahead.train_pipeline import LookaheadTrainPipeline
 
 __version__ = "0.1.0"
 
@@ -25,4 +30,14 @@ __all__ = [
     "CapacityError",
     "SetupError",
     "CheckpointError",
+    "LookaheadTrainPipeline",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: the package's import stays light (no TorchRec) for the error types and the CLI.
+    if name == "LookaheadTrainPipeline":
+        from torchrec_lookahead.train_pipeline import LookaheadTrainPipeline
+
+        return LookaheadTrainPipeline
+    raise AttributeError(f"module 'torchrec_lookahead' has no attribute {name!r}")

@@ -1,5 +1,3 @@
-import importlib.util
-
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -11,28 +9,25 @@ from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharde
 from torchrec_lookahead.models import DLRMModule
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig
 
-from ..conftest import REPO
 from ..helpers import fit_cached, max_abs_diff, weights
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("swap_sharder", REPO / "examples" / "swap_sharder.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_plain_torchrec_loop_with_the_swapped_sharder_equals_the_resident_loop():
-    ex = _example()
-    cached = ex.main(["--steps", "6", "--batch-size", "256"])
-    resident = ex.main(["--steps", "6", "--batch-size", "256", "--resident"])
-    assert cached["loss"] == pytest.approx(resident["loss"], abs=1e-6)
-
-
 def test_compute_kernels_and_argument_checks():
+    from torchrec_lookahead.distributed.sharder import lookahead_planning
+
     sharder = LookaheadEmbeddingBagCollectionSharder(capacity={"t": 8})
-    assert "customized_kernel" in sharder.compute_kernels("data_parallel", "cpu")
-    assert "customized_kernel" not in sharder.compute_kernels("table_wise", "cpu")
+    with lookahead_planning():
+        assert "customized_kernel" in sharder.compute_kernels("data_parallel", "cpu")
+        assert "customized_kernel" not in sharder.compute_kernels("table_wise", "cpu")
+    # outside lookahead_sharding_plan: TorchRec's own planner is asking, which cannot place cached tables
+    with pytest.raises(
+        ConfigError, match=r"\['t'\].*plan=torchrec_lookahead.distributed.lookahead_sharding_plan"
+    ):
+        sharder.compute_kernels("data_parallel", "cpu")
+    # nothing to cache: TorchRec's own kernels, so TorchRec's planner works as with its own sharder
+    assert "customized_kernel" not in LookaheadEmbeddingBagCollectionSharder().compute_kernels(
+        "data_parallel", "cpu"
+    )
     with pytest.raises(ConfigError, match="positive"):
         LookaheadEmbeddingBagCollectionSharder(capacity={"t": 0})
     with pytest.raises(ConfigError, match="not both"):
@@ -51,6 +46,49 @@ def test_store_sharding_is_a_string_enum_and_bad_values_list_the_valid_ones():
     )
     with pytest.raises(ConfigError, match=r"one of \['host', 'row_wise'\] but got 'rows'"):
         LookaheadEmbeddingBagCollectionSharder(store_sharding="rows")
+
+
+def test_dmp_without_a_lookahead_plan_is_refused_with_the_fix():
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    _init_pg()
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=100, feature_names=[f"f{i}"])
+        for i in range(2)
+    ]
+
+    def ebc():
+        m = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        apply_optimizer_in_backward(torch.optim.SGD, m.parameters(), {"lr": 0.1})
+        return m
+
+    cpu = torch.device("cpu")
+    # TorchRec's own planner (no plan): refused before it reaches its estimators, naming the fix
+    with pytest.raises(
+        ConfigError, match=r"\['t0'\].*plan=torchrec_lookahead.distributed.lookahead_sharding_plan"
+    ):
+        DistributedModelParallel(
+            ebc(), device=cpu, sharders=[LookaheadEmbeddingBagCollectionSharder(capacity={"t0": 8})]
+        )
+    # a plan made for TorchRec's sharder would train the table resident: refused too
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).plan(
+        ebc(), [EmbeddingBagCollectionSharder()]
+    )
+    with pytest.raises(ConfigError, match=r"\['t0'\] have a cache capacity.*would train resident"):
+        DistributedModelParallel(
+            ebc(),
+            device=cpu,
+            sharders=[LookaheadEmbeddingBagCollectionSharder(capacity={"t0": 8})],
+            plan=plan,
+        )
+    # nothing to cache: TorchRec's planner places every table with its own kernels
+    dmp = DistributedModelParallel(ebc(), device=cpu, sharders=[LookaheadEmbeddingBagCollectionSharder()])
+    kernels = {ps.compute_kernel for mp in dmp.plan.plan.values() for ps in mp.values()}
+    assert kernels and "customized_kernel" not in kernels
 
 
 def test_sharding_plan_marks_cached_tables_customized_and_refuses_unknown_tables():

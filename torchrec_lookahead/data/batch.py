@@ -13,12 +13,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torchrec.datasets.utils import Batch
 
-from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.modules import stage_rows
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan
@@ -27,7 +28,20 @@ from torchrec_lookahead.store.types import EmbeddingStore
 if TYPE_CHECKING:
     from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
 
-__all__ = ["LookaheadBatch", "CacheTarget"]
+__all__ = ["LookaheadBatch", "CacheTarget", "cached_modules", "reset_caches"]
+
+
+def cached_modules(model: torch.nn.Module) -> List[ShardedLookaheadEmbeddingBagCollection]:
+    """The collections of ``model`` (a ``DistributedModelParallel`` model, or any module holding one) with
+    cached tables, in module order."""
+    return [m for m in model.modules() if isinstance(m, ShardedLookaheadEmbeddingBagCollection)]
+
+
+def reset_caches(modules: Sequence[ShardedLookaheadEmbeddingBagCollection]) -> None:
+    """Flush, then empty the caches of ``modules`` (a new plan stream starts from an empty cache)."""
+    for m in modules:
+        m.flush()
+        m.invalidate()
 
 
 @dataclass
@@ -109,6 +123,23 @@ class LookaheadBatch(Batch):
         if self.loader is not None and self.plan is not None and self.loader.target.num_ranks == 1:
             self.loader.mark_applied(self.plan.step)
 
+    def apply_to(self, modules: Sequence[ShardedLookaheadEmbeddingBagCollection]) -> None:
+        """Bring the caches of ``modules`` to this batch's plan; call right before the batch's training step,
+        after the previous step's optimizer update (no stale read: the plan writes back the rows it evicts,
+        with their updates, and loads the rows it fetches, gathered only after every write-back they depend
+        on). Pinned hot rows (``pin``) are loaded first, into the caches the loader's epoch start emptied."""
+        if self.pin is not None:
+            for m in modules:
+                m.pin_rows(self.pin)
+        if self.plan is None:
+            return
+        self.mark_started()
+        staged = self.wait_staged()
+        for m in modules:
+            # Plans from the lookahead loader's own oracle: the O(capacity) re-checks are skipped.
+            m.apply_plan(self.plan, staged, self.lrpp, trusted=True)
+        self.mark_applied()
+
 
 @dataclass(frozen=True)
 class CacheTarget:
@@ -133,3 +164,48 @@ class CacheTarget:
     rank: int = 0
     group: Optional[Any] = None
     average_every: Optional[int] = None
+
+    @classmethod
+    def from_modules(
+        cls,
+        modules: Sequence[ShardedLookaheadEmbeddingBagCollection],
+        num_ranks: int = 1,
+        rank: int = 0,
+        group: Optional[Any] = None,
+    ) -> CacheTarget:
+        """The cached tables of ``modules`` (see :func:`cached_modules`), planned on ``num_ranks`` ranks.
+
+        Raises:
+            ConfigError: two cached collections share a table or feature name.
+        """
+        capacity: Dict[str, int] = {}
+        f2t: Dict[str, str] = {}
+        rows: Dict[str, int] = {}
+        stores: Dict[str, Any] = {}
+        for m in modules:
+            cache = m.cache
+            clash = sorted(set(capacity) & set(cache.capacity))
+            clash += sorted(
+                f for f in cache.feature_to_table if f in f2t and f2t[f] != cache.feature_to_table[f]
+            )
+            if clash:
+                raise ConfigError(
+                    f"Two cached collections share table or feature names {clash}; give every cached table and "
+                    "feature a unique name"
+                )
+            capacity.update(cache.capacity)
+            stores.update(cache.stores)
+            f2t.update({f: t for f, t in cache.feature_to_table.items() if t in cache.capacity})
+            rows.update(
+                {c.name: c.num_embeddings for c in cache.embedding_bag_configs() if c.name in cache.capacity}
+            )
+        return cls(
+            capacity=capacity,
+            feature_to_table=f2t,
+            num_embeddings=rows,
+            stores=stores,
+            num_ranks=num_ranks,
+            rank=rank,
+            group=group,
+            average_every=next((m.average_every for m in modules if m.average_every is not None), None),
+        )

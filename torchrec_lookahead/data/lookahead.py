@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -26,7 +26,7 @@ from torchrec_lookahead.data.batch import LookaheadBatch as LookaheadBatch
 from torchrec_lookahead.data.capacity import CapacityCheck
 from torchrec_lookahead.data.lookahead_loader import LookaheadLoader as LookaheadLoader
 from torchrec_lookahead.data.lookahead_loader import global_batches as global_batches
-from torchrec_lookahead.data.lookahead_loader import scan_epoch
+from torchrec_lookahead.data.lookahead_loader import lookahead_options, scan_epoch
 from torchrec_lookahead.data.rank_split import split_for_ranks
 from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError, SetupError
@@ -127,25 +127,10 @@ class LookaheadDataModule(WrappedDataModule):
         if not stop_timeout_s > 0:
             raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s}")
         self.stop_timeout_s = float(stop_timeout_s)
-        if horizon < 1:
-            raise ConfigError(f"Expected horizon >= 1 but got {horizon}")
-        if prefetch_depth < 0 or prefetch_depth > horizon:
-            raise ConfigError(
-                f"Expected 0 <= prefetch_depth <= horizon but got prefetch_depth={prefetch_depth}, "
-                f"horizon={horizon}; raise horizon or lower prefetch_depth"
-            )
-        try:
-            self.policy = Policy(policy)
-        except ValueError:
-            raise ConfigError(f"Expected policy in {[p.value for p in Policy]} but got {policy!r}") from None
+        self.policy, self.oracle_kwargs = lookahead_options(horizon, prefetch_depth, policy, window, ways)
         self.horizon = horizon
         self.prefetch_depth = prefetch_depth
         self.queue_depth = queue_depth
-        self.oracle_kwargs: Dict[str, Any] = {}
-        if window is not None:
-            self.oracle_kwargs["window"] = window
-        if ways is not None:
-            self.oracle_kwargs["ways"] = ways
         self.capacity_check = CapacityCheck(capacity_check)
         self.loader: Optional[Any] = None  # a LookaheadLoader, or a HotColdLookaheadLoader around one
 

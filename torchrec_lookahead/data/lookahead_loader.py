@@ -49,12 +49,40 @@ from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.hotcold.pinned import PinnedRows
 from torchrec_lookahead.modules import remap_kjt, stage_rows, table_ids
 from torchrec_lookahead.modules.types import StagedRows
-from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, Policy
 from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, collective_channel
 
-__all__ = ["LookaheadLoader", "scan_epoch", "global_batches"]
+__all__ = ["LookaheadLoader", "scan_epoch", "global_batches", "lookahead_options"]
 
 log = logging.getLogger(__name__)
+
+
+def lookahead_options(
+    horizon: int, prefetch_depth: int, policy: str, window: Optional[int], ways: Optional[int]
+) -> Tuple[Policy, Dict[str, Any]]:
+    """The policy and the extra :class:`~torchrec_lookahead.oracle.OracleConfig` fields of a lookahead loader's
+    options (:class:`~torchrec_lookahead.data.LookaheadDataModule`, ``LookaheadTrainPipeline``).
+
+    Raises:
+        ConfigError: ``horizon`` below 1, ``prefetch_depth`` outside ``[0, horizon]``, an unknown policy.
+
+    Example:
+        >>> lookahead_options(16, 1, "window", window=8, ways=None)
+        (<Policy.WINDOW: 'window'>, {'window': 8})
+    """
+    if horizon < 1:
+        raise ConfigError(f"Expected horizon >= 1 but got {horizon}")
+    if prefetch_depth < 0 or prefetch_depth > horizon:
+        raise ConfigError(
+            f"Expected 0 <= prefetch_depth <= horizon but got prefetch_depth={prefetch_depth}, "
+            f"horizon={horizon}; raise horizon or lower prefetch_depth"
+        )
+    try:
+        chosen = Policy(policy)
+    except ValueError:
+        raise ConfigError(f"Expected policy in {[p.value for p in Policy]} but got {policy!r}") from None
+    extra = {k: v for k, v in (("window", window), ("ways", ways)) if v is not None}
+    return chosen, extra
 
 
 def global_batches(

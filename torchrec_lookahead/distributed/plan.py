@@ -25,6 +25,7 @@ from torchrec.modules.embedding_modules import (
 )
 
 from torchrec_lookahead.distributed.sharded import CUSTOMIZED
+from torchrec_lookahead.distributed.sharder import lookahead_planning
 from torchrec_lookahead.errors import ConfigError
 
 __all__ = ["lookahead_sharding_plan", "embedding_tables", "with_default_sharders", "check_all_sharded"]
@@ -158,10 +159,11 @@ def lookahead_sharding_plan(
     # device (that is the point), and only `capacity` rows of it will ever be on one.
     target, restore = _with_cache_sized_tables(module, cached)
     try:
-        if pg is not None:
-            plan = planner.collective_plan(target, sharders, pg)
-        else:
-            plan = planner.plan(target, sharders)
+        with lookahead_planning():
+            if pg is not None:
+                plan = planner.collective_plan(target, sharders, pg)
+            else:
+                plan = planner.plan(target, sharders)
     finally:
         restore()
     ranks = list(range(topology.world_size))

@@ -6,15 +6,26 @@ Tables whose parameter sharding uses TorchRec's ``CUSTOMIZED_KERNEL`` compute ke
 device cache of ``capacity`` rows; the others are sharded by TorchRec's own
 :class:`~torchrec.distributed.embeddingbag.EmbeddingBagCollectionSharder`, unchanged.
 
+Cached tables are placed by :func:`~torchrec_lookahead.distributed.lookahead_sharding_plan`, not by TorchRec's
+own planner: TorchRec's estimators and plan validation know only TorchRec's kernels, and its planner would size
+a cached table whole onto one device. A sharder with tables to cache therefore refuses to be planned by
+TorchRec's planner (``DistributedModelParallel(model, sharders=[...])`` without ``plan=``) with a
+:class:`~torchrec_lookahead.errors.ConfigError` naming the fix; one with nothing to cache is TorchRec's EBC sharder.
+
 Example:
     >>> sharder = LookaheadEmbeddingBagCollectionSharder(capacity={"t_big": 4096})
-    >>> "customized_kernel" in sharder.compute_kernels("data_parallel", "cpu")
+    >>> with lookahead_planning():
+    ...     "customized_kernel" in sharder.compute_kernels("data_parallel", "cpu")
     True
+    >>> "customized_kernel" in LookaheadEmbeddingBagCollectionSharder().compute_kernels("data_parallel", "cpu")
+    False
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import dataclasses
 import enum
 import fcntl
@@ -23,7 +34,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,7 +60,22 @@ __all__ = [
     "cache_optimizer_from_module",
     "StoreSharding",
     "STORE_SHARDINGS",
+    "lookahead_planning",
 ]
+
+_PLANNING: contextvars.ContextVar[bool] = contextvars.ContextVar("lookahead_planning", default=False)
+
+
+@contextlib.contextmanager
+def lookahead_planning() -> Iterator[None]:
+    """Inside, lookahead sharders offer the cache's kernel to TorchRec's planner (what
+    :func:`~torchrec_lookahead.distributed.lookahead_sharding_plan` runs it in); outside, a sharder with tables
+    to cache refuses to be planned."""
+    token = _PLANNING.set(True)
+    try:
+        yield
+    finally:
+        _PLANNING.reset(token)
 
 
 class StoreSharding(enum.StrEnum):
@@ -438,7 +464,27 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return plan
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        """TorchRec's kernels, and inside :func:`lookahead_planning` the cache's for data-parallel tables.
+
+        Raises:
+            ConfigError: TorchRec's own planner asks (no ``lookahead_planning``) while this sharder has tables
+                to cache (``capacity`` or ``device_budget_bytes``).
+        """
         kernels = list(super().compute_kernels(sharding_type, compute_device_type))
+        if not _PLANNING.get():
+            if self.capacity or self.device_budget_bytes is not None:
+                what = (
+                    sorted(self.capacity)
+                    if self.capacity
+                    else f"device_budget_bytes={self.device_budget_bytes}"
+                )
+                raise ConfigError(
+                    f"TorchRec's planner cannot place the lookahead cache's tables ({what}): "
+                    "DistributedModelParallel was given the lookahead sharder without a plan. Pass "
+                    "plan=torchrec_lookahead.distributed.lookahead_sharding_plan(model, sharders, capacity, "
+                    "topology) to DistributedModelParallel (under Lightning, strategy='torchrec' does this)"
+                )
+            return kernels
         if sharding_type == ShardingType.DATA_PARALLEL.value:
             kernels.append(CUSTOMIZED)
         return kernels
@@ -470,6 +516,14 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     ) -> Any:
         configs = module.embedding_bag_configs()
         cached = [c.name for c in configs if c.name in params and params[c.name].compute_kernel == CUSTOMIZED]
+        uncached = [c.name for c in configs if c.name in self.capacity and c.name not in cached]
+        if uncached:
+            raise ConfigError(
+                f"Tables {uncached} have a cache capacity but the sharding plan gives them TorchRec's "
+                f"{sorted({params[t].compute_kernel for t in uncached if t in params})} kernel: they would train "
+                "resident. Build the plan with torchrec_lookahead.distributed.lookahead_sharding_plan(model, "
+                "sharders, capacity, topology), or drop them from capacity"
+            )
         if not cached:
             return super().shard(module, params, env, device, module_fqn)
         missing = [t for t in cached if t not in self.capacity]

@@ -40,7 +40,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from typing_extensions import override
 
-from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
+from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch, cached_modules, reset_caches
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
     ShardedLookaheadEmbeddingBagCollection,
@@ -371,46 +371,14 @@ class TorchRecStrategy(DDPStrategy):
     def cached_modules(self) -> List[ShardedLookaheadEmbeddingBagCollection]:
         """The model's collections with cached tables."""
         lm = self.lightning_module
-        if lm is None:
-            return []
-        return [m for m in lm.modules() if isinstance(m, ShardedLookaheadEmbeddingBagCollection)]
+        return [] if lm is None else cached_modules(lm)
 
     def cache_target(self) -> Optional[CacheTarget]:
         """What :class:`~torchrec_lookahead.data.LookaheadDataModule` needs to plan the cached tables."""
         mods = self.cached_modules()
         if not mods:
             return None
-        capacity: Dict[str, int] = {}
-        f2t: Dict[str, str] = {}
-        rows: Dict[str, int] = {}
-        stores: Dict[str, Any] = {}
-        for m in mods:
-            cache = m.cache
-            clash = sorted(set(capacity) & set(cache.capacity))
-            clash += sorted(
-                f for f in cache.feature_to_table if f in f2t and f2t[f] != cache.feature_to_table[f]
-            )
-            if clash:
-                raise ConfigError(
-                    f"Two cached collections share table or feature names {clash}; give every cached table and "
-                    "feature a unique name"
-                )
-            capacity.update(cache.capacity)
-            stores.update(cache.stores)
-            f2t.update({f: t for f, t in cache.feature_to_table.items() if t in cache.capacity})
-            rows.update(
-                {c.name: c.num_embeddings for c in cache.embedding_bag_configs() if c.name in cache.capacity}
-            )
-        return CacheTarget(
-            capacity=capacity,
-            feature_to_table=f2t,
-            num_embeddings=rows,
-            stores=stores,
-            num_ranks=self.world_size,
-            rank=self.global_rank,
-            group=self._id_group,
-            average_every=next((m.average_every for m in mods if m.average_every is not None), None),
-        )
+        return CacheTarget.from_modules(mods, self.world_size, self.global_rank, self._id_group)
 
     def flush_caches(self) -> None:
         """Write every cached row and its optimizer state back to the host stores (contract: nothing lost)."""
@@ -419,9 +387,7 @@ class TorchRecStrategy(DDPStrategy):
 
     def reset_caches(self) -> None:
         """Flush, then empty the caches (a new plan stream starts from an empty cache)."""
-        for m in self.cached_modules():
-            m.flush()
-            m.invalidate()
+        reset_caches(self.cached_modules())
 
     @override
     def batch_to_device(
@@ -430,18 +396,8 @@ class TorchRecStrategy(DDPStrategy):
         lm = self.lightning_module
         trainer = lm._trainer if lm is not None else None
         training = trainer is not None and trainer.training
-        if isinstance(batch, LookaheadBatch) and batch.pin is not None and training:
-            for (
-                m
-            ) in self.cached_modules():  # pinned hot rows, into the caches the loader's epoch start emptied
-                m.pin_rows(batch.pin)
-        if isinstance(batch, LookaheadBatch) and batch.plan is not None and training:
-            batch.mark_started()
-            staged = batch.wait_staged()
-            for m in self.cached_modules():
-                # Plans from the LookaheadDataModule's own oracle: the O(capacity) re-checks are skipped.
-                m.apply_plan(batch.plan, staged, batch.lrpp, trusted=True)
-            batch.mark_applied()
+        if isinstance(batch, LookaheadBatch) and training:
+            batch.apply_to(self.cached_modules())
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override

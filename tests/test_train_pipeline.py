@@ -1,0 +1,87 @@
+"""``LookaheadTrainPipeline``: a plain TorchRec loop through the cache equals TorchRec's resident loop bit for
+bit (one rank in-process, two under torchrun), streams its data, and refuses what it cannot train."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchrec_lookahead import CapacityError, ConfigError, LookaheadTrainPipeline, SetupError
+
+from .cli.test_cli import clean_env
+from .conftest import REPO, free_port
+from .pipeline_runs import build, compare, train
+
+
+@pytest.fixture(scope="module")
+def pg():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def test_one_rank_cached_pipeline_equals_torchrec_resident_pipeline_over_two_epochs(pg):
+    resident = train(cached=False, epochs=2)
+    cached = train(cached=True, epochs=2)
+    result = compare(cached, resident)
+    assert result["steps"] == 24 and result["losses_equal"], (cached["losses"], resident["losses"])
+    assert sorted(resident["weights"]) == result["keys"]  # every table and dense layer compared
+    assert any(".embedding_bags.t_cat_2." in k for k in result["keys"])  # a cached table among them
+    assert result["max_dw"] == 0.0
+
+
+def test_the_stream_is_read_as_training_goes_not_ahead_of_it(pg):
+    steps = 40
+    run = train(cached=True, steps=steps, batch_size=16, horizon=4, queue_depth=2)
+    assert len(run["losses"]) == steps
+    # the oracle's horizon and the queue of planned batches are read ahead, not the stream
+    assert run["read"][0] <= 4 + 4 + 2, run["read"]
+    assert all(r - i <= 4 + 4 + 2 for i, r in enumerate(run["read"], 1)), run["read"]
+
+
+def test_a_window_that_does_not_fit_is_a_typed_error_before_the_first_step_and_stops_the_threads(pg):
+    _, pipeline, data = build(cached=True, capacity={"t_cat_2": 4}, horizon=4)
+    with pytest.raises(CapacityError, match="t_cat_2"):
+        pipeline.progress(iter(data))
+    assert pipeline.loader is not None and pipeline.loader._run is None
+
+
+def test_eval_mode_is_refused_and_a_model_without_cached_tables_trains_as_under_torchrec(pg):
+    dmp, pipeline, data = build(cached=True, steps=2)
+    dmp.eval()
+    with pytest.raises(SetupError, match=r"model.train\(\)"):
+        pipeline.progress(iter(data))
+    dmp, pipeline, data = build(cached=True, steps=2, capacity={})
+    assert pipeline.loader is None and not pipeline.cached
+    it = iter(data)
+    assert pipeline.progress(it)[0].ndim == 0 and pipeline.progress(it)[0].ndim == 0
+    with pytest.raises(StopIteration):
+        pipeline.progress(it)
+
+
+def test_bad_settings_are_refused_before_anything_runs():
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="prefetch_depth=5"):
+        LookaheadTrainPipeline(model, opt, torch.device("cpu"), horizon=4, prefetch_depth=5)
+    with pytest.raises(ConfigError, match=r"policy in \[.*'belady'.*\] but got 'fifo'"):
+        LookaheadTrainPipeline(model, opt, torch.device("cpu"), policy="fifo")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_cached_pipeline_equals_torchrec_resident_pipeline(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "tests.pipeline_runs", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    compared = set()
+    for r in results:
+        assert r["steps"] == 12 and r["losses_equal"] and r["max_dw"] == 0.0, r
+        compared |= set(r["keys"])
+    # every table (each whole on the rank holding it) and every dense layer compared on some rank
+    assert compared == set(results[0]["all_keys"]) | set(results[1]["all_keys"])
+    assert any(".embedding_bags.t_cat_2." in k for k in compared)

@@ -1,0 +1,258 @@
+"""``LookaheadTrainPipeline``: TorchRec's train pipeline for plain loops, with the lookahead cache.
+
+A plain TorchRec loop trains through TorchRec's :class:`~torchrec.distributed.train_pipeline.TrainPipelineBase`
+(``pipeline.progress(dataloader_iter)`` per step: batch to device, forward, backward, optimizer). This
+pipeline extends it, so that a model sharded with the
+:class:`~torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder` trains its cached tables with
+the same loop::
+
+    pipeline = LookaheadTrainPipeline(dmp, optimizer, device)   # instead of TrainPipelineBase(...)
+    with pipeline:
+        it = iter(dataloader)
+        while True:
+            try:
+                pipeline.progress(it)
+            except StopIteration:
+                break
+
+Behind ``progress``, the :class:`~torchrec_lookahead.data.LookaheadLoader` that the Lightning path uses reads
+``dataloader_iter`` in a background thread, runs the oracle ``horizon`` batches ahead and remaps the cached
+features' ids to cache slots; a second thread gathers the rows each plan fetches ``prefetch_depth`` steps ahead.
+Before each step the batch's plan is applied to the cached modules (exactly as ``strategy="torchrec"`` does,
+through :meth:`~torchrec_lookahead.data.LookaheadBatch.apply_to`), then TorchRec's step runs unchanged. The
+data is streamed: only ``queue_depth`` planned batches and the oracle's ``horizon`` of ids are held.
+
+With several ranks every rank runs the same pipeline on its own part of the data (as in the resident loop);
+the planner threads gather every rank's ids of each batch in lockstep, so all ranks plan the global batch
+(LRPP). When the stream ends, ``progress`` writes every cached row back to the host stores and raises
+``StopIteration``; ``flush()`` does so at any time, and the context manager on exit.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+from typing import Any, Iterator, List, Optional, Type
+
+import torch
+import torch.distributed as dist
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.train_pipeline import TrainPipelineBase
+
+from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch, cached_modules, reset_caches
+from torchrec_lookahead.data.lookahead_loader import LookaheadLoader, lookahead_options
+from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.errors import SetupError
+
+__all__ = ["LookaheadTrainPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+def _id_group(module: ShardedLookaheadEmbeddingBagCollection) -> Optional[dist.ProcessGroup]:
+    """The gloo group on which the planner thread gathers the ranks' ids (collective: every rank)."""
+    if module.world_size == 1:
+        return None
+    pg = module._pg
+    ranks = dist.get_process_group_ranks(pg) if pg is not None else None
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
+class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
+    """TorchRec's ``TrainPipelineBase`` whose steps train the model's cached tables (module docstring).
+
+    The model's forward takes a TorchRec :class:`~torchrec.datasets.utils.Batch` and returns ``(loss, output)``,
+    as for TorchRec's pipelines (e.g. ``DistributedModelParallel(DLRMTrain(dlrm), ...)``); ``progress`` returns
+    ``output``. A model without cached tables trains exactly as under ``TrainPipelineBase``.
+
+    Args:
+        model: the ``DistributedModelParallel`` model (sharded with the lookahead sharder and a
+            :func:`~torchrec_lookahead.distributed.lookahead_sharding_plan`).
+        optimizer: the optimizer stepped after each backward (e.g. ``CombinedOptimizer([dmp.fused_optimizer,
+            dense])``).
+        device: the device batches are moved to.
+        horizon: batches the oracle reads ahead.
+        prefetch_depth: steps ahead the fetched rows are gathered (at most ``horizon``).
+        policy: a :class:`~torchrec_lookahead.oracle.Policy` or its value (``belady``, ``ttl``, ``window``,
+            ``lru``).
+        queue_depth: planned batches kept ready (bounds memory and the oracle's lead).
+        window: batches per window of the ``window`` policy.
+        ways: associativity of the ``window`` policy.
+        stop_timeout_s: with several ranks, how long a rank that stops waits for the others to join the planner's
+            last id all-gather before it gives up with a :class:`~torchrec_lookahead.errors.SetupError`.
+        planner_nice: nice value of the planner thread (0 to 19; see
+            :class:`~torchrec_lookahead.data.LookaheadDataModule`).
+
+    Raises:
+        ConfigError: a bad ``horizon``, ``prefetch_depth``, ``policy`` or other oracle setting.
+
+    Bad ids and windows that do not fit the cache raise the oracle's typed errors
+    (:class:`~torchrec_lookahead.errors.InvalidIdError`, :class:`~torchrec_lookahead.errors.CapacityError`)
+    from ``progress`` once the oracle, ``horizon`` batches ahead of training, reaches them: a stream has no
+    length to check in advance.
+
+    Example:
+        >>> import tempfile
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+        >>> from torchrec.distributed import DistributedModelParallel
+        >>> from torchrec.distributed.planner import Topology
+        >>> from torchrec.models.dlrm import DLRM, DLRMTrain
+        >>> from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+        >>> from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+        >>> from torchrec.optim.optimizers import in_backward_optimizer_filter
+        >>> from torchrec_lookahead.data import CriteoSyntheticDataset, SyntheticCriteoConfig
+        >>> from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+        >>> from torchrec_lookahead.distributed import lookahead_sharding_plan
+        >>> if not dist.is_initialized():
+        ...     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+        >>> data = CriteoSyntheticDataset(SyntheticCriteoConfig(batch_size=16, num_batches=3,
+        ...                                                     num_embeddings=[20] * 26))
+        >>> tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=4, num_embeddings=n, feature_names=[f])
+        ...           for f, n in data.num_embeddings_per_feature().items()]
+        >>> ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        >>> dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=13, dense_arch_layer_sizes=[8, 4],
+        ...             over_arch_layer_sizes=[4, 1])
+        >>> apply_optimizer_in_backward(torch.optim.SGD, dlrm.sparse_arch.parameters(), {"lr": 0.1})
+        >>> capacity = {"t_cat_0": 16}
+        >>> sharders = [LookaheadEmbeddingBagCollectionSharder(capacity=capacity)]
+        >>> topology = Topology(world_size=1, compute_device="cpu")
+        >>> plan = lookahead_sharding_plan(DLRMTrain(dlrm), sharders, capacity, topology)
+        >>> dmp = DistributedModelParallel(DLRMTrain(dlrm), device=torch.device("cpu"), sharders=sharders, plan=plan)
+        >>> dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        ...                               lambda ps: torch.optim.SGD(ps, lr=0.1))
+        >>> optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+        >>> steps = 0
+        >>> with LookaheadTrainPipeline(dmp, optimizer, torch.device("cpu"), horizon=4) as pipeline:
+        ...     it = iter(data)
+        ...     while True:
+        ...         try:
+        ...             loss, logits, labels = pipeline.progress(it)
+        ...         except StopIteration:
+        ...             break
+        ...         steps += 1
+        >>> steps
+        3
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        horizon: int = 64,
+        prefetch_depth: int = 1,
+        policy: str = "belady",
+        queue_depth: int = 8,
+        window: Optional[int] = None,
+        ways: Optional[int] = None,
+        stop_timeout_s: float = 60.0,
+        planner_nice: int = 19,
+    ) -> None:
+        chosen, oracle_kwargs = lookahead_options(horizon, prefetch_depth, policy, window, ways)
+        super().__init__(model, optimizer, device)
+        self._cached = cached_modules(model)
+        self._batches: Optional[Iterator[Batch]] = None
+        self.loader: Optional[LookaheadLoader] = None
+        if not self._cached:
+            log.warning(
+                "LookaheadTrainPipeline: the model has no cached tables; batches pass through unplanned"
+            )
+            return
+        first = self._cached[0]
+        target = CacheTarget.from_modules(self._cached, first.world_size, first.rank, _id_group(first))
+        #: the lookahead loader reading the connected data iterator (its ``stats()`` count waits and CPU time)
+        self.loader = LookaheadLoader(
+            None,
+            target,
+            horizon,
+            prefetch_depth,
+            chosen.value,
+            queue_depth,
+            on_epoch_start=lambda: reset_caches(self._cached),
+            oracle_kwargs=oracle_kwargs,
+            stop_timeout_s=stop_timeout_s,
+            planner_nice=planner_nice,
+        )
+
+    @property
+    def cached(self) -> List[ShardedLookaheadEmbeddingBagCollection]:
+        """The model's collections with cached tables."""
+        return list(self._cached)
+
+    # ------------------------------------------------------------------- TorchRec's TrainPipelineBase hooks
+    def _connect(self, dataloader_iter: Iterator[Batch]) -> None:
+        if self.loader is None:
+            self._batches = dataloader_iter
+        else:
+            if not self._model.training:
+                raise SetupError(
+                    "LookaheadTrainPipeline trains (its batches hold cache slots): call model.train() first; "
+                    "evaluate a cached model by calling it on unplanned batches in eval mode"
+                )
+            self.loader.loader = dataloader_iter
+            self._batches = iter(self.loader)  # a new stream starts from empty caches (flushed first)
+        super()._connect(dataloader_iter)
+
+    def _next_batch(self, dataloader_iter: Iterator[Batch]) -> Optional[Batch]:
+        assert self._batches is not None
+        return super()._next_batch(self._batches)
+
+    def _wait_for_batch(self, cur_batch: Batch) -> None:
+        super()._wait_for_batch(cur_batch)
+        if isinstance(cur_batch, LookaheadBatch):
+            # After the previous step's optimizer update, before this step's forward (no stale read).
+            cur_batch.apply_to(self._cached)
+
+    def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
+        """One training step on the next batch of ``dataloader_iter`` (a new iterator after the end of the
+        previous one starts a new stream, from empty caches).
+
+        Returns:
+            The model's ``output``.
+
+        Raises:
+            StopIteration: the stream has ended (the caches have been written back to the host stores).
+        """
+        try:
+            return super().progress(dataloader_iter)
+        except StopIteration:
+            self.flush()
+            self.reset()
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------------------------ end of training
+    def flush(self, barrier: bool = True) -> None:
+        """Write every cached row and its optimizer state back to the host stores (``barrier=False`` on an
+        exception path, where another rank may be gone: see
+        :meth:`~torchrec_lookahead.distributed.ShardedLookaheadEmbeddingBagCollection.flush`)."""
+        for m in self._cached:
+            m.flush(barrier=barrier)
+
+    def close(self) -> None:
+        """Stop the background threads (a later ``progress`` starts a new stream)."""
+        if self.loader is not None:
+            self.loader.close()
+        self._reset_data_iter()
+
+    def reset(self) -> None:
+        """TorchRec's reset: forget the connected iterator and stop the background threads."""
+        self.close()
+
+    def __enter__(self) -> LookaheadTrainPipeline:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        try:
+            self.close()
+        finally:
+            self.flush(barrier=exc is None)
