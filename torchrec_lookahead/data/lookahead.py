@@ -21,6 +21,7 @@ from torchrec_lookahead.data._threads import _check_nice
 from torchrec_lookahead.data._threads import _Run as _Run
 from torchrec_lookahead.data._threads import lower_thread_priority as lower_thread_priority
 from torchrec_lookahead.data._threads import single_threaded_ops as single_threaded_ops
+from torchrec_lookahead.data.adapter import BatchAdapter
 from torchrec_lookahead.data.batch import CacheTarget as CacheTarget
 from torchrec_lookahead.data.batch import LookaheadBatch as LookaheadBatch
 from torchrec_lookahead.data.capacity import CapacityCheck
@@ -98,6 +99,12 @@ class LookaheadDataModule(WrappedDataModule):
             up on average; at lower priority it takes the CPU time training leaves, instead of preempting
             the training thread or its OpenMP workers in the middle of a parallel operator (measured in
             ``docs/benchmarks.md``).
+        batch_adapter: how to read the wrapped DataModule's training batches when they are not TorchRec
+            ``Batch`` es (a dict per batch, usual for two-tower models): a
+            :class:`~torchrec_lookahead.data.DictBatchAdapter` or a :class:`~torchrec_lookahead.data.BatchAdapter`
+            around a function from the batch to ``(dense features, KJT, labels)``. The model's ``training_step``
+            still receives its own batch type, with the cached tables' ids replaced by cache slots. Without
+            one, such batches are refused with a :class:`~torchrec_lookahead.errors.DataError` saying what to pass.
 
     Example:
         >>> from torchrec_lookahead.data import CriteoSyntheticDataModule
@@ -118,8 +125,15 @@ class LookaheadDataModule(WrappedDataModule):
         capacity_check: str = "epoch",
         stop_timeout_s: float = 60.0,
         planner_nice: int = 19,
+        batch_adapter: Optional[BatchAdapter] = None,
     ) -> None:
         super().__init__(datamodule)
+        if batch_adapter is not None and not isinstance(batch_adapter, BatchAdapter):
+            raise ConfigError(
+                f"Expected batch_adapter to be a torchrec_lookahead.data.BatchAdapter (or DictBatchAdapter) but got "
+                f"{type(batch_adapter).__name__}; wrap a function as BatchAdapter(split=<batch -> (dense, KJT, labels)>)"
+            )
+        self.batch_adapter = batch_adapter
         _check_nice(planner_nice)
         self.planner_nice = int(planner_nice)
         if capacity_check not in (CapacityCheck.EPOCH, CapacityCheck.LOOKAHEAD):
@@ -201,12 +215,18 @@ class LookaheadDataModule(WrappedDataModule):
             stop_timeout_s=self.stop_timeout_s,
             planner_nice=self.planner_nice,
             pinned=pinned,
+            batch_adapter=self.batch_adapter,
         )
 
     def _hotcold_loader(self, inner: Any, target: CacheTarget) -> Any:
         """FAE with pinned hot rows: hot batches read pinned slots, the oracle plans the cold batches alone."""
         from torchrec_lookahead.data.hotcold_lookahead import ColdBatches, HotColdLookaheadLoader
 
+        if self.batch_adapter is not None:
+            raise ConfigError(
+                "Pinned hot rows (a HotColdDataModule inside a LookaheadDataModule) regroup TorchRec Batches; "
+                "drop batch_adapter, or yield TorchRec Batches from the wrapped DataModule"
+            )
         if target.num_ranks > 1:
             raise ConfigError(
                 "Pinned hot rows (a HotColdDataModule inside a LookaheadDataModule over cached tables) train on one "
@@ -255,7 +275,7 @@ class LookaheadDataModule(WrappedDataModule):
             return
 
         t0 = time.perf_counter()
-        need = scan_epoch(inner, target, self.prefetch_depth, self.stop_timeout_s)
+        need = scan_epoch(inner, target, self.prefetch_depth, self.stop_timeout_s, self.batch_adapter)
         rank_zero_info(
             f"Lookahead capacity check: {len(inner)} batches read ahead in {time.perf_counter() - t0:.1f} s; "
             f"the largest windows need {need} cache rows"

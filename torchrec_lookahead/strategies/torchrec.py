@@ -37,9 +37,10 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders, get_module
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from typing_extensions import override
 
+from torchrec_lookahead.data.adapter import as_torchrec_batch
 from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
@@ -64,6 +65,11 @@ _WORLD_SIZE_KEY = "torchrec_lookahead_world_size"
 
 # FBGEMM's fused CPU kernel implements only these optimizers (split_table_batched_embeddings_ops_training).
 _CPU_FUSED_OPTIMIZERS = ("SGD", "RowWiseAdagrad", "Adagrad")
+
+
+def _embedding_collections(module: nn.Module) -> List[nn.Module]:
+    """TorchRec's unsharded embedding collections inside ``module`` (itself included)."""
+    return [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
 
 
 def _check_cpu_fused_optimizers(module: nn.Module) -> None:
@@ -108,7 +114,10 @@ class TorchRecStrategy(DDPStrategy):
         compute_kernel: compute kernel asked of the planner for every table without an explicit constraint
             (``"fused"`` by default: FBGEMM's fused kernel and optimizer; ``None`` leaves it to the planner).
         sharding_types: sharding types allowed for those tables (default: table-wise and row-wise).
-        module_name: attribute of the LightningModule holding the model to shard.
+        module_name: attribute of the LightningModule holding the model to shard; ``None`` (default): the one
+            child module of the LightningModule that holds TorchRec embedding collections
+            (``EmbeddingBagCollection``, ``EmbeddingCollection``), found by walking its modules, so any
+            LightningModule whose model holds such collections can be sharded, whatever its attribute names.
         plan: a precomputed sharding plan (skips the planner).
         init_seed: after sharding, write the deterministic initial values of
             :func:`~torchrec_lookahead.store.init_rows` into every resident table (the values the lookahead
@@ -132,7 +141,7 @@ class TorchRecStrategy(DDPStrategy):
         constraints: Optional[Dict[str, ParameterConstraints]] = None,
         compute_kernel: Optional[str] = "fused",
         sharding_types: Optional[List[str]] = None,
-        module_name: str = "model",
+        module_name: Optional[str] = None,
         plan: Optional[ShardingPlan] = None,
         init_seed: Optional[int] = 0,
         **kwargs: Any,
@@ -143,6 +152,7 @@ class TorchRecStrategy(DDPStrategy):
         self._compute_kernel = compute_kernel
         self._sharding_types = list(sharding_types or ["table_wise", "row_wise"])
         self._module_name = module_name
+        self._sharded_name: Optional[str] = module_name
         self._plan = plan
         self._init_seed = init_seed
         self._id_group: Optional[dist.ProcessGroup] = None
@@ -323,16 +333,18 @@ class TorchRecStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         dm = getattr(trainer, "datamodule", None)
         inner = getattr(dm, "datamodule", dm)
+        adapter = getattr(dm, "batch_adapter", None)
         if inner is None:
             raise ConfigError(
                 "The lookahead sharder has a device budget but no DataModule to sample batches from; pass a "
                 "DataModule to the Trainer or give the sharder explicit capacities"
             )
         for batch in inner.train_dataloader():
+            kjt = as_torchrec_batch(batch, adapter).sparse_features
             if self.world_size > 1:  # caches are planned for the global batch: gather every rank's ids
-                yield gather_global_kjt(batch.sparse_features, self.world_size, None)
+                yield gather_global_kjt(kjt, self.world_size, None)
             else:
-                yield batch.sparse_features
+                yield kjt
 
     # ---------------------------------------------------------------------------------------- the cache
     def cached_modules(self) -> List[ShardedLookaheadEmbeddingBagCollection]:
@@ -409,6 +421,10 @@ class TorchRecStrategy(DDPStrategy):
                 # Plans from the LookaheadDataModule's own oracle: the O(capacity) re-checks are skipped.
                 m.apply_plan(batch.plan, staged, batch.lrpp, trusted=True)
             batch.mark_applied()
+        if isinstance(batch, LookaheadBatch):
+            batch = (
+                batch.user_batch()
+            )  # a batch read through a BatchAdapter goes back to the model's own type
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
@@ -425,22 +441,55 @@ class TorchRecStrategy(DDPStrategy):
         finally:
             super().on_exception(exception)
 
+    def _model_name(self, lm: pl.LightningModule) -> str:
+        """The attribute of ``lm`` holding the model to shard: ``module_name``, or the one child holding TorchRec
+        embedding collections (or the ``DistributedModelParallel`` built at an earlier stage)."""
+        if self._module_name is not None:
+            return self._module_name
+        found = [
+            name
+            for name, child in lm.named_children()
+            if isinstance(child, DistributedModelParallel) or _embedding_collections(child)
+        ]
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise ConfigError(
+                f"{type(lm).__name__} holds no TorchRec embedding collection (EmbeddingBagCollection or "
+                "EmbeddingCollection) in any of its modules, so strategy='torchrec' has nothing to shard and no table "
+                "to cache: build the TorchRec model in configure_model() (or __init__) as an attribute of the "
+                "LightningModule, or train without strategy='torchrec'"
+            )
+        raise ConfigError(
+            f"{type(lm).__name__} holds TorchRec embedding collections under several attributes {found}; "
+            "TorchRecStrategy shards one model: keep them under one nn.Module, or set "
+            f"TorchRecStrategy(module_name=...) to one of {found}"
+        )
+
     def _shard_lightning_module(self) -> None:
         lm = self.lightning_module
         if lm is None:
             raise SetupError("No LightningModule attached to the strategy")
-        module = getattr(lm, self._module_name, None)
+        name = self._model_name(lm)
+        self._sharded_name = name
+        module = getattr(lm, name, None)
         if isinstance(module, DistributedModelParallel):
             self.dmp = module
             return
         if not isinstance(module, nn.Module):
             raise ConfigError(
-                f"TorchRecStrategy(module_name={self._module_name!r}): {type(lm).__name__} has no nn.Module "
-                f"attribute {self._module_name!r} (build it in configure_model()); set module_name to the "
-                "attribute holding the TorchRec model"
+                f"TorchRecStrategy(module_name={name!r}): {type(lm).__name__} has no nn.Module "
+                f"attribute {name!r} (build it in configure_model()); set module_name to the "
+                "attribute holding the TorchRec model, or leave it unset to find it"
+            )
+        if not _embedding_collections(module):
+            raise ConfigError(
+                f"TorchRecStrategy(module_name={name!r}): {type(lm).__name__}.{name} holds no TorchRec embedding "
+                "collection (EmbeddingBagCollection or EmbeddingCollection); name the attribute that holds them, "
+                "or leave module_name unset to find it"
             )
         self.dmp = self.shard(module)
-        setattr(lm, self._module_name, self.dmp)
+        setattr(lm, name, self.dmp)
         log.info("TorchRec sharding plan:\n%s", self.dmp.plan)
 
     def _ensure_id_group(self) -> None:
@@ -454,7 +503,7 @@ class TorchRecStrategy(DDPStrategy):
         if lm is None:
             return
         for name, child in lm.named_children():
-            if child is not self.dmp and name != self._module_name:
+            if child is not self.dmp and name != self._sharded_name:
                 child.to(self.root_device)
 
     @override
