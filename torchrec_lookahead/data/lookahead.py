@@ -13,10 +13,11 @@ import time
 from typing import Any, Dict, Iterator, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
+from torchrec_lookahead.data._report import report_text, scan_progress
 from torchrec_lookahead.data._threads import _check_nice
 from torchrec_lookahead.data._threads import _Run as _Run
 from torchrec_lookahead.data._threads import lower_thread_priority as lower_thread_priority
@@ -244,16 +245,24 @@ class LookaheadDataModule(WrappedDataModule):
             target.capacity,
             target.num_embeddings,
         )
-        rank_zero_info("Pinned hot rows in the lookahead cache:\n  " + "\n  ".join(pinned.summary()))
+        report_text(
+            self.trainer,
+            "lookahead/pinned_rows",
+            "Pinned hot rows in the lookahead cache:\n  " + "\n  ".join(pinned.summary()),
+        )
         if self.loader is not None:
             self.loader.close()
         if self.capacity_check is CapacityCheck.EPOCH:
             t0 = time.perf_counter()
             dynamic = dataclasses.replace(target, capacity=pinned.dynamic_capacity())
-            need = scan_epoch(_ColdParts(ColdBatches(inner.stream), pinned), dynamic, self.prefetch_depth)
-            rank_zero_info(
+            cold = _ColdParts(ColdBatches(inner.stream), pinned)
+            with scan_progress(self.trainer, "Lookahead capacity check (cold batches)", None) as tick:
+                need = scan_epoch(cold, dynamic, self.prefetch_depth, on_batch=tick)
+            report_text(
+                self.trainer,
+                "lookahead/capacity_check",
                 f"Lookahead capacity check of the cold batches: {time.perf_counter() - t0:.1f} s; the largest "
-                f"windows need {need} dynamic cache rows"
+                f"windows need {need} dynamic cache rows",
             )
         strategy = self.trainer.strategy if self.trainer is not None else None
         self.loader = HotColdLookaheadLoader(
@@ -275,8 +284,14 @@ class LookaheadDataModule(WrappedDataModule):
             return
 
         t0 = time.perf_counter()
-        need = scan_epoch(inner, target, self.prefetch_depth, self.stop_timeout_s, self.batch_adapter)
-        rank_zero_info(
-            f"Lookahead capacity check: {len(inner)} batches read ahead in {time.perf_counter() - t0:.1f} s; "
-            f"the largest windows need {need} cache rows"
-        )
+        with scan_progress(self.trainer, "Lookahead capacity check", len(inner)) as tick:
+            need = scan_epoch(
+                inner, target, self.prefetch_depth, self.stop_timeout_s, self.batch_adapter, on_batch=tick
+            )
+        seconds = time.perf_counter() - t0
+        lines = [
+            f"Lookahead capacity check: {len(inner)} batches read ahead in {seconds:.1f} s; the largest windows "
+            "need, of each cached table's rows:"
+        ]
+        lines += [f"  {t}: {need[t]:,} of {target.capacity[t]:,} cache rows" for t in sorted(need)]
+        report_text(self.trainer, "lookahead/capacity_check", "\n".join(lines))

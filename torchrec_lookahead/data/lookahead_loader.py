@@ -451,10 +451,12 @@ def scan_epoch(
     prefetch_depth: int,
     stop_timeout_s: float = 60.0,
     adapter: Optional[BatchAdapter] = None,
+    on_batch: Optional[Callable[[], None]] = None,
 ) -> Dict[str, int]:
     """Read one epoch of ``inner`` (a loader of TorchRec batches, or of others read through ``adapter``) and check every window and id against the cache
     before training (:func:`~torchrec_lookahead.data.capacity.check_stream`; with several ranks over the
     global batches, gathered in lockstep). Random states, the loader's generators included, are restored.
+    ``on_batch`` is called after each batch is read (a progress bar's tick).
 
     Returns:
         The largest window working set per cached table.
@@ -487,7 +489,17 @@ def scan_epoch(
                 "their error)"
             )
 
-    stream = sparse()
+    def ticking() -> Generator[Any, None, None]:
+        ids = sparse()
+        try:
+            for kjt in ids:
+                if on_batch is not None:
+                    on_batch()
+                yield kjt
+        finally:
+            ids.close()  # at once: with several ranks, the other ranks learn that this one stopped
+
+    stream = ticking()
     try:
         with preserved_rng(inner):
             need = check_stream(

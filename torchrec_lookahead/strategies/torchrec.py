@@ -19,7 +19,7 @@ import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -29,7 +29,6 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.distributed import DistributedModelParallel
@@ -40,6 +39,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from typing_extensions import override
 
+from torchrec_lookahead.data._report import report_text, scan_progress
 from torchrec_lookahead.data.adapter import as_torchrec_batch
 from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
 from torchrec_lookahead.distributed import (
@@ -268,14 +268,18 @@ class TorchRecStrategy(DDPStrategy):
             local_world_size=self.num_processes,
         )
         lookahead = [s for s in sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)]
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         for s in lookahead:
             if s.device_budget_bytes is not None and not s.capacity:
-                plan_report = s.plan_capacity(module, self._sample_batches())
-                rank_zero_info(f"Lookahead cache plan:\n{plan_report}")
+                with scan_progress(trainer, "Lookahead cache plan: sampling batches", None) as tick:
+                    plan_report = s.plan_capacity(module, self._sample_batches(tick))
+                report_text(trainer, "lookahead/cache_plan", f"Lookahead cache plan:\n{plan_report}")
         cached: Dict[str, int] = {k: v for s in lookahead for k, v in s.capacity.items()}
         if cached:
-            rank_zero_info(
-                "Lookahead cache: " + ", ".join(f"{t} {c:,} rows" for t, c in sorted(cached.items()))
+            report_text(
+                trainer,
+                "lookahead/cache",
+                "Lookahead cache: " + ", ".join(f"{t} {c:,} rows" for t, c in sorted(cached.items())),
             )
         for s in lookahead:
             if s.seed is None:
@@ -328,8 +332,9 @@ class TorchRecStrategy(DDPStrategy):
         default, DDP over every rank. Subclasses override it (the hierarchical strategy: DDP inside a group)."""
         return None
 
-    def _sample_batches(self) -> Iterator[Any]:
-        """Training batches of the (unwrapped) DataModule, for sizing caches; identical on every rank."""
+    def _sample_batches(self, on_batch: Callable[[], None] = lambda: None) -> Iterator[Any]:
+        """Training batches of the (unwrapped) DataModule, for sizing caches; identical on every rank.
+        ``on_batch`` is called after each batch is read (a progress bar's tick)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         dm = getattr(trainer, "datamodule", None)
         inner = getattr(dm, "datamodule", dm)
@@ -341,6 +346,7 @@ class TorchRecStrategy(DDPStrategy):
             )
         for batch in inner.train_dataloader():
             kjt = as_torchrec_batch(batch, adapter).sparse_features
+            on_batch()
             if self.world_size > 1:  # caches are planned for the global batch: gather every rank's ids
                 yield gather_global_kjt(kjt, self.world_size, None)
             else:
