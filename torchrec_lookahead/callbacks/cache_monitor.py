@@ -123,7 +123,9 @@ class CacheMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._samples += _batch_size(batch, getattr(getattr(trainer, "datamodule", None), "batch_adapter", None))
+        self._samples += _batch_size(
+            batch, getattr(getattr(trainer, "datamodule", None), "batch_adapter", None)
+        )
         every = self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 50))
         if trainer.global_step % max(every, 1) != 0:
             return
