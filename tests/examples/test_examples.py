@@ -30,3 +30,31 @@ def test_train_dlrm_example_cached_equals_its_resident_baseline(tmp_path):
     resident = _load("train_dlrm").main([*args, "--resident", "--root", str(tmp_path / "resident")])
     assert not any(k.startswith("cache/") for k in resident)
     assert cached["train/loss"] == resident["train/loss"] and cached["val/auc"] == resident["val/auc"]
+
+
+def test_the_readme_python_snippet_adopts_the_cache(monkeypatch):
+    """The README's snippet builds what it says (the run itself is the example's, above): the lookahead sharder
+    in the torchrec strategy, the wrapped DataModule and the callback."""
+    import re
+
+    import lightning.pytorch as pl
+
+    from torchrec_lookahead.callbacks import CacheMonitor
+    from torchrec_lookahead.data import LookaheadDataModule
+    from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+    from torchrec_lookahead.strategies import TorchRecStrategy
+
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    (snippet,) = [b for b in blocks if ".fit(" in b]
+    seen = {}
+
+    def fit(trainer, model, datamodule=None):
+        seen.update(trainer=trainer, model=model, datamodule=datamodule)
+
+    monkeypatch.setattr(pl.Trainer, "fit", fit)
+    exec(compile(snippet, "README.md", "exec"), {})
+    assert isinstance(seen["datamodule"], LookaheadDataModule)
+    strategy = seen["trainer"].strategy
+    assert isinstance(strategy, TorchRecStrategy)
+    assert any(isinstance(s, LookaheadEmbeddingBagCollectionSharder) for s in strategy._sharders)
+    assert any(isinstance(c, CacheMonitor) for c in seen["trainer"].callbacks)
