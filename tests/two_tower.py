@@ -127,8 +127,11 @@ class DenseOnlyModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def two_tower_config(adapter: bool = True, model: str = "tests.two_tower.TwoTowerModule") -> str:
-    """A LightningCLI config training :class:`TwoTowerModule` on dict batches with both tables cached."""
+def two_tower_config(
+    adapter: bool = True, model: str = "tests.two_tower.TwoTowerModule", rows: int = 50
+) -> str:
+    """A LightningCLI config training :class:`TwoTowerModule` on dict batches with both tables cached (``rows``
+    cache rows each, for the global batch)."""
     adapter_args = (
         "\n    batch_adapter:\n      class_path: torchrec_lookahead.data.DictBatchAdapter" if adapter else ""
     )
@@ -142,7 +145,7 @@ trainer:
       sharders:
         - class_path: torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder
           init_args:
-            capacity: {{table_user: 52, table_item: 48}}
+            capacity: {{table_user: {rows}, table_item: {rows}}}
   max_epochs: 1
   logger: false
   enable_checkpointing: false

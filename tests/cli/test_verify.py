@@ -1,8 +1,11 @@
 import json
+import subprocess
+import sys
 
 import pytest
 
-from .test_cli import cli_in_process
+from ..conftest import REPO, free_port
+from .test_cli import clean_env, cli_in_process
 
 
 @pytest.mark.slow
@@ -79,3 +82,18 @@ def test_dict_batches_without_an_adapter_and_modules_without_tables_are_refused(
     cfg.write_text(two_tower_config(model="tests.two_tower.DenseOnlyModule"))
     code, _, err = cli_in_process(capsys, ["verify", "--config", str(cfg), "--steps", "2"])
     assert code == 1 and "ConfigError: DenseOnlyModule holds no TorchRec embedding collection" in err
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_verify_of_dict_batches_on_two_ranks_is_bit_exact(tmp_path):
+    from tests.two_tower import two_tower_config
+
+    cfg = tmp_path / "two_tower.yaml"
+    cfg.write_text(two_tower_config(rows=90))  # the global batch of two ranks needs up to 76 rows
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "torchrec_lookahead", "verify", "--config", str(cfg), "--trainer.devices=2", "--steps", "6"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400, env=clean_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["passed"] and result["max_abs_weight_diff"] == 0.0 and result["steps"] == 6
