@@ -95,3 +95,14 @@ def test_malformed_adapters_are_refused():
         BatchAdapter(lambda b: (b, [1], b)).split(torch.zeros(1))
     with pytest.raises(DataError, match="returned 'Tensor'"):
         BatchAdapter(lambda b: b).split(torch.zeros(1))
+
+
+def test_lookahead_datamodule_takes_only_an_adapter_object():
+    from torchrec_lookahead.data import CriteoSyntheticDataModule, LookaheadDataModule
+
+    inner = CriteoSyntheticDataModule(batch_size=8, num_train_batches=2, scale=0.0001, min_rows=10)
+    with pytest.raises(
+        ConfigError, match=r"batch_adapter to be a torchrec_lookahead.data.BatchAdapter.*function"
+    ):
+        LookaheadDataModule(inner, batch_adapter=lambda b: b)  # type: ignore[arg-type]
+    assert LookaheadDataModule(inner, batch_adapter=DictBatchAdapter()).batch_adapter.sparse_key == "sparse"
