@@ -149,6 +149,7 @@ trainer:
   max_epochs: 1
   logger: false
   enable_checkpointing: false
+  default_root_dir: logs
 model:
   class_path: {model}
 data:
