@@ -1,8 +1,9 @@
 """Command line: ``python -m torchrec_lookahead {fit,validate,test,verify,export,calibrate} --config <yaml>``.
 
 ``fit``, ``validate``, ``test`` and ``predict`` are Lightning's (a :class:`~torchrec_lookahead.launch.LookaheadCLI`
-over any :class:`~torchrec_lookahead.models.TorchRecModule` (DLRM, DCN, DeepFM or your own subclass) and any DataModule exposing
-``num_embeddings_per_feature`` and ``num_dense_features``); ``verify``, ``export`` and ``calibrate`` are this
+over any LightningModule whose model holds TorchRec embedding collections: the bundled DLRM, DCN and DeepFM
+:class:`~torchrec_lookahead.models.TorchRecModule` s or a module of your own, and any DataModule; batches that
+are not TorchRec ``Batch`` es are read through a :class:`~torchrec_lookahead.data.BatchAdapter`); ``verify``, ``export`` and ``calibrate`` are this
 package's. What the commands share (building the CLI, one-line errors, multi-rank shutdown) is in
 :mod:`torchrec_lookahead.launch`, re-exported here.
 """

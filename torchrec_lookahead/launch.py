@@ -5,10 +5,10 @@ reporting a :class:`~torchrec_lookahead.errors.LookaheadError` as one line, and 
 :mod:`torchrec_lookahead.verify`, :mod:`torchrec_lookahead.export` and :mod:`torchrec_lookahead.calibrate` all
 import it, and it imports none of them.
 
-A :class:`LookaheadCLI` runs over any :class:`~torchrec_lookahead.models.TorchRecModule` (DLRM, DCN, DeepFM or a
-subclass of your own) and any
-DataModule exposing ``num_embeddings_per_feature`` and ``num_dense_features``; the model's table sizes and dense
-width are linked from the DataModule, so a config names them once. After ``fit`` it prints where the TensorBoard
+A :class:`LookaheadCLI` runs over any LightningModule whose model holds TorchRec embedding collections (the bundled
+:class:`~torchrec_lookahead.models.TorchRecModule` s: DLRM, DCN, DeepFM, or a module of your own) and any
+DataModule; where the DataModule exposes ``num_embeddings_per_feature`` and ``num_dense_features`` they are linked
+into the model's arguments of those names, so a config names them once. After ``fit`` it prints where the TensorBoard
 logs are and the final metrics.
 """
 
@@ -19,6 +19,7 @@ import contextlib
 import os
 import sys
 import traceback
+import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import lightning.pytorch as pl
@@ -27,7 +28,6 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead.errors import LookaheadError, recent_errors
-from torchrec_lookahead.models import TorchRecModule
 
 __all__ = [
     "LookaheadCLI",
@@ -194,13 +194,24 @@ def short_lookahead_errors() -> Iterator[None]:
 
 def build_cli(args: Optional[Sequence[str]], run: bool = False) -> LookaheadCLI:
     """The CLI over ``args`` (``--config ...`` and overrides; ``None``: the command line); with ``run=False`` it
-    only instantiates the Trainer, model and DataModule (``cli.trainer``, ``cli.model``, ``cli.datamodule``)."""
-    return LookaheadCLI(
-        TorchRecModule,
-        pl.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=None if args is None else list(args),
-        run=run,
-        save_config_kwargs={"overwrite": True},
-    )
+    only instantiates the Trainer, model and DataModule (``cli.trainer``, ``cli.model``, ``cli.datamodule``).
+
+    The model may be any LightningModule whose model holds TorchRec embedding collections (the ``torchrec``
+    strategy finds them); the DataModule's ``num_embeddings_per_feature`` and ``num_dense_features`` are passed
+    to the model where both have them."""
+    with warnings.catch_warnings():
+        # The commands hand LightningCLI the command line they parsed (bundled config names resolved, their own
+        # options removed): Lightning's warning against passing both args and a command line is about us.
+        warnings.filterwarnings("ignore", message=_ARGS_WARNING)
+        return LookaheadCLI(
+            pl.LightningModule,
+            pl.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=None if args is None else list(args),
+            run=run,
+            save_config_kwargs={"overwrite": True},
+        )
+
+
+_ARGS_WARNING = "LightningCLI's args parameter is intended to run from within Python"

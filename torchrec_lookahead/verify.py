@@ -2,7 +2,9 @@
 
 Trains the config as written (with its lookahead sharder and :class:`~torchrec_lookahead.data.LookaheadDataModule`)
 and the same model with every table resident (TorchRec's own sharders, the unwrapped DataModule), with the
-same seed, data order and optimizers, then prints one JSON line::
+same seed, data order and optimizers, then prints one JSON line. The model may be any LightningModule whose
+model holds TorchRec collections (the strategy finds them), its batches TorchRec ``Batch`` es or any others read
+through the LookaheadDataModule's ``batch_adapter``::
 
     {"max_abs_weight_diff": 0.0, "max_abs_loss_diff": 0.0, "steps": 100, "tolerance": 0.0, "passed": true, ...}
 

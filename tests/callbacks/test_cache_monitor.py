@@ -57,3 +57,18 @@ def test_cache_monitor_logs_the_counters_deltas_through_lightning(tmp_path):
 def test_cache_monitor_validates_its_argument():
     with pytest.raises(ConfigError, match="positive integer"):
         CacheMonitor(log_every_n_steps=0)
+
+
+def test_samples_of_dict_batches_are_counted_through_the_datamodule_s_adapter():
+    import torch
+    from torchrec import KeyedJaggedTensor
+
+    from torchrec_lookahead.callbacks.cache_monitor import _batch_size
+    from torchrec_lookahead.data import DictBatchAdapter
+
+    kjt = KeyedJaggedTensor(
+        keys=["f"], values=torch.tensor([1, 2, 3]), lengths=torch.ones(3, dtype=torch.long)
+    )
+    batch = {"dense": torch.zeros(3, 1), "sparse": kjt, "labels": torch.ones(3)}
+    assert _batch_size(batch) == 0  # nothing says where a dict keeps its labels
+    assert _batch_size(batch, DictBatchAdapter()) == 3

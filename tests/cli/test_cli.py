@@ -121,7 +121,7 @@ def test_help_lists_the_project_s_commands(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "fit" in out and "verify" in out and "export" in out
+    assert "fit" in out and "verify" in out and "export" in out and "calibrate" in out
 
 
 def test_a_cached_fit_shows_the_cache_plan_and_the_capacity_check(capsys, caplog, tmp_path):
@@ -133,3 +133,19 @@ def test_a_cached_fit_shows_the_cache_plan_and_the_capacity_check(capsys, caplog
     text = out + err + caplog.text
     assert "Lookahead cache: t_cat_11 120 rows, t_cat_15 110 rows, t_cat_2 140 rows" in text, text[-3000:]
     assert "Lookahead capacity check: 12 batches read ahead" in text
+    assert "t_cat_2: 68 of 140 cache rows" in text
+    assert "Lookahead capacity check: 100%" in err and "12/12" in err  # the pre-scan's progress bar
+    assert "args parameter" not in err  # no warning about the CLI's own argument passing
+    # ... and both as text in the TensorBoard logs
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = {p.parent for p in tmp_path.rglob("events.out.tfevents.*")}
+    events = EventAccumulator(str(run), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = {
+        tag: events.Tensors(tag)[0].tensor_proto.string_val[0].decode()
+        for tag in events.Tags()["tensors"]
+        if tag.startswith("lookahead/")
+    }
+    assert "t_cat_2 140 rows" in texts["lookahead/cache/text_summary"], texts
+    assert "t_cat_15: 64 of 110 cache rows" in texts["lookahead/capacity_check/text_summary"]

@@ -32,8 +32,12 @@ from torchrec_lookahead.errors import ConfigError
 __all__ = ["CacheMonitor"]
 
 
-def _batch_size(batch: Any) -> int:
+def _batch_size(batch: Any, adapter: Any = None) -> int:
+    """Samples in ``batch``: its labels' length; a batch that is not a TorchRec ``Batch`` (a dict) read through
+    the DataModule's :class:`~torchrec_lookahead.data.BatchAdapter`."""
     labels = getattr(batch, "labels", None)
+    if labels is None and adapter is not None:
+        labels = adapter.split(batch)[2]
     return int(labels.shape[0]) if isinstance(labels, torch.Tensor) and labels.dim() > 0 else 0
 
 
@@ -119,7 +123,9 @@ class CacheMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._samples += _batch_size(batch)
+        self._samples += _batch_size(
+            batch, getattr(getattr(trainer, "datamodule", None), "batch_adapter", None)
+        )
         every = self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 50))
         if trainer.global_step % max(every, 1) != 0:
             return

@@ -1,5 +1,7 @@
-"""DataModules and datasets yielding TorchRec batches (dense features, KeyedJaggedTensor, labels)."""
+"""DataModules and datasets yielding TorchRec batches (dense features, KeyedJaggedTensor, labels), and the
+adapters that read other batch types (:class:`BatchAdapter`)."""
 
+from torchrec_lookahead.data.adapter import BatchAdapter, DictBatchAdapter
 from torchrec_lookahead.data.batch import LookaheadBatch
 from torchrec_lookahead.data.capacity import CapacityCheck
 from torchrec_lookahead.data.criteo_spec import CRITEO_KAGGLE_CARDINALITIES, scaled_cardinalities
@@ -30,6 +32,8 @@ __all__ = [
     "ResumableBatchLoader",
     "LookaheadDataModule",
     "LookaheadBatch",
+    "BatchAdapter",
+    "DictBatchAdapter",
     "LookaheadLoader",
     "CapacityCheck",
     "CriteoTSVParser",

@@ -26,6 +26,7 @@ from torchrec_lookahead.oracle.types import BatchPlan
 from torchrec_lookahead.store.types import EmbeddingStore
 
 if TYPE_CHECKING:
+    from torchrec_lookahead.data.adapter import BatchAdapter
     from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
 
 __all__ = ["LookaheadBatch", "CacheTarget", "cached_modules", "reset_caches"]
@@ -56,6 +57,9 @@ class LookaheadBatch(Batch):
         lrpp: with several ranks, the step's synchronisation plan.
         pin: a plan to apply before ``plan``, on an empty cache: it loads the pinned hot rows (first batch of
             a plan stream with pinned rows, see :class:`~torchrec_lookahead.hotcold.PinnedRows`).
+        source: the user's own batch this one was read from through ``adapter`` (``None`` for a TorchRec
+            ``Batch``); the model trains on :meth:`user_batch`.
+        adapter: the :class:`~torchrec_lookahead.data.BatchAdapter` that read ``source``.
     """
 
     plan: Optional[BatchPlan] = None
@@ -63,6 +67,16 @@ class LookaheadBatch(Batch):
     loader: Optional[LookaheadLoader] = field(default=None, repr=False)
     lrpp: Optional[Any] = None
     pin: Optional[BatchPlan] = None
+    source: Optional[Any] = field(default=None, repr=False)
+    adapter: Optional[BatchAdapter] = field(default=None, repr=False)
+
+    def user_batch(self) -> Any:
+        """What the model's ``training_step`` receives: the user's own batch with its KJT replaced by this
+        batch's (cache slots for the cached tables), or this batch itself when it was a TorchRec ``Batch``."""
+        if self.source is None or self.adapter is None:
+            return self
+        _, old, _ = self.adapter.split(self.source)
+        return self.adapter.with_sparse(self.source, old, self.sparse_features)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> LookaheadBatch:
         return LookaheadBatch(
@@ -74,6 +88,8 @@ class LookaheadBatch(Batch):
             loader=self.loader,
             lrpp=self.lrpp,
             pin=self.pin,
+            source=self.source,
+            adapter=self.adapter,
         )
 
     def wait_staged(self) -> Optional[StagedRows]:

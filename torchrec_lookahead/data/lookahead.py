@@ -13,14 +13,16 @@ import time
 from typing import Any, Iterator, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
+from torchrec_lookahead.data._report import report_text, scan_progress
 from torchrec_lookahead.data._threads import _check_nice
 from torchrec_lookahead.data._threads import _Run as _Run
 from torchrec_lookahead.data._threads import lower_thread_priority as lower_thread_priority
 from torchrec_lookahead.data._threads import single_threaded_ops as single_threaded_ops
+from torchrec_lookahead.data.adapter import BatchAdapter
 from torchrec_lookahead.data.batch import CacheTarget as CacheTarget
 from torchrec_lookahead.data.batch import LookaheadBatch as LookaheadBatch
 from torchrec_lookahead.data.capacity import CapacityCheck
@@ -98,6 +100,12 @@ class LookaheadDataModule(WrappedDataModule):
             up on average; at lower priority it takes the CPU time training leaves, instead of preempting
             the training thread or its OpenMP workers in the middle of a parallel operator (measured in
             ``docs/benchmarks.md``).
+        batch_adapter: how to read the wrapped DataModule's training batches when they are not TorchRec
+            ``Batch`` es (a dict per batch, usual for two-tower models): a
+            :class:`~torchrec_lookahead.data.DictBatchAdapter` or a :class:`~torchrec_lookahead.data.BatchAdapter`
+            around a function from the batch to ``(dense features, KJT, labels)``. The model's ``training_step``
+            still receives its own batch type, with the cached tables' ids replaced by cache slots. Without
+            one, such batches are refused with a :class:`~torchrec_lookahead.errors.DataError` saying what to pass.
 
     Example:
         >>> from torchrec_lookahead.data import CriteoSyntheticDataModule
@@ -118,8 +126,15 @@ class LookaheadDataModule(WrappedDataModule):
         capacity_check: str = "epoch",
         stop_timeout_s: float = 60.0,
         planner_nice: int = 19,
+        batch_adapter: Optional[BatchAdapter] = None,
     ) -> None:
         super().__init__(datamodule)
+        if batch_adapter is not None and not isinstance(batch_adapter, BatchAdapter):
+            raise ConfigError(
+                f"Expected batch_adapter to be a torchrec_lookahead.data.BatchAdapter (or DictBatchAdapter) but got "
+                f"{type(batch_adapter).__name__}; wrap a function as BatchAdapter(split=<batch -> (dense, KJT, labels)>)"
+            )
+        self.batch_adapter = batch_adapter
         _check_nice(planner_nice)
         self.planner_nice = int(planner_nice)
         if capacity_check not in (CapacityCheck.EPOCH, CapacityCheck.LOOKAHEAD):
@@ -186,12 +201,18 @@ class LookaheadDataModule(WrappedDataModule):
             stop_timeout_s=self.stop_timeout_s,
             planner_nice=self.planner_nice,
             pinned=pinned,
+            batch_adapter=self.batch_adapter,
         )
 
     def _hotcold_loader(self, inner: Any, target: CacheTarget) -> Any:
         """FAE with pinned hot rows: hot batches read pinned slots, the oracle plans the cold batches alone."""
         from torchrec_lookahead.data.hotcold_lookahead import ColdBatches, HotColdLookaheadLoader
 
+        if self.batch_adapter is not None:
+            raise ConfigError(
+                "Pinned hot rows (a HotColdDataModule inside a LookaheadDataModule) regroup TorchRec Batches; "
+                "drop batch_adapter, or yield TorchRec Batches from the wrapped DataModule"
+            )
         if target.average_every is not None:
             raise ConfigError(
                 "Pinned hot rows are kept identical on every rank by their exact gradient exchange; cDLRM's "
@@ -208,16 +229,24 @@ class LookaheadDataModule(WrappedDataModule):
             target.capacity,
             target.num_embeddings,
         )
-        rank_zero_info("Pinned hot rows in the lookahead cache:\n  " + "\n  ".join(pinned.summary()))
+        report_text(
+            self.trainer,
+            "lookahead/pinned_rows",
+            "Pinned hot rows in the lookahead cache:\n  " + "\n  ".join(pinned.summary()),
+        )
         if self.loader is not None:
             self.loader.close()
         if self.capacity_check is CapacityCheck.EPOCH:
             t0 = time.perf_counter()
             dynamic = dataclasses.replace(target, capacity=pinned.dynamic_capacity())
-            need = scan_epoch(_ColdParts(ColdBatches(inner.stream), pinned), dynamic, self.prefetch_depth)
-            rank_zero_info(
+            cold = _ColdParts(ColdBatches(inner.stream), pinned)
+            with scan_progress(self.trainer, "Lookahead capacity check (cold batches)", None) as tick:
+                need = scan_epoch(cold, dynamic, self.prefetch_depth, on_batch=tick)
+            report_text(
+                self.trainer,
+                "lookahead/capacity_check",
                 f"Lookahead capacity check of the cold batches: {time.perf_counter() - t0:.1f} s; the largest "
-                f"windows need {need} dynamic cache rows"
+                f"windows need {need} dynamic cache rows",
             )
         strategy = self.trainer.strategy if self.trainer is not None else None
         self.loader = HotColdLookaheadLoader(
@@ -239,8 +268,14 @@ class LookaheadDataModule(WrappedDataModule):
             return
 
         t0 = time.perf_counter()
-        need = scan_epoch(inner, target, self.prefetch_depth, self.stop_timeout_s)
-        rank_zero_info(
-            f"Lookahead capacity check: {len(inner)} batches read ahead in {time.perf_counter() - t0:.1f} s; "
-            f"the largest windows need {need} cache rows"
-        )
+        with scan_progress(self.trainer, "Lookahead capacity check", len(inner)) as tick:
+            need = scan_epoch(
+                inner, target, self.prefetch_depth, self.stop_timeout_s, self.batch_adapter, on_batch=tick
+            )
+        seconds = time.perf_counter() - t0
+        lines = [
+            f"Lookahead capacity check: {len(inner)} batches read ahead in {seconds:.1f} s; the largest windows "
+            "need, of each cached table's rows:"
+        ]
+        lines += [f"  {t}: {need[t]:,} of {target.capacity[t]:,} cache rows" for t in sorted(need)]
+        report_text(self.trainer, "lookahead/capacity_check", "\n".join(lines))

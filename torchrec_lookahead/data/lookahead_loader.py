@@ -36,6 +36,7 @@ from torchrec_lookahead.data._threads import (
     lower_thread_priority,
     single_threaded_ops,
 )
+from torchrec_lookahead.data.adapter import BatchAdapter, as_torchrec_batch
 from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
 from torchrec_lookahead.data.capacity import check_stream, preserved_rng
 from torchrec_lookahead.distributed.lrpp import (
@@ -86,19 +87,25 @@ def lookahead_options(
 
 
 def global_batches(
-    loader: Any, gatherer: Optional[IdGatherer], stopped: Callable[[], bool] = lambda: False
+    loader: Any,
+    gatherer: Optional[IdGatherer],
+    stopped: Callable[[], bool] = lambda: False,
+    adapter: Optional[BatchAdapter] = None,
 ) -> Iterator[Tuple[Batch, Any]]:
     """``(batch, global sparse features)`` for each batch of ``loader``: with a gatherer (several ranks), every
     rank's ids of the batch gathered in lockstep (dense features never leave the rank); without, the batch's
-    own. Ends with the loader (with a gatherer: when the gathers end) or once ``stopped()``. A loader whose own
-    reading needs collectives (``join_lockstep``, e.g. the cold pass of a hot/cold stream) makes them through the
-    gatherer, in the same lockstep."""
+    own. Batches that are not TorchRec ``Batch`` es are read through ``adapter``
+    (:func:`~torchrec_lookahead.data.adapter.as_torchrec_batch`). Ends with the loader (with a gatherer: when
+    the gathers end) or once ``stopped()``. A loader whose own reading needs collectives (``join_lockstep``,
+    e.g. the cold pass of a hot/cold stream) makes them through the gatherer, in the same lockstep."""
     join = getattr(loader, "join_lockstep", None)
     if gatherer is not None and join is not None:
         join(gatherer)
     it = iter(loader)
     while not stopped():
         b = next(it, None)
+        if b is not None:
+            b = as_torchrec_batch(b, adapter)
         if stopped():
             return
         if gatherer is None:
@@ -134,6 +141,8 @@ class LookaheadLoader:
         pinned: hot rows pinned in the first slots of the caches: the oracle plans the rest of each cache
             (:meth:`~torchrec_lookahead.hotcold.PinnedRows.cold_part` of every batch) and its plans are lifted
             to the whole cache. The pinned rows themselves are loaded by whoever starts the plan stream.
+        batch_adapter: reads the wrapped loader's batches when they are not TorchRec ``Batch`` es (see
+            :class:`~torchrec_lookahead.data.BatchAdapter`); the model then trains on its own batch type.
     """
 
     def __init__(
@@ -149,6 +158,7 @@ class LookaheadLoader:
         stop_timeout_s: float = 60.0,
         planner_nice: int = 19,
         pinned: Optional[PinnedRows] = None,
+        batch_adapter: Optional[BatchAdapter] = None,
     ) -> None:
         if not stop_timeout_s > 0:
             raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s}")
@@ -158,6 +168,7 @@ class LookaheadLoader:
         self.stop_timeout_s = float(stop_timeout_s)
         self.target = target
         self.pinned = pinned
+        self.batch_adapter = batch_adapter
         self._oracle_kwargs: Dict[str, Any] = dict(
             capacity=dict(target.capacity) if pinned is None else pinned.dynamic_capacity(),
             horizon=horizon,
@@ -318,7 +329,9 @@ class LookaheadLoader:
         multi = gatherer is not None
 
         def sparse() -> Iterator[Any]:
-            for b, global_kjt in global_batches(self.loader, gatherer, lambda: run.stopped):
+            for b, global_kjt in global_batches(
+                self.loader, gatherer, lambda: run.stopped, self.batch_adapter
+            ):
                 batches.put(b)
                 yield global_kjt
 
@@ -364,7 +377,15 @@ class LookaheadLoader:
                 stride = b.sparse_features.stride()
                 kjt = slice_samples(kjt, self.target.rank * stride, (self.target.rank + 1) * stride)
             item = LookaheadBatch(
-                b.dense_features, kjt, b.labels, plan=plan, staged=fut, loader=self, lrpp=lrpp
+                b.dense_features,
+                kjt,
+                b.labels,
+                plan=plan,
+                staged=fut,
+                loader=self,
+                lrpp=lrpp,
+                source=getattr(b, "source", None),
+                adapter=getattr(b, "adapter", None),
             )
             self._planned = plan.step
             now = time.thread_time()
@@ -465,11 +486,17 @@ class LookaheadLoader:
 
 
 def scan_epoch(
-    inner: Any, target: CacheTarget, prefetch_depth: int, stop_timeout_s: float = 60.0
+    inner: Any,
+    target: CacheTarget,
+    prefetch_depth: int,
+    stop_timeout_s: float = 60.0,
+    adapter: Optional[BatchAdapter] = None,
+    on_batch: Optional[Callable[[], None]] = None,
 ) -> Dict[str, int]:
-    """Read one epoch of ``inner`` (a loader of TorchRec batches) and check every window and id against the cache
+    """Read one epoch of ``inner`` (a loader of TorchRec batches, or of others read through ``adapter``) and check every window and id against the cache
     before training (:func:`~torchrec_lookahead.data.capacity.check_stream`; with several ranks over the
     global batches, gathered in lockstep). Random states, the loader's generators included, are restored.
+    ``on_batch`` is called after each batch is read (a progress bar's tick).
 
     Returns:
         The largest window working set per cached table.
@@ -481,14 +508,14 @@ def scan_epoch(
 
     def sparse() -> Generator[Any, None, None]:
         if target.num_ranks == 1:
-            yield from (kjt for _, kjt in global_batches(inner, None))
+            yield from (kjt for _, kjt in global_batches(inner, None, adapter=adapter))
             return
         # Every rank plans the global batch: the same lockstep gathers as the planner thread's. A rank that
         # fails (its loader raises, a check fails) tells the others, which then fail too instead of waiting.
         failed = False
         gatherer = IdGatherer(target.num_ranks, target.group, lambda: failed, stop_timeout_s)
         try:
-            yield from (kjt for _, kjt in global_batches(inner, gatherer))
+            yield from (kjt for _, kjt in global_batches(inner, gatherer, adapter=adapter))
         except BaseException:
             failed = True
             try:
@@ -502,7 +529,17 @@ def scan_epoch(
                 "their error)"
             )
 
-    stream = sparse()
+    def ticking() -> Generator[Any, None, None]:
+        ids = sparse()
+        try:
+            for kjt in ids:
+                if on_batch is not None:
+                    on_batch()
+                yield kjt
+        finally:
+            ids.close()  # at once: with several ranks, the other ranks learn that this one stopped
+
+    stream = ticking()
     try:
         with preserved_rng(inner):
             need = check_stream(

@@ -33,6 +33,11 @@ class WrappedDataModule(pl.LightningDataModule):
         super().__init__()
         self.datamodule = datamodule
 
+    def __str__(self) -> str:
+        # LightningDataModule's __str__ builds the training loader (a LookaheadDataModule's before the Trainer
+        # exists); LightningCLI's argument links print a DataModule when it lacks a linked attribute.
+        return f"{type(self).__name__}({type(self.datamodule).__name__})"
+
     @property
     def num_embeddings_per_feature(self) -> Dict[str, int]:
         return self.datamodule.num_embeddings_per_feature  # type: ignore[attr-defined, no-any-return]

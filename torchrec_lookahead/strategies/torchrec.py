@@ -19,7 +19,7 @@ import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -29,7 +29,6 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.distributed import DistributedModelParallel
@@ -37,9 +36,11 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders, get_module
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from typing_extensions import override
 
+from torchrec_lookahead.data._report import report_text, scan_progress
+from torchrec_lookahead.data.adapter import as_torchrec_batch
 from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch, cached_modules, reset_caches
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
@@ -64,6 +65,11 @@ _WORLD_SIZE_KEY = "torchrec_lookahead_world_size"
 
 # FBGEMM's fused CPU kernel implements only these optimizers (split_table_batched_embeddings_ops_training).
 _CPU_FUSED_OPTIMIZERS = ("SGD", "RowWiseAdagrad", "Adagrad")
+
+
+def _embedding_collections(module: nn.Module) -> List[nn.Module]:
+    """TorchRec's unsharded embedding collections inside ``module`` (itself included)."""
+    return [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
 
 
 def _check_cpu_fused_optimizers(module: nn.Module) -> None:
@@ -108,7 +114,10 @@ class TorchRecStrategy(DDPStrategy):
         compute_kernel: compute kernel asked of the planner for every table without an explicit constraint
             (``"fused"`` by default: FBGEMM's fused kernel and optimizer; ``None`` leaves it to the planner).
         sharding_types: sharding types allowed for those tables (default: table-wise and row-wise).
-        module_name: attribute of the LightningModule holding the model to shard.
+        module_name: attribute of the LightningModule holding the model to shard; ``None`` (default): the one
+            child module of the LightningModule that holds TorchRec embedding collections
+            (``EmbeddingBagCollection``, ``EmbeddingCollection``), found by walking its modules, so any
+            LightningModule whose model holds such collections can be sharded, whatever its attribute names.
         plan: a precomputed sharding plan (skips the planner).
         init_seed: after sharding, write the deterministic initial values of
             :func:`~torchrec_lookahead.store.init_rows` into every resident table (the values the lookahead
@@ -132,7 +141,7 @@ class TorchRecStrategy(DDPStrategy):
         constraints: Optional[Dict[str, ParameterConstraints]] = None,
         compute_kernel: Optional[str] = "fused",
         sharding_types: Optional[List[str]] = None,
-        module_name: str = "model",
+        module_name: Optional[str] = None,
         plan: Optional[ShardingPlan] = None,
         init_seed: Optional[int] = 0,
         **kwargs: Any,
@@ -143,6 +152,7 @@ class TorchRecStrategy(DDPStrategy):
         self._compute_kernel = compute_kernel
         self._sharding_types = list(sharding_types or ["table_wise", "row_wise"])
         self._module_name = module_name
+        self._sharded_name: Optional[str] = module_name
         self._plan = plan
         self._init_seed = init_seed
         self._id_group: Optional[dist.ProcessGroup] = None
@@ -258,24 +268,28 @@ class TorchRecStrategy(DDPStrategy):
             local_world_size=self.num_processes,
         )
         lookahead = [s for s in sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)]
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         for s in lookahead:
             if s.device_budget_bytes is not None and not s.capacity:
                 hot = self._pinned_hot_ids()
-                plan_report = s.plan_capacity(module, self._sample_batches(cold=hot is not None), pinned=hot)
-                rank_zero_info(f"Lookahead cache plan:\n{plan_report}")
-                if hot:
-                    rank_zero_info(
-                        "Pinned hot rows in those caches (capacity = pinned + planned): "
-                        + ", ".join(
-                            f"{t} {int(hot[t].numel()):,} + {c - int(hot[t].numel()):,}"
-                            for t, c in sorted(s.capacity.items())
-                            if t in hot
-                        )
+                with scan_progress(trainer, "Lookahead cache plan: sampling batches", None) as tick:
+                    plan_report = s.plan_capacity(
+                        module, self._sample_batches(tick, cold=hot is not None), pinned=hot
                     )
+                report = f"Lookahead cache plan:\n{plan_report}"
+                if hot:
+                    report += "\nPinned hot rows in those caches (capacity = pinned + planned): " + ", ".join(
+                        f"{t} {int(hot[t].numel()):,} + {c - int(hot[t].numel()):,}"
+                        for t, c in sorted(s.capacity.items())
+                        if t in hot
+                    )
+                report_text(trainer, "lookahead/cache_plan", report)
         cached: Dict[str, int] = {k: v for s in lookahead for k, v in s.capacity.items()}
         if cached:
-            rank_zero_info(
-                "Lookahead cache: " + ", ".join(f"{t} {c:,} rows" for t, c in sorted(cached.items()))
+            report_text(
+                trainer,
+                "lookahead/cache",
+                "Lookahead cache: " + ", ".join(f"{t} {c:,} rows" for t, c in sorted(cached.items())),
             )
         for s in lookahead:
             if s.seed is None:
@@ -347,10 +361,14 @@ class TorchRecStrategy(DDPStrategy):
             inner.hot_set = inner.load_or_calibrate()
         return {name: table.hot_ids for name, table in inner.hot_set.tables.items()}
 
-    def _sample_batches(self, cold: bool = False) -> Iterator[Any]:
-        """Training batches of the (unwrapped) DataModule, for sizing caches; identical on every rank. With
-        ``cold`` (pinned hot rows), the cold batches of its hot/cold stream: the dynamic caches see only them."""
-        _, inner = self._datamodules()
+    def _sample_batches(
+        self, on_batch: Callable[[], None] = lambda: None, cold: bool = False
+    ) -> Iterator[Any]:
+        """Training batches of the (unwrapped) DataModule, for sizing caches; identical on every rank.
+        ``on_batch`` is called after each batch is read (a progress bar's tick). With ``cold`` (pinned hot rows),
+        the cold batches of its hot/cold stream: the dynamic caches see only them."""
+        dm, inner = self._datamodules()
+        adapter = getattr(dm, "batch_adapter", None)
         if inner is None:
             raise ConfigError(
                 "The lookahead sharder has a device budget but no DataModule to sample batches from; pass a "
@@ -362,10 +380,12 @@ class TorchRecStrategy(DDPStrategy):
 
             loader = ColdBatches(loader.stream)
         for batch in loader:
+            kjt = as_torchrec_batch(batch, adapter).sparse_features
+            on_batch()
             if self.world_size > 1:  # caches are planned for the global batch: gather every rank's ids
-                yield gather_global_kjt(batch.sparse_features, self.world_size, None)
+                yield gather_global_kjt(kjt, self.world_size, None)
             else:
-                yield batch.sparse_features
+                yield kjt
 
     # ---------------------------------------------------------------------------------------- the cache
     def cached_modules(self) -> List[ShardedLookaheadEmbeddingBagCollection]:
@@ -398,6 +418,10 @@ class TorchRecStrategy(DDPStrategy):
         training = trainer is not None and trainer.training
         if isinstance(batch, LookaheadBatch) and training:
             batch.apply_to(self.cached_modules())
+        if isinstance(batch, LookaheadBatch):
+            batch = (
+                batch.user_batch()
+            )  # a batch read through a BatchAdapter goes back to the model's own type
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
@@ -414,22 +438,55 @@ class TorchRecStrategy(DDPStrategy):
         finally:
             super().on_exception(exception)
 
+    def _model_name(self, lm: pl.LightningModule) -> str:
+        """The attribute of ``lm`` holding the model to shard: ``module_name``, or the one child holding TorchRec
+        embedding collections (or the ``DistributedModelParallel`` built at an earlier stage)."""
+        if self._module_name is not None:
+            return self._module_name
+        found = [
+            name
+            for name, child in lm.named_children()
+            if isinstance(child, DistributedModelParallel) or _embedding_collections(child)
+        ]
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise ConfigError(
+                f"{type(lm).__name__} holds no TorchRec embedding collection (EmbeddingBagCollection or "
+                "EmbeddingCollection) in any of its modules, so strategy='torchrec' has nothing to shard and no table "
+                "to cache: build the TorchRec model in configure_model() (or __init__) as an attribute of the "
+                "LightningModule, or train without strategy='torchrec'"
+            )
+        raise ConfigError(
+            f"{type(lm).__name__} holds TorchRec embedding collections under several attributes {found}; "
+            "TorchRecStrategy shards one model: keep them under one nn.Module, or set "
+            f"TorchRecStrategy(module_name=...) to one of {found}"
+        )
+
     def _shard_lightning_module(self) -> None:
         lm = self.lightning_module
         if lm is None:
             raise SetupError("No LightningModule attached to the strategy")
-        module = getattr(lm, self._module_name, None)
+        name = self._model_name(lm)
+        self._sharded_name = name
+        module = getattr(lm, name, None)
         if isinstance(module, DistributedModelParallel):
             self.dmp = module
             return
         if not isinstance(module, nn.Module):
             raise ConfigError(
-                f"TorchRecStrategy(module_name={self._module_name!r}): {type(lm).__name__} has no nn.Module "
-                f"attribute {self._module_name!r} (build it in configure_model()); set module_name to the "
-                "attribute holding the TorchRec model"
+                f"TorchRecStrategy(module_name={name!r}): {type(lm).__name__} has no nn.Module "
+                f"attribute {name!r} (build it in configure_model()); set module_name to the "
+                "attribute holding the TorchRec model, or leave it unset to find it"
+            )
+        if not _embedding_collections(module):
+            raise ConfigError(
+                f"TorchRecStrategy(module_name={name!r}): {type(lm).__name__}.{name} holds no TorchRec embedding "
+                "collection (EmbeddingBagCollection or EmbeddingCollection); name the attribute that holds them, "
+                "or leave module_name unset to find it"
             )
         self.dmp = self.shard(module)
-        setattr(lm, self._module_name, self.dmp)
+        setattr(lm, name, self.dmp)
         log.info("TorchRec sharding plan:\n%s", self.dmp.plan)
 
     def _ensure_id_group(self) -> None:
@@ -443,7 +500,7 @@ class TorchRecStrategy(DDPStrategy):
         if lm is None:
             return
         for name, child in lm.named_children():
-            if child is not self.dmp and name != self._module_name:
+            if child is not self.dmp and name != self._sharded_name:
                 child.to(self.root_device)
 
     @override

@@ -1,0 +1,46 @@
+"""The cache's set-up report: printed on rank 0 with a progress bar, and sent to TensorBoard as text."""
+
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from torchrec_lookahead.data._report import report_text, scan_progress
+
+
+def trainer(tmp_path, progress_bar: bool = True, loggers=None) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=loggers if loggers is not None else False,
+        enable_progress_bar=progress_bar,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+
+
+def test_scan_progress_draws_a_bar_only_where_the_trainer_shows_progress(capsys, tmp_path):
+    with scan_progress(trainer(tmp_path), "Scanning", total=3) as tick:
+        for _ in range(3):
+            tick()
+    err = capsys.readouterr().err
+    assert "Scanning: 100%" in err and "3/3" in err and " s]" in err  # the bar ends with the scan's time
+    for quiet in (trainer(tmp_path, progress_bar=False), SimpleNamespace(is_global_zero=False), None):
+        with scan_progress(quiet, "Scanning", total=3) as tick:
+            tick()
+        assert "Scanning" not in capsys.readouterr().err
+
+
+def test_report_text_goes_to_every_tensorboard_logger_and_skips_others(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = [TensorBoardLogger(tmp_path / "a", name=""), TensorBoardLogger(tmp_path / "b", name="")]
+    t = trainer(tmp_path, loggers=[*tb, CSVLogger(tmp_path / "csv")])
+    report_text(t, "lookahead/cache", "Lookahead cache:\n  t 10 rows")
+    for logger in tb:
+        logger.experiment.flush()
+        events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
+        events.Reload()
+        (event,) = events.Tensors("lookahead/cache/text_summary")
+        # a preformatted Markdown block: TensorBoard keeps the lines and columns
+        assert event.tensor_proto.string_val[0].decode() == "    Lookahead cache:\n      t 10 rows"

@@ -1,0 +1,69 @@
+"""What a user sees of the cache's set-up at fit start: the cache plan and the capacity pre-scan, printed on rank 0
+(the pre-scan with a progress bar, as Lightning's own bars are drawn, with tqdm on standard error) and logged as
+text to every TensorBoard logger of the Trainer (``SummaryWriter.add_text``), beside the run's metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Any, Callable, Iterator, Optional
+
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
+
+__all__ = ["report_text", "scan_progress", "ScanTicker"]
+
+ScanTicker = Callable[[], None]
+"""Called once per batch read by a pre-scan."""
+
+
+def _is_global_zero(trainer: Any) -> bool:
+    return trainer is None or bool(getattr(trainer, "is_global_zero", True))
+
+
+def report_text(trainer: Any, tag: str, text: str) -> None:
+    """Print ``text`` on rank 0 and add it to each TensorBoard logger of ``trainer`` under ``tag``.
+
+    TensorBoard renders text as Markdown: the text is sent as a preformatted block, so that tables keep their
+    columns.
+
+    Example:
+        >>> report_text(None, "lookahead/cache_plan", "t_cat_2: 140 rows")
+    """
+    rank_zero_info(text)
+    if trainer is None or not _is_global_zero(trainer):
+        return
+    block = "\n".join("    " + line for line in text.splitlines())
+    for logger in getattr(trainer, "loggers", []):
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_text(tag, block, global_step=int(trainer.global_step))
+
+
+@contextlib.contextmanager
+def scan_progress(trainer: Any, description: str, total: Optional[int]) -> Iterator[ScanTicker]:
+    """A progress bar over a pre-scan of ``total`` batches (``None``: unknown) while the block runs, on rank 0
+    where the Trainer shows progress bars (``enable_progress_bar``); elsewhere the ticker does nothing. Yields the
+    ticker to call once per batch.
+
+    Example:
+        >>> with scan_progress(None, "scan", total=2) as tick:
+        ...     tick(); tick()
+    """
+    shows = (
+        trainer is not None
+        and _is_global_zero(trainer)
+        and getattr(trainer, "progress_bar_callback", None) is not None
+    )
+    if not shows:
+        yield lambda: None
+        return
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    with tqdm(
+        total=total, desc=description, unit="batch", file=sys.stderr, dynamic_ncols=True, leave=True
+    ) as bar:
+        yield lambda: bar.update(1)
+        bar.set_postfix_str(f"{time.perf_counter() - t0:.1f} s", refresh=True)
