@@ -515,7 +515,9 @@ class ShardedLookaheadEmbeddingBagCollection(
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         return NoWait(NoWait(features))
 
-    def compute(self, ctx: NullShardedModuleContext, dist_input: KeyedJaggedTensor) -> KeyedTensor:
+    def _part_outputs(self, dist_input: KeyedJaggedTensor) -> List[Any]:
+        """The outputs of TorchRec's module (resident features) and of the cache (cached features), those
+        present, in that order."""
         # One permute (resident features, then cached ones) and a split, rather than one permute per part.
         res_kjt: Optional[KeyedJaggedTensor] = None
         cache_kjt: Optional[KeyedJaggedTensor] = None
@@ -528,7 +530,7 @@ class ShardedLookaheadEmbeddingBagCollection(
             res_kjt = _select(dist_input, self._resident_features)
         else:
             cache_kjt = _select(dist_input, self._cached_order)
-        outs: List[KeyedTensor] = []
+        outs: List[Any] = []
         if res_kjt is not None:
             assert self.resident is not None
             out = self.resident(res_kjt)
@@ -550,6 +552,10 @@ class ShardedLookaheadEmbeddingBagCollection(
                         "mode; keep the model in training mode during fit (call model.train())"
                     )
                 outs.append(self._eval_lookup(cache_kjt))
+        return outs
+
+    def compute(self, ctx: NullShardedModuleContext, dist_input: KeyedJaggedTensor) -> KeyedTensor:
+        outs = self._part_outputs(dist_input)
         if len(outs) == 1 and outs[0].keys() == self._feature_names:
             values = outs[0].values()
         else:  # back to the collection's feature order: one concatenation of column runs
