@@ -11,6 +11,7 @@ from ..conftest import REPO, shared_data
 CONFIGS = {
     "criteo_tsv_lookahead": ("criteo_kaggle_head", "head8000_split_train.txt"),
     "movielens_lookahead": ("movielens_latest_small_2016", "ratings.csv"),
+    "movielens_sequence_lookahead": ("movielens_latest_small_2016", "ratings.csv"),
     "taobao_lookahead": ("taobao_userbehavior_head", "UserBehavior_head.csv"),
 }
 
