@@ -23,7 +23,8 @@ from torchrec_lookahead.distributed import (
 from torchrec_lookahead.modules import init_embedding_bag_tables_
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
 
-from ..conftest import free_port
+from ..conftest import REPO, free_port
+from ..helpers import small_sequence_config
 
 # a table read by two features, two cached tables, a resident one beside them (TorchRec's EC: one dimension)
 TABLES = [
@@ -189,3 +190,21 @@ def test_plan_names_embedding_collection_tables_and_need_indices_is_refused():
     plan = lookahead_sharding_plan(ec, sharders, CAPACITY, topology)
     with pytest.raises(ConfigError, match="need_indices"):
         DistributedModelParallel(ec, device=torch.device("cpu"), sharders=sharders, plan=plan)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_two_rank_cached_sequence_model_equals_torchrec_two_rank_training(tmp_path, optimizer):
+    """torchrun verify: the EC and EBC caches on 2 ranks (LRPP, delayed sync) against TorchRec's own 2-rank DMP
+    training of the resident sequence model."""
+    import json
+
+    from ..strategies.test_torchrun import torchrun
+
+    small = small_sequence_config(tmp_path, devices=2, rows=1500)
+    out = torchrun(2, "verify", "--config", str(REPO / "configs" / "movielens_sequence_lookahead.yaml"),
+                   "--config", str(small), "--steps", "16",
+                   f"--model.init_args.embedding_optimizer.name={optimizer}")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["passed"] and result["max_abs_weight_diff"] == 0.0 and result["steps"] == 16, result

@@ -1,8 +1,6 @@
 """The sequence model: attention pooling against a per-sample reference, argument checks, and cached training
 under Lightning equal to resident training (its EmbeddingCollection and EmbeddingBagCollection both cached)."""
 
-import random
-
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
@@ -14,6 +12,7 @@ from torchrec_lookahead.models.sequence import pool_history
 from torchrec_lookahead.verify import verify
 
 from ..conftest import REPO
+from ..helpers import small_sequence_config
 
 
 def test_attention_pooling_equals_a_per_sample_softmax():
@@ -54,31 +53,7 @@ def test_arguments_and_batches_are_checked():
 
 @pytest.mark.parametrize("pooling", ["attention", "mean"])
 def test_cached_sequence_model_trains_exactly_like_resident_under_lightning(tmp_path, monkeypatch, pooling):
-    rnd = random.Random(0)
-    lines = ["userId,movieId,rating,timestamp"]
-    for _ in range(900):  # skewed movies, a few heavy users, shuffled times
-        lines.append(
-            f"{rnd.randrange(40)},{int(rnd.paretovariate(1.2)) % 3000},{rnd.choice([2.0, 4.5])},{rnd.randrange(10**6)}"
-        )
-    ratings = tmp_path / "ratings.csv"
-    ratings.write_text("\n".join(lines) + "\n")
-    small = tmp_path / "small.yaml"  # the bundled config on this file, with caches smaller than its ids
-    small.write_text(
-        f"""
-trainer:
-  strategy:
-    class_path: torchrec_lookahead.strategies.TorchRecStrategy
-    init_args:
-      sharders:
-      - class_path: torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder
-        init_args: {{capacity: {{t_movie: 400, t_user: 40}}}}
-model: {{init_args: {{pooling: {pooling}}}}}
-data:
-  init_args:
-    datamodule:
-      init_args: {{train_files: {ratings}, movies_file: null, batch_size: 64, num_embeddings: [64, 4096, 4]}}
-"""
-    )
+    small = small_sequence_config(tmp_path, pooling=pooling)
     monkeypatch.chdir(REPO)
     out = verify([str(REPO / "configs" / "movielens_sequence_lookahead.yaml"), str(small)], steps=12)  # type: ignore[arg-type]
     assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["steps"] == 12, out

@@ -87,11 +87,6 @@ class LookaheadEmbeddingCollectionSharder(EmbeddingCollectionSharder):
         cached = src.cached_table_names(configs, params)
         if not cached:
             return super().shard(module, params, env, device, module_fqn)
-        if env.world_size > 1:
-            raise ConfigError(
-                f"EmbeddingCollection tables {cached} are cached on one rank only (got {env.world_size} ranks); "
-                "keep them resident in multi-rank jobs (leave them out of the lookahead sharder's capacity)"
-            )
         if module.need_indices():
             raise ConfigError(
                 f"the EmbeddingCollection with cached tables {cached} has need_indices=True: the cache cannot "
@@ -115,7 +110,4 @@ class LookaheadEmbeddingCollectionSharder(EmbeddingCollectionSharder):
             seed=src.seed or 0,
             device=device,
         )
-        return ShardedLookaheadEmbeddingCollection(
-            configs, resident, cache, rank=env.rank, world_size=env.world_size, process_group=env.process_group,
-            delayed_sync=False,
-        )  # fmt: skip
+        return ShardedLookaheadEmbeddingCollection(configs, resident, cache, **src.sync_options(env))

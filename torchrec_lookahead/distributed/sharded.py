@@ -247,6 +247,10 @@ class ShardedLookaheadEmbeddingBagCollection(
         if self.world_size > 1:
             if lrpp is None or lrpp.step != plan.step:
                 raise SetupError(f"multi-rank step {plan.step} has no LRPP synchronisation plan")
+            # this collection's tables only (a model may hold several cached collections: EBC and EC)
+            lrpp = LRPPPlan(
+                lrpp.step, {t: p for t, p in lrpp.tables.items() if t in self.cache.capacity}, lrpp.features
+            )
             # The previous step's delayed rows land before this plan evicts, refreshes or loads anything.
             self.land_delayed()
             stores = self.cache.stores
@@ -455,6 +459,7 @@ class ShardedLookaheadEmbeddingBagCollection(
             dims=[int(kernel.dims[t]) for t in ftm],
             mean=kernel.pooling == PoolingMode.MEAN,
             weighted=self._is_weighted,
+            unpooled=kernel.pooling == PoolingMode.NONE,
         )
 
     def _make_backward_hook(self, g: int, kernel: Any) -> Any:

@@ -20,7 +20,6 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
-from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.modules.cached_ec import CachedEmbeddingCollection
 
 __all__ = ["ShardedLookaheadEmbeddingCollection"]
@@ -36,15 +35,19 @@ class _Ready(LazyAwaitable[Dict[str, JaggedTensor]]):
 
 
 class ShardedLookaheadEmbeddingCollection(ShardedLookaheadEmbeddingBagCollection):
-    """An EmbeddingCollection whose large tables train through the lookahead cache (one rank).
+    """An EmbeddingCollection whose large tables train through the lookahead cache.
+
+    With several ranks it is an LRPP cache like the EBC's: each rank's backward runs its unpooled kernel over
+    the global batch's ids of the rows it holds, with the gradients of other ranks' ids of shared rows
+    received in one all-gather (``distributed/exact_sync.py``), so every row is summed in TorchRec's order.
 
     Args:
         tables: every table of the unsharded collection, in its order.
         resident: TorchRec's sharded collection of the resident tables (``None`` when every table is cached).
         cache: the cached tables' collection.
-
-    Raises:
-        ConfigError: more than one rank (the multi-rank LRPP exchange handles pooled kernels only).
+        rank: this rank.
+        world_size: W.
+        kwargs: as :class:`ShardedLookaheadEmbeddingBagCollection` (process groups, cDLRM, delayed sync).
     """
 
     def __init__(
@@ -56,11 +59,6 @@ class ShardedLookaheadEmbeddingCollection(ShardedLookaheadEmbeddingBagCollection
         world_size: int = 1,
         **kwargs: Any,
     ) -> None:
-        if world_size > 1:
-            raise ConfigError(
-                f"EmbeddingCollection tables are cached on one rank only (got {world_size} ranks); keep them "
-                "resident in multi-rank jobs (leave them out of the lookahead sharder's capacity)"
-            )
         super().__init__(tables, resident, cache, False, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
 
     @property

@@ -464,7 +464,6 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             )
         cached_cfgs = [c for c in configs if c.name in cached]
         stores = self.cache_stores(cached_cfgs, optimizer, env)
-        delayed = self.delayed_sync and env.world_size > 1 and self.cdlrm_average_every is None
         cache = CachedEmbeddingBagCollection(
             configs if fuse else cached_cfgs,
             capacity={t: self.capacity[t] for t in cached},
@@ -481,6 +480,13 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             resident,
             cache,
             module.is_weighted(),
+            **self.sync_options(env),
+        )
+
+    def sync_options(self, env: ShardingEnv) -> Dict[str, Any]:
+        """The sharded cached module's rank and multi-rank arguments (LRPP, delayed sync, cDLRM) for ``env``."""
+        delayed = self.delayed_sync and env.world_size > 1 and self.cdlrm_average_every is None
+        return dict(
             rank=env.rank,
             world_size=env.world_size,
             process_group=env.process_group,
