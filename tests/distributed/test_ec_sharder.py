@@ -158,6 +158,13 @@ def test_plain_dmp_loop_with_cached_embedding_collection_equals_resident_torchre
     for k in tables_r:
         assert (tables_r[k] - tables_c[k]).abs().max().item() == 0.0, k
     assert (tables_r["item"] - cached.module.ec.cache.stores["item"].full_weights()).abs().max() == 0.0
+    # evaluation reads ids (not slots) from the stores: the resident model's outputs
+    resident.eval()
+    cached.eval()
+    with torch.no_grad():
+        for kjt in _batches(n=2):
+            (logit_r, embs_r), (logit_c, embs_c) = resident(kjt), cached(kjt)
+            assert torch.equal(logit_r, logit_c) and all(torch.equal(embs_r[k], embs_c[k]) for k in embs_r)
     # the cache did move rows: fewer slots than the ids it served
     stats = cached.module.ec.cache.stats()
     assert stats["item"]["rows_fetched"] > CAPACITY["item"] and stats["item"]["rows_written_back"] > 0
