@@ -151,10 +151,15 @@ def check_mid_epoch_resume(fit: Any, tmp_path: Any) -> None:
 
 
 def small_sequence_config(
-    tmp_path: Any, pooling: str = "attention", devices: int = 1, rows: int = 900
+    tmp_path: Any,
+    pooling: str = "attention",
+    devices: int = 1,
+    rows: int = 900,
+    options: str = "capacity: {t_movie: 400, t_user: 40}",
 ) -> Any:
     """A config file layered over ``configs/movielens_sequence_lookahead.yaml``: a synthetic ratings file (40
-    users, skewed movies, shuffled times) and caches smaller than the ids they serve."""
+    users, skewed movies, shuffled times) and, by default (``options`` of the lookahead sharder), caches smaller
+    than the ids they serve."""
     import random
 
     rnd = random.Random(0)
@@ -174,7 +179,7 @@ trainer:
     init_args:
       sharders:
       - class_path: torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder
-        init_args: {{capacity: {{t_movie: 400, t_user: 40}}}}
+        init_args: {{{options}}}
 model: {{init_args: {{pooling: {pooling}}}}}
 data:
   init_args:

@@ -57,3 +57,22 @@ def test_cached_sequence_model_trains_exactly_like_resident_under_lightning(tmp_
     monkeypatch.chdir(REPO)
     out = verify([str(REPO / "configs" / "movielens_sequence_lookahead.yaml"), str(small)], steps=12)  # type: ignore[arg-type]
     assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["steps"] == 12, out
+
+
+def test_device_budget_planner_sizes_the_embedding_collection_table_too(tmp_path, monkeypatch):
+    """With a device budget instead of capacities the planner sees the EC's table beside the EBC's; the
+    planned run trains exactly like the resident one."""
+    from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+    from torchrec_lookahead.launch import build_cli
+
+    small = small_sequence_config(tmp_path, options="capacity: null, device_budget_bytes: 60000")
+    monkeypatch.chdir(REPO)
+    configs = [str(REPO / "configs" / "movielens_sequence_lookahead.yaml"), str(small)]
+    out = verify(configs, steps=8)  # type: ignore[arg-type]
+    assert out["passed"] and out["max_abs_weight_diff"] == 0.0, out
+    cli = build_cli([a for c in configs for a in ("--config", c)] + ["--trainer.max_steps=1"])
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    sharder = next(
+        s for s in cli.trainer.strategy._sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)
+    )
+    assert "t_movie" in sharder.capacity, sharder.cache_plan

@@ -34,7 +34,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_configs import DataType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
 from torchrec_lookahead.distributed.sharded import CUSTOMIZED, ShardedLookaheadEmbeddingBagCollection
@@ -386,7 +386,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self.seed = seed
 
     def plan_capacity(self, module: nn.Module, sample_batches: Iterable[Any]) -> Any:
-        """Size the caches of every EmbeddingBagCollection in ``module`` for ``device_budget_bytes``.
+        """Size the caches of every EmbeddingBagCollection and EmbeddingCollection in ``module`` for
+        ``device_budget_bytes``.
 
         Sets :attr:`capacity` (cached tables only) and :attr:`cache_plan` (the planner's report) and returns
         the plan.
@@ -399,8 +400,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
         if self.device_budget_bytes is None:
             raise ConfigError("plan_capacity() needs device_budget_bytes")
-        ebcs = [m for m in module.modules() if isinstance(m, EmbeddingBagCollection)]
-        tables = [c for m in ebcs for c in m.embedding_bag_configs()]
+        ebcs = [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
+        tables = [c for m in ebcs for c in table_configs(m)]
         names = [c.name for c in tables]
         optimizer = self.optimizer
         for m in ebcs:
