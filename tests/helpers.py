@@ -148,3 +148,43 @@ def check_mid_epoch_resume(fit: Any, tmp_path: Any) -> None:
     assert trainer.global_step == 10
     assert sched.trained == sched_full.trained and sched.swaps == sched_full.swaps
     assert max_abs_diff(local_state(full.model), local_state(resumed.model)) == 0.0
+
+
+def small_sequence_config(
+    tmp_path: Any,
+    pooling: str = "attention",
+    devices: int = 1,
+    rows: int = 900,
+    options: str = "capacity: {t_movie: 400, t_user: 40}",
+) -> Any:
+    """A config file layered over ``configs/movielens_sequence_lookahead.yaml``: a synthetic ratings file (40
+    users, skewed movies, shuffled times) and, by default (``options`` of the lookahead sharder), caches smaller
+    than the ids they serve."""
+    import random
+
+    rnd = random.Random(0)
+    lines = ["userId,movieId,rating,timestamp"]
+    for _ in range(rows):
+        movie = int(rnd.paretovariate(1.2)) % 3000
+        lines.append(f"{rnd.randrange(40)},{movie},{rnd.choice([2.0, 4.5])},{rnd.randrange(10**6)}")
+    ratings = tmp_path / "ratings.csv"
+    ratings.write_text("\n".join(lines) + "\n")
+    small = tmp_path / "small.yaml"
+    small.write_text(
+        f"""
+trainer:
+  devices: {devices}
+  strategy:
+    class_path: torchrec_lookahead.strategies.TorchRecStrategy
+    init_args:
+      sharders:
+      - class_path: torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder
+        init_args: {{{options}}}
+model: {{init_args: {{pooling: {pooling}}}}}
+data:
+  init_args:
+    datamodule:
+      init_args: {{train_files: {ratings}, movies_file: null, batch_size: 32, num_embeddings: [64, 4096, 4]}}
+"""
+    )
+    return small

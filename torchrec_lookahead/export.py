@@ -55,7 +55,8 @@ def resident_state_dict(state: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
     """
     out: Dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        if ".embedding_bags." in key and key.endswith(_STATE_SUFFIXES) or key.endswith(".optimizer_step"):
+        in_table = ".embedding_bags." in key or ".embeddings." in key
+        if in_table and key.endswith(_STATE_SUFFIXES) or key.endswith(".optimizer_step"):
             continue
         if not isinstance(value, torch.Tensor):
             continue

@@ -76,7 +76,7 @@ def comparable_state(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
             value = value.full_tensor()
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             continue
-        if "embedding_bags." in key and not key.endswith(".weight"):
+        if ("embedding_bags." in key or "embeddings." in key) and not key.endswith(".weight"):
             continue
         out[resident_key(key)] = value.detach().clone()
     return out

@@ -14,6 +14,7 @@ CONFIGS = {
     "criteo_tsv_fae": ("criteo_kaggle_head", "head8000_split_train.txt"),
     "taobao_fae": ("taobao_userbehavior_head", "UserBehavior_head.csv"),
     "movielens_lookahead": ("movielens_latest_small_2016", "ratings.csv"),
+    "movielens_sequence_lookahead": ("movielens_latest_small_2016", "ratings.csv"),
     "taobao_lookahead": ("taobao_userbehavior_head", "UserBehavior_head.csv"),
 }
 

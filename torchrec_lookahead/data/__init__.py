@@ -12,6 +12,7 @@ from torchrec_lookahead.data.datamodules import (
     RecDataModule,
     TaobaoDataModule,
 )
+from torchrec_lookahead.data.history import MovieLensHistoryDataModule, MovieLensHistoryParser
 from torchrec_lookahead.data.lookahead import LookaheadDataModule
 from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
 from torchrec_lookahead.data.readers import CriteoTSVParser, MovieLensParser, TaobaoParser
@@ -28,6 +29,8 @@ __all__ = [
     "CriteoSyntheticDataModule",
     "CriteoTSVDataModule",
     "MovieLensDataModule",
+    "MovieLensHistoryDataModule",
+    "MovieLensHistoryParser",
     "TaobaoDataModule",
     "ResumableBatchLoader",
     "LookaheadDataModule",

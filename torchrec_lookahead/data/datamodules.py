@@ -8,7 +8,7 @@ through :attr:`RecDataModule.num_embeddings_per_feature` and :attr:`RecDataModul
 from __future__ import annotations
 
 import abc
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 from torch.utils.data import IterableDataset
@@ -204,12 +204,16 @@ class _FileDataModule(RecDataModule):
     def _parser(self):  # type: ignore[no-untyped-def]
         """The row parser."""
 
+    def _dataset(self, *args: Any, **kwargs: Any) -> LineBatchDataset:
+        """The line dataset of a split (a subclass may reorder or extend the rows)."""
+        return LineBatchDataset(*args, **kwargs)
+
     def _make_dataset(self, split: str, world_size: int, rank: int) -> Optional[IterableDataset]:
         files = self._files[split]
         if not files:
             return None
         drop_last = self.drop_last if self.drop_last is not None else world_size > 1
-        dataset = LineBatchDataset(
+        dataset = self._dataset(
             files,
             self._parser(),
             self.batch_size,

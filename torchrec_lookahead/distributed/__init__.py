@@ -1,6 +1,8 @@
-"""TorchRec integration: the lookahead sharder, its sharded module, sharding plans with cached tables, and
+"""TorchRec integration: the lookahead sharders (EmbeddingBagCollection and EmbeddingCollection), their sharded
+modules, sharding plans with cached tables, and
 (:mod:`torchrec_lookahead.distributed.planner`) the planner that sizes caches for a device budget."""
 
+from torchrec_lookahead.distributed.ec_sharder import LookaheadEmbeddingCollectionSharder
 from torchrec_lookahead.distributed.plan import (
     check_all_sharded,
     embedding_tables,
@@ -8,6 +10,7 @@ from torchrec_lookahead.distributed.plan import (
     with_default_sharders,
 )
 from torchrec_lookahead.distributed.sharded import CacheFusedOptimizer, ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.distributed.sharded_ec import ShardedLookaheadEmbeddingCollection
 from torchrec_lookahead.distributed.sharder import (
     LookaheadEmbeddingBagCollectionSharder,
     cache_optimizer_from_module,
@@ -16,6 +19,8 @@ from torchrec_lookahead.distributed.sharder import (
 __all__ = [
     "LookaheadEmbeddingBagCollectionSharder",
     "ShardedLookaheadEmbeddingBagCollection",
+    "LookaheadEmbeddingCollectionSharder",
+    "ShardedLookaheadEmbeddingCollection",
     "CacheFusedOptimizer",
     "lookahead_sharding_plan",
     "embedding_tables",

@@ -50,6 +50,8 @@ class KernelLayout:
         dims: embedding dimension of each feature.
         mean: MEAN pooling (else SUM).
         weighted: features carry per-id weights.
+        unpooled: the kernel returns one row per id (an EmbeddingCollection's): its output gradient is per id,
+            so the exchange sends the gradients of the ids that read a shared row instead of their bags'.
     """
 
     features: List[str]
@@ -59,6 +61,7 @@ class KernelLayout:
     dims: List[int]
     mean: bool
     weighted: bool
+    unpooled: bool = False
 
     @property
     def columns(self) -> List[int]:
@@ -207,6 +210,78 @@ def _all_gather(
     return work, recv
 
 
+def _needed_ids(g: _Global, select: np.ndarray, world_size: int) -> List[np.ndarray]:
+    """Per rank, the positions in the global batch of the rank's ids selected by ``select`` (unpooled)."""
+    hit = select[g.kslot]
+    return [np.flatnonzero(hit & (g.rank == q)) for q in range(world_size)]
+
+
+def _build_ids(
+    g: _Global,
+    keep: np.ndarray,
+    grad: torch.Tensor,
+    rank: int,
+    needed: List[np.ndarray],
+    recv: List[torch.Tensor],
+) -> ExchangeBatch:
+    """The unpooled exchange batch: every global id selected by ``keep``, with its output gradient (this
+    rank's own, or received), in the global batch's order."""
+    dim = grad.shape[1]
+    full = grad.new_zeros(g.values.size, dim)
+    full[torch.from_numpy(np.flatnonzero(g.rank == rank))] = grad
+    for q, pos in enumerate(needed):
+        if q != rank and pos.size:
+            full[torch.from_numpy(pos)] = recv[q][: pos.size * dim].view(-1, dim)
+    lengths = np.bincount(g.bag[keep], minlength=g.lengths.size)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return ExchangeBatch(
+        indices=torch.from_numpy(np.ascontiguousarray(g.values[keep])).to(grad.device),
+        offsets=torch.from_numpy(offsets).to(grad.device),
+        weights=None,
+        grad=full[torch.from_numpy(np.flatnonzero(keep))],
+    )
+
+
+class _Exchange:
+    """What one kernel's exchange sends and builds: bags' gradient columns (pooled kernels) or ids' gradient
+    rows (unpooled ones)."""
+
+    def __init__(
+        self, g: _Global, layout: KernelLayout, grad: torch.Tensor, rank: int, world_size: int
+    ) -> None:
+        self.g, self.layout, self.rank, self.world_size = g, layout, rank, world_size
+        own = np.flatnonzero(g.rank == rank)
+        self._own = own
+        expected = own.size if layout.unpooled else g.local
+        if g.local * world_size != g.bags or grad.shape[0] != expected:
+            raise SetupError(
+                f"the global batch has {g.bags} bags per feature, not {world_size} ranks x {g.local} local bags "
+                f"matching the output gradient's {grad.shape[0]} rows"
+            )
+
+    def needed(self, select: np.ndarray) -> List[Any]:
+        if self.layout.unpooled:
+            return _needed_ids(self.g, select, self.world_size)
+        return _needed_bags(self.g, select, self.world_size)
+
+    def sizes(self, needed: List[Any]) -> List[int]:
+        if self.layout.unpooled:
+            return [int(pos.size) * self.layout.dims[0] for pos in needed]
+        return _sizes(self.layout, needed)
+
+    def pack(self, grad: torch.Tensor, mine: Any) -> torch.Tensor:
+        if self.layout.unpooled:
+            return grad[torch.from_numpy(np.searchsorted(self._own, mine))].reshape(-1)
+        return _pack(grad, self.layout, mine)
+
+    def build(
+        self, keep: np.ndarray, grad: torch.Tensor, needed: List[Any], recv: List[torch.Tensor]
+    ) -> ExchangeBatch:
+        if self.layout.unpooled:
+            return _build_ids(self.g, keep, grad, self.rank, needed, recv)
+        return _build(self.g, self.layout, keep, grad, self.rank, needed, recv)
+
+
 def _build(
     g: _Global,
     layout: KernelLayout,
@@ -266,8 +341,8 @@ def exchange_batches(
         layout: the kernel's features and tables.
         global_kjt: the step's global batch, cached features remapped to slots (every rank's bags in rank
             order).
-        grad: this rank's gradient of the kernel's pooled output, (local bags, layout.width), already divided
-            as TorchRec divides it.
+        grad: this rank's gradient of the kernel's pooled output, (local bags, layout.width), or of its
+            unpooled output, (local ids, D), already divided as TorchRec divides it.
         rank: this rank; world_size: W.
         shared: per local table, the sorted slots read by several ranks.
         delayed: per local table, the shared slots whose update is delayed (empty without delayed sync).
@@ -279,10 +354,7 @@ def exchange_batches(
         (the batch to apply now, the delayed part or ``None``, floats sent by this rank).
     """
     g = _Global(layout, global_kjt, world_size)
-    if g.local * world_size != g.bags or grad.shape[0] != g.local:
-        raise SetupError(
-            f"the global batch has {g.bags} bags per feature, not {world_size} ranks x {grad.shape[0]} local bags"
-        )
+    ex = _Exchange(g, layout, grad, rank, world_size)
     mine = np.zeros(int(g.base[-1]), dtype=bool)
     mine[g.kslot[g.rank == rank]] = True
     everyone = np.zeros_like(mine)
@@ -291,22 +363,22 @@ def exchange_batches(
     mine |= everyone
     late = g.mask(delayed) & ~everyone
     now_shared = (g.mask(shared) | everyone) & ~late
-    needed = _needed_bags(g, now_shared, world_size)
-    sizes = _sizes(layout, needed)
-    _, recv = _all_gather(_pack(grad, layout, needed[rank]), sizes, group, async_op=False)
+    needed = ex.needed(now_shared)
+    sizes = ex.sizes(needed)
+    _, recv = _all_gather(ex.pack(grad, needed[rank]), sizes, group, async_op=False)
     keep_now = mine[g.kslot] & ~late[g.kslot]
-    now = _build(g, layout, keep_now, grad, rank, needed, recv)
+    now = ex.build(keep_now, grad, needed, recv)
     sent = sizes[rank]
     later = None
     if late.any():
-        needed_late = _needed_bags(g, late, world_size)
-        sizes_late = _sizes(layout, needed_late)
-        work, recv_late = _all_gather(_pack(grad, layout, needed_late[rank]), sizes_late, delayed_group, True)
+        needed_late = ex.needed(late)
+        sizes_late = ex.sizes(needed_late)
+        work, recv_late = _all_gather(ex.pack(grad, needed_late[rank]), sizes_late, delayed_group, True)
         keep_late = mine[g.kslot] & late[g.kslot]
         saved = grad.clone()  # the autograd engine may reuse the gradient buffer
 
         def build(received: List[torch.Tensor]) -> ExchangeBatch:
-            return _build(g, layout, keep_late, saved, rank, needed_late, received)
+            return ex.build(keep_late, saved, needed_late, received)
 
         later = DelayedExchange(work, recv_late, build, int(np.count_nonzero(mine & late)))
         sent += sizes_late[rank]

@@ -21,11 +21,18 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingBagCollectionInterface,
+    EmbeddingCollection,
     EmbeddingCollectionInterface,
 )
 
+from torchrec_lookahead.distributed.ec_sharder import LookaheadEmbeddingCollectionSharder
 from torchrec_lookahead.distributed.sharded import CUSTOMIZED
-from torchrec_lookahead.distributed.sharder import lookahead_planning
+from torchrec_lookahead.distributed.sharder import (
+    LookaheadEmbeddingBagCollectionSharder,
+    copy_in_backward_optimizers,
+    lookahead_planning,
+    table_configs,
+)
 from torchrec_lookahead.errors import ConfigError
 
 __all__ = ["lookahead_sharding_plan", "embedding_tables", "with_default_sharders", "check_all_sharded"]
@@ -36,7 +43,9 @@ def with_default_sharders(sharders: Sequence[ModuleSharder[nn.Module]]) -> List[
 
     ``DistributedModelParallel(sharders=[...])`` shards only the module types of the sharders it is given: a
     list holding just the lookahead sharder would leave an ``EmbeddingCollection`` (or any other embedding
-    module) unsharded. Sharders given first win for their module type.
+    module) unsharded. Sharders given first win for their module type. A lookahead EBC sharder brings its
+    :class:`~torchrec_lookahead.distributed.LookaheadEmbeddingCollectionSharder` sibling (same capacities,
+    stores and optimizer), so its capacity can name ``EmbeddingCollection`` tables too.
 
     Example:
         >>> from torchrec.modules.embedding_modules import EmbeddingCollection
@@ -44,13 +53,19 @@ def with_default_sharders(sharders: Sequence[ModuleSharder[nn.Module]]) -> List[
         >>> sharders = with_default_sharders([LookaheadEmbeddingBagCollectionSharder(capacity={"t": 64})])
         >>> type(sharders[0]).__name__
         'LookaheadEmbeddingBagCollectionSharder'
-        >>> any(s.module_type is EmbeddingCollection for s in sharders)
-        True
+        >>> [type(s).__name__ for s in sharders if s.module_type is EmbeddingCollection]  # sharing its config
+        ['LookaheadEmbeddingCollectionSharder']
         >>> sum(s.module_type is EmbeddingBagCollection for s in sharders)  # TorchRec's EBC sharder not added
         1
     """
-    given = {s.module_type for s in sharders}
-    return list(sharders) + [d for d in get_default_sharders() if d.module_type not in given]
+    out = list(sharders)
+    given = {s.module_type for s in out}
+    if EmbeddingCollection not in given:  # the lookahead EBC sharder's sibling caches EmbeddingCollections
+        source = next((s for s in out if isinstance(s, LookaheadEmbeddingBagCollectionSharder)), None)
+        if source is not None:
+            out.append(LookaheadEmbeddingCollectionSharder(source))
+            given.add(EmbeddingCollection)
+    return out + [d for d in get_default_sharders() if d.module_type not in given]
 
 
 def check_all_sharded(module: nn.Module) -> None:
@@ -77,28 +92,27 @@ def check_all_sharded(module: nn.Module) -> None:
 
 
 def embedding_tables(module: nn.Module) -> List[str]:
-    """Names of every table of every EmbeddingBagCollection in ``module``."""
-    return [
-        c.name
-        for m in module.modules()
-        if isinstance(m, EmbeddingBagCollection)
-        for c in m.embedding_bag_configs()
-    ]
+    """Names of every table of every EmbeddingBagCollection and EmbeddingCollection in ``module``."""
+    return [c.name for m in module.modules() if isinstance(m, _COLLECTIONS) for c in table_configs(m)]
 
 
-def _cache_sized(ebc: EmbeddingBagCollection, cached: Mapping[str, int]) -> EmbeddingBagCollection:
+_COLLECTIONS = (EmbeddingBagCollection, EmbeddingCollection)
+
+
+def _cache_sized(module: nn.Module, cached: Mapping[str, int]) -> nn.Module:
     tables = [
         dataclasses.replace(c, num_embeddings=min(int(cached[c.name]), c.num_embeddings))
         if c.name in cached
         else c
-        for c in ebc.embedding_bag_configs()
+        for c in table_configs(module)
     ]
-    proxy = EmbeddingBagCollection(tables=tables, is_weighted=ebc.is_weighted(), device=torch.device("meta"))
-    for name, p in ebc.embedding_bags.named_parameters():
-        q = proxy.embedding_bags.get_parameter(name)
-        for attr in ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers"):
-            if hasattr(p, attr):
-                setattr(q, attr, getattr(p, attr))
+    meta = torch.device("meta")
+    proxy: nn.Module
+    if isinstance(module, EmbeddingBagCollection):
+        proxy = EmbeddingBagCollection(tables=tables, is_weighted=module.is_weighted(), device=meta)
+    else:
+        proxy = EmbeddingCollection(tables=tables, device=meta, need_indices=module.need_indices())  # type: ignore[operator]
+    copy_in_backward_optimizers(module, proxy, [c.name for c in tables])
     return proxy
 
 
@@ -107,14 +121,12 @@ def _with_cache_sized_tables(
 ) -> Tuple[nn.Module, Callable[[], None]]:
     """``module`` with every collection holding cached tables swapped for one whose cached tables have
     ``capacity`` rows, and the function that swaps the originals back."""
-    if isinstance(module, EmbeddingBagCollection):
+    if isinstance(module, _COLLECTIONS):
         return _cache_sized(module, cached), lambda: None
     swaps = []
     for parent in list(module.modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, EmbeddingBagCollection) and any(
-                c.name in cached for c in child.embedding_bag_configs()
-            ):
+            if isinstance(child, _COLLECTIONS) and any(c.name in cached for c in table_configs(child)):
                 setattr(parent, child_name, _cache_sized(child, cached))
                 swaps.append((parent, child_name, child))
 

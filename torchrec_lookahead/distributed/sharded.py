@@ -247,6 +247,10 @@ class ShardedLookaheadEmbeddingBagCollection(
         if self.world_size > 1:
             if lrpp is None or lrpp.step != plan.step:
                 raise SetupError(f"multi-rank step {plan.step} has no LRPP synchronisation plan")
+            # this collection's tables only (a model may hold several cached collections: EBC and EC)
+            lrpp = LRPPPlan(
+                lrpp.step, {t: p for t, p in lrpp.tables.items() if t in self.cache.capacity}, lrpp.features
+            )
             # The previous step's delayed rows land before this plan evicts, refreshes or loads anything.
             self.land_delayed()
             stores = self.cache.stores
@@ -467,6 +471,7 @@ class ShardedLookaheadEmbeddingBagCollection(
             dims=[int(kernel.dims[t]) for t in ftm],
             mean=kernel.pooling == PoolingMode.MEAN,
             weighted=self._is_weighted,
+            unpooled=kernel.pooling == PoolingMode.NONE,
         )
 
     def _make_backward_hook(self, g: int, kernel: Any) -> Any:
@@ -528,7 +533,9 @@ class ShardedLookaheadEmbeddingBagCollection(
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         return NoWait(NoWait(features))
 
-    def compute(self, ctx: NullShardedModuleContext, dist_input: KeyedJaggedTensor) -> KeyedTensor:
+    def _part_outputs(self, dist_input: KeyedJaggedTensor) -> List[Any]:
+        """The outputs of TorchRec's module (resident features) and of the cache (cached features), those
+        present, in that order."""
         # One permute (resident features, then cached ones) and a split, rather than one permute per part.
         res_kjt: Optional[KeyedJaggedTensor] = None
         cache_kjt: Optional[KeyedJaggedTensor] = None
@@ -541,7 +548,7 @@ class ShardedLookaheadEmbeddingBagCollection(
             res_kjt = _select(dist_input, self._resident_features)
         else:
             cache_kjt = _select(dist_input, self._cached_order)
-        outs: List[KeyedTensor] = []
+        outs: List[Any] = []
         if res_kjt is not None:
             assert self.resident is not None
             out = self.resident(res_kjt)
@@ -563,6 +570,10 @@ class ShardedLookaheadEmbeddingBagCollection(
                         "mode; keep the model in training mode during fit (call model.train())"
                     )
                 outs.append(self._eval_lookup(cache_kjt))
+        return outs
+
+    def compute(self, ctx: NullShardedModuleContext, dist_input: KeyedJaggedTensor) -> KeyedTensor:
+        outs = self._part_outputs(dist_input)
         if len(outs) == 1 and outs[0].keys() == self._feature_names:
             values = outs[0].values()
         else:  # back to the collection's feature order: one concatenation of column runs

@@ -45,7 +45,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_configs import DataType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
 from torchrec_lookahead.distributed.sharded import CUSTOMIZED, ShardedLookaheadEmbeddingBagCollection
@@ -110,16 +110,38 @@ def _cache_optimizer(optimizer: Any, kw: Dict[str, Any]) -> CacheOptimizerConfig
     )
 
 
-def cache_optimizer_from_module(
-    module: EmbeddingBagCollection, tables: List[str]
-) -> Optional[CacheOptimizerConfig]:
+def table_parameters(module: nn.Module) -> nn.ModuleDict:
+    """The per-table modules of a TorchRec collection: ``embedding_bags`` of an EmbeddingBagCollection,
+    ``embeddings`` of an EmbeddingCollection."""
+    found = getattr(module, "embedding_bags", None)
+    return found if isinstance(found, nn.ModuleDict) else module.embeddings  # type: ignore[return-value]
+
+
+def table_configs(module: nn.Module) -> List[Any]:
+    """The table configs of a TorchRec EmbeddingBagCollection or EmbeddingCollection."""
+    if isinstance(module, EmbeddingBagCollection):
+        return list(module.embedding_bag_configs())
+    return list(module.embedding_configs())  # type: ignore[operator]
+
+
+def copy_in_backward_optimizers(src: nn.Module, dst: nn.Module, names: List[str]) -> None:
+    """Give the tables ``names`` of collection ``dst`` the ``apply_optimizer_in_backward`` declarations of
+    ``src``'s (how TorchRec's sharders find each table's fused optimizer)."""
+    for name in names:
+        a, b = table_parameters(src)[name].weight, table_parameters(dst)[name].weight
+        for attr in _IN_BACKWARD_ATTRS:
+            if hasattr(a, attr):
+                setattr(b, attr, getattr(a, attr))
+
+
+def cache_optimizer_from_module(module: nn.Module, tables: List[str]) -> Optional[CacheOptimizerConfig]:
     """The cache optimizer declared on the tables with ``apply_optimizer_in_backward`` (``None`` if none).
 
     Raises:
         ConfigError: cached tables declare different optimizers, or one the cache cannot move with the row.
     """
     found: Dict[str, CacheOptimizerConfig] = {}
-    for name, p in module.embedding_bags.named_parameters():
+    for name, p in table_parameters(module).named_parameters():
         table = name.split(".")[0]
         if table not in tables or not getattr(p, "_optimizer_classes", None):
             continue
@@ -153,13 +175,13 @@ def _table_optimizer(module: EmbeddingBagCollection, name: str, fused_params: Di
     """The optimizer TorchRec's fused kernel would train table ``name`` with: its ``apply_optimizer_in_backward``
     declaration over the sharder's ``fused_params`` (as TorchRec merges them), else ``fused_params`` alone.
     Returns a :class:`CacheOptimizerConfig`, or the reason there is none the cache can reproduce."""
-    p = module.embedding_bags[name].weight
+    p: Any = table_parameters(module)[name].weight
     classes = getattr(p, "_optimizer_classes", None)
     if not classes:
         if "optimizer" not in fused_params:
             return f"table '{name}' declares no optimizer and the sharder has none in fused_params"
         return _cache_optimizer(fused_params["optimizer"], fused_params)
-    kw = dict(p._optimizer_kwargs[0])  # type: ignore[attr-defined]
+    kw = dict(p._optimizer_kwargs[0])
     unknown = sorted(set(kw) - _FUSABLE_OPTIMIZER_KEYS)
     if unknown:
         return f"table '{name}' declares optimizer arguments {unknown} the cache's kernel does not take"
@@ -395,7 +417,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         sample_batches: Iterable[Any],
         pinned: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> Any:
-        """Size the caches of every EmbeddingBagCollection in ``module`` for ``device_budget_bytes``.
+        """Size the caches of every EmbeddingBagCollection and EmbeddingCollection in ``module`` for
+        ``device_budget_bytes``.
 
         Sets :attr:`capacity` (cached tables only) and :attr:`cache_plan` (the planner's report) and returns
         the plan.
@@ -418,8 +441,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
         if self.device_budget_bytes is None:
             raise ConfigError("plan_capacity() needs device_budget_bytes")
-        ebcs = [m for m in module.modules() if isinstance(m, EmbeddingBagCollection)]
-        tables = [c for m in ebcs for c in m.embedding_bag_configs()]
+        ebcs = [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
+        tables = [c for m in ebcs for c in table_configs(m)]
         names = [c.name for c in tables]
         optimizer = self.optimizer
         for m in ebcs:
@@ -470,7 +493,13 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             ConfigError: TorchRec's own planner asks (no ``lookahead_planning``) while this sharder has tables
                 to cache (``capacity`` or ``device_budget_bytes``).
         """
-        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
+        return self.cache_kernels(
+            list(super().compute_kernels(sharding_type, compute_device_type)), sharding_type
+        )
+
+    def cache_kernels(self, kernels: List[str], sharding_type: str) -> List[str]:
+        """``kernels`` (TorchRec's) plus the cache's where :func:`lookahead_planning` plans a data-parallel table;
+        shared with the EmbeddingCollection sibling (see :meth:`compute_kernels`)."""
         if not _PLANNING.get():
             if self.capacity or self.device_budget_bytes is not None:
                 what = (
@@ -515,32 +544,10 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         module_fqn: Optional[str] = None,
     ) -> Any:
         configs = module.embedding_bag_configs()
-        cached = [c.name for c in configs if c.name in params and params[c.name].compute_kernel == CUSTOMIZED]
-        uncached = [c.name for c in configs if c.name in self.capacity and c.name not in cached]
-        if uncached:
-            raise ConfigError(
-                f"Tables {uncached} have a cache capacity but the sharding plan gives them TorchRec's "
-                f"{sorted({params[t].compute_kernel for t in uncached if t in params})} kernel: they would train "
-                "resident. Build the plan with torchrec_lookahead.distributed.lookahead_sharding_plan(model, "
-                "sharders, capacity, topology), or drop them from capacity"
-            )
+        cached = self.cached_table_names(configs, params)
         if not cached:
             return super().shard(module, params, env, device, module_fqn)
-        missing = [t for t in cached if t not in self.capacity]
-        if missing:
-            raise ConfigError(
-                f"Tables {missing} are planned for the lookahead cache but have no capacity; pass "
-                f"capacity={{table: rows}} to LookaheadEmbeddingBagCollectionSharder (known: {sorted(self.capacity)})"
-            )
-        optimizer = self.optimizer or cache_optimizer_from_module(module, cached)
-        if optimizer is None:
-            fp = dict(self.fused_params or {})
-            if "optimizer" not in fp:
-                raise ConfigError(
-                    "No optimizer for the cached tables: declare one with apply_optimizer_in_backward, or pass "
-                    "optimizer=CacheOptimizerConfig(...) to the sharder"
-                )
-            optimizer = _cache_optimizer(fp["optimizer"], fp)
+        optimizer = self.cache_optimizer(module, cached)
         resident_cfgs = [c for c in configs if c.name not in cached]
         resident = None
         fuse = self._fuse_resident(module, resident_cfgs, params, env, optimizer)
@@ -548,22 +555,12 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             sub = EmbeddingBagCollection(
                 tables=resident_cfgs, is_weighted=module.is_weighted(), device=torch.device("meta")
             )
-            for c in resident_cfgs:
-                src, dst = module.embedding_bags[c.name].weight, sub.embedding_bags[c.name].weight
-                for attr in _IN_BACKWARD_ATTRS:
-                    if hasattr(src, attr):
-                        setattr(dst, attr, getattr(src, attr))
+            copy_in_backward_optimizers(module, sub, [c.name for c in resident_cfgs])
             resident = super().shard(
                 sub, {c.name: params[c.name] for c in resident_cfgs}, env, device, module_fqn
             )
         cached_cfgs = [c for c in configs if c.name in cached]
-        if env.world_size > 1:
-            # LRPP: one shared host store per table. The kernel is the one-rank kernel (FBGEMM's where it has
-            # the optimizer): its backward runs over the exchange batch (distributed/exact_sync.py).
-            stores: Dict[str, EmbeddingStore] = self._shared_stores(cached_cfgs, optimizer, env)
-        else:
-            stores = {c.name: s for c in cached_cfgs if (s := self._store(c, optimizer)) is not None}
-        delayed = self.delayed_sync and env.world_size > 1 and self.cdlrm_average_every is None
+        stores = self.cache_stores(cached_cfgs, optimizer, env)
         cache = CachedEmbeddingBagCollection(
             configs if fuse else cached_cfgs,
             capacity={t: self.capacity[t] for t in cached},
@@ -580,6 +577,13 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             resident,
             cache,
             module.is_weighted(),
+            **self.sync_options(env),
+        )
+
+    def sync_options(self, env: ShardingEnv) -> Dict[str, Any]:
+        """The sharded cached module's rank and multi-rank arguments (LRPP, delayed sync, cDLRM) for ``env``."""
+        delayed = self.delayed_sync and env.world_size > 1 and self.cdlrm_average_every is None
+        return dict(
             rank=env.rank,
             world_size=env.world_size,
             process_group=env.process_group,
@@ -587,6 +591,57 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             delayed_sync=delayed,
             delayed_group=self._delayed_group(env) if delayed else None,
         )
+
+    def cached_table_names(self, configs: List[Any], params: Dict[str, ParameterSharding]) -> List[str]:
+        """The tables of ``configs`` planned for the cache (``CUSTOMIZED_KERNEL``).
+
+        Raises:
+            ConfigError: a table planned for the cache has no capacity.
+        """
+        cached = [c.name for c in configs if c.name in params and params[c.name].compute_kernel == CUSTOMIZED]
+        missing = [t for t in cached if t not in self.capacity]
+        if missing:
+            raise ConfigError(
+                f"Tables {missing} are planned for the lookahead cache but have no capacity; pass "
+                f"capacity={{table: rows}} to LookaheadEmbeddingBagCollectionSharder (known: {sorted(self.capacity)})"
+            )
+        uncached = [c.name for c in configs if c.name in self.capacity and c.name not in cached]
+        if uncached:
+            raise ConfigError(
+                f"Tables {uncached} have a cache capacity but the sharding plan gives them TorchRec's "
+                f"{sorted({params[t].compute_kernel for t in uncached if t in params})} kernel: they would train "
+                "resident. Build the plan with torchrec_lookahead.distributed.lookahead_sharding_plan(model, "
+                "sharders, capacity, topology), or drop them from capacity"
+            )
+        return cached
+
+    def cache_optimizer(self, module: nn.Module, cached: List[str]) -> CacheOptimizerConfig:
+        """The cached tables' optimizer: the sharder's ``optimizer``, else the one declared on the tables, else
+        ``fused_params``'.
+
+        Raises:
+            ConfigError: none is given, or the tables declare several.
+        """
+        optimizer = self.optimizer or cache_optimizer_from_module(module, cached)
+        if optimizer is None:
+            fp = dict(self.fused_params or {})
+            if "optimizer" not in fp:
+                raise ConfigError(
+                    "No optimizer for the cached tables: declare one with apply_optimizer_in_backward, or pass "
+                    "optimizer=CacheOptimizerConfig(...) to the sharder"
+                )
+            optimizer = _cache_optimizer(fp["optimizer"], fp)
+        return optimizer
+
+    def cache_stores(
+        self, cfgs: List[Any], optimizer: CacheOptimizerConfig, env: ShardingEnv
+    ) -> Dict[str, EmbeddingStore]:
+        """The host stores of the cached tables ``cfgs`` (absent: the cache makes an in-RAM one)."""
+        if env.world_size > 1:
+            # LRPP: one shared host store per table. The kernel is the one-rank kernel (FBGEMM's where it has
+            # the optimizer): its backward runs over the exchange batch (distributed/exact_sync.py).
+            return self._shared_stores(cfgs, optimizer, env)
+        return {c.name: s for c in cfgs if (s := self._store(c, optimizer)) is not None}
 
     def _fuse_resident(
         self,

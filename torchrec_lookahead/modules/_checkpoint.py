@@ -30,11 +30,17 @@ __all__ = ["save_tables", "load_tables"]
 
 
 def save_tables(
-    tables: Mapping[str, _Table], kernels: Sequence[_CacheKernel], destination: Dict[str, Any], prefix: str
+    tables: Mapping[str, _Table],
+    kernels: Sequence[_CacheKernel],
+    destination: Dict[str, Any],
+    prefix: str,
+    collection: str = "embedding_bags",
 ) -> None:
-    """Add every table's full weights and optimizer state, and the optimizer step, to ``destination``."""
+    """Add every table's full weights and optimizer state, and the optimizer step, to ``destination`` (under
+    ``<collection>.<table>.``: ``embedding_bags`` as TorchRec's EmbeddingBagCollection, ``embeddings`` as its
+    EmbeddingCollection)."""
     for name, t in tables.items():
-        key = f"{prefix}embedding_bags.{name}."
+        key = f"{prefix}{collection}.{name}."
         if t.store is not None:
             destination[key + "weight"] = t.store.full_weights()
             for s, v in t.store.full_states().items():
@@ -57,6 +63,7 @@ def load_tables(
     missing_keys: List[str],
     unexpected_keys: List[str],
     error_msgs: List[str],
+    collection: str = "embedding_bags",
 ) -> bool:
     """Load full tables from ``state_dict`` into the stores (cached tables) and kernels (resident ones), as
     ``nn.Module._load_from_state_dict``: missing keys, unexpected keys and shape errors are appended to the lists.
@@ -67,9 +74,9 @@ def load_tables(
     expected: Dict[str, Tuple[int, ...]] = {}
     for name, t in tables.items():
         dim, n = t.config.embedding_dim, t.config.num_embeddings
-        expected[f"{prefix}embedding_bags.{name}.weight"] = (n, dim)
+        expected[f"{prefix}{collection}.{name}.weight"] = (n, dim)
         for s, w in optimizer.state_widths(dim).items():
-            expected[f"{prefix}embedding_bags.{name}.{s}"] = (n, w)
+            expected[f"{prefix}{collection}.{name}.{s}"] = (n, w)
     expected[prefix + "optimizer_step"] = ()
     errors = len(error_msgs)
     for key, shape in expected.items():
@@ -80,7 +87,7 @@ def load_tables(
         ):
             error_msgs.append(f"{key}: expected shape {shape} but got {tuple(state_dict[key].shape)}")
     if strict:
-        ours = prefix + "embedding_bags."
+        ours = f"{prefix}{collection}."
         for key in state_dict:
             if key.startswith(ours) and key not in expected:
                 unexpected_keys.append(key)
@@ -88,7 +95,7 @@ def load_tables(
         return False
     with torch.no_grad():
         for name, t in tables.items():
-            key = f"{prefix}embedding_bags.{name}."
+            key = f"{prefix}{collection}.{name}."
             if key + "weight" not in state_dict:
                 continue
             widths = optimizer.state_widths(t.config.embedding_dim)

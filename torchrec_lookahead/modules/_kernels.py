@@ -1,7 +1,9 @@
 """Lookup kernels of the device cache: FBGEMM's fused TBE, and a PyTorch fallback for what FBGEMM lacks.
 
-Both compute pooled lookups over a group of tables laid out like FBGEMM's TBE (indices of all features
-concatenated feature-major, ``offsets`` of length ``F * B + 1``) and apply the sparse optimizer fused in
+Both compute lookups over a group of tables laid out like FBGEMM's TBE (indices of all features
+concatenated feature-major, ``offsets`` of length ``F * B + 1``), pooled per bag (``SUM``/``MEAN``, the
+EmbeddingBagCollection's) or one row per id (``NONE``, the EmbeddingCollection's: every table of the group has
+the same dimension, output (number of ids, D)) and apply the sparse optimizer fused in
 backward, touching only the rows looked up in the batch. Both expose per-table views of the weights and of
 the optimizer state, which the cache reads and writes to move rows between slots and the store.
 
@@ -322,6 +324,12 @@ class _TorchKernel(_CacheKernel):
     ) -> torch.Tensor:
         """Forward: one ``embedding_bag`` per feature, concatenated along the embedding dimension."""
         batch, bounds = self._segments(offsets)
+        if self.pooling == PoolingMode.NONE:  # one row per id, features one after the other
+            rows = [
+                self._weights[t][indices[bounds[f] : bounds[f + 1]]]
+                for f, t in enumerate(self.feature_table_map)
+            ]
+            return torch.cat(rows) if rows else torch.zeros(0, self.dims[0], device=self.device)
         outs = []
         for f, t in enumerate(self.feature_table_map):
             off = offsets[f * batch : (f + 1) * batch + 1]
@@ -360,6 +368,10 @@ class _TorchKernel(_CacheKernel):
         for f, t in enumerate(self.feature_table_map):
             dim = self.dims[t]
             lo, hi = bounds[f], bounds[f + 1]
+            rows[t].append(indices[lo:hi])
+            if self.pooling == PoolingMode.NONE:  # unpooled: each id has its own output row
+                grads[t].append(grad[lo:hi])
+                continue
             lengths = torch.diff(offsets[f * batch : (f + 1) * batch + 1])
             bag = torch.repeat_interleave(torch.arange(batch, device=grad.device), lengths)
             g = grad[:, col : col + dim].index_select(0, bag)
@@ -370,7 +382,6 @@ class _TorchKernel(_CacheKernel):
             elif self._mode == "mean":
                 scale = (1.0 / lengths.index_select(0, bag).clamp(min=1).to(torch.float64)).to(g.dtype)
                 g = g * scale.unsqueeze(1)
-            rows[t].append(indices[lo:hi])
             grads[t].append(g)
             col += dim
         for t in range(len(self.rows)):

@@ -23,7 +23,7 @@ tables): a dense optimizer must not see them. ``state_dict()`` flushes the cache
 from __future__ import annotations
 
 import numbers
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -108,16 +108,15 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._trusted_forward = False  # the last plan applied was trusted (see apply_plan)
         self._feature_names: List[str] = []
         self._feature_to_table: Dict[str, str] = {}
-        groups: Dict[PoolingMode, List[EmbeddingBagConfig]] = {}
+        groups: Dict[Tuple[PoolingMode, int], List[Any]] = {}
         for cfg in self._configs:
-            mode = PoolingMode.MEAN if cfg.pooling == PoolingType.MEAN else PoolingMode.SUM
-            groups.setdefault(mode, []).append(cfg)
+            groups.setdefault(self._kernel_group(cfg), []).append(cfg)
             for feature in cfg.feature_names:
                 self._feature_names.append(feature)
                 self._feature_to_table[feature] = cfg.name
         self._kernels: List[_CacheKernel] = []
         self._group_features: List[List[str]] = []
-        for g, (mode, cfgs) in enumerate(groups.items()):
+        for g, ((mode, _), cfgs) in enumerate(groups.items()):
             rows = [int(capacity.get(c.name, c.num_embeddings)) for c in cfgs]  # type: ignore[call-overload]
             feature_map = [i for i, c in enumerate(cfgs) for _ in c.feature_names]
             self._group_features.append([f for c in cfgs for f in c.feature_names])
@@ -152,9 +151,21 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._tables[self._feature_to_table[f]].config.embedding_dim for f in self._feature_names
         ]
 
+    _COLLECTION = "embedding_bags"
+    """The collection's attribute in TorchRec (``EmbeddingBagCollection.embedding_bags``): the state dict's keys."""
+
+    def _kernel_group(self, cfg: Any) -> Tuple[PoolingMode, int]:
+        """The kernel a table joins (one per distinct key): one per pooling mode."""
+        return (PoolingMode.MEAN if cfg.pooling == PoolingType.MEAN else PoolingMode.SUM, 0)
+
+    def _check_table(self, cfg: Any) -> None:
+        """Refuse a table config the collection's kernels cannot train."""
+        if cfg.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+            raise ConfigError(f"table '{cfg.name}' has pooling {cfg.pooling}; use SUM or MEAN")
+
     def _check_configs(self, capacity: Mapping[str, int], stores: Mapping[str, EmbeddingStore]) -> None:
         if not self._configs:
-            raise ConfigError("tables must list at least one EmbeddingBagConfig but got none")
+            raise ConfigError("tables must list at least one table config but got none")
         names = [c.name for c in self._configs]
         features = [f for c in self._configs for f in c.feature_names]
         for kind, seen in (("table", names), ("feature", features)):
@@ -173,8 +184,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         for c in self._configs:
             if c.data_type != DataType.FP32:
                 raise ConfigError(f"table '{c.name}' has data_type {c.data_type}; only FP32 is supported")
-            if c.pooling not in (PoolingType.SUM, PoolingType.MEAN):
-                raise ConfigError(f"table '{c.name}' has pooling {c.pooling}; use SUM or MEAN")
+            self._check_table(c)
             if uses_fbgemm and c.embedding_dim % 4 != 0:
                 raise ConfigError(
                     f"table '{c.name}' has embedding_dim {c.embedding_dim}; FBGEMM needs a multiple of 4"
@@ -349,27 +359,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             CapacityError: a slot is not below its table's capacity.
             SetupError: a slot is empty (no ``apply_plan`` loaded a row into it).
         """
-        refuse_variable_batch(features)
-        keys = features.keys()
-        missing = [f for f in self._feature_names if f not in keys]
-        if missing:
-            raise DataError(f"features {missing} are missing from the batch (it has {keys})")
-        if self._is_weighted and features.weights_or_none() is None:
-            raise DataError("the collection is weighted (is_weighted=True) but the batch carries no weights")
-        trusted, self._trusted_forward = self._trusted_forward, False  # one forward per trusted plan
-        outputs: List[torch.Tensor] = []
-        for g, kernel in enumerate(self._kernels):
-            names = self._group_features[g]
-            kjt = features if list(keys) == names else features.permute([keys.index(f) for f in names])
-            self._check_values(kjt, skip_cached=trusted)
-            weights = kjt.weights().float() if self._is_weighted else None
-            outputs.append(
-                kernel.lookup(
-                    kjt.values().to(self._device, torch.int64),
-                    kjt.offsets().to(self._device, torch.int64),
-                    weights,
-                )
-            )
+        outputs = [out for _, out in self._lookups(features)]
         values = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
         if not self._output_order_matches:
             order = [f for fs in self._group_features for f in fs]
@@ -382,6 +372,31 @@ class CachedEmbeddingBagCollection(nn.Module):
                 [values[:, starts[f] : starts[f] + d] for f, d in zip(self._feature_names, self._dims)], 1
             )
         return KeyedTensor(keys=list(self._feature_names), length_per_key=list(self._dims), values=values)
+
+    def _lookups(self, features: KeyedJaggedTensor) -> List[Tuple[KeyedJaggedTensor, torch.Tensor]]:
+        """Per kernel, the batch's features of its tables (in the kernel's order) and the kernel's output, after
+        the checks :meth:`forward` documents."""
+        refuse_variable_batch(features)
+        keys = features.keys()
+        missing = [f for f in self._feature_names if f not in keys]
+        if missing:
+            raise DataError(f"features {missing} are missing from the batch (it has {keys})")
+        if self._is_weighted and features.weights_or_none() is None:
+            raise DataError("the collection is weighted (is_weighted=True) but the batch carries no weights")
+        trusted, self._trusted_forward = self._trusted_forward, False  # one forward per trusted plan
+        outputs: List[Tuple[KeyedJaggedTensor, torch.Tensor]] = []
+        for g, kernel in enumerate(self._kernels):
+            names = self._group_features[g]
+            kjt = features if list(keys) == names else features.permute([keys.index(f) for f in names])
+            self._check_values(kjt, skip_cached=trusted)
+            weights = kjt.weights().float() if self._is_weighted else None
+            out = kernel.lookup(
+                kjt.values().to(self._device, torch.int64),
+                kjt.offsets().to(self._device, torch.int64),
+                weights,
+            )
+            outputs.append((kjt, out))
+        return outputs
 
     def _resident_ids_in_range(self, kjt: KeyedJaggedTensor, values: torch.Tensor, bounds: List[int]) -> bool:
         """Whether every id of a resident table's feature is in range, in one pass over the batch (cached
@@ -546,7 +561,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         self.flush()
-        save_tables(self._tables, self._kernels, destination, prefix)
+        save_tables(self._tables, self._kernels, destination, prefix, self._COLLECTION)
 
     def _load_from_state_dict(
         self,
@@ -568,6 +583,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             missing_keys,
             unexpected_keys,
             error_msgs,
+            self._COLLECTION,
         ):
             self.invalidate()
 

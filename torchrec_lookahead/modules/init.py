@@ -17,7 +17,8 @@ __all__ = ["init_embedding_bag_tables_"]
 def init_embedding_bag_tables_(
     module: nn.Module, tables: Sequence[EmbeddingBagConfig], seed: int, chunk_rows: int = 65536
 ) -> Dict[str, int]:
-    """Write :func:`~torchrec_lookahead.store.init_rows` values into every ``embedding_bags.<table>.weight``.
+    """Write :func:`~torchrec_lookahead.store.init_rows` values into every ``embedding_bags.<table>.weight``
+    (EmbeddingBagCollection) and ``embeddings.<table>.weight`` (EmbeddingCollection).
 
     Works on a plain ``EmbeddingBagCollection`` (or a model containing one) and on a
     ``DistributedModelParallel`` model, whose state dict holds ``ShardedTensor`` s: each local shard receives
@@ -49,7 +50,7 @@ def init_embedding_bag_tables_(
         if (
             len(parts) < 3
             or parts[-1] != "weight"
-            or parts[-3] != "embedding_bags"
+            or parts[-3] not in ("embedding_bags", "embeddings")
             or parts[-2] not in by_name
         ):
             continue

@@ -32,6 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders, get_module
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -51,6 +52,7 @@ from torchrec_lookahead.distributed import (
     with_default_sharders,
 )
 from torchrec_lookahead.distributed.lockstep import gather_global_kjt
+from torchrec_lookahead.distributed.sharder import table_configs
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, init_embedding_bag_tables_
 from torchrec_lookahead.store.init import init_embedding_weights
@@ -312,8 +314,8 @@ class TorchRecStrategy(DDPStrategy):
         tables = [
             c
             for m in module.modules()
-            if isinstance(m, EmbeddingBagCollection)
-            for c in m.embedding_bag_configs()
+            if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
+            for c in table_configs(m)
         ]
         dmp = _DistributedModelParallel(
             module,
@@ -329,7 +331,7 @@ class TorchRecStrategy(DDPStrategy):
             # values already, and their state_dict() would flush and touch every row.
             resident = [c for c in tables if c.name not in cached]
             for m in dmp.modules():
-                if isinstance(m, ShardedEmbeddingBagCollection):
+                if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
                     init_embedding_bag_tables_(m, resident, seed=self._init_seed)
                 elif isinstance(m, CachedEmbeddingBagCollection):  # resident tables in the cache's kernel
                     for c in m.embedding_bag_configs():

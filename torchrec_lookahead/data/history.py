@@ -1,0 +1,146 @@
+"""MovieLens rating histories in time order: each rating with the movies its user rated before it.
+
+The ratings of every file are read once, sorted by time (ties keep file order) and each row is given the
+user's previous ``history_length`` movies, oldest first. The rows then flow through
+:class:`~torchrec_lookahead.data.text.LineBatchDataset` like any file's (rank split, drop_last, exact resume),
+so the history is complete whichever rank reads a row. Features: MovieLens' ``user``, ``movie``, ``genres`` and
+``history`` (a sequence of movie ids, for an ``EmbeddingCollection`` sharing the movie table)::
+
+    user  movie  genres      history
+    [7]   [31]   [1, 4]      [1029, 1061, 1129]     <- user 7's three earlier ratings, oldest first
+
+Example:
+    >>> from torchrec_lookahead.data.text import Row
+    >>> parse = MovieLensHistoryParser([10, 100, 4])
+    >>> b = parse([Row(["7", "31", "4.5", "1260759144", "12 13"], "ratings.csv", 2)])
+    >>> b.sparse_features.keys(), b.sparse_features["history"].values().tolist(), b.labels.tolist()
+    (['user', 'movie', 'genres', 'history'], [12, 13], [1.0])
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lookahead.data.datamodules import MovieLensDataModule
+from torchrec_lookahead.data.readers import MOVIELENS_FEATURES, MovieLensParser, _kjt
+from torchrec_lookahead.data.text import LineBatchDataset, Row
+from torchrec_lookahead.errors import ConfigError
+
+__all__ = ["MovieLensHistoryDataModule", "MovieLensHistoryParser", "HISTORY_FEATURE"]
+
+HISTORY_FEATURE = "history"
+
+
+class MovieLensHistoryParser:
+    """MovieLens rows with a fifth field, the space-separated movie ids rated before (see the module doc).
+
+    Args:
+        num_embeddings: rows per table for ``user``, ``movie``, ``genres``; history ids share the movie table's
+            size (ids are taken modulo it).
+        genres: movie id -> genre ids.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: Union[Sequence[int], Dict[str, int]],
+        genres: Optional[Dict[int, List[int]]] = None,
+    ):
+        self.ratings = MovieLensParser(num_embeddings, genres)
+        self.sizes = self.ratings.sizes
+
+    def __call__(self, rows: List[Row]) -> Batch:
+        histories: List[List[int]] = []
+        for row in rows:
+            if len(row.fields) != 5:
+                raise row.fail(
+                    f"expected userId,movieId,rating,timestamp,history but got {len(row.fields)} fields"
+                )
+            try:
+                histories.append([int(m) % self.sizes[1] for m in row.fields[4].split()])
+            except ValueError:
+                raise row.fail(f"history {row.fields[4]!r} is not a list of movie ids") from None
+        batch = self.ratings([Row(r.fields[:4], r.path, r.line) for r in rows])
+        sparse = KeyedJaggedTensor.concat([batch.sparse_features, _kjt([HISTORY_FEATURE], [histories])])
+        return Batch(dense_features=batch.dense_features, sparse_features=sparse, labels=batch.labels)
+
+
+class _HistoryLines(LineBatchDataset):
+    """The files' rows sorted by time, each with its user's earlier movies (computed once, kept in memory)."""
+
+    def __init__(self, *args: object, history_length: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.history_length = history_length
+        self._sorted: Optional[List[Tuple[str, int, str]]] = None
+
+    def _lines(self) -> Iterator[Tuple[str, int, str]]:
+        if self._sorted is None:
+            rows = []
+            for path, i, line in super()._lines():
+                f = line.split(self.delimiter)
+                if len(f) != 4:
+                    raise Row(f, path, i).fail(f"expected 4 comma-separated fields but got {len(f)}")
+                try:
+                    rows.append((int(f[3]), int(f[0]), f[1], path, i, line))
+                except ValueError:
+                    raise Row(f, path, i).fail(f"cannot parse userId/timestamp in {f!r}") from None
+            rows.sort(key=lambda r: r[0])  # stable: equal times keep file order
+            seen: Dict[int, List[str]] = {}
+            out = []
+            for _, user, movie, path, i, line in rows:
+                past = seen.setdefault(user, [])
+                history = past[-self.history_length :] if self.history_length else []
+                out.append((path, i, f"{line}{self.delimiter}{' '.join(history)}"))
+                past.append(movie)
+            self._sorted = out
+        yield from self._sorted
+
+
+class MovieLensHistoryDataModule(MovieLensDataModule):
+    """MovieLens ratings in time order, each with its user's rating history (see the module doc).
+
+    Args:
+        train_files: ``ratings.csv`` file(s) (with header).
+        val_files: validation file(s) (their histories are their own files').
+        test_files: test file(s).
+        movies_file: ``movies.csv`` for genres (optional).
+        num_embeddings: rows for ``user``, ``movie``, ``genres`` (``history`` shares the movie table).
+        history_length: most recent earlier ratings kept per sample (0: empty histories).
+        batch_size: rows per batch per rank.
+        drop_last: drop a final partial batch (default: only with several ranks).
+
+    Raises:
+        ConfigError: a negative ``history_length``.
+    """
+
+    def __init__(
+        self,
+        train_files: Union[str, List[str]],
+        val_files: Union[None, str, List[str]] = None,
+        test_files: Union[None, str, List[str]] = None,
+        movies_file: Optional[str] = None,
+        num_embeddings: Union[List[int], Dict[str, int]] = (1024, 200_000, 32),  # type: ignore[assignment]
+        history_length: int = 20,
+        batch_size: int = 512,
+        drop_last: Optional[bool] = None,
+    ) -> None:
+        if history_length < 0:
+            raise ConfigError(f"Expected history_length >= 0 but got {history_length}")
+        super().__init__(
+            train_files, val_files, test_files, movies_file, num_embeddings, batch_size, drop_last
+        )
+        self.history_length = history_length
+        self._history_parse = MovieLensHistoryParser(self._parse.sizes, self._parse.genres)
+
+    def _parser(self) -> MovieLensHistoryParser:  # type: ignore[override]
+        return self._history_parse
+
+    def _dataset(self, *args: object, **kwargs: object) -> LineBatchDataset:
+        return _HistoryLines(*args, history_length=self.history_length, **kwargs)
+
+    @property
+    def num_embeddings_per_feature(self) -> Dict[str, int]:
+        sizes = dict(zip(MOVIELENS_FEATURES, self._parse.sizes))
+        return {**sizes, HISTORY_FEATURE: sizes["movie"]}
