@@ -234,7 +234,7 @@ class HotColdLookaheadLoader:
         last_cold = -1
         writers = self._first_writers() if self.target.num_ranks > 1 else {}
         try:
-            for kind, batch in self.hotcold.stream:
+            for kind, batch in self.hotcold.kinds():
                 if kind is BatchKind.COLD:
                     item = next(cold_it, None)
                     if item is None or not _same_batch(item, batch):

@@ -34,7 +34,7 @@ from torchrec_lookahead.hotcold.hotset import HotSet, HotTable, table_name
 from torchrec_lookahead.hotcold.randembox import RandEmBox
 from torchrec_lookahead.hotcold.sampling import SampledAccesses, sample_batches
 
-__all__ = ["calibrate", "calibrate_counts", "exact_hot_rows"]
+__all__ = ["calibrate", "calibrate_counts", "exact_hot_rows", "recalibrate_counts"]
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,8 @@ def calibrate_counts(
         tables=tables,
         threshold=t,
         hot_budget_bytes=config.hot_budget_bytes,
-        hot_sample_share=hot_samples / sampled.num_samples,
+        # without the ids per sample (counts only) the sample share is not estimated here
+        hot_sample_share=hot_samples / sampled.num_samples if sampled.batches_read else float("nan"),
         sampled_samples=sampled.num_samples,
         seconds=time.perf_counter() - started,
         config=asdict(config),
@@ -183,3 +184,22 @@ def calibrate(
     batches, total = sample_batches(source, config.sample_fraction, config.seed)
     sampled = SampledAccesses.collect(batches, num_embeddings_per_feature, batches_total=total)
     return calibrate_counts(sampled, config, started=started)
+
+
+def recalibrate_counts(
+    counts: Mapping[str, torch.Tensor], num_samples: int, config: CalibrationConfig
+) -> HotSet:
+    """The hot set for ``config``'s budget from exact access counts (``feature -> int64 per row``) of
+    ``num_samples`` samples, e.g. those of the epoch just trained (``recalibrate="epoch"``).
+
+    The rules are the calibrator's (:func:`calibrate_counts`: small tables, Rand-Em Box bound, smallest threshold
+    that fits, exact marking); only the counts are exact instead of sampled. The expected sample share is left
+    ``nan`` (the ids per sample are not kept): the caller measures it on the next epoch's classification pass.
+
+    Example:
+        >>> cfg = CalibrationConfig(hot_budget_bytes=12, embedding_dim=1, optimizer="sgd", small_table_bytes=1)
+        >>> hs = recalibrate_counts({"a": torch.tensor([5, 0, 9, 1, 7])}, 22, cfg)
+        >>> hs.tables["t_a"].hot_ids.tolist(), hs.hot_bytes  # 4-byte rows (SGD, width 1): three fit
+        ([0, 2, 4], 12)
+    """
+    return calibrate_counts(SampledAccesses.from_counts(counts, num_samples), config)

@@ -4,8 +4,9 @@ mini-batches, calibrating (or loading) the hot set first."""
 from __future__ import annotations
 
 import logging
+import math
 import os
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -16,13 +17,16 @@ from typing_extensions import override
 
 from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError, SetupError
-from torchrec_lookahead.hotcold.calibrator import calibrate
+from torchrec_lookahead.hotcold.calibrator import calibrate, recalibrate_counts
 from torchrec_lookahead.hotcold.config import CalibrationConfig
 from torchrec_lookahead.hotcold.hotset import HotSet
 from torchrec_lookahead.hotcold.samples import Samples
 from torchrec_lookahead.hotcold.stream import BatchKind, HotColdStream, classify_epoch
 
-__all__ = ["HotColdDataModule", "HotColdLoader", "calibration_source"]
+__all__ = ["HotColdDataModule", "HotColdLoader", "calibration_source", "RECALIBRATE"]
+
+#: the values of ``HotColdDataModule(recalibrate=...)``: never (``None``) or between epochs
+RECALIBRATE = (None, "epoch")
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +65,33 @@ def _gather(group: Optional[Any]) -> Any:
 class HotColdLoader:
     """The training loader of a :class:`HotColdDataModule`: all-hot and cold batches of a
     :class:`~torchrec_lookahead.hotcold.stream.HotColdStream`, with ``len``, exact mid-epoch resume
-    (``state_dict``) and :meth:`request` for the scheduler."""
+    (``state_dict``) and :meth:`request` for the scheduler.
 
-    def __init__(self, stream: HotColdStream) -> None:
+    Args:
+        stream: the regrouped stream.
+        on_epoch_end: called with the stream when the epoch's last batch is about to be handed out (every
+            sample read): ``recalibrate="epoch"`` computes the next epoch's hot set there, so that a checkpoint
+            taken after that batch holds it.
+    """
+
+    def __init__(
+        self, stream: HotColdStream, on_epoch_end: Optional[Callable[[HotColdStream], None]] = None
+    ) -> None:
         self.stream = stream
+        self.on_epoch_end = on_epoch_end
 
     def __len__(self) -> int:
         return len(self.stream)
 
+    def kinds(self) -> Iterator[tuple[BatchKind, Batch]]:
+        """The epoch's batches with their kinds (what :meth:`__iter__` yields, with the kind)."""
+        for kind, batch in self.stream:
+            if self.on_epoch_end is not None and self.stream.epoch_complete():
+                self.on_epoch_end(self.stream)
+            yield kind, batch
+
     def __iter__(self) -> Iterator[Batch]:
-        for _, batch in self.stream:
+        for _, batch in self.kinds():
             yield batch
 
     def request(self, kind: Optional[BatchKind]) -> None:
@@ -120,6 +141,13 @@ class HotColdDataModule(WrappedDataModule):
         calibration_seed: seed of the sample and the chunks.
         embedding_dim: embedding width (default: the model's ``embedding_dim``).
         optimizer: embedding optimizer name (default: the model's).
+        recalibrate: ``None`` (default): the hot set is fixed. ``"epoch"``: when an epoch's last batch is handed
+            out, the hot set is recomputed from the exact access counts of that epoch's (global) samples with the
+            same budget and rules as the calibrator (:func:`~torchrec_lookahead.hotcold.calibrator.recalibrate_counts`)
+            and is in force from the next epoch on (rows promoted and demoted; with pinned hot rows the strategy's
+            epoch-start flush writes every row back and the new hot rows are pinned). The loaders are then rebuilt
+            every epoch (``reload_dataloaders_every_n_epochs`` is set to 1; another value is refused), and the hot
+            sets in force and next are part of the DataModule's checkpoint state.
 
     Example:
         >>> from torchrec_lookahead.data import CriteoSyntheticDataModule
@@ -146,8 +174,17 @@ class HotColdDataModule(WrappedDataModule):
         calibration_seed: int = 0,
         embedding_dim: Optional[int] = None,
         optimizer: Optional[str] = None,
+        recalibrate: Optional[str] = None,
     ) -> None:
         super().__init__(datamodule)
+        if not any(
+            recalibrate is v or (isinstance(recalibrate, str) and recalibrate == v) for v in RECALIBRATE
+        ):
+            raise ConfigError(
+                f"Expected recalibrate None (a fixed hot set) or 'epoch' (re-estimated between epochs) but got "
+                f"{recalibrate!r}"
+            )
+        self.recalibrate = recalibrate
         self.calibration: Dict[str, Any] = dict(
             hot_budget_bytes=hot_budget_bytes,
             sample_fraction=sample_fraction,
@@ -168,6 +205,10 @@ class HotColdDataModule(WrappedDataModule):
         self.embedding_dim = embedding_dim
         self.optimizer = optimizer
         self.hot_set: Optional[HotSet] = None
+        #: with ``recalibrate="epoch"``: the hot set of the next epoch, computed at the end of this one
+        self.next_hot_set: Optional[HotSet] = None
+        #: with ``recalibrate="epoch"``: per recalibration, the rows promoted and demoted per table and in all
+        self.recalibrations: List[Dict[str, Any]] = []
         self.loader: Optional[HotColdLoader] = None
         self._num_samples: Optional[tuple[int, int]] = None
         self._source_batch = 0
@@ -224,11 +265,76 @@ class HotColdDataModule(WrappedDataModule):
         return received
 
     @override
-    @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        if stage == "fit" and self.recalibrate is not None and self.trainer is not None:
+            every = getattr(self.trainer, "reload_dataloaders_every_n_epochs", 0)
+            if every not in (0, 1):
+                raise ConfigError(
+                    f"recalibrate='epoch' changes the hot set, and so the number of hot and cold batches, every "
+                    f"epoch: it rebuilds the training loader every epoch, but the Trainer has "
+                    f"reload_dataloaders_every_n_epochs={every}; set it to 1 (or leave it out)"
+                )
+            setattr(self.trainer, "reload_dataloaders_every_n_epochs", 1)  # noqa: B010 (set by Lightning's connector)
         if stage == "fit" and self.hot_set is None:
             self.hot_set = self.load_or_calibrate()
+
+    def _recalibrate(self, stream: HotColdStream) -> None:
+        """The next epoch's hot set from the exact counts of the epoch ``stream`` has just read (identical on
+        every rank: each rank's stream regroups the same all-gathered global samples)."""
+        old = self.hot_set
+        new = recalibrate_counts(
+            stream.access_counts, stream.samples_read, self.calibration_config(self._model())
+        )
+        moved: Dict[str, Any] = {"samples": stream.samples_read, "tables": {}}
+        for name, table in new.tables.items():
+            before = old.tables[name].hot_ids if old is not None else torch.zeros(0, dtype=torch.int64)
+            kept = int(torch.isin(table.hot_ids, before).sum())
+            moved["tables"][name] = {
+                "hot_rows": table.hot_rows,
+                "promoted": table.hot_rows - kept,
+                "demoted": int(before.numel()) - kept,
+            }
+        for key in ("hot_rows", "promoted", "demoted"):
+            moved[key] = sum(t[key] for t in moved["tables"].values())
+        self.recalibrations.append(moved)
+        self.next_hot_set = new
+        rank_zero_info(
+            f"Recalibrated the hot set from {stream.samples_read:,} samples: {moved['hot_rows']:,} hot rows "
+            f"({moved['promoted']:,} promoted, {moved['demoted']:,} demoted), in force from the next epoch"
+        )
+
+    @override
+    def state_dict(self) -> Dict[str, Any]:
+        state = super().state_dict()
+        if self.recalibrate is not None:
+            for key in ("hot_set", "next_hot_set"):
+                hs = getattr(self, key)
+                if hs is not None:
+                    state[key] = hs.to_dict()
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore the wrapped DataModule and, with ``recalibrate``, the hot sets in force and next.
+
+        Raises:
+            CheckpointError: a saved hot set is not one.
+            ConfigError: a saved hot set is for other tables.
+        """
+        super().load_state_dict(state_dict)
+        if self.recalibrate is None:
+            return
+        sizes = self.num_embeddings_per_feature
+        for key in ("hot_set", "next_hot_set"):
+            hs = None
+            if key in state_dict:
+                hs = HotSet.from_dict(state_dict[key], where=f"the checkpoint's {key}")
+                hs.check_model(sizes)
+            if key == "hot_set" and hs is None:
+                continue
+            setattr(self, key, hs)
+        self._num_samples = None
 
     def _batch_size(self) -> int:
         if self.batch_size is not None:
@@ -241,6 +347,9 @@ class HotColdDataModule(WrappedDataModule):
 
     @override
     def train_dataloader(self) -> HotColdLoader:
+        if self.next_hot_set is not None:  # recalibrated at the end of the last epoch
+            self.hot_set, self.next_hot_set = self.next_hot_set, None
+            self._num_samples = None
         if self.hot_set is None:
             self.hot_set = self.load_or_calibrate()
         masks = self.hot_set.masks()
@@ -254,6 +363,8 @@ class HotColdDataModule(WrappedDataModule):
                 hot, total = int(t[0]), int(t[1])
             self._num_samples = (hot, total)
             self._source_batch = largest
+            if math.isnan(self.hot_set.hot_sample_share):  # recalibrated from counts alone: measured here
+                self.hot_set.hot_sample_share = hot / max(total, 1)
             rank_zero_info(f"Hot samples: {hot:,} of {total:,} ({100 * hot / max(total, 1):.1f}%)")
         stream = HotColdStream(
             lambda: iter(source),
@@ -264,6 +375,7 @@ class HotColdDataModule(WrappedDataModule):
             rank=rank,
             world_size=world,
             gather=_gather(None) if world > 1 else None,
+            count_accesses=self.recalibrate is not None,
         )
-        self.loader = HotColdLoader(stream)
+        self.loader = HotColdLoader(stream, on_epoch_end=self._recalibrate if self.recalibrate else None)
         return self.loader

@@ -241,9 +241,10 @@ class HotSet:
         ]
         return format_table("--- FAE hot set ---", header, rows, notes)
 
-    def save(self, path: str) -> None:
-        """Write the hot set to ``path`` atomically (a file ``torch.load`` reads as a dict of plain values)."""
-        payload = {
+    def to_dict(self) -> Dict[str, Any]:
+        """The hot set as a dict of plain values and int64 tensors (what :meth:`save` writes; a checkpoint can
+        hold it, and :meth:`from_dict` reads it back)."""
+        return {
             "format": _FORMAT,
             "version": _VERSION,
             "hot_ids": {n: t.hot_ids for n, t in self.tables.items()},
@@ -255,6 +256,10 @@ class HotSet:
             "seconds": self.seconds,
             "config": json.loads(json.dumps(self.config)),
         }
+
+    def save(self, path: str) -> None:
+        """Write the hot set to ``path`` atomically (a file ``torch.load`` reads as a dict of plain values)."""
+        payload = self.to_dict()
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix="hotset-", suffix=".tmp")
@@ -284,18 +289,34 @@ class HotSet:
             d = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise CheckpointError(f"{path!r} is not a readable hot set file: {e}") from e
+        return cls.from_dict(d, where=repr(path))
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "the hot set") -> HotSet:
+        """Read a hot set from :meth:`to_dict`'s values.
+
+        Example:
+            >>> t = HotTable("t_a", "a", 4, torch.tensor([1, 3]), 2, 2, False, 8, 10, 9)
+            >>> HotSet.from_dict(HotSet({"t_a": t}, 0.2, 64, 0.8, 10, 0.0).to_dict()).hot_rows
+            {'t_a': 2}
+
+        Raises:
+            CheckpointError: ``d`` is not a hot set.
+            InvalidIdError: a hot id is out of its table's range, or the ids are not sorted and distinct.
+        """
+        path = where
         if not isinstance(d, dict) or d.get("format") != _FORMAT or "hot_ids" not in d or "tables" not in d:
-            raise CheckpointError(f"{path!r} is not a hot set file written by HotSet.save()")
+            raise CheckpointError(f"{path} is not a hot set written by HotSet.save() or HotSet.to_dict()")
         tables: Dict[str, HotTable] = {}
         for name, meta in d["tables"].items():
             ids = d["hot_ids"].get(name)
             if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
-                raise CheckpointError(f"{path!r}: table {name!r} has no int64 vector of hot ids")
+                raise CheckpointError(f"{path}: table {name!r} has no int64 vector of hot ids")
             n = int(meta["num_embeddings"])
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
                 bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
                 raise InvalidIdError(
-                    f"{path!r}: hot id {bad} of table {name!r} is out of range for its {n} rows (valid 0..{n - 1}); "
+                    f"{path}: hot id {bad} of table {name!r} is out of range for its {n} rows (valid 0..{n - 1}); "
                     "recalibrate",
                     table=name,
                     id=bad,
@@ -303,7 +324,7 @@ class HotSet:
                 )
             if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
                 raise InvalidIdError(
-                    f"{path!r}: hot ids of table {name!r} are not sorted and distinct; recalibrate",
+                    f"{path}: hot ids of table {name!r} are not sorted and distinct; recalibrate",
                     table=name,
                     num_rows=n,
                 )

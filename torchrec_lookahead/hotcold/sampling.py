@@ -149,9 +149,28 @@ class SampledAccesses:
             out.counts[f] = torch.bincount(torch.cat(out.values[f]), minlength=out.num_embeddings[f])
         return out
 
+    @classmethod
+    def from_counts(cls, counts: Mapping[str, torch.Tensor], num_samples: int) -> SampledAccesses:
+        """Accesses known only by their per-row counts (``feature -> int64 per row``) over ``num_samples``
+        samples, e.g. the exact counts of a whole epoch; the ids per sample are not kept, so the sample share is
+        not estimated from them.
+
+        Example:
+            >>> SampledAccesses.from_counts({"a": torch.tensor([0, 2, 0, 1])}, 3).accesses("a")
+            3
+        """
+        names = list(counts)
+        return cls(
+            num_embeddings={f: int(counts[f].numel()) for f in names},
+            counts={f: counts[f].to(torch.int64) for f in names},
+            values={f: [] for f in names},
+            lengths={f: [] for f in names},
+            num_samples=int(num_samples),
+        )
+
     def accesses(self, feature: str) -> int:
         """Sampled accesses into ``feature``'s table."""
-        return int(sum(v.numel() for v in self.values[feature]))
+        return int(self.counts[feature].sum())
 
     def cold_per_sample(self, hot: Mapping[str, torch.Tensor]) -> Iterator[torch.Tensor]:
         """For each sampled batch, the number of non-hot ids of each sample (0 means the sample is hot)."""

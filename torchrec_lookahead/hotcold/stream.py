@@ -115,6 +115,8 @@ class HotColdStream:
         world_size: ranks.
         gather: joins the ranks' slices of a source batch into the global batch (identity for one rank);
             ``None`` from it ends the iteration (the gathers are over: a peer stopped).
+        count_accesses: keep exact per-row access counts of the epoch's global samples
+            (:attr:`access_counts`, for ``recalibrate="epoch"``); the sizes come from ``masks``.
 
     Example:
         >>> from torchrec import KeyedJaggedTensor
@@ -137,6 +139,7 @@ class HotColdStream:
         rank: int = 0,
         world_size: int = 1,
         gather: Optional[Gather] = None,
+        count_accesses: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"Expected batch_size to be a positive integer but got {batch_size}")
@@ -162,6 +165,12 @@ class HotColdStream:
         #: the global batch (every rank's rows) of the batch handed out last
         self.last_global: Optional[Samples] = None
         self._resume: Optional[Dict[BatchKind, int]] = None
+        self.count_accesses = count_accesses
+        #: with ``count_accesses``: feature -> accesses per row of the global samples read this epoch (a resumed
+        #: epoch re-reads its prefix, so they cover the whole epoch all the same)
+        self.access_counts: Dict[str, torch.Tensor] = {}
+        #: with ``count_accesses``: global samples read this epoch
+        self.samples_read = 0
 
     @property
     def global_batch_size(self) -> int:
@@ -199,6 +208,16 @@ class HotColdStream:
             raise CheckpointError(f"Hot/cold loader state {dict(state)} lacks 'hot_served'/'cold_served'")
         self._resume = {BatchKind.HOT: int(state["hot_served"]), BatchKind.COLD: int(state["cold_served"])}
 
+    def epoch_complete(self) -> bool:
+        """Every batch of the epoch has been handed out (so every sample has been read)."""
+        return self.num_samples is not None and not any(self.remaining().values())
+
+    def _count(self, s: Samples) -> None:
+        for k, v in zip(s.keys, s.values):
+            counts = self.access_counts[k]
+            counts += torch.bincount(v, minlength=counts.numel())
+        self.samples_read += len(s)
+
     def _mine(self, s: Samples) -> Samples:
         if self.world_size == 1:
             return s
@@ -220,6 +239,9 @@ class HotColdStream:
         self.served = {BatchKind.HOT: 0, BatchKind.COLD: 0}
         queues = {BatchKind.HOT: _Queue(), BatchKind.COLD: _Queue()}
         to_skip = {k: skip[k] * g for k in skip}
+        if self.count_accesses:
+            self.access_counts = {f: torch.zeros(m.numel(), dtype=torch.int64) for f, m in self.masks.items()}
+            self.samples_read = 0
         it = self.source()
         exhausted = False
         source_rows = 0
@@ -238,7 +260,9 @@ class HotColdStream:
                     raise _GathersOver
                 s = joined
             source_rows = max(source_rows, len(s))
-            hot = s.hot(self.masks)
+            hot = s.hot(self.masks)  # checks the features against the hot set first
+            if self.count_accesses:
+                self._count(s)
             for kind, part in ((BatchKind.HOT, s.select(hot)), (BatchKind.COLD, s.select(~hot))):
                 queues[kind].push(part)
                 drop = min(to_skip[kind], queues[kind].size)
