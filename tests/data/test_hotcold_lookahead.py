@@ -115,13 +115,14 @@ def _fit(
     ckpt_path: Optional[str] = None,
     callbacks: Optional[List[Any]] = None,
     capacity: Optional[Dict[str, int]] = None,
+    recalibrate: Optional[str] = None,
     **kw: Any,
 ) -> Any:
     import lightning.pytorch as pl
 
     pl.seed_everything(0, verbose=False)
     inner = CriteoSyntheticDataModule(**tiny_data_args())
-    dm: Any = HotColdDataModule(inner, **FAE)
+    dm: Any = HotColdDataModule(inner, **FAE, recalibrate=recalibrate)
     if cached:
         dm = LookaheadDataModule(dm, horizon=8)
         strategy: Any = TorchRecStrategy(
@@ -257,3 +258,62 @@ def test_budget_planner_splits_the_device_budget_between_pinned_and_dynamic_rows
 def test_fae_with_a_device_budget_equals_resident(tmp_path: Path) -> None:
     out = verify(TINY, steps=12, overrides=["--config", _budget_override(tmp_path, 40_000)])
     assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["steps"] == 12, out
+
+
+RECALIBRATE = ["--data.init_args.datamodule.init_args.recalibrate=epoch", "--trainer.max_epochs=3"]
+
+
+def test_fae_cached_with_recalibration_equals_resident_over_epochs() -> None:
+    # 3 epochs of the tiny job: the hot set changes after the first (sampled -> exact counts); the cached side
+    # writes every row back at the epoch start and pins the new hot rows.
+    out = verify(TINY, steps=36, overrides=RECALIBRATE)
+    assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["max_abs_loss_diff"] == 0.0, out
+    assert out["steps"] == 36
+
+
+def test_recalibration_repins_and_resumes_across_the_epoch_boundary(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ..helpers import local_state, max_abs_diff
+
+    steps = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    ends = ModelCheckpoint(dirpath=tmp_path / "ends", filename="end-{epoch}", every_n_epochs=1, save_top_k=-1)
+    trainer, full, _, dm = _fit(tmp_path / "full", max_steps=22, recalibrate="epoch", callbacks=[steps, ends])
+    inner = dm.datamodule
+    first = inner.recalibrations[0]
+    assert first["promoted"] > 0 and first["demoted"] > 0
+    # The epoch in force pins the recalibrated hot set (a new PinnedRows, with its dynamic capacities).
+    loader = dm.loader
+    assert isinstance(loader, HotColdLookaheadLoader) and inner.hot_set is not None
+    for table, hot in loader.pinned.hot_ids.items():
+        assert torch.equal(hot, inner.hot_set.tables[table].hot_ids)
+        assert loader.pinned.dynamic_capacity()[table] == CAPACITY[table] - hot.numel()
+        cache = trainer.strategy.cached_modules()[0].cache
+        assert torch.equal(cache.slot_ids(table)[: hot.numel()], hot)
+    # Resumed before the boundary (the counts re-read the epoch's prefix), at the epoch end (the next hot set
+    # comes from the checkpoint) and after it (the hot set in force does): the same weights bit for bit.
+    for ckpt in [*(tmp_path / "ckpt").glob("*step=10.ckpt"), *(tmp_path / "ckpt").glob("*step=20.ckpt")] + [
+        tmp_path / "ends" / "end-epoch=0.ckpt"
+    ]:
+        t, resumed, _, _ = _fit(tmp_path / ckpt.stem, max_steps=22, recalibrate="epoch", ckpt_path=str(ckpt))
+        assert t.global_step == 22
+        assert max_abs_diff(local_state(full.model), local_state(resumed.model)) == 0.0, ckpt.name
+
+
+def test_a_recalibrated_hot_set_that_no_longer_fits_its_cache_is_refused(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    class Grow(pl.Callback):  # the next hot set pins every slot of t_cat_2's cache
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            nxt = trainer.datamodule.datamodule.next_hot_set
+            nxt.tables["t_cat_2"].hot_ids = torch.arange(CAPACITY["t_cat_2"], dtype=torch.int64)
+
+    steps: List[int] = []
+
+    class Steps(pl.Callback):
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            steps.append(trainer.global_step)
+
+    with pytest.raises(CapacityError, match="pins 200 hot rows in a cache of 200 rows"):
+        _fit(tmp_path, max_steps=-1, max_epochs=2, recalibrate="epoch", callbacks=[Grow(), Steps()])
+    assert len(steps) == 1  # refused when the next epoch's loader is built, before it trains

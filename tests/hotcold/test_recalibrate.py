@@ -129,3 +129,34 @@ def test_recalibration_sets_or_refuses_the_trainers_loader_reload() -> None:
     dm.trainer = pl.Trainer(logger=False, enable_checkpointing=False)
     dm.setup("fit")
     assert dm.trainer.reload_dataloaders_every_n_epochs == 1
+
+
+def test_resume_after_the_leftover_batch_was_served_early() -> None:
+    # The scheduler may ask for a cold batch once the cold samples are used up while hot batches remain: the
+    # leftover batch (last cold samples + last hot ones) is then served before the last hot batches, and a
+    # resume after it must skip exactly those samples.
+    dm = _dm(recalibrate=None)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    stream = loader.stream
+    per = stream.batches_per_epoch()
+    order = [BatchKind.COLD] * per[BatchKind.COLD] + [BatchKind.HOT] * per[BatchKind.HOT]
+    assert per[BatchKind.HOT] >= 2
+
+    def run(state: Any = None, start: int = 0) -> list:
+        if state is not None:
+            stream.load_state_dict(state)
+        out = []
+        it = iter(stream)
+        for want in order[start:]:
+            stream.request(want)
+            kind, batch = next(it)
+            out.append((kind, batch.labels.tolist(), batch.sparse_features.values().tolist()))
+        assert next(it, None) is None
+        return out
+
+    full = run()
+    assert [k for k, _, _ in full] == order
+    cut = per[BatchKind.COLD] + 1  # the leftover batch and one hot batch served
+    state = {"hot_served": 1, "cold_served": per[BatchKind.COLD]}
+    assert run(state, cut) == full[cut:]

@@ -112,6 +112,10 @@ class HotColdLoader:
         return self.stream.batches_per_epoch()
 
     def state_dict(self) -> Dict[str, int]:
+        if self.on_epoch_end is not None and self.stream.epoch_complete():
+            # The next hot set is known (the DataModule's state holds it): the next iteration is a new epoch
+            # under it, from its start; the counts of this epoch's hot set would not fit its batches.
+            return {"hot_served": 0, "cold_served": 0}
         return self.stream.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

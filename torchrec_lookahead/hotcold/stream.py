@@ -270,12 +270,25 @@ class HotColdStream:
                 to_skip[kind] -= drop
             return True
 
-        while any(to_skip.values()):
-            if not read():
+        # The last (leftover) cold batch was served before the hot batches ran out: it took every cold sample
+        # and the epoch's last ``hot % g`` hot samples, which are known only once the source is read.
+        tail = (
+            self.num_samples is not None
+            and skip[BatchKind.COLD] > (self.num_samples[1] - self.num_samples[0]) // g
+        )
+        if tail and self.num_samples is not None:
+            to_skip[BatchKind.COLD] = self.num_samples[1] - self.num_samples[0]
+        while any(to_skip.values()) or (tail and not exhausted):
+            if not read() and any(to_skip.values()):
                 raise CheckpointError(
                     f"Cannot resume the hot/cold stream: the epoch has fewer than the {skip[BatchKind.HOT]} hot "
                     f"and {skip[BatchKind.COLD]} cold batches already trained; was the data changed?"
                 )
+        if tail and self.num_samples is not None:
+            hot_q = queues[BatchKind.HOT]
+            keep = max(hot_q.size - self.num_samples[0] % g, 0)
+            if hot_q.size:
+                hot_q.push(hot_q.pop(hot_q.size).slice(0, keep))
         self.served = dict(skip)
         while True:
             want = self.requested
