@@ -48,3 +48,21 @@ def test_fae_cache_comparison_quick_variant(tmp_path: Path) -> None:
     assert runs["fae"]["device_cache_rows"] > runs["lookahead"]["device_cache_rows"]
     assert runs["fae"]["rows_fetched_per_sample"] > 0 and runs["lookahead"]["rows_fetched_per_sample"] > 0
     assert figures["fae_over_lookahead_rows_fetched"] > 0 and figures["fae_over_resident_step_time"] > 0
+
+
+@pytest.mark.slow
+def test_fae_recalibration_quick_variant(tmp_path: Path) -> None:
+    if not (fae.DATA / "taobao_userbehavior_head").exists():
+        pytest.skip(f"the Taobao sample is absent ({fae.DATA})")
+    out = tmp_path / "recal.json"
+    fae.main(["--recalibrate", "--quick", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    rows = figures["details"]["rows"]
+    assert [(r["hot_set"], r["epoch"]) for r in rows] == [
+        ("fixed", 1),
+        ("fixed", 2),
+        ("recalibrated", 1),
+        ("recalibrated", 2),
+    ]
+    assert rows[3]["promoted"] > 0 and rows[0]["hot_access_share"] == rows[2]["hot_access_share"]
+    assert figures["recalibrated_hot_access_share"] > figures["fixed_hot_access_share"]

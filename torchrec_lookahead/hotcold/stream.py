@@ -214,8 +214,8 @@ class HotColdStream:
 
     def _count(self, s: Samples) -> None:
         for k, v in zip(s.keys, s.values):
-            counts = self.access_counts[k]
-            counts += torch.bincount(v, minlength=counts.numel())
+            # O(ids), not O(rows) as a bincount into the whole table would be
+            self.access_counts[k].index_add_(0, v, torch.ones_like(v))
         self.samples_read += len(s)
 
     def _mine(self, s: Samples) -> Samples:
