@@ -6,8 +6,10 @@ pass's gathers end in lockstep)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from ..conftest import REPO
 from ..strategies.test_torchrun import torchrun
@@ -41,3 +43,24 @@ def test_two_ranks_default_fae_job_whole_epoch_bit_exact() -> None:
     batch = "--data.init_args.datamodule.init_args.datamodule.init_args.batch_size=1024"
     result = _verify(str(REPO / "configs" / "dlrm_fae.yaml"), 300, batch, timeout=1800)
     assert result["passed"] and result["max_abs_weight_diff"] == 0.0 and result["steps"] == 300, result
+
+
+def test_two_ranks_fae_mid_epoch_checkpoint_resumes_the_same_weights(tmp_path: Path) -> None:
+    """A checkpoint at step 5 of the 12-step epoch (pinned rows flushed into the stores, the hot/cold position and
+    the scheduler saved) resumed on two ranks ends at step 10 with the uninterrupted run's weights, bit for bit."""
+    from ..strategies.test_torchrun import _ckpt_args, _full_state
+
+    common = ["fit", "--config", TINY, "--trainer.devices=2", "--trainer.max_steps=10"]
+    full = torchrun(
+        2, *common, f"--trainer.default_root_dir={tmp_path}/a", *_ckpt_args(tmp_path / "a_ckpt", 5)
+    )
+    assert full.returncode == 0, full.stderr[-4000:]
+    mid = tmp_path / "a_ckpt" / "epoch=0-step=5.ckpt"
+    resumed = torchrun(2, *common, f"--trainer.default_root_dir={tmp_path}/b", f"--ckpt_path={mid}",
+                       *_ckpt_args(tmp_path / "b_ckpt", 5))  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    a = _full_state(tmp_path / "a_ckpt" / "epoch=0-step=10.ckpt", tmp_path)
+    b = _full_state(tmp_path / "b_ckpt" / "epoch=0-step=10.ckpt", tmp_path)
+    cached = [k for k in a if ".cache.embedding_bags." in k and k.endswith(".weight")]
+    assert cached and a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]

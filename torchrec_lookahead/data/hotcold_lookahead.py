@@ -197,8 +197,9 @@ class HotColdLookaheadLoader:
         whole = self.hotcold.stream.last_global
         if whole is None:
             raise SetupError("the hot/cold stream handed out a batch without its global batch")
-        plan = self.pinned.hot_plan(whole.batch().sparse_features, step)
-        glob = remap_kjt(whole.batch().sparse_features, plan, self._f2t, self._cached)
+        whole_kjt = whole.batch().sparse_features
+        plan = self.pinned.hot_plan(whole_kjt, step)
+        glob = remap_kjt(whole_kjt, plan, self._f2t, self._cached)
         stride = batch.sparse_features.stride()
         rank = self.target.rank
         kjt = slice_samples(glob, rank * stride, (rank + 1) * stride)

@@ -14,6 +14,7 @@ flushed once and rows are read from the stores.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 from typing import Any, Dict, List, Optional, Tuple
@@ -248,8 +249,8 @@ class ShardedLookaheadEmbeddingBagCollection(
             if lrpp is None or lrpp.step != plan.step:
                 raise SetupError(f"multi-rank step {plan.step} has no LRPP synchronisation plan")
             # this collection's tables only (a model may hold several cached collections: EBC and EC)
-            lrpp = LRPPPlan(
-                lrpp.step, {t: p for t, p in lrpp.tables.items() if t in self.cache.capacity}, lrpp.features
+            lrpp = dataclasses.replace(
+                lrpp, tables={t: p for t, p in lrpp.tables.items() if t in self.cache.capacity}
             )
             # The previous step's delayed rows land before this plan evicts, refreshes or loads anything.
             self.land_delayed()
