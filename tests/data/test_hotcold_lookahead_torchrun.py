@@ -64,3 +64,18 @@ def test_two_ranks_fae_mid_epoch_checkpoint_resumes_the_same_weights(tmp_path: P
     cached = [k for k in a if ".cache.embedding_bags." in k and k.endswith(".weight")]
     assert cached and a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_two_ranks_recalibrating_fae_cached_equals_resident() -> None:
+    """recalibrate="epoch" on two ranks: each rank counts the same all-gathered global epoch, so both compute the
+    same next hot set and re-pin it at the epoch start; 36 steps are three epochs of 12 global batches."""
+    out = torchrun(
+        2, "verify", "--config", TINY, "--trainer.devices=2", "--steps", "36", "--tolerance", "0",
+        "--data.init_args.datamodule.init_args.recalibrate=epoch", "--trainer.max_epochs=3", timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["passed"] and result["max_abs_weight_diff"] == 0.0, result
+    assert result["max_abs_loss_diff"] == 0.0 and result["steps"] == 36, result
+    assert "Recalibrated the hot set from 1,536 samples" in out.stdout + out.stderr
+    assert " promoted" in out.stdout + out.stderr and "(0 promoted, 0 demoted)" in out.stdout + out.stderr

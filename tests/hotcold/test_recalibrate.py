@@ -120,7 +120,7 @@ def test_bad_recalibrate_values_are_refused(bad: Any) -> None:
         _dm(recalibrate=bad)
 
 
-def test_recalibration_sets_or_refuses_the_trainers_loader_reload_and_several_ranks() -> None:
+def test_recalibration_sets_or_refuses_the_trainers_loader_reload() -> None:
     dm = _dm()
     dm.trainer = pl.Trainer(logger=False, enable_checkpointing=False, reload_dataloaders_every_n_epochs=2)
     with pytest.raises(ConfigError, match="reload_dataloaders_every_n_epochs=2; set it to 1"):
@@ -129,10 +129,6 @@ def test_recalibration_sets_or_refuses_the_trainers_loader_reload_and_several_ra
     dm.trainer = pl.Trainer(logger=False, enable_checkpointing=False)
     dm.setup("fit")
     assert dm.trainer.reload_dataloaders_every_n_epochs == 1
-    dm = _dm()
-    dm.trainer = pl.Trainer(logger=False, enable_checkpointing=False, accelerator="cpu", devices=2)
-    with pytest.raises(ConfigError, match="single-process for now .* 2 ranks"):
-        dm.setup("fit")
 
 
 def test_resume_after_the_leftover_batch_was_served_early() -> None:

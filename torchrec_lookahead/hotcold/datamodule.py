@@ -151,8 +151,7 @@ class HotColdDataModule(WrappedDataModule):
             and is in force from the next epoch on (rows promoted and demoted; with pinned hot rows the strategy's
             epoch-start flush writes every row back and the new hot rows are pinned). The loaders are then rebuilt
             every epoch (``reload_dataloaders_every_n_epochs`` is set to 1; another value is refused), and the hot
-            sets in force and next are part of the DataModule's checkpoint state. One process only for now (several
-            ranks are refused with a ``ConfigError``).
+            sets in force and next are part of the DataModule's checkpoint state.
 
     Example:
         >>> from torchrec_lookahead.data import CriteoSyntheticDataModule
@@ -273,12 +272,6 @@ class HotColdDataModule(WrappedDataModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if stage == "fit" and self.recalibrate is not None and self.trainer is not None:
-            if self.trainer.world_size > 1:
-                raise ConfigError(
-                    f"recalibrate='epoch' is single-process for now (the Trainer has {self.trainer.world_size} "
-                    "ranks): rebuilding the pinned-rows loader every epoch is not yet exact on several ranks; "
-                    "train on one rank or drop recalibrate"
-                )
             every = getattr(self.trainer, "reload_dataloaders_every_n_epochs", 0)
             if every not in (0, 1):
                 raise ConfigError(
