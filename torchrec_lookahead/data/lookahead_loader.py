@@ -48,9 +48,9 @@ from torchrec_lookahead.distributed.lrpp import (
 )
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.hotcold.pinned import PinnedRows
-from torchrec_lookahead.modules import remap_kjt, stage_rows, table_ids
+from torchrec_lookahead.modules import remap_kjt, stage_rows
 from torchrec_lookahead.modules.types import StagedRows
-from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, Policy
+from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, Policy, UnknownFeatures, table_ids
 from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, collective_channel
 
 __all__ = ["LookaheadLoader", "scan_epoch", "global_batches", "lookahead_options"]
@@ -179,8 +179,8 @@ class LookaheadLoader:
         )
         if target.num_ranks > 1:
             self._oracle_kwargs["num_ranks"] = target.num_ranks
-        # Validate the arguments here, in the training thread; the planner thread builds the oracle per
-        # iteration, once it has seen the batches' feature names.
+        # Validate the arguments here, in the training thread; the planner thread builds a fresh oracle per
+        # iteration.
         OracleConfig(feature_to_table=dict(target.feature_to_table), **self._oracle_kwargs)
         self.prefetch_depth = prefetch_depth
         self.queue_depth = max(queue_depth, prefetch_depth + 2)
@@ -340,8 +340,13 @@ class LookaheadLoader:
         if first is None:
             return
         # Features of tables the cache does not plan (other modules' features too) are ignored.
-        f2t = {k: self.target.feature_to_table.get(k, f"__unplanned__/{k}") for k in first.keys()}
-        oracle = LookaheadOracle(OracleConfig(feature_to_table=f2t, **self._oracle_kwargs))
+        oracle = LookaheadOracle(
+            OracleConfig(
+                feature_to_table=dict(self.target.feature_to_table),
+                unknown_features=UnknownFeatures.IGNORE,
+                **self._oracle_kwargs,
+            )
+        )
         cached = sorted(self.target.capacity)
         f2t_cached = dict(self.target.feature_to_table)
         tracker = (
@@ -373,7 +378,8 @@ class LookaheadLoader:
             kjt = remap_kjt(global_kjt, plan, f2t_cached, cached)
             lrpp = None
             if tracker is not None:
-                lrpp = tracker.step(plan, table_ids(global_kjt, f2t_cached, cached), features=kjt)
+                ids = table_ids(global_kjt, f2t_cached, cached, unknown=UnknownFeatures.IGNORE)
+                lrpp = tracker.step(plan, ids, features=kjt)
                 stride = b.sparse_features.stride()
                 kjt = slice_samples(kjt, self.target.rank * stride, (self.target.rank + 1) * stride)
             item = LookaheadBatch(
