@@ -128,16 +128,16 @@ class LookaheadBatch(Batch):
         return rows
 
     def mark_started(self) -> None:
-        """Call before waiting for the staged rows. With several ranks, this rank finishing step ``t - 1``
-        (whose backward collectives wait for every rank) proves that every rank applied plan ``t - 1``, so
-        its write-backs have landed in the shared store."""
-        if self.loader is not None and self.plan is not None and self.loader.target.num_ranks > 1:
-            self.loader.mark_applied(self.plan.step - 1)
+        """Call before waiting for the staged rows (the loader's
+        :meth:`~torchrec_lookahead.data._threads.ApplyProgress.begin`)."""
+        if self.loader is not None and self.plan is not None:
+            self.loader.progress.begin(self.plan.step)
 
     def mark_applied(self) -> None:
-        """Call after applying the plan: on one rank, its write-backs have landed."""
-        if self.loader is not None and self.plan is not None and self.loader.target.num_ranks == 1:
-            self.loader.mark_applied(self.plan.step)
+        """Call after applying the plan (the loader's
+        :meth:`~torchrec_lookahead.data._threads.ApplyProgress.applied`)."""
+        if self.loader is not None and self.plan is not None:
+            self.loader.progress.applied(self.plan.step)
 
     def apply_to(self, modules: Sequence[ShardedLookaheadEmbeddingBagCollection]) -> None:
         """Bring the caches of ``modules`` to this batch's plan; call right before the batch's training step,

@@ -21,7 +21,6 @@ import itertools
 import logging
 import queue
 import sys
-import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, Generator, Iterator, Optional, Tuple
@@ -31,6 +30,7 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.data._threads import (
     _END,
+    ApplyProgress,
     _check_nice,
     _Run,
     lower_thread_priority,
@@ -187,9 +187,9 @@ class LookaheadLoader:
         self.on_epoch_start = on_epoch_start
         self._yielded = 0
         self._resume_from = 0
-        self._applied = -1
+        #: the no-stale-read rule: which plans' write-backs have landed (the stager waits on it)
+        self.progress = ApplyProgress(target.num_ranks)
         self._planned = -1
-        self._cond = threading.Condition()
         self._run: Optional[_Run] = None
         self._stop_error: Optional[BaseException] = None
         self.stats_wait_s = 0.0
@@ -221,14 +221,9 @@ class LookaheadLoader:
         return getattr(self.loader, "batch_sampler", None)
 
     # ------------------------------------------------------------------------------------------- progress
-    def mark_applied(self, step: int) -> None:
-        with self._cond:
-            self._applied = max(self._applied, step)
-            self._cond.notify_all()
-
     def oracle_lead(self) -> int:
         """Batches planned but not yet applied."""
-        return max(self._planned - self._applied, 0)
+        return max(self._planned - self.progress.last, 0)
 
     def stats(self) -> Dict[str, float]:
         """The cumulative ``stats_*`` counters (waits and CPU seconds, counts), by attribute name."""
@@ -272,7 +267,7 @@ class LookaheadLoader:
         if self.on_epoch_start is not None:
             self.on_epoch_start()
         self._yielded = start
-        self._applied = -1
+        self.progress.reset()
         self._planned = -1
         run = _Run(self.queue_depth, join_timeout_s=self.stop_timeout_s + 30.0)
         self._run = run
@@ -429,10 +424,7 @@ class LookaheadLoader:
                     status = GatherStatus.END
                     return
                 plan, fut = item
-                need = plan.step - self.prefetch_depth - 1
-                with self._cond:
-                    while self._applied < need and not run.stopped:
-                        self._cond.wait(timeout=0.05)
+                self.progress.wait(plan.step - self.prefetch_depth - 1, lambda: run.stopped)
                 if run.stopped:
                     fut.cancel()
                     return
