@@ -37,7 +37,7 @@ from torchrec_lookahead.data._threads import (
     single_threaded_ops,
 )
 from torchrec_lookahead.data.adapter import BatchAdapter, as_torchrec_batch
-from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
+from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch, staged_result
 from torchrec_lookahead.data.capacity import check_stream, preserved_rng
 from torchrec_lookahead.distributed.lrpp import (
     GatherStatus,
@@ -50,7 +50,14 @@ from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.hotcold.pinned import PinnedRows
 from torchrec_lookahead.modules import remap_kjt, stage_rows
 from torchrec_lookahead.modules.types import StagedRows
-from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, Policy, UnknownFeatures, table_ids
+from torchrec_lookahead.oracle import (
+    BatchPlan,
+    LookaheadOracle,
+    OracleConfig,
+    Policy,
+    UnknownFeatures,
+    table_ids,
+)
 from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, collective_channel
 
 __all__ = ["LookaheadLoader", "scan_epoch", "global_batches", "lookahead_options"]
@@ -221,6 +228,23 @@ class LookaheadLoader:
         return getattr(self.loader, "batch_sampler", None)
 
     # ------------------------------------------------------------------------------------------- progress
+    def staged_rows(self, plan: Optional[BatchPlan], staged: Future[StagedRows]) -> StagedRows:
+        """The staged rows of ``plan`` for the training thread, counted in ``stats_wait_s``. When the stager
+        has not started them and gathers are not collectives, they are gathered here instead (counted in
+        ``stats_gathered_here``): every write-back they could depend on has landed (plan ``t - 1`` is applied).
+
+        Raises:
+            SetupError: the loader was stopped before the rows were gathered.
+        """
+        t0 = time.perf_counter()
+        if plan is not None and not staged.done() and self.may_gather_here and staged.cancel():
+            rows = stage_rows(plan, self.target.stores)
+            self.stats_gathered_here += 1
+        else:
+            rows = staged_result(plan, staged)
+        self.stats_wait_s += time.perf_counter() - t0
+        return rows
+
     def oracle_lead(self) -> int:
         """Batches planned but not yet applied."""
         return max(self._planned - self.progress.last, 0)
