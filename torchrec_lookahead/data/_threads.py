@@ -16,13 +16,13 @@ import os
 import queue
 import sys
 import threading
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["single_threaded_ops", "lower_thread_priority"]
+__all__ = ["single_threaded_ops", "lower_thread_priority", "ApplyProgress"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,64 @@ def lower_thread_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + nice, 19))
     except OSError as e:  # e.g. a sandbox refusing setpriority: run at normal priority
         log.debug("could not lower the planner thread's priority: %s", e)
+
+
+class ApplyProgress:
+    """The no-stale-read rule between the training thread and the stager, in one object the loader owns.
+
+    The stager gathers the rows of plan ``t`` only once plan ``t - prefetch_depth - 1`` is applied: its
+    write-backs, which the gathered rows may depend on, have landed in the store. When that is known depends
+    on the rank count, and only here:
+
+    * one rank: once the training thread has applied the plan (:meth:`applied`);
+    * several ranks: plan ``t - 1`` of *every* rank has landed once this rank begins step ``t``
+      (:meth:`begin`), because step ``t - 1``'s backward collectives wait for every rank.
+
+    Args:
+        num_ranks: data-parallel ranks.
+
+    Example:
+        >>> one, two = ApplyProgress(1), ApplyProgress(2)
+        >>> one.begin(4); one.applied(4); two.begin(4); two.applied(4)
+        >>> one.last, two.last
+        (4, 3)
+    """
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+        self._last = -1
+        self._cond = threading.Condition()
+
+    @property
+    def last(self) -> int:
+        """The last step whose write-backs are known to have landed (-1: none)."""
+        return self._last
+
+    def reset(self) -> None:
+        """A new iteration: nothing applied yet."""
+        with self._cond:
+            self._last = -1
+
+    def begin(self, step: int) -> None:
+        """The training thread is about to apply plan ``step`` (before it waits for the staged rows)."""
+        if self.num_ranks > 1:
+            self._advance(step - 1)
+
+    def applied(self, step: int) -> None:
+        """The training thread has applied plan ``step``."""
+        if self.num_ranks == 1:
+            self._advance(step)
+
+    def wait(self, step: int, stopped: Callable[[], bool]) -> None:
+        """Block until plan ``step``'s write-backs have landed or ``stopped()`` (checked every 50 ms)."""
+        with self._cond:
+            while self._last < step and not stopped():
+                self._cond.wait(timeout=0.05)
+
+    def _advance(self, step: int) -> None:
+        with self._cond:
+            self._last = max(self._last, step)
+            self._cond.notify_all()
 
 
 class _Run:

@@ -10,7 +10,6 @@ Example:
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
@@ -20,7 +19,6 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.errors import ConfigError, SetupError
-from torchrec_lookahead.modules import stage_rows
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan
 from torchrec_lookahead.store.types import EmbeddingStore
@@ -101,43 +99,21 @@ class LookaheadBatch(Batch):
         """
         if self.staged is None:
             return None
-        t0 = time.perf_counter()
-        loader = self.loader
-        if (
-            loader is not None
-            and self.plan is not None
-            and not self.staged.done()
-            and loader.may_gather_here
-            and self.staged.cancel()
-        ):
-            # The stager has not started these rows (it is behind, or not scheduled): gather them here rather
-            # than wait for it. Every write-back they could depend on has landed (plan t - 1 is applied).
-            rows = stage_rows(self.plan, loader.target.stores)
-            loader.stats_wait_s += time.perf_counter() - t0
-            loader.stats_gathered_here += 1
-            return rows
-        try:
-            rows = self.staged.result()
-        except CancelledError:
-            raise SetupError(
-                f"the staged rows of step {self.plan.step if self.plan else '?'} were cancelled: the lookahead "
-                "loader that produced this batch has been stopped"
-            ) from None
         if self.loader is not None:
-            self.loader.stats_wait_s += time.perf_counter() - t0
-        return rows
+            return self.loader.staged_rows(self.plan, self.staged)
+        return staged_result(self.plan, self.staged)
 
     def mark_started(self) -> None:
-        """Call before waiting for the staged rows. With several ranks, this rank finishing step ``t - 1``
-        (whose backward collectives wait for every rank) proves that every rank applied plan ``t - 1``, so
-        its write-backs have landed in the shared store."""
-        if self.loader is not None and self.plan is not None and self.loader.target.num_ranks > 1:
-            self.loader.mark_applied(self.plan.step - 1)
+        """Call before waiting for the staged rows (the loader's
+        :meth:`~torchrec_lookahead.data._threads.ApplyProgress.begin`)."""
+        if self.loader is not None and self.plan is not None:
+            self.loader.progress.begin(self.plan.step)
 
     def mark_applied(self) -> None:
-        """Call after applying the plan: on one rank, its write-backs have landed."""
-        if self.loader is not None and self.plan is not None and self.loader.target.num_ranks == 1:
-            self.loader.mark_applied(self.plan.step)
+        """Call after applying the plan (the loader's
+        :meth:`~torchrec_lookahead.data._threads.ApplyProgress.applied`)."""
+        if self.loader is not None and self.plan is not None:
+            self.loader.progress.applied(self.plan.step)
 
     def apply_to(self, modules: Sequence[ShardedLookaheadEmbeddingBagCollection]) -> None:
         """Bring the caches of ``modules`` to this batch's plan; call right before the batch's training step,
@@ -155,6 +131,21 @@ class LookaheadBatch(Batch):
             # Plans from the lookahead loader's own oracle: the O(capacity) re-checks are skipped.
             m.apply_plan(self.plan, staged, self.lrpp, trusted=True)
         self.mark_applied()
+
+
+def staged_result(plan: Optional[BatchPlan], staged: Future[StagedRows]) -> StagedRows:
+    """The rows ``staged`` holds (blocks until the stager has gathered them).
+
+    Raises:
+        SetupError: the future was cancelled (the loader was stopped before the rows were gathered).
+    """
+    try:
+        return staged.result()
+    except CancelledError:
+        raise SetupError(
+            f"the staged rows of step {plan.step if plan else '?'} were cancelled: the lookahead "
+            "loader that produced this batch has been stopped"
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from torchrec_lookahead.errors import CapacityError, InvalidIdError
-from torchrec_lookahead.oracle._batch import split_batch
+from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, split_batch
 from torchrec_lookahead.oracle.oracle import window_working_sets
 from torchrec_lookahead.oracle.types import describe_window
 
@@ -104,14 +104,10 @@ def check_stream(
     names = sorted(capacity)
     best = {n: 0 for n in names}
     first: Dict[str, Tuple[int, int, int]] = {}
-    f2t: Dict[str, str] = {}
 
     def table_ids() -> Iterator[Dict[str, np.ndarray]]:
         for batch in batches:
-            for k in batch.keys() if hasattr(batch, "keys") else list(batch):
-                if k not in f2t:
-                    f2t[k] = feature_to_table.get(k, f"__unplanned__/{k}")
-            parts = split_batch(batch, names, f2t, False)
+            parts = split_batch(batch, names, feature_to_table, False, UnknownFeatures.IGNORE)
             yield {n: parts[n][0] for n in names}
 
     for step, sets in window_working_sets(table_ids(), prefetch_depth):

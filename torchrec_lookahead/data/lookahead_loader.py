@@ -21,7 +21,6 @@ import itertools
 import logging
 import queue
 import sys
-import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, Generator, Iterator, Optional, Tuple
@@ -31,13 +30,14 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.data._threads import (
     _END,
+    ApplyProgress,
     _check_nice,
     _Run,
     lower_thread_priority,
     single_threaded_ops,
 )
 from torchrec_lookahead.data.adapter import BatchAdapter, as_torchrec_batch
-from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
+from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch, staged_result
 from torchrec_lookahead.data.capacity import check_stream, preserved_rng
 from torchrec_lookahead.distributed.lrpp import (
     GatherStatus,
@@ -48,9 +48,16 @@ from torchrec_lookahead.distributed.lrpp import (
 )
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.hotcold.pinned import PinnedRows
-from torchrec_lookahead.modules import remap_kjt, stage_rows, table_ids
+from torchrec_lookahead.modules import remap_kjt, stage_rows
 from torchrec_lookahead.modules.types import StagedRows
-from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, Policy
+from torchrec_lookahead.oracle import (
+    BatchPlan,
+    LookaheadOracle,
+    OracleConfig,
+    Policy,
+    UnknownFeatures,
+    table_ids,
+)
 from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, collective_channel
 
 __all__ = ["LookaheadLoader", "scan_epoch", "global_batches", "lookahead_options"]
@@ -179,17 +186,17 @@ class LookaheadLoader:
         )
         if target.num_ranks > 1:
             self._oracle_kwargs["num_ranks"] = target.num_ranks
-        # Validate the arguments here, in the training thread; the planner thread builds the oracle per
-        # iteration, once it has seen the batches' feature names.
+        # Validate the arguments here, in the training thread; the planner thread builds a fresh oracle per
+        # iteration.
         OracleConfig(feature_to_table=dict(target.feature_to_table), **self._oracle_kwargs)
         self.prefetch_depth = prefetch_depth
         self.queue_depth = max(queue_depth, prefetch_depth + 2)
         self.on_epoch_start = on_epoch_start
         self._yielded = 0
         self._resume_from = 0
-        self._applied = -1
+        #: the no-stale-read rule: which plans' write-backs have landed (the stager waits on it)
+        self.progress = ApplyProgress(target.num_ranks)
         self._planned = -1
-        self._cond = threading.Condition()
         self._run: Optional[_Run] = None
         self._stop_error: Optional[BaseException] = None
         self.stats_wait_s = 0.0
@@ -221,14 +228,26 @@ class LookaheadLoader:
         return getattr(self.loader, "batch_sampler", None)
 
     # ------------------------------------------------------------------------------------------- progress
-    def mark_applied(self, step: int) -> None:
-        with self._cond:
-            self._applied = max(self._applied, step)
-            self._cond.notify_all()
+    def staged_rows(self, plan: Optional[BatchPlan], staged: Future[StagedRows]) -> StagedRows:
+        """The staged rows of ``plan`` for the training thread, counted in ``stats_wait_s``. When the stager
+        has not started them and gathers are not collectives, they are gathered here instead (counted in
+        ``stats_gathered_here``): every write-back they could depend on has landed (plan ``t - 1`` is applied).
+
+        Raises:
+            SetupError: the loader was stopped before the rows were gathered.
+        """
+        t0 = time.perf_counter()
+        if plan is not None and not staged.done() and self.may_gather_here and staged.cancel():
+            rows = stage_rows(plan, self.target.stores)
+            self.stats_gathered_here += 1
+        else:
+            rows = staged_result(plan, staged)
+        self.stats_wait_s += time.perf_counter() - t0
+        return rows
 
     def oracle_lead(self) -> int:
         """Batches planned but not yet applied."""
-        return max(self._planned - self._applied, 0)
+        return max(self._planned - self.progress.last, 0)
 
     def stats(self) -> Dict[str, float]:
         """The cumulative ``stats_*`` counters (waits and CPU seconds, counts), by attribute name."""
@@ -272,7 +291,7 @@ class LookaheadLoader:
         if self.on_epoch_start is not None:
             self.on_epoch_start()
         self._yielded = start
-        self._applied = -1
+        self.progress.reset()
         self._planned = -1
         run = _Run(self.queue_depth, join_timeout_s=self.stop_timeout_s + 30.0)
         self._run = run
@@ -340,8 +359,13 @@ class LookaheadLoader:
         if first is None:
             return
         # Features of tables the cache does not plan (other modules' features too) are ignored.
-        f2t = {k: self.target.feature_to_table.get(k, f"__unplanned__/{k}") for k in first.keys()}
-        oracle = LookaheadOracle(OracleConfig(feature_to_table=f2t, **self._oracle_kwargs))
+        oracle = LookaheadOracle(
+            OracleConfig(
+                feature_to_table=dict(self.target.feature_to_table),
+                unknown_features=UnknownFeatures.IGNORE,
+                **self._oracle_kwargs,
+            )
+        )
         cached = sorted(self.target.capacity)
         f2t_cached = dict(self.target.feature_to_table)
         tracker = (
@@ -373,7 +397,8 @@ class LookaheadLoader:
             kjt = remap_kjt(global_kjt, plan, f2t_cached, cached)
             lrpp = None
             if tracker is not None:
-                lrpp = tracker.step(plan, table_ids(global_kjt, f2t_cached, cached), features=kjt)
+                ids = table_ids(global_kjt, f2t_cached, cached, unknown=UnknownFeatures.IGNORE)
+                lrpp = tracker.step(plan, ids, features=kjt)
                 stride = b.sparse_features.stride()
                 kjt = slice_samples(kjt, self.target.rank * stride, (self.target.rank + 1) * stride)
             item = LookaheadBatch(
@@ -423,10 +448,7 @@ class LookaheadLoader:
                     status = GatherStatus.END
                     return
                 plan, fut = item
-                need = plan.step - self.prefetch_depth - 1
-                with self._cond:
-                    while self._applied < need and not run.stopped:
-                        self._cond.wait(timeout=0.05)
+                self.progress.wait(plan.step - self.prefetch_depth - 1, lambda: run.stopped)
                 if run.stopped:
                     fut.cancel()
                     return

@@ -41,7 +41,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError
-from torchrec_lookahead.modules.remap import table_ids
+from torchrec_lookahead.oracle import UnknownFeatures, table_ids
 from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
 
 __all__ = ["cold_table_ids", "PinnedRows"]
@@ -145,7 +145,9 @@ class PinnedRows:
             DataError: an id of a cached table is not hot (the batch is not a hot batch).
         """
         tables: Dict[str, TablePlan] = {}
-        for table, ids in table_ids(kjt, self.feature_to_table, self.capacity).items():
+        for table, ids in table_ids(
+            kjt, self.feature_to_table, self.capacity, unknown=UnknownFeatures.IGNORE
+        ).items():
             slots = self._slots(table, ids)
             if slots.size and int(slots.min()) < 0:
                 bad = int(ids[torch.from_numpy(slots < 0)][0])
@@ -159,7 +161,9 @@ class PinnedRows:
     def _hot_masks(self, kjt: KeyedJaggedTensor) -> Dict[str, np.ndarray]:
         return {
             t: self._slots(t, ids) >= 0
-            for t, ids in table_ids(kjt, self.feature_to_table, self.capacity).items()
+            for t, ids in table_ids(
+                kjt, self.feature_to_table, self.capacity, unknown=UnknownFeatures.IGNORE
+            ).items()
         }
 
     def cold_part(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -195,7 +199,7 @@ class PinnedRows:
     def lift(self, plan: BatchPlan, kjt: KeyedJaggedTensor) -> BatchPlan:
         """Map the oracle's plan of :meth:`cold_part` ``(kjt)`` to the whole cache of ``kjt``'s step."""
         tables: Dict[str, TablePlan] = {}
-        ids_of = table_ids(kjt, self.feature_to_table, self.capacity)
+        ids_of = table_ids(kjt, self.feature_to_table, self.capacity, unknown=UnknownFeatures.IGNORE)
         for table in sorted(set(plan.tables) | {t for t, ids in ids_of.items() if ids.numel()}):
             tp = plan.tables.get(table)
             if tp is None:  # only hot ids of this table at this step: the oracle had nothing to plan
@@ -253,7 +257,9 @@ def cold_table_ids(
         {'t': [0, 5]}
     """
     out: Dict[str, torch.Tensor] = {}
-    for table, ids in table_ids(kjt, feature_to_table).items():
+    for table, ids in table_ids(
+        kjt, feature_to_table, set(feature_to_table.values()), unknown=UnknownFeatures.IGNORE
+    ).items():
         ids = ids.to("cpu", torch.int64)
         hot = hot_ids.get(table)
         if hot is None or not hot.numel():

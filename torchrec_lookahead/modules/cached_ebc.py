@@ -38,9 +38,10 @@ from torchrec_lookahead.modules._checkpoint import load_tables, save_tables
 from torchrec_lookahead.modules._kernels import _CacheKernel, make_kernel
 from torchrec_lookahead.modules._plans import COUNTERS, CheckedPlan, _Table, move_rows, validate_plan
 from torchrec_lookahead.modules.config import CacheOptimizerConfig
-from torchrec_lookahead.modules.remap import refuse_variable_batch, remap_kjt, table_ids
+from torchrec_lookahead.modules.remap import refuse_variable_batch, remap_kjt
 from torchrec_lookahead.modules.staging import stage_rows
 from torchrec_lookahead.modules.types import StagedRows
+from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, table_ids
 from torchrec_lookahead.oracle.types import BatchPlan
 from torchrec_lookahead.store import EmbeddingStore, TensorStore, init_embedding_weights
 
@@ -337,7 +338,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         Returns:
             cached table name -> (n,) int64 ids.
         """
-        return table_ids(kjt, self._feature_to_table, [n for n, t in self._tables.items() if t.cached])
+        cached = [n for n, t in self._tables.items() if t.cached]
+        return table_ids(kjt, self._feature_to_table, cached, unknown=UnknownFeatures.IGNORE)
 
     def remap(self, kjt: KeyedJaggedTensor, plan: BatchPlan) -> KeyedJaggedTensor:
         """Replace the ids of cached features by their slots (see :func:`~.remap.remap_kjt`)."""

@@ -1,4 +1,5 @@
-"""From a batch's KeyedJaggedTensor to per-table ids (oracle input) and back to slots (cache input).
+"""From a batch's KeyedJaggedTensor to per-table ids (oracle input, :func:`~torchrec_lookahead.oracle.table_ids`,
+re-exported here) and back to slots (cache input).
 
 Several features may share one table. A table's ids in a batch are the concatenation of its features' values
 in KJT key order; the plan's ``slots`` follow the same order::
@@ -11,51 +12,15 @@ in KJT key order; the plan's ``slots`` follow the same order::
 
 from __future__ import annotations
 
-from typing import Collection, Dict, List, Mapping, Optional
+from typing import Collection, Dict, Mapping
 
-import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.errors import ConfigError, DataError
+from torchrec_lookahead.oracle.batch_ids import table_ids
 from torchrec_lookahead.oracle.types import BatchPlan
 
 __all__ = ["table_ids", "remap_kjt"]
-
-
-def table_ids(
-    kjt: KeyedJaggedTensor,
-    feature_to_table: Mapping[str, str],
-    tables: Optional[Collection[str]] = None,
-) -> Dict[str, torch.Tensor]:
-    """Per table, the ids the batch looks up, concatenated over its features in KJT key order.
-
-    Args:
-        kjt: the batch's sparse features.
-        feature_to_table: feature name -> table name; features not listed are ignored.
-        tables: restrict to these tables (default: every table some feature maps to).
-
-    Returns:
-        table name -> (n,) int64 ids (an empty tensor for a table none of the batch's features use).
-
-    Example:
-        >>> kjt = KeyedJaggedTensor.from_lengths_sync(
-        ...     keys=["f_a", "f_b", "f_c"], values=torch.tensor([3, 9, 4, 9, 5, 1]),
-        ...     lengths=torch.tensor([2, 0, 1, 0, 2, 1]))
-        >>> {k: v.tolist() for k, v in table_ids(kjt, {"f_a": "t0", "f_b": "t1", "f_c": "t0"}).items()}
-        {'t0': [3, 9, 9, 5, 1], 't1': [4]}
-    """
-    wanted = set(feature_to_table.values()) if tables is None else set(tables)
-    values = kjt.values()
-    bounds = kjt.offset_per_key()
-    parts: Dict[str, List[torch.Tensor]] = {t: [] for t in sorted(wanted)}
-    for i, key in enumerate(kjt.keys()):
-        table = feature_to_table.get(key)
-        if table in parts:
-            parts[table].append(values[bounds[i] : bounds[i + 1]])
-    return {
-        t: torch.cat(p).to(torch.int64) if p else torch.empty(0, dtype=torch.int64, device=values.device)
-        for t, p in parts.items()
-    }
 
 
 def refuse_variable_batch(kjt: KeyedJaggedTensor) -> None:

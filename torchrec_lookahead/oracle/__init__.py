@@ -11,8 +11,9 @@ Example:
     [6]
 """
 
+from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, table_ids
 from torchrec_lookahead.oracle.config import OracleConfig, Policy
-from torchrec_lookahead.oracle.oracle import LookaheadOracle, min_capacity
+from torchrec_lookahead.oracle.oracle import LookaheadOracle, min_capacity, window_working_sets
 from torchrec_lookahead.oracle.types import BatchPlan, RankAnnotation, TablePlan
 
 __all__ = [
@@ -23,4 +24,7 @@ __all__ = [
     "TablePlan",
     "RankAnnotation",
     "min_capacity",
+    "window_working_sets",
+    "table_ids",
+    "UnknownFeatures",
 ]

@@ -13,8 +13,9 @@ import enum
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
-from torchrec_lookahead._checks import check_int
+from torchrec_lookahead._checks import check_choice, check_int
 from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.oracle.batch_ids import UnknownFeatures
 
 __all__ = ["Policy", "OracleConfig", "MAX_RANKS"]
 
@@ -68,6 +69,9 @@ class OracleConfig:
         victim_rows: rows kept aside for set conflicts (policy ``window``); default ``capacity // 8``.
         seed: seed of the random way choice (policy ``window``).
         num_ranks: number of data-parallel ranks W; when W > 1 every table plan carries a ``RankAnnotation``.
+        unknown_features: a batch's feature that ``feature_to_table`` does not list is refused (``"error"``)
+            or skipped (``"ignore"``: batches that also carry features of tables nobody caches); see
+            :class:`~torchrec_lookahead.oracle.UnknownFeatures`.
 
     Raises:
         ConfigError: any value out of range, an unknown policy, ``horizon < prefetch_depth``.
@@ -84,6 +88,7 @@ class OracleConfig:
     victim_rows: Optional[int] = None
     seed: int = 0
     num_ranks: int = 1
+    unknown_features: Union[UnknownFeatures, str] = UnknownFeatures.ERROR
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity, Mapping):
@@ -94,13 +99,7 @@ class OracleConfig:
         self.capacity = dict(self.capacity)
         for table, rows in self.capacity.items():
             check_int(f"capacity[{table!r}]", rows, 1, "give every cached table a positive number of rows")
-        try:
-            self.policy = Policy(self.policy)
-        except ValueError:
-            valid = ", ".join(repr(p.value) for p in Policy)
-            raise ConfigError(
-                f"policy must be one of {valid} but got {self.policy!r}; pick one of them"
-            ) from None
+        self.policy = check_choice("policy", self.policy, Policy)
         self.horizon = check_int("horizon", self.horizon, 0, "set a non-negative lookahead in batches")
         self.prefetch_depth = check_int("prefetch_depth", self.prefetch_depth, 0, "set 0, 1 or more")
         if self.horizon < self.prefetch_depth:
@@ -129,6 +128,7 @@ class OracleConfig:
                 check_int(f"num_embeddings[{table!r}]", rows, 1, "give every table a positive number of rows")
         if self.feature_to_table is not None:
             self.feature_to_table = dict(self.feature_to_table)
+        self.unknown_features = check_choice("unknown_features", self.unknown_features, UnknownFeatures)
         if self.victim_rows is not None:
             check_int(
                 "victim_rows", self.victim_rows, 0, "set the number of conflict rows of the window cache"

@@ -23,8 +23,8 @@ from typing import Any, Deque, Dict, Iterable, Iterator, List, Mapping, Tuple, T
 import numpy as np
 
 from torchrec_lookahead.errors import CheckpointError
-from torchrec_lookahead.oracle._batch import split_batch
 from torchrec_lookahead.oracle._table import _TablePlanner
+from torchrec_lookahead.oracle.batch_ids import split_batch
 from torchrec_lookahead.oracle.belady import BeladyPlanner
 from torchrec_lookahead.oracle.config import OracleConfig, Policy
 from torchrec_lookahead.oracle.lru import LRUPlanner
@@ -93,7 +93,13 @@ class LookaheadOracle:
             DataError: malformed ids or lengths.
         """
         names = list(self._tables)
-        parts = split_batch(batch, names, self.config.feature_to_table, self.config.num_ranks > 1)
+        parts = split_batch(
+            batch,
+            names,
+            self.config.feature_to_table,
+            self.config.num_ranks > 1,
+            self.config.unknown_features,
+        )
         step = self._read
         for name in names:
             self._tables[name].check_ids(parts[name][0], step)
@@ -195,7 +201,10 @@ def min_capacity(batches: Iterable[Any], prefetch_depth: int, config: OracleConf
     """
     names = sorted(config.capacity)
     best = {n: 0 for n in names}
-    parts = (split_batch(batch, names, config.feature_to_table, False) for batch in batches)
+    parts = (
+        split_batch(batch, names, config.feature_to_table, False, config.unknown_features)
+        for batch in batches
+    )
     for _, sets in window_working_sets(({n: p[n][0] for n in names} for p in parts), prefetch_depth):
         for n, (_, need) in sets.items():
             best[n] = max(best[n], need)

@@ -28,8 +28,9 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
-from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError
-from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, Policy
+from torchrec_lookahead.errors import CapacityError, ConfigError, InvalidIdError
+from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, Policy, table_ids, window_working_sets
+from torchrec_lookahead.oracle.batch_ids import ids_array
 
 __all__ = [
     "TableSamples",
@@ -43,34 +44,6 @@ __all__ = [
 
 #: table name -> ids looked up by each sampled batch (1-D int64 arrays, one per batch, in stream order).
 TableSamples = Dict[str, List[np.ndarray]]
-
-
-def _as_ids(value: Any, what: str) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise DataError(
-                f"{what} must be an integer tensor but got dtype {value.dtype}; pass LongTensor ids"
-            )
-        return value.detach().to("cpu", torch.int64).reshape(-1).numpy()
-    arr = np.asarray(value)
-    if arr.size and arr.dtype.kind not in "iu":
-        raise DataError(f"{what} must hold integers but got dtype {arr.dtype}; pass LongTensor ids")
-    return np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
-
-
-def _features(batch: Any) -> List[tuple]:
-    """(feature, ids) in key order for a mapping, a KeyedJaggedTensor-like object or a TorchRec ``Batch``."""
-    if hasattr(batch, "sparse_features") and not isinstance(batch, Mapping):
-        batch = batch.sparse_features
-    if isinstance(batch, Mapping):
-        return [(str(k), v) for k, v in batch.items()]
-    if hasattr(batch, "keys") and hasattr(batch, "to_dict"):
-        jagged = batch.to_dict()
-        return [(str(k), jagged[k].values()) for k in batch.keys()]
-    raise DataError(
-        f"a sample batch must be a mapping name -> ids, a KeyedJaggedTensor or a TorchRec Batch but got "
-        f"{type(batch).__name__}; convert it to a mapping table -> LongTensor first"
-    )
 
 
 def table_id_batches(
@@ -116,20 +89,11 @@ def batch_table_ids(
 
     Raises:
         ConfigError: a feature is not in ``feature_to_table``.
-        DataError: non-integer ids.
+        DataError: non-integer ids, a batch of another type.
     """
-    parts: Dict[str, List[torch.Tensor]] = {}
-    for feature, ids in _features(batch):
-        table = feature_to_table.get(feature)
-        if table is None:
-            raise ConfigError(
-                f"feature {feature!r} of sample batch {index} is not in feature_to_table (known features: "
-                f"{sorted(feature_to_table)}); add it to feature_to_table or to a table's feature_names"
-            )
-        parts.setdefault(table, []).append(
-            torch.from_numpy(_as_ids(ids, f"ids of feature {feature!r} in sample batch {index}"))
-        )
-    return {t: (p[0] if len(p) == 1 else torch.cat(p)) for t, p in parts.items()}
+    if hasattr(batch, "sparse_features") and not isinstance(batch, Mapping):
+        batch = batch.sparse_features
+    return table_ids(batch, feature_to_table, where=f" in sample batch {index}")
 
 
 def collect_samples(
@@ -175,7 +139,7 @@ def collect_samples(
             )
         for name, rows in num_embeddings.items():
             ids = (
-                _as_ids(batch[name], f"ids of table {name!r} in sample batch {index}")
+                ids_array(batch[name], f"ids of table {name!r} in sample batch {index}")
                 if name in batch
                 else None
             )
@@ -217,12 +181,9 @@ def min_capacities(samples: TableSamples, prefetch_depth: int) -> Dict[str, int]
         raise ConfigError(f"prefetch_depth must be >= 0 but got {prefetch_depth}; set 0, 1 or more")
     out: Dict[str, int] = {}
     for name, batches in samples.items():
-        uniq = [np.unique(b) for b in batches]
         best = 0
-        for t in range(len(uniq)):
-            window = uniq[t : t + prefetch_depth + 1]
-            size = window[0].size if len(window) == 1 else np.unique(np.concatenate(window)).size
-            best = max(best, int(size))
+        for _, sets in window_working_sets(({name: b} for b in batches), prefetch_depth):
+            best = max(best, sets[name][1])
         out[name] = best
     return out
 

@@ -1,0 +1,43 @@
+"""ApplyProgress: the no-stale-read rule for one rank and for several."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from torchrec_lookahead.data._threads import ApplyProgress
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_the_rule_depends_on_the_rank_count_only_here(num_ranks: int) -> None:
+    progress = ApplyProgress(num_ranks)
+    assert progress.last == -1
+    progress.begin(3)
+    # several ranks: beginning step 3 proves every rank's plan 2 landed; one rank knows nothing yet
+    assert progress.last == (2 if num_ranks > 1 else -1)
+    progress.applied(3)
+    assert progress.last == (2 if num_ranks > 1 else 3)
+    progress.begin(1)  # never goes back
+    assert progress.last == (2 if num_ranks > 1 else 3)
+    progress.reset()
+    assert progress.last == -1
+
+
+def test_wait_returns_once_applied_or_stopped() -> None:
+    progress = ApplyProgress(1)
+    done = threading.Event()
+
+    def stager() -> None:
+        progress.wait(5, lambda: False)
+        done.set()
+
+    thread = threading.Thread(target=stager)
+    thread.start()
+    progress.applied(4)
+    assert not done.wait(0.2)  # plan 5 not applied: the stager still waits
+    progress.applied(5)
+    assert done.wait(10.0)
+    thread.join()
+    progress.wait(99, lambda: True)  # a stopped run does not wait
+    assert progress.last == 5
