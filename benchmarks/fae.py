@@ -12,13 +12,20 @@
 3. Accuracy (FAE's Table III) on the default job (``--train-batches``, default 300 batches of 2,048): final
    validation AUC of FAE's schedule (HotColdScheduler, 4 MiB hot budget) against the original data order
    (``abs_auc_gap``), and "all cold, then all hot" (a fixed rate of 100) as the control. Every table resident.
-4. ``--recalibrate`` (a mode of its own): the Taobao head in time order (``configs/taobao_fae.yaml``'s data,
+4. Pinned hot rows in the lookahead cache (``--cache-batches``, default 300 batches of 2,048, ``--cache-epochs``
+   1, ``--repeats`` 3 rounds in rotated order): resident, resident on FAE's batches, lookahead-only, lookahead-only
+   with FAE's device rows, and FAE. Median step time and process CPU time per step
+   (``fae_over_resident_step_time``, ``fae_over_resident_cpu_time``: medians of the rounds' ratios), rows fetched
+   per sample per epoch (``fae_over_lookahead_rows_fetched``; ``..._last_epoch``; ``..._same_memory``) and the
+   compulsory floor, the distinct rows an epoch reads (``compulsory_rows_per_sample``).
+5. ``--recalibrate`` (a mode of its own): the Taobao head in time order (``configs/taobao_fae.yaml``'s data,
    tables and 4 MiB hot budget), regrouped for ``--epochs`` epochs with the calibrated hot set fixed and with
    ``recalibrate="epoch"``: per epoch the share of accesses and of samples that are hot under the hot set in
    force, the rows promoted and demoted. JSON ``fixed_hot_access_share``, ``recalibrated_hot_access_share``
    (epoch 2 on) and their sample shares.
 
     python benchmarks/fae.py [--quick] [--json PATH] [--scale 1.0] [--batches 160] [--train-batches 300]
+    python benchmarks/fae.py --skip-calibration --train-batches 0 [--cache-batches 300] [--repeats 3]
     python benchmarks/fae.py --recalibrate [--quick] [--json PATH] [--epochs 3]
 """
 
@@ -28,7 +35,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Collection, Dict, List, Mapping, Optional
 
 import torch
 
@@ -351,30 +358,62 @@ def train(
 
 
 class _StepTimer:
-    """Seconds between consecutive training batch starts (plan application and the step included)."""
+    """Wall-clock and process CPU time at each training batch start (plan application and the step included),
+    and the stores' rows fetched at each epoch end."""
 
-    def __init__(self) -> None:
+    def __init__(self, fetched: Any) -> None:
         import lightning.pytorch as pl
 
         outer = self
 
         class _Callback(pl.Callback):
             def on_train_batch_start(self, *args: Any) -> None:
-                outer.starts.append(time.perf_counter())
+                outer.starts.append((time.perf_counter(), time.process_time()))
 
-        self.starts: List[float] = []
+            def on_train_epoch_end(self, *args: Any) -> None:
+                outer.fetched_at_epoch_end.append(fetched())
+
+        self.starts: List[tuple] = []
+        self.fetched_at_epoch_end: List[float] = []
         self.callback = _Callback()
 
-    def median(self, skip: int = 5) -> float:
-        gaps = [b - a for a, b in zip(self.starts, self.starts[1:])][skip:]
-        return float(statistics.median(gaps)) if gaps else float("nan")
+    def median_ms(self, skip: int = 5) -> float:
+        gaps = [b[0] - a[0] for a, b in zip(self.starts, self.starts[1:])][skip:]
+        return 1e3 * float(statistics.median(gaps)) if gaps else float("nan")
+
+    def cpu_ms(self, skip: int = 5) -> float:
+        """Process CPU time per step (every thread: the training step, the planner and the stager)."""
+        kept = self.starts[skip:]
+        return 1e3 * (kept[-1][1] - kept[0][1]) / (len(kept) - 1) if len(kept) > 1 else float("nan")
 
 
-def cache_training(batches: int, batch_size: int) -> Dict[str, Any]:
-    """The default job four ways in one process: resident, resident on FAE's hot/cold batches, lookahead-only
-    cached, and FAE (pinned hot rows, hot/cold batches with the scheduler, lookahead for the cold rows). Median step time and rows fetched from
-    the stores per trained sample; the lookahead caches are configs/dlrm_lookahead.yaml's, FAE's the same
-    dynamic slots plus its pinned hot rows."""
+def compulsory_rows_per_sample(inner: Any, tables: Collection[str]) -> float:
+    """Distinct rows of ``tables`` an epoch reads, per sample: what any cache of those tables that starts empty
+    fetches at least (the bundled models name feature ``f``'s table ``t_f``)."""
+    inner.setup("fit")
+    seen: Dict[str, List[torch.Tensor]] = {}
+    samples = 0
+    for batch in inner.train_dataloader():
+        for key, jt in batch.sparse_features.to_dict().items():
+            if f"t_{key}" in tables:
+                seen.setdefault(key, []).append(jt.values())
+        samples += batch.dense_features.shape[0]
+    return sum(int(torch.unique(torch.cat(v)).numel()) for v in seen.values()) / max(samples, 1)
+
+
+CACHE_RUNS = ("resident", "resident_hotcold", "lookahead", "lookahead_same_memory", "fae")
+
+
+def cache_training(
+    batches: int, batch_size: int, epochs: int = 1, repeats: int = 1, hot_budget_mib: float = 4.0
+) -> Dict[str, Any]:
+    """The default job five ways in one process: resident, resident on FAE's hot/cold batches, lookahead-only
+    cached (configs/dlrm_lookahead.yaml's slots), lookahead-only with as many slots per table as FAE holds, and
+    FAE (pinned hot rows, hot/cold batches with the scheduler, lookahead for the cold rows: the same dynamic
+    slots plus the pinned rows). ``repeats`` rounds, each running the five in a rotated order, so a change of
+    load on the machine falls on every run alike; step-time ratios are the median of the rounds' ratios. Rows
+    fetched from the stores per trained sample per epoch (the pin plan's rows in the first), against the
+    compulsory floor (the distinct rows of the cached tables an epoch reads)."""
     import lightning.pytorch as pl
     import yaml
 
@@ -382,42 +421,51 @@ def cache_training(batches: int, batch_size: int) -> Dict[str, Any]:
     from torchrec_lookahead.callbacks import HotColdScheduler
     from torchrec_lookahead.data import LookaheadDataModule
     from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
-    from torchrec_lookahead.hotcold import HotColdDataModule
     from torchrec_lookahead.strategies import TorchRecStrategy
 
     cfg = yaml.safe_load((REPO / "configs" / "dlrm_lookahead.yaml").read_text())
     lookahead_capacity: Dict[str, int] = cfg["trainer"]["strategy"]["init_args"]["sharders"][0]["init_args"][
         "capacity"
     ]
+    budget = int(hot_budget_mib * MIB)
 
-    def run(kind: str) -> Dict[str, float]:
+    def source() -> CriteoSyntheticDataModule:
+        return CriteoSyntheticDataModule(batch_size=batch_size, num_train_batches=batches, num_val_batches=2)
+
+    calibrated = HotColdDataModule(source(), hot_budget_bytes=budget, embedding_dim=16)
+    calibrated.setup("fit")
+    assert calibrated.hot_set is not None
+    fae_capacity = {t: c + calibrated.hot_set.hot_rows[t] for t, c in lookahead_capacity.items()}
+
+    def run(kind: str) -> Dict[str, Any]:
         pl.seed_everything(0, verbose=False)
-        inner = CriteoSyntheticDataModule(batch_size=batch_size, num_train_batches=batches, num_val_batches=2)
+        inner = source()
         dm: pl.LightningDataModule = inner
         callbacks: List[pl.Callback] = []
         capacity = dict(lookahead_capacity)
-        if kind == "resident_hotcold":  # FAE's batches and scheduler, every table resident
-            dm = HotColdDataModule(inner, hot_budget_bytes=4 * MIB, embedding_dim=16)
+        if kind in ("resident_hotcold", "fae"):  # FAE's batches and scheduler
+            dm = HotColdDataModule(inner, hot_budget_bytes=budget, embedding_dim=16)
             callbacks.append(HotColdScheduler())
-        elif kind == "fae":
-            hot = HotColdDataModule(inner, hot_budget_bytes=4 * MIB, embedding_dim=16)
-            hot.setup("fit")
-            assert hot.hot_set is not None
-            capacity = {t: c + hot.hot_set.hot_rows[t] for t, c in capacity.items()}
-            dm = LookaheadDataModule(hot, horizon=64)
-            callbacks.append(HotColdScheduler())
-        elif kind == "lookahead":
-            dm = LookaheadDataModule(inner, horizon=64)
-        cached = kind in ("lookahead", "fae")
+        if kind in ("fae", "lookahead_same_memory"):
+            capacity = dict(fae_capacity)
+        if kind in ("lookahead", "lookahead_same_memory", "fae"):
+            dm = LookaheadDataModule(dm, horizon=64)
+        cached = kind in ("lookahead", "lookahead_same_memory", "fae")
         sharders = [LookaheadEmbeddingBagCollectionSharder(capacity=capacity)] if cached else None
         model = default_model(inner)
-        timer = _StepTimer()
         strategy = TorchRecStrategy(sharders=sharders)
+
+        def fetched() -> float:
+            return float(
+                sum(s["rows_fetched"] for m in strategy.cached_modules() for s in m.cache.stats().values())
+            )
+
+        timer = _StepTimer(fetched)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=1,
             strategy=strategy,
-            max_epochs=1,
+            max_epochs=epochs,
             limit_val_batches=0,
             num_sanity_val_steps=0,
             logger=False,
@@ -427,27 +475,61 @@ def cache_training(batches: int, batch_size: int) -> Dict[str, Any]:
             callbacks=[*callbacks, timer.callback],
         )
         trainer.fit(model, datamodule=dm)
-        fetched = sum(s["rows_fetched"] for m in strategy.cached_modules() for s in m.cache.stats().values())
         samples = trainer.global_step * batch_size
+        ends = [0.0, *timer.fetched_at_epoch_end]
+        per_epoch = [(b - a) / max(samples / epochs, 1) for a, b in zip(ends, ends[1:])]
         return {
-            "median_step_ms": 1e3 * timer.median(),
-            "rows_fetched_per_sample": fetched / max(samples, 1),
+            "median_step_ms": timer.median_ms(),
+            "cpu_ms_per_step": timer.cpu_ms(),
+            "rows_fetched_per_sample": ends[-1] / max(samples, 1),
+            "rows_fetched_per_sample_by_epoch": per_epoch,
             "device_cache_rows": float(sum(capacity.values())) if sharders else float("nan"),
             "steps": float(trainer.global_step),
         }
 
-    rows = {k: run(k) for k in ("resident", "resident_hotcold", "lookahead", "fae")}
-    print(table([{"run": k, **v} for k, v in rows.items()]))
+    rounds: List[Dict[str, Dict[str, Any]]] = []
+    for r in range(repeats):
+        order = CACHE_RUNS[r % len(CACHE_RUNS) :] + CACHE_RUNS[: r % len(CACHE_RUNS)]
+        rounds.append({k: run(k) for k in order})
+    first = rounds[0]
+    floor = compulsory_rows_per_sample(source(), lookahead_capacity)
+
+    def ratio(num: str, den: str, key: str = "median_step_ms") -> float:
+        return float(statistics.median(r[num][key] / r[den][key] for r in rounds))
+
+    def fetched(kind: str, epoch: int) -> float:
+        return first[kind]["rows_fetched_per_sample_by_epoch"][epoch]
+
+    rows = [
+        {
+            "run": k,
+            "median_step_ms": statistics.median(r[k]["median_step_ms"] for r in rounds),
+            "cpu_ms_per_step": statistics.median(r[k]["cpu_ms_per_step"] for r in rounds),
+            "rows_fetched_per_sample": first[k]["rows_fetched_per_sample"],
+            **{f"fetched_epoch_{e + 1}": fetched(k, e) for e in range(epochs)},
+            "device_cache_rows": first[k]["device_cache_rows"],
+        }
+        for k in CACHE_RUNS
+    ]
+    print(table(rows))
+    print(f"compulsory floor (distinct rows of an epoch per sample): {floor:.3f}")
+    last = epochs - 1
     return {
-        "runs": rows,
-        "fae_over_resident_step_time": rows["fae"]["median_step_ms"] / rows["resident"]["median_step_ms"],
-        "lookahead_over_resident_step_time": rows["lookahead"]["median_step_ms"]
-        / rows["resident"]["median_step_ms"],
+        "runs": {row["run"]: row for row in rows},
+        "rounds": rounds,
+        "compulsory_rows_per_sample": floor,
+        "fae_over_resident_step_time": ratio("fae", "resident"),
+        "lookahead_over_resident_step_time": ratio("lookahead", "resident"),
         # the cache's share alone: FAE against resident training of the same hot/cold batches
-        "fae_over_resident_hotcold_step_time": rows["fae"]["median_step_ms"]
-        / rows["resident_hotcold"]["median_step_ms"],
-        "fae_over_lookahead_rows_fetched": rows["fae"]["rows_fetched_per_sample"]
-        / rows["lookahead"]["rows_fetched_per_sample"],
+        "fae_over_resident_hotcold_step_time": ratio("fae", "resident_hotcold"),
+        "fae_over_resident_cpu_time": ratio("fae", "resident", "cpu_ms_per_step"),
+        "fae_over_lookahead_rows_fetched": first["fae"]["rows_fetched_per_sample"]
+        / first["lookahead"]["rows_fetched_per_sample"],
+        "floor_over_lookahead_rows_fetched": floor / fetched("lookahead", 0),
+        "fae_over_lookahead_same_memory_rows_fetched": first["fae"]["rows_fetched_per_sample"]
+        / first["lookahead_same_memory"]["rows_fetched_per_sample"],
+        "fae_over_lookahead_rows_fetched_last_epoch": fetched("fae", last)
+        / max(fetched("lookahead", last), 1e-12),
     }
 
 
@@ -462,6 +544,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         default=None,
         help="batches of the pinned-rows comparison (default 300, 0 skips)",
     )
+    p.add_argument("--cache-epochs", type=int, default=None, help="epochs of each cache run (default 1)")
+    p.add_argument("--repeats", type=int, default=None, help="rounds of the cache runs (default 3, quick 1)")
+    p.add_argument("--hot-budget-mib", type=float, default=4.0, help="FAE's hot budget in the cache runs")
     p.add_argument("--skip-calibration", action="store_true", help="only the training comparisons")
     p.add_argument(
         "--recalibrate",
@@ -492,7 +577,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if train_batches:
         figures["training"] = train(train_batches, 2048 if not args.quick else 512)
     if args.cache_batches:
-        figures["cache"] = cache_training(args.cache_batches, 2048 if not args.quick else 512)
+        figures["cache"] = cache_training(
+            args.cache_batches,
+            2048 if not args.quick else 512,
+            epochs=args.cache_epochs or 1,
+            repeats=args.repeats or (1 if args.quick else 3),
+            hot_budget_mib=args.hot_budget_mib,
+        )
     headline: Dict[str, Any] = {}
     if "synthetic" in figures:
         head = figures["synthetic"]
@@ -505,6 +596,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "lookahead_over_resident_step_time",
             "fae_over_resident_hotcold_step_time",
             "fae_over_lookahead_rows_fetched",
+            "fae_over_resident_cpu_time",
+            "floor_over_lookahead_rows_fetched",
+            "fae_over_lookahead_same_memory_rows_fetched",
+            "fae_over_lookahead_rows_fetched_last_epoch",
+            "compulsory_rows_per_sample",
         ):
             headline[key] = figures["cache"][key]
     if "training" in figures:

@@ -37,17 +37,35 @@ def test_fae_benchmark_quick_variant(tmp_path: Path) -> None:
 def test_fae_cache_comparison_quick_variant(tmp_path: Path) -> None:
     out = tmp_path / "fae_cache.json"
     fae.main(
-        ["--quick", "--skip-calibration", "--train-batches", "0", "--cache-batches", "12", "--json", str(out)]
+        [
+            "--quick",
+            "--skip-calibration",
+            "--train-batches",
+            "0",
+            "--cache-batches",
+            "12",
+            "--cache-epochs",
+            "2",
+        ]
+        + ["--repeats", "1", "--json", str(out)]
     )
     figures = json.loads(out.read_text())
-    runs = figures["details"]["cache"]["runs"]
-    assert runs["resident"]["rows_fetched_per_sample"] == 0.0 and runs["fae"]["steps"] >= 12
+    details = figures["details"]["cache"]
+    runs = details["runs"]
+    assert [sorted(r) for r in details["rounds"]] == [sorted(fae.CACHE_RUNS)]
+    assert runs["resident"]["rows_fetched_per_sample"] == 0.0
     # FAE's caches hold the lookahead-only slots plus the pinned rows, which it fetches (once) on top of the cold
-    # rows: on 12 batches that can exceed the lookahead-only traffic, so only the figures' presence is checked
-    # here (hot batches moving nothing is tested in tests/data/test_hotcold_lookahead.py).
+    # rows: on 12 batches that can exceed the lookahead-only traffic, so the ratio's value is not checked here
+    # (hot batches moving nothing is tested in tests/data/test_hotcold_lookahead.py).
+    assert runs["fae"]["device_cache_rows"] == runs["lookahead_same_memory"]["device_cache_rows"]
     assert runs["fae"]["device_cache_rows"] > runs["lookahead"]["device_cache_rows"]
-    assert runs["fae"]["rows_fetched_per_sample"] > 0 and runs["lookahead"]["rows_fetched_per_sample"] > 0
+    floor = figures["compulsory_rows_per_sample"]
+    for kind in ("lookahead", "lookahead_same_memory", "fae"):
+        # a cache that starts empty fetches every distinct row of the first epoch at least once
+        assert runs[kind]["fetched_epoch_1"] >= floor > 0
+        assert runs[kind]["rows_fetched_per_sample"] > 0 and runs[kind]["fetched_epoch_2"] >= 0
     assert figures["fae_over_lookahead_rows_fetched"] > 0 and figures["fae_over_resident_step_time"] > 0
+    assert figures["fae_over_resident_cpu_time"] > 0
 
 
 @pytest.mark.slow
