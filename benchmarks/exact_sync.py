@@ -429,7 +429,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         p.error(f"--steps must be >= 1 and --warmup >= 0, got {steps_n} and {args.warmup}")
     figures: Dict[str, Any] = {
         "config": {
-            "data": "CriteoSyntheticDataModule scale 0.01, min_rows 1000, zipf 1.05, seed 0 (configs/dlrm_lookahead.yaml)",
+            "data": "CriteoSyntheticDataModule scale 0.01, min_rows 1000, zipf 1.05, seed 0 "
+            "(configs/dlrm_lookahead.yaml)",
             "global_batch": args.batch,
             "tables": dict(CAPACITY),
             "dim": DIM,

@@ -169,8 +169,9 @@ def traffic(spec: Dict[str, Any], batch: int, sync_every: int) -> List[Dict[str,
         costs = _costs(lin, t.placement, pairs if copartition else [], cm)
         crit = sum(c.group_bytes for c in costs.values())  # background averaging: off the critical path
         splits = sum(p is not Placement.REPLICATE for p in t.placement.values())
+        step_ms = 1e3 * sum(c.seconds(cm) for c in costs.values())
         rows.append({"variant": name, "critical_bytes": crit, "over_sync": crit / sync_bytes,
-                     "split_layers": splits, "model_step_ms": 1e3 * sum(c.seconds(cm) for c in costs.values())})  # fmt: skip
+                     "split_layers": splits, "model_step_ms": step_ms})  # fmt: skip
 
     variant("HT 2x2, int8 + bf16", 1, 2)
     variant("HT 2x2, bf16", 4, 2)
@@ -202,7 +203,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                "elastic_alpha": args.elastic_alpha, "seeds": seeds}  # fmt: skip
     if not args.skip_quality:
         q = quality(steps, batch, args.sync_every, seeds, args.elastic_alpha)
-        rows = [{"run": k, "seed": seed, **v, "examples_s_over_sync": v["examples_per_s"] / q["sync"][i]["examples_per_s"]}
+        rows = [{"run": k, "seed": seed, **v,
+                 "examples_s_over_sync": v["examples_per_s"] / q["sync"][i]["examples_per_s"]}
                 for k, vs in q.items() for i, (seed, v) in enumerate(zip(seeds, vs))]  # fmt: skip
         print(f"Quality: 4 gloo ranks, {steps} steps, global batch {WORLD * batch}, sync_every={args.sync_every}, "
               f"elastic_alpha={args.elastic_alpha}, seeds {seeds}")  # fmt: skip

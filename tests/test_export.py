@@ -49,14 +49,18 @@ def test_cached_checkpoint_exported_and_served_resident_gives_identical_predicti
 
 
 def test_resident_keys_and_states_dropped() -> None:
+    cache = "model._dmp_wrapped_module.sparse_arch.embedding_bag_collection.cache"
     state = {
-        "model._dmp_wrapped_module.sparse_arch.embedding_bag_collection.cache.embedding_bags.t.weight": torch.ones(2),
-        "model._dmp_wrapped_module.sparse_arch.embedding_bag_collection.cache.embedding_bags.t.momentum1": torch.ones(2),
-        "model._dmp_wrapped_module.sparse_arch.embedding_bag_collection.cache.optimizer_step": torch.tensor(3),
+        f"{cache}.embedding_bags.t.weight": torch.ones(2),
+        f"{cache}.embedding_bags.t.momentum1": torch.ones(2),
+        f"{cache}.optimizer_step": torch.tensor(3),
         "model._dmp_wrapped_module.dense_arch.model.0.weight": torch.zeros(1),
-    }  # fmt: skip
+    }
     out = resident_state_dict(state)
-    assert sorted(out) == ["model.dense_arch.model.0.weight", "model.sparse_arch.embedding_bag_collection.embedding_bags.t.weight"]  # fmt: skip
+    assert sorted(out) == [
+        "model.dense_arch.model.0.weight",
+        "model.sparse_arch.embedding_bag_collection.embedding_bags.t.weight",
+    ]
     assert resident_key("a.resident.embedding_bags.x.weight") == "a.embedding_bags.x.weight"
 
 

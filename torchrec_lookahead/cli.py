@@ -3,9 +3,9 @@
 ``fit``, ``validate``, ``test`` and ``predict`` are Lightning's (a :class:`~torchrec_lookahead.launch.LookaheadCLI`
 over any LightningModule whose model holds TorchRec embedding collections: the bundled DLRM, DCN and DeepFM
 :class:`~torchrec_lookahead.models.TorchRecModule` s or a module of your own, and any DataModule; batches that
-are not TorchRec ``Batch`` es are read through a :class:`~torchrec_lookahead.data.BatchAdapter`); ``verify``, ``export`` and ``calibrate`` are this
-package's. What the commands share (building the CLI, one-line errors, multi-rank shutdown) is in
-:mod:`torchrec_lookahead.launch`, re-exported here.
+are not TorchRec ``Batch`` es are read through a :class:`~torchrec_lookahead.data.BatchAdapter`); ``verify``,
+``export`` and ``calibrate`` are this package's. What the commands share (building the CLI, one-line errors,
+multi-rank shutdown) is in :mod:`torchrec_lookahead.launch`, re-exported here.
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ def test_verify_of_dict_batches_on_two_ranks_is_bit_exact(tmp_path):
     cfg = tmp_path / "two_tower.yaml"
     cfg.write_text(two_tower_config(rows=90))  # the global batch of two ranks needs up to 76 rows
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "torchrec_lookahead", "verify", "--config", str(cfg), "--trainer.devices=2", "--steps", "6"]  # fmt: skip
+           "-m", "torchrec_lookahead", "verify", "--config", str(cfg), "--trainer.devices=2",
+           "--steps", "6"]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400, env=clean_env())
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -60,7 +60,8 @@ def _sharded_loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: f
     lo, hi = bounds[rank : rank + 2]
     groups = {"default": dist.new_group(backend="gloo"), STAGE_CHANNEL: dist.new_group(backend="gloo")}
     store = RowShardedStore(TensorStore(hi - lo, 4, name="t", row_offset=lo, table_rows=ROWS), ROWS, bounds,
-                            [0, 1], group=groups["default"], channel_groups={STAGE_CHANNEL: groups[STAGE_CHANNEL]})  # fmt: skip
+                            [0, 1], group=groups["default"],
+                            channel_groups={STAGE_CHANNEL: groups[STAGE_CHANNEL]})  # fmt: skip
     target = CacheTarget(capacity={"t": 16}, feature_to_table={"f": "t"}, num_embeddings={"t": ROWS},
                          stores={"t": store}, num_ranks=2, rank=rank, group=group)  # fmt: skip
     return LookaheadLoader(batches, target, horizon=2, prefetch_depth=1, policy="belady", queue_depth=3,

@@ -185,7 +185,10 @@ def test_shared_store_directories_of_dead_owners_are_removed_and_live_ones_kept(
     fd = hold_store_dir(live)  # this process owns it
     dead = make("dead")
     # a process that took the lock and was killed: the kernel released its lock
-    code = f"import os, signal; from torchrec_lookahead.distributed.sharder import hold_store_dir; hold_store_dir({dead!r}); os.kill(os.getpid(), signal.SIGKILL)"
+    code = (
+        "import os, signal; from torchrec_lookahead.distributed.sharder import hold_store_dir; "
+        f"hold_store_dir({dead!r}); os.kill(os.getpid(), signal.SIGKILL)"
+    )
     subprocess.run([sys.executable, "-c", code], check=False)
     young = make("young")  # unlocked but just created (another run may be setting it up): kept for its age
     os.close(hold_store_dir(young))

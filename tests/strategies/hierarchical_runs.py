@@ -87,14 +87,16 @@ def run(spec: Dict[str, Any], devices: int) -> Dict[str, torch.Tensor]:
     kw: Dict[str, Any] = {}
     if "ckpt_dir" in spec:  # a checkpoint every ckpt_every steps
         every = spec["ckpt_every"]
-        kw = {"enable_checkpointing": True, "callbacks": [ModelCheckpoint(spec["ckpt_dir"], every_n_train_steps=every, save_top_k=-1)]}  # fmt: skip
+        ckpt = ModelCheckpoint(spec["ckpt_dir"], every_n_train_steps=every, save_top_k=-1)
+        kw = {"enable_checkpointing": True, "callbacks": [ckpt]}
     if "log_dir" in spec:
         kw["logger"] = TensorBoardLogger(spec["log_dir"], name="", version="")
         kw["log_every_n_steps"] = 2
     nodes = int(spec.get("num_nodes", 1))
     kw["num_nodes"] = nodes
-    trainer = pl.Trainer(**{**QUIET_TRAINER_ARGS, "accelerator": "cpu", "devices": devices // nodes, "strategy": strategy,
-                            "max_steps": spec["steps"], "max_epochs": spec.get("epochs"), **kw})  # fmt: skip
+    trainer = pl.Trainer(**{**QUIET_TRAINER_ARGS, "accelerator": "cpu", "devices": devices // nodes,
+                            "strategy": strategy, "max_steps": spec["steps"], "max_epochs": spec.get("epochs"),
+                            **kw})  # fmt: skip
     trainer.fit(model, datamodule=dm, ckpt_path=spec.get("resume"))
     state = _state(model)
     if spec.get("validate"):  # the validation log-loss after the fit (the mean over the ranks' shards)

@@ -89,7 +89,8 @@ def test_two_ranks_fit_checkpoint_and_resume_the_same_trajectory(tmp_path):
     assert all(v.abs().sum() > 0 for v in emb)
     # the same checkpoint resumed on one rank: refused, in one short line that says what to do
     one = run_cli("fit", "--config", "configs/dlrm_tiny.yaml", "--trainer.limit_val_batches=0",
-                  "--trainer.max_steps=8", f"--trainer.default_root_dir={tmp_path}/c", f"--ckpt_path={mid}")  # fmt: skip
+                  "--trainer.max_steps=8", f"--trainer.default_root_dir={tmp_path}/c",
+                  f"--ckpt_path={mid}")  # fmt: skip
     assert one.returncode == 1
     assert (
         "CheckpointError: checkpoint" in one.stderr and "written by 2 ranks but this run has 1" in one.stderr
@@ -134,7 +135,8 @@ def test_two_rank_cached_checkpoint_resumes_the_same_weights(tmp_path):
     )
     assert full.returncode == 0, full.stderr[-4000:]
     resumed = torchrun(2, *common, f"--trainer.default_root_dir={tmp_path}/b",
-                       f"--ckpt_path={tmp_path / 'a_ckpt' / 'epoch=0-step=6.ckpt'}", *_ckpt_args(tmp_path / "b_ckpt", 6))  # fmt: skip
+                       f"--ckpt_path={tmp_path / 'a_ckpt' / 'epoch=0-step=6.ckpt'}",
+                       *_ckpt_args(tmp_path / "b_ckpt", 6))  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     _assert_same_final_weights(tmp_path)
 

@@ -132,7 +132,8 @@ class LookaheadDataModule(WrappedDataModule):
         if batch_adapter is not None and not isinstance(batch_adapter, BatchAdapter):
             raise ConfigError(
                 f"Expected batch_adapter to be a torchrec_lookahead.data.BatchAdapter (or DictBatchAdapter) but got "
-                f"{type(batch_adapter).__name__}; wrap a function as BatchAdapter(split=<batch -> (dense, KJT, labels)>)"
+                f"{type(batch_adapter).__name__}; wrap a function as "
+                "BatchAdapter(split=<batch -> (dense, KJT, labels)>)"
             )
         self.batch_adapter = batch_adapter
         _check_nice(planner_nice)

@@ -227,7 +227,8 @@ class TaobaoParser:
             f = row.fields
             if len(f) != 5:
                 raise row.fail(
-                    f"expected 5 comma-separated fields (user_id,item_id,category_id,behavior,timestamp) but got {len(f)}"
+                    "expected 5 comma-separated fields (user_id,item_id,category_id,behavior,timestamp) "
+                    f"but got {len(f)}"
                 )
             if f[3] not in TAOBAO_BEHAVIOURS:
                 raise row.fail(f"behavior must be one of {list(TAOBAO_BEHAVIOURS)} but got {f[3]!r}")

@@ -194,9 +194,10 @@ class HotSet:
         row_bytes = {t.row_bytes for t in self.tables.values()}
         if self.hot_budget_bytes != config.hot_budget_bytes or row_bytes - {config.row_bytes}:
             raise ConfigError(
-                f"The hot set was calibrated for hot_budget_bytes={self.hot_budget_bytes} and {sorted(row_bytes)} bytes "
-                f"per row but the configuration asks for {config.hot_budget_bytes} and {config.row_bytes}; delete the "
-                "file so that it is recalibrated, or recalibrate (python -m torchrec_lookahead calibrate --config <yaml>)"
+                f"The hot set was calibrated for hot_budget_bytes={self.hot_budget_bytes} and {sorted(row_bytes)} "
+                f"bytes per row but the configuration asks for {config.hot_budget_bytes} and {config.row_bytes}; "
+                "delete the file so that it is recalibrated, or recalibrate "
+                "(python -m torchrec_lookahead calibrate --config <yaml>)"
             )
 
     def summary(self) -> Dict[str, Any]:

@@ -63,7 +63,8 @@ class DLRMModule(TorchRecModule):
             )
         if len(self.over_arch_layer_sizes) < 2:
             raise ConfigError(
-                f"over_arch_layer_sizes needs at least two layers (TorchRec's OverArch) but got {self.over_arch_layer_sizes}"
+                "over_arch_layer_sizes needs at least two layers (TorchRec's OverArch) "
+                f"but got {self.over_arch_layer_sizes}"
             )
         if self.over_arch_layer_sizes[-1] != 1:
             raise ConfigError(

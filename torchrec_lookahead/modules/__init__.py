@@ -1,7 +1,8 @@
 """The device cache of embedding rows: CachedEmbeddingBagCollection and the types it exchanges.
 
 * :class:`CachedEmbeddingBagCollection`: EmbeddingBagCollection whose large tables keep ``capacity`` rows on the
-  device and the rest (with optimizer state) in host stores; applies :class:`~torchrec_lookahead.oracle.types.BatchPlan` s.
+  device and the rest (with optimizer state) in host stores; applies
+  :class:`~torchrec_lookahead.oracle.types.BatchPlan` s.
 * :class:`CachedEmbeddingCollection`: the same for an EmbeddingCollection (unpooled, per-id embeddings).
 * :class:`CacheOptimizerConfig`: the fused sparse optimizer (also the resident baseline's ``fused_params``).
 * :class:`StagedRows` / :func:`stage_rows`: fetch rows gathered ahead of their step.

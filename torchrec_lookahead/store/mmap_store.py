@@ -52,8 +52,8 @@ class MmapStore(_RowStore):
         table_rows: rows of the whole table when the store is a shard (default ``num_embeddings``).
 
     Raises:
-        ConfigError: a size is not positive, the shard does not fit in ``table_rows``, or an existing file was created with other sizes, layout, name or
-            seed.
+        ConfigError: a size is not positive, the shard does not fit in ``table_rows``, or an existing file was
+            created with other sizes, layout, name or seed.
 
     Example:
         >>> import tempfile, os, torch

@@ -2,8 +2,8 @@
 
 Each rank averages its own part of its group's replica (its shards of split layers, and its ``1/g`` chunk of
 the replicated layers, which the group all-gathers afterwards) with the ranks holding the same part in the
-other groups, over a process group of its own (one per in-group index). With ``p`` groups, replica ``x_k`` and center ``c`` (a copy on every rank, identical across
-groups), a round at a step boundary is::
+other groups, over a process group of its own (one per in-group index). With ``p`` groups, replica ``x_k`` and
+center ``c`` (a copy on every rank, identical across groups), a round at a step boundary is::
 
     easgd:  x_k <- x_k - alpha * (x_k - c)          c <- c + alpha * (mean_k x_k - c)
     mean:   x_k <- mean_k x_k
