@@ -9,8 +9,12 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError, SetupError
-from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig, StagedRows
-from torchrec_lookahead.modules._plans import AppliedPlan
+from torchrec_lookahead.modules import (
+    AppliedPlan,
+    CachedEmbeddingBagCollection,
+    CacheOptimizerConfig,
+    StagedRows,
+)
 from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
 from torchrec_lookahead.store import TensorStore
 
