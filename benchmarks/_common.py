@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import lightning.pytorch as pl
 import torch
 
-from torchrec_lookahead.data import LookaheadDataModule, WrappedDataModule
+from torchrec_lookahead.data import LoaderStats, LookaheadDataModule, WrappedDataModule
 from torchrec_lookahead.data._threads import lower_thread_priority, single_threaded_ops
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
 from torchrec_lookahead.launch import build_cli
@@ -248,8 +248,8 @@ class LoaderWindow(pl.Callback):
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
-        self._first: Optional[Tuple[int, Dict[str, float]]] = None
-        self._last: Optional[Tuple[int, Dict[str, float]]] = None
+        self._first: Optional[Tuple[int, LoaderStats]] = None
+        self._last: Optional[Tuple[int, LoaderStats]] = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
@@ -264,12 +264,12 @@ class LoaderWindow(pl.Callback):
         if self._first is None or self._last is None or self._last[0] == self._first[0]:
             return {}
         steps = self._last[0] - self._first[0]
-        d = {k: v - self._first[1][k] for k, v in self._last[1].items()}
+        d = self._last[1] - self._first[1]
         return {
-            "stager wait ms/step": d["stats_wait_s"] / steps * 1e3,
-            "batch wait ms/step": d["stats_batch_wait_s"] / steps * 1e3,
-            "planner cpu ms/batch": d["stats_planner_cpu_s"] / max(d["stats_planned"], 1) * 1e3,
-            "stager cpu ms/batch": d["stats_stager_cpu_s"] / max(d["stats_staged"], 1) * 1e3,
+            "stager wait ms/step": d.stager_wait_s / steps * 1e3,
+            "batch wait ms/step": d.batch_wait_s / steps * 1e3,
+            "planner cpu ms/batch": d.planner_cpu_s / max(d.planned, 1) * 1e3,
+            "stager cpu ms/batch": d.stager_cpu_s / max(d.staged, 1) * 1e3,
         }
 
 

@@ -6,6 +6,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from torchrec_lookahead import ConfigError
 from torchrec_lookahead.callbacks import CacheMonitor
+from torchrec_lookahead.data import LoaderStats
 
 from ..helpers import fit_cached
 
@@ -13,16 +14,19 @@ TABLES = ("t_cat_2", "t_cat_11", "t_cat_15")
 
 
 class _Snapshots(pl.Callback):
-    """cache.stats() after each training step (runs after the monitor: callbacks are called in list order)."""
+    """cache.stats() and the loader's stats() after each training step (runs after the monitor: callbacks are
+    called in list order)."""
 
     def __init__(self) -> None:
         self.stats: List[Dict[str, Dict[str, int]]] = []
+        self.loader: List[LoaderStats] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         out: Dict[str, Dict[str, int]] = {}
         for m in trainer.strategy.cached_modules():
             out.update(m.cache.stats())
         self.stats.append(out)
+        self.loader.append(trainer.datamodule.loader.stats())
 
 
 def test_cache_monitor_logs_the_counters_deltas_through_lightning(tmp_path):
@@ -43,10 +47,14 @@ def test_cache_monitor_logs_the_counters_deltas_through_lightning(tmp_path):
         assert 0.0 < m[f"cache/{table}/occupancy"] <= 1.0
     assert m["cache/hit_rate"] == hits / lookups and lookups > 0
     assert m["cache/samples_per_s"] > 0 and m["cache/device_bytes"] < m["cache/host_bytes"]
-    assert 0 <= m["cache/gathered_by_training_thread"] <= 1
-    loader = trainer.datamodule.loader
-    assert loader.stats_planned >= 6 and loader.stats_planner_cpu_s > 0 and loader.stats_batch_wait_s >= 0
-    assert loader.stats_staged + loader.stats_gathered_here >= 5  # every step's rows were gathered somewhere
+    # the loader's counters: the same deltas of its stats() snapshots
+    d_loader = snaps.loader[5] - snaps.loader[3]
+    assert m["cache/gathered_by_training_thread"] == d_loader.gathered_here / 2 <= 1
+    assert m["cache/stager_wait_ms"] == pytest.approx(d_loader.stager_wait_s * 1e3 / 2)
+    assert m["cache/batch_wait_ms"] == pytest.approx(d_loader.batch_wait_s * 1e3 / 2)
+    counters = trainer.datamodule.loader.stats()
+    assert counters.planned >= 6 and counters.planner_cpu_s > 0 and counters.batch_wait_s >= 0
+    assert counters.staged + counters.gathered_here >= 5  # every step's rows were gathered somewhere
     # through Lightning: in callback_metrics, and in every logger (a CSV one here) at train/loss's steps
     assert trainer.callback_metrics["cache/hit_rate"].item() == pytest.approx(m["cache/hit_rate"])
     rows = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()

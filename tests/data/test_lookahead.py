@@ -400,5 +400,5 @@ def test_training_thread_gathers_rows_the_stager_has_not_started_and_stays_exact
 
     monkeypatch.setattr(LookaheadLoader, "_stage", idle_stager)
     trainer, cached = fit_cached(tmp_path / "cached", 20)
-    assert trainer.datamodule.loader.stats_gathered_here == 20
+    assert trainer.datamodule.loader.stats().gathered_here == 20
     assert max_abs_diff(weights(cached), _resident(tmp_path, 20)) <= 1e-5

@@ -1,12 +1,13 @@
-"""ApplyProgress: the no-stale-read rule for one rank and for several."""
+"""ApplyProgress: the no-stale-read rule for one rank and for several; LoaderStats: the loader's counters."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
 
-from torchrec_lookahead.data._threads import ApplyProgress
+from torchrec_lookahead.data._threads import ApplyProgress, LoaderStats
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2])
@@ -41,3 +42,12 @@ def test_wait_returns_once_applied_or_stopped() -> None:
     thread.join()
     progress.wait(99, lambda: True)  # a stopped run does not wait
     assert progress.last == 5
+
+
+def test_loader_stats_is_a_frozen_snapshot_with_field_wise_differences() -> None:
+    before = LoaderStats(stager_wait_s=0.25, planned=2, staged=1)
+    after = before + LoaderStats(stager_wait_s=0.5, planned=3, gathered_here=1, hot_batches=4)
+    assert after == LoaderStats(stager_wait_s=0.75, planned=5, staged=1, gathered_here=1, hot_batches=4)
+    assert after - before == LoaderStats(stager_wait_s=0.5, planned=3, gathered_here=1, hot_batches=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.planned = 0  # type: ignore[misc]

@@ -5,7 +5,14 @@ import pytest
 import torch
 from torchrec import KeyedJaggedTensor
 
-from torchrec_lookahead.distributed.lrpp import LRPPTracker, WriterFilteredStore, lowest_rank, slice_samples
+from torchrec_lookahead.distributed.lrpp import (
+    LRPPTracker,
+    WriterFilteredStore,
+    lowest_rank,
+    slice_samples,
+    writing_only,
+)
+from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
 from torchrec_lookahead.store import TensorStore
 
@@ -133,12 +140,28 @@ def test_writer_filtered_store_writes_only_allowed_rows():
     inner = TensorStore(10, 4, name="t")
     store = WriterFilteredStore(inner)
     before, _ = inner.gather(torch.arange(10))
-    store.scatter(torch.tensor([1, 2]), torch.ones(2, 4))  # allowed=None: nothing
+    store.scatter(torch.tensor([1, 2]), torch.ones(2, 4))  # outside writing(): nothing
     assert torch.equal(inner.gather(torch.arange(10))[0], before)
-    store.allowed = torch.tensor([2])
-    store.scatter(torch.tensor([1, 2]), torch.ones(2, 4))
+    with store.writing(torch.tensor([2])):
+        store.scatter(torch.tensor([1, 2]), torch.ones(2, 4))
     after, _ = inner.gather(torch.tensor([1, 2]))
     assert torch.equal(after[0], before[1]) and torch.equal(after[1], torch.ones(4))
+    store.write_back(torch.tensor([3]), torch.ones(1, 4))  # after the block: nothing again
+    assert torch.equal(inner.gather(torch.tensor([3]))[0][0], before[3])
+
+
+def test_writing_restores_the_previous_ids_even_when_the_block_raises():
+    stores = {t: WriterFilteredStore(TensorStore(10, 4, name=t)) for t in ("a", "b")}
+    with stores["a"].writing(torch.tensor([1])):
+        with pytest.raises(RuntimeError, match="mid-write"):
+            with writing_only(stores, {"a": torch.tensor([4, 5]), "b": torch.tensor([6])}):
+                assert stores["a"].allowed.tolist() == [4, 5] and stores["b"].allowed.tolist() == [6]
+                raise RuntimeError("mid-write")
+        assert stores["a"].allowed.tolist() == [1]  # the enclosing block's ids, not nothing
+    assert stores["a"].allowed.numel() == 0 and stores["b"].allowed.numel() == 0
+    with pytest.raises(SetupError, match="WriterFilteredStore"):
+        with writing_only({"c": TensorStore(10, 4, name="c")}, {"c": torch.tensor([1])}):
+            pass
 
 
 def test_gather_global_kjt_keeps_weights_on_one_rank():

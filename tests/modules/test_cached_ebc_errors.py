@@ -9,7 +9,12 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError, SetupError
-from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig, StagedRows
+from torchrec_lookahead.modules import (
+    AppliedPlan,
+    CachedEmbeddingBagCollection,
+    CacheOptimizerConfig,
+    StagedRows,
+)
 from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
 from torchrec_lookahead.store import TensorStore
 
@@ -208,3 +213,20 @@ def test_forward_after_a_trusted_plan_still_refuses_resident_ids_out_of_range() 
             ebc(kjt(bad))
     ebc.apply_plan(plan, trusted=True)
     ebc(kjt(29))
+
+
+def test_a_trusted_plan_skips_the_slot_checks_of_exactly_one_forward() -> None:
+    """The applied plan is remembered until the next forward consumes it; the forward after runs every check."""
+    ebc = _loaded()
+    assert ebc.applied_plan == AppliedPlan(0, trusted=False)
+    batch = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2", "f3"], _t(3, 0, 0), _t(1, 0, 1, 0))
+    ebc.apply_plan(BatchPlan(1, {"t0": TablePlan(E, E, E, E, _t(3))}), trusted=True)
+    assert ebc.applied_plan == AppliedPlan(1, trusted=True)
+    ebc(batch)  # slot 3 of t0 is empty, but a trusted plan's forward does not check the cached slots
+    assert ebc.applied_plan is None
+    with pytest.raises(SetupError, match="empty slot"):
+        ebc(batch)  # the next forward checks them again
+    ebc.apply_plan(BatchPlan(2, {"t0": TablePlan(E, E, E, E, E)}))  # untrusted: the forward checks every slot
+    assert ebc.applied_plan == AppliedPlan(2, trusted=False)
+    with pytest.raises(SetupError, match="empty slot"):
+        ebc(batch)

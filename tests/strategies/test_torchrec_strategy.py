@@ -9,7 +9,7 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec_lookahead import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.strategies import TorchRecStrategy
 
-from ..helpers import fit, local_state, max_abs_diff
+from ..helpers import fit, fit_cached, local_state, max_abs_diff
 
 
 def test_registered_and_model_sharded_without_ddp_around_the_module(tmp_path):
@@ -138,3 +138,18 @@ def test_importing_the_strategies_registers_them_with_lightning():
     assert StrategyRegistry["torchrec"]["strategy"] is TorchRecStrategy
     assert StrategyRegistry["hierarchical"]["strategy"] is HierarchicalStrategy
     assert "TorchRec" in StrategyRegistry["torchrec"]["description"]
+
+
+def test_batch_to_device_applies_each_training_batchs_plans_once_through_the_named_method(
+    tmp_path, monkeypatch
+):
+    applied = []
+    apply = TorchRecStrategy.apply_lookahead_plans
+
+    def recording(self, batch):
+        applied.append(batch.plan.step)
+        apply(self, batch)
+
+    monkeypatch.setattr(TorchRecStrategy, "apply_lookahead_plans", recording)
+    fit_cached(tmp_path, 3)
+    assert applied == [0, 1, 2]  # every step's plan, in order, once, before its training step

@@ -27,6 +27,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from torchrec_lookahead.data._threads import LoaderStats
 from torchrec_lookahead.errors import ConfigError
 
 __all__ = ["CacheMonitor"]
@@ -59,7 +60,7 @@ class CacheMonitor(Callback):
             )
         self.log_every_n_steps = log_every_n_steps
         self._last: Dict[str, Dict[str, int]] = {}
-        self._last_loader: Dict[str, float] = {}
+        self._last_loader = LoaderStats()
         self._last_sync: Dict[str, int] = {}
         self._last_step = 0
         self._last_time = time.perf_counter()
@@ -92,7 +93,7 @@ class CacheMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = self._stats(trainer)
         self._last_sync = self._sync(trainer)
-        self._last_loader = {}
+        self._last_loader = LoaderStats()
         self._last_step = trainer.global_step
         self._last_time = time.perf_counter()
         self._samples = 0
@@ -156,17 +157,17 @@ class CacheMonitor(Callback):
         loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
         if loader is not None and hasattr(loader, "oracle_lead"):
             metrics["cache/oracle_lead"] = float(loader.oracle_lead())
-            counters = loader.stats()
-            delta = {k: v - self._last_loader.get(k, 0.0) for k, v in counters.items()}
+            counters: LoaderStats = loader.stats()
+            delta = counters - self._last_loader
             self._last_loader = counters
-            metrics["cache/stager_wait_ms"] = delta["stats_wait_s"] * 1e3 / steps
-            metrics["cache/gathered_by_training_thread"] = delta["stats_gathered_here"] / steps
-            metrics["cache/batch_wait_ms"] = delta["stats_batch_wait_s"] * 1e3 / steps
+            metrics["cache/stager_wait_ms"] = delta.stager_wait_s * 1e3 / steps
+            metrics["cache/gathered_by_training_thread"] = delta.gathered_here / steps
+            metrics["cache/batch_wait_ms"] = delta.batch_wait_s * 1e3 / steps
             for what, cpu, count in (
-                ("planner", "stats_planner_cpu_s", "stats_planned"),
-                ("stager", "stats_stager_cpu_s", "stats_staged"),
+                ("planner", delta.planner_cpu_s, delta.planned),
+                ("stager", delta.stager_cpu_s, delta.staged),
             ):
-                metrics[f"cache/{what}_cpu_ms"] = delta[cpu] * 1e3 / delta[count] if delta[count] > 0 else 0.0
+                metrics[f"cache/{what}_cpu_ms"] = cpu * 1e3 / count if count > 0 else 0.0
         self._last = stats
         self._last_step = trainer.global_step
         self.last_metrics = metrics

@@ -1,6 +1,7 @@
 """DataModules and datasets yielding TorchRec batches (dense features, KeyedJaggedTensor, labels), and the
 adapters that read other batch types (:class:`BatchAdapter`)."""
 
+from torchrec_lookahead.data._threads import LoaderStats
 from torchrec_lookahead.data.adapter import BatchAdapter, DictBatchAdapter
 from torchrec_lookahead.data.batch import LookaheadBatch
 from torchrec_lookahead.data.capacity import CapacityCheck
@@ -38,6 +39,7 @@ __all__ = [
     "BatchAdapter",
     "DictBatchAdapter",
     "LookaheadLoader",
+    "LoaderStats",
     "CapacityCheck",
     "CriteoTSVParser",
     "MovieLensParser",

@@ -16,13 +16,14 @@ import os
 import queue
 import sys
 import threading
+from dataclasses import dataclass, fields
 from typing import Any, Callable, List, Optional
 
 import torch
 
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["single_threaded_ops", "lower_thread_priority", "ApplyProgress"]
+__all__ = ["single_threaded_ops", "lower_thread_priority", "ApplyProgress", "LoaderStats"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,45 @@ class ApplyProgress:
         with self._cond:
             self._last = max(self._last, step)
             self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """Cumulative counters of a lookahead loader's threads (a snapshot: ``LookaheadLoader.stats()``); the
+    difference of two snapshots is the work between them.
+
+    Attributes:
+        stager_wait_s: seconds the training thread waited for a step's staged rows (no stale read: the stager
+            gathers rows only once the write-backs they depend on have landed).
+        batch_wait_s: seconds the training thread waited for the planner's next batch (the planner was behind).
+        planner_cpu_s: CPU seconds of the planner thread (reading the wrapped loader, planning, remapping).
+        planned: batches planned.
+        stager_cpu_s: CPU seconds of the stager thread (gathering rows).
+        staged: plans whose rows the stager gathered.
+        gathered_here: steps whose rows the training thread gathered itself (the stager had not started them).
+        hot_batches: hot batches served, which read only pinned rows (a hot/cold lookahead loader).
+
+    Example:
+        >>> later = LoaderStats(stager_wait_s=0.5, planned=5, staged=4, gathered_here=1)
+        >>> d = later - LoaderStats(planned=2, staged=2)
+        >>> d.planned, d.staged + d.gathered_here, d.stager_wait_s
+        (3, 3, 0.5)
+    """
+
+    stager_wait_s: float = 0.0
+    batch_wait_s: float = 0.0
+    planner_cpu_s: float = 0.0
+    planned: int = 0
+    stager_cpu_s: float = 0.0
+    staged: int = 0
+    gathered_here: int = 0
+    hot_batches: int = 0
+
+    def __add__(self, other: LoaderStats) -> LoaderStats:
+        return LoaderStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def __sub__(self, other: LoaderStats) -> LoaderStats:
+        return LoaderStats(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
 
 
 class _Run:

@@ -19,11 +19,13 @@ twice fails with a typed error instead of training on the wrong plan.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import torch
 from torchrec.datasets.utils import Batch
 
+from torchrec_lookahead.data._threads import LoaderStats
 from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
 from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
 from torchrec_lookahead.distributed.lockstep import IdGatherer
@@ -143,8 +145,8 @@ class HotColdLookaheadLoader:
         self.cold = lookahead(self.cold_batches, target, pinned)
         self._cached = sorted(target.capacity)
         self._f2t = dict(target.feature_to_table)
-        #: hot batches served (each read only pinned rows)
-        self.stats_hot_batches = 0
+        #: hot batches served (each read only pinned rows), see :meth:`stats`
+        self._hot_batches = 0
 
     # the scheduler's and Lightning's view: the hot/cold loader's
     def __len__(self) -> int:
@@ -167,9 +169,9 @@ class HotColdLookaheadLoader:
         """Hot and cold batches per epoch."""
         return self.hotcold.batches_per_epoch()
 
-    def stats(self) -> Dict[str, float]:
+    def stats(self) -> LoaderStats:
         """The cold lookahead loader's counters, and hot batches served."""
-        return {**self.cold.stats(), "stats_hot_batches": float(self.stats_hot_batches)}
+        return replace(self.cold.stats(), hot_batches=self._hot_batches)
 
     def oracle_lead(self) -> int:
         """Cold batches planned but not yet applied."""
@@ -190,7 +192,7 @@ class HotColdLookaheadLoader:
         if self.target.num_ranks == 1:
             plan = self.pinned.hot_plan(batch.sparse_features, step)
             kjt = remap_kjt(batch.sparse_features, plan, self._f2t, self._cached)
-            self.stats_hot_batches += 1
+            self._hot_batches += 1
             return LookaheadBatch(batch.dense_features, kjt, batch.labels, plan=plan)
         # Several ranks: every rank holds every pinned row, so each updates every row the global batch reads,
         # from every bag that reads it (LRPPPlan.pinned); the plan moves nothing, and no slot's replicas change.
@@ -220,7 +222,7 @@ class HotColdLookaheadLoader:
             glob,
             self.pinned.pinned_rows,
         )
-        self.stats_hot_batches += 1
+        self._hot_batches += 1
         return LookaheadBatch(batch.dense_features, kjt, batch.labels, plan=plan, lrpp=lrpp)
 
     def _first_writers(self) -> Dict[str, torch.Tensor]:

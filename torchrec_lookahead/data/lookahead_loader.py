@@ -21,6 +21,7 @@ import itertools
 import logging
 import queue
 import sys
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, Generator, Iterator, Optional, Tuple
@@ -31,6 +32,7 @@ from torchrec.datasets.utils import Batch
 from torchrec_lookahead.data._threads import (
     _END,
     ApplyProgress,
+    LoaderStats,
     _check_nice,
     _Run,
     lower_thread_priority,
@@ -199,17 +201,9 @@ class LookaheadLoader:
         self._planned = -1
         self._run: Optional[_Run] = None
         self._stop_error: Optional[BaseException] = None
-        self.stats_wait_s = 0.0
-        #: seconds the training thread waited for the planner's next batch (the planner was behind)
-        self.stats_batch_wait_s = 0.0
-        #: CPU seconds of the planner thread (reading the wrapped loader, planning, remapping) and batches planned
-        self.stats_planner_cpu_s = 0.0
-        self.stats_planned = 0
-        #: CPU seconds of the stager thread (gathering rows) and plans staged
-        self.stats_stager_cpu_s = 0.0
-        self.stats_staged = 0
-        #: steps whose rows the training thread gathered itself because the stager had not started them
-        self.stats_gathered_here = 0
+        # the counters of stats(): each thread adds its own work (see _count)
+        self._stats = LoaderStats()
+        self._stats_lock = threading.Lock()
         #: the training thread may gather a step's rows itself (not when gathers are collectives, which run
         #: in lockstep on the stager's own process group)
         self.may_gather_here = not any(s.collective for s in target.stores.values())
@@ -229,29 +223,45 @@ class LookaheadLoader:
 
     # ------------------------------------------------------------------------------------------- progress
     def staged_rows(self, plan: Optional[BatchPlan], staged: Future[StagedRows]) -> StagedRows:
-        """The staged rows of ``plan`` for the training thread, counted in ``stats_wait_s``. When the stager
-        has not started them and gathers are not collectives, they are gathered here instead (counted in
-        ``stats_gathered_here``): every write-back they could depend on has landed (plan ``t - 1`` is applied).
+        """The staged rows of ``plan`` for the training thread, its wait counted in
+        :attr:`LoaderStats.stager_wait_s`. When the stager has not started them and gathers are not
+        collectives, they are gathered here instead (counted in :attr:`LoaderStats.gathered_here`): every
+        write-back they could depend on has landed (plan ``t - 1`` is applied).
 
         Raises:
             SetupError: the loader was stopped before the rows were gathered.
         """
         t0 = time.perf_counter()
+        here = 0
         if plan is not None and not staged.done() and self.may_gather_here and staged.cancel():
             rows = stage_rows(plan, self.target.stores)
-            self.stats_gathered_here += 1
+            here = 1
         else:
             rows = staged_result(plan, staged)
-        self.stats_wait_s += time.perf_counter() - t0
+        self._count(LoaderStats(stager_wait_s=time.perf_counter() - t0, gathered_here=here))
         return rows
 
     def oracle_lead(self) -> int:
         """Batches planned but not yet applied."""
         return max(self._planned - self.progress.last, 0)
 
-    def stats(self) -> Dict[str, float]:
-        """The cumulative ``stats_*`` counters (waits and CPU seconds, counts), by attribute name."""
-        return {k: float(v) for k, v in vars(self).items() if k.startswith("stats_")}
+    def stats(self) -> LoaderStats:
+        """The cumulative counters of the loader's threads (waits, CPU seconds, counts), as a snapshot.
+
+        Example:
+            >>> from torchrec_lookahead.store import TensorStore
+            >>> store = TensorStore(100, 4, {}, name="t", seed=0)
+            >>> target = CacheTarget({"t": 8}, {"f": "t"}, {"t": 100}, {"t": store})
+            >>> LookaheadLoader([], target, horizon=4, prefetch_depth=1, policy="belady").stats().planned
+            0
+        """
+        return self._stats
+
+    def _count(self, work: LoaderStats) -> None:
+        """Add a thread's ``work`` to :meth:`stats` (the planner, the stager and the training thread count
+        concurrently)."""
+        with self._stats_lock:
+            self._stats = self._stats + work
 
     # ------------------------------------------------------------------------------------------ iteration
     def close(self) -> None:
@@ -300,7 +310,7 @@ class LookaheadLoader:
             while True:
                 t0 = time.perf_counter()
                 item = run.get()
-                self.stats_batch_wait_s += time.perf_counter() - t0
+                self._count(LoaderStats(batch_wait_s=time.perf_counter() - t0))
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
@@ -414,8 +424,7 @@ class LookaheadLoader:
             )
             self._planned = plan.step
             now = time.thread_time()
-            self.stats_planner_cpu_s += now - cpu
-            self.stats_planned += 1
+            self._count(LoaderStats(planner_cpu_s=now - cpu, planned=1))
             cpu = now
             if not run.put(item):
                 return
@@ -469,8 +478,7 @@ class LookaheadLoader:
                     cpu = time.thread_time()
                     with collective_channel(STAGE_CHANNEL, wait):
                         rows = stage_rows(plan, self.target.stores)
-                    self.stats_stager_cpu_s += time.thread_time() - cpu
-                    self.stats_staged += 1
+                    self._count(LoaderStats(stager_cpu_s=time.thread_time() - cpu, staged=1))
                     fut.set_result(rows)
                 except BaseException as e:
                     fut.set_exception(e)

@@ -21,8 +21,9 @@ The lockstep gathers of the loader's background threads (:class:`IdGatherer`, :c
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "LRPPPlan",
     "LRPPTracker",
     "WriterFilteredStore",
+    "writing_only",
     "lowest_rank",
     "gather_global_kjt",
     "slice_samples",
@@ -230,18 +232,47 @@ class LRPPTracker:
         return LRPPPlan(plan.step, out, features, dict(self.pinned))
 
 
+#: no id: what a :class:`WriterFilteredStore` writes outside :meth:`~WriterFilteredStore.writing`
+_NOTHING = torch.empty(0, dtype=torch.int64)
+
+
 class WriterFilteredStore(EmbeddingStore):
     """A view of a shared store through which a rank writes only the rows it is responsible for.
 
-    ``allowed`` (set by the LRPP coordinator before each write-back or flush) lists the ids this rank may
-    write; writes of other ids are dropped, and with ``allowed=None`` nothing is written. Reads pass through.
-    Over a collective store (:class:`~torchrec_lookahead.store.RowShardedStore`) every write still reaches
-    the store, with the rows this rank may write (possibly none), so that every rank joins the collective.
+    Writes go through only within :meth:`writing` (the LRPP coordinator opens it around each write-back or
+    flush with the ids this rank may write), and only for those ids; elsewhere :attr:`allowed` is empty and
+    nothing is written. Reads pass through. Over a collective store
+    (:class:`~torchrec_lookahead.store.RowShardedStore`) every write still reaches the store, with the rows this
+    rank may write (possibly none), so that every rank joins the collective.
+
+    Example:
+        >>> from torchrec_lookahead.store import TensorStore
+        >>> store = WriterFilteredStore(TensorStore(4, 2, {}, name="t", seed=0))
+        >>> store.scatter(torch.tensor([0, 1]), torch.ones(2, 2))  # outside writing(): nothing is written
+        >>> with store.writing(torch.tensor([1])):
+        ...     store.scatter(torch.tensor([0, 1]), torch.ones(2, 2))  # id 1 only
+        >>> store.gather(torch.tensor([0, 1]))[0][:, 0].eq(1).tolist(), store.allowed.numel()
+        ([False, True], 0)
     """
 
     def __init__(self, store: EmbeddingStore) -> None:
         self.inner = store
-        self.allowed: Optional[torch.Tensor] = None
+        self._allowed = _NOTHING
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        """The ids this rank may write now (empty: none; set only by :meth:`writing`)."""
+        return self._allowed
+
+    @contextmanager
+    def writing(self, ids: torch.Tensor) -> Iterator[None]:
+        """Within the block, writes of ``ids`` go through (writes of other ids are dropped); the previous
+        :attr:`allowed` is restored afterwards, also when the block raises."""
+        previous, self._allowed = self._allowed, ids
+        try:
+            yield
+        finally:
+            self._allowed = previous
 
     @property
     def name(self) -> str:
@@ -283,18 +314,15 @@ class WriterFilteredStore(EmbeddingStore):
         weights: torch.Tensor,
         states: Optional[Mapping[str, torch.Tensor]],
     ) -> None:
+        nothing = self._allowed.numel() == 0
         if self.inner.collective:
             # A collective store (RowShardedStore): every rank takes part in every write, if only with no rows.
-            keep = (
-                torch.zeros(ids.numel(), dtype=torch.bool)
-                if self.allowed is None
-                else torch.isin(ids, self.allowed)
-            )
+            keep = torch.zeros(ids.numel(), dtype=torch.bool) if nothing else torch.isin(ids, self._allowed)
             write(ids[keep], weights[keep], {k: v[keep] for k, v in (states or {}).items()})
             return
-        if self.allowed is None or ids.numel() == 0:
+        if nothing or ids.numel() == 0:
             return
-        keep = torch.isin(ids, self.allowed)
+        keep = torch.isin(ids, self._allowed)
         if bool(keep.all()):
             write(ids, weights, states)
         elif bool(keep.any()):
@@ -311,6 +339,27 @@ class WriterFilteredStore(EmbeddingStore):
 
     def flush(self) -> None:
         self.inner.flush()
+
+
+@contextmanager
+def writing_only(stores: Mapping[str, EmbeddingStore], ids: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Within the block, each table of ``ids`` writes only its ids to its store (a :class:`WriterFilteredStore`,
+    see :meth:`~WriterFilteredStore.writing`); every store's previous state is restored afterwards, also when
+    the block raises.
+
+    Raises:
+        SetupError: a table's store is not a :class:`WriterFilteredStore`.
+    """
+    with ExitStack() as stack:
+        for t, allowed in ids.items():
+            store = stores[t]
+            if not isinstance(store, WriterFilteredStore):
+                raise SetupError(
+                    f"table '{t}': multi-rank caches need WriterFilteredStore views of a shared store, got "
+                    f"{type(store).__name__}"
+                )
+            stack.enter_context(store.writing(allowed))
+        yield
 
 
 def slice_samples(kjt: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor:

@@ -40,7 +40,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead.distributed.exact_sync import KernelLayout, PendingExchange, exchange_batches
-from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore
+from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore, writing_only
 from torchrec_lookahead.errors import ConfigError, InvalidIdError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection
 from torchrec_lookahead.modules.types import StagedRows
@@ -258,18 +258,14 @@ class ShardedLookaheadEmbeddingBagCollection(
             averaging = self.average_every is not None
             if averaging and plan.step > 0 and plan.step % int(self.average_every) == 0:  # type: ignore[arg-type]
                 self._average()
+            evict_mine: Dict[str, torch.Tensor] = {}  # the evicted rows this rank writes back
             for t, tp in mine.items():
-                store = stores[t]
-                assert isinstance(store, WriterFilteredStore)
                 if averaging:  # cDLRM: replicas agree only after averaging; rank 0's copy is written back
-                    store.allowed = tp.evict_ids if self.rank == 0 else tp.evict_ids[:0]
+                    evict_mine[t] = tp.evict_ids if self.rank == 0 else tp.evict_ids[:0]
                 else:
-                    store.allowed = tp.evict_ids[lrpp.tables[t].evict_writer == self.rank]
-            try:
+                    evict_mine[t] = tp.evict_ids[lrpp.tables[t].evict_writer == self.rank]
+            with writing_only(stores, evict_mine):
                 self.cache.apply_plan(sub, sub_staged, trusted=trusted)
-            finally:
-                for t in mine:
-                    stores[t].allowed = None  # type: ignore[attr-defined]
             if not averaging:
                 self._refresh(lrpp)
             self._lrpp = lrpp
@@ -333,6 +329,7 @@ class ShardedLookaheadEmbeddingBagCollection(
             stores = self.cache.stores
             if self.average_every is not None and barrier:
                 self._average()  # a collective: not on the exception path (barrier=False)
+            held: Dict[str, torch.Tensor] = {}
             for t, tp in self._lrpp.tables.items():
                 slot_ids = self.cache.slot_ids(t)
                 writer = (
@@ -341,12 +338,9 @@ class ShardedLookaheadEmbeddingBagCollection(
                     else tp.writer.to(torch.int64)
                 )
                 mine = (writer == self.rank) & (slot_ids >= 0)
-                stores[t].allowed = slot_ids[mine]  # type: ignore[attr-defined]
-            try:
+                held[t] = slot_ids[mine]
+            with writing_only(stores, held):
                 self.cache.flush()
-            finally:
-                for t in self._lrpp.tables:
-                    stores[t].allowed = None  # type: ignore[attr-defined]
         self._dirty = False
         if barrier:
             self._barrier()

@@ -4,12 +4,14 @@
   device and the rest (with optimizer state) in host stores; applies
   :class:`~torchrec_lookahead.oracle.types.BatchPlan` s.
 * :class:`CachedEmbeddingCollection`: the same for an EmbeddingCollection (unpooled, per-id embeddings).
+* :class:`AppliedPlan`: the plan a cache applied last, which its next forward covers.
 * :class:`CacheOptimizerConfig`: the fused sparse optimizer (also the resident baseline's ``fused_params``).
 * :class:`StagedRows` / :func:`stage_rows`: fetch rows gathered ahead of their step.
 * :func:`table_ids` / :func:`remap_kjt`: KJT ids per table for the oracle, slots for the cache.
 * :func:`init_embedding_bag_tables_`: give a resident TorchRec model the stores' initial values.
 """
 
+from torchrec_lookahead.modules._plans import AppliedPlan
 from torchrec_lookahead.modules.cached_ebc import CachedEmbeddingBagCollection
 from torchrec_lookahead.modules.cached_ec import CachedEmbeddingCollection
 from torchrec_lookahead.modules.config import (
@@ -27,6 +29,7 @@ from torchrec_lookahead.modules.types import StagedRows, StagedTable
 __all__ = [
     "CachedEmbeddingBagCollection",
     "CachedEmbeddingCollection",
+    "AppliedPlan",
     "CacheOptimizerConfig",
     "KernelChoice",
     "SUPPORTED_OPTIMIZERS",

@@ -39,12 +39,36 @@ from torchrec_lookahead.modules.types import StagedRows, StagedTable
 from torchrec_lookahead.oracle.types import TablePlan
 from torchrec_lookahead.store import EmbeddingStore
 
-__all__ = ["COUNTERS", "CheckedPlan", "validate_plan", "check_staged", "move_rows"]
+__all__ = ["COUNTERS", "AppliedPlan", "CheckedPlan", "validate_plan", "check_staged", "move_rows"]
 
 #: the per-table counters of ``CachedEmbeddingBagCollection.stats()``
 COUNTERS = ("steps", "lookups", "hits", "rows_fetched", "rows_written_back", "rows_flushed", "bytes_moved")
 
 _SYNC_HINT = "plans must be applied in order, each once, starting from an empty cache"
+
+
+@dataclass(frozen=True)
+class AppliedPlan:
+    """The plan a cache applied last, until the next forward consumes it: each plan covers one forward.
+
+    Attributes:
+        step: the plan's step.
+        trusted: the plan came from the cache's own oracle (``apply_plan(trusted=True)``), and the batch's
+            cached features were remapped with it: the forward skips its checks of their slots (the resident
+            tables' ids are still checked).
+
+    Example:
+        >>> AppliedPlan(step=3, trusted=True).skips_slot_checks, AppliedPlan(3, trusted=False).skips_slot_checks
+        (True, False)
+    """
+
+    step: int
+    trusted: bool
+
+    @property
+    def skips_slot_checks(self) -> bool:
+        """Whether the forward this plan covers skips the checks of the cached features' slots."""
+        return self.trusted
 
 
 @dataclass

@@ -36,7 +36,14 @@ from torchrec_lookahead._checks import is_int
 from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError, SetupError
 from torchrec_lookahead.modules._checkpoint import load_tables, save_tables
 from torchrec_lookahead.modules._kernels import _CacheKernel, make_kernel
-from torchrec_lookahead.modules._plans import COUNTERS, CheckedPlan, _Table, move_rows, validate_plan
+from torchrec_lookahead.modules._plans import (
+    COUNTERS,
+    AppliedPlan,
+    CheckedPlan,
+    _Table,
+    move_rows,
+    validate_plan,
+)
 from torchrec_lookahead.modules.config import CacheOptimizerConfig
 from torchrec_lookahead.modules.remap import refuse_variable_batch, remap_kjt
 from torchrec_lookahead.modules.staging import stage_rows
@@ -106,7 +113,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         stores = dict(stores or {})
         self._check_configs(capacity, stores)
         self._tables: Dict[str, _Table] = {}
-        self._trusted_forward = False  # the last plan applied was trusted (see apply_plan)
+        self._applied: Optional[AppliedPlan] = None  # the plan the next forward covers (see apply_plan)
         self._feature_names: List[str] = []
         self._feature_to_table: Dict[str, str] = {}
         groups: Dict[Tuple[PoolingMode, int], List[Any]] = {}
@@ -385,7 +392,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             raise DataError(f"features {missing} are missing from the batch (it has {keys})")
         if self._is_weighted and features.weights_or_none() is None:
             raise DataError("the collection is weighted (is_weighted=True) but the batch carries no weights")
-        trusted, self._trusted_forward = self._trusted_forward, False  # one forward per trusted plan
+        applied = self.consume_applied_plan()
+        trusted = applied is not None and applied.skips_slot_checks
         outputs: List[Tuple[KeyedJaggedTensor, torch.Tensor]] = []
         for g, kernel in enumerate(self._kernels):
             names = self._group_features[g]
@@ -483,8 +491,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             trusted: the plan comes from this cache's own :class:`~torchrec_lookahead.oracle.LookaheadOracle`
                 (as in :class:`~torchrec_lookahead.data.LookaheadDataModule`): only the cheap checks (shapes,
                 slot and id ranges, staged rows) run, not the O(capacity) consistency checks against the cache
-                contents, which the oracle's property tests guarantee; the next forward then skips its checks of
-                the cached features' slots (the loader remapped them with the same plan).
+                contents, which the oracle's property tests guarantee; the next forward (and only that one, see
+                :attr:`applied_plan`) then skips its checks of the cached features' slots (the loader remapped
+                them with the same plan).
 
         Raises:
             ConfigError: the plan names an unknown or resident table.
@@ -508,7 +517,18 @@ class CachedEmbeddingBagCollection(nn.Module):
         for name, c in checked.items():
             t = self._tables[name]
             move_rows(t, self._kernels[t.group], self._device, c)
-        self._trusted_forward = trusted
+        self._applied = AppliedPlan(plan.step, trusted)
+
+    @property
+    def applied_plan(self) -> Optional[AppliedPlan]:
+        """The plan applied last, which the next forward covers (``None``: no plan since the last forward)."""
+        return self._applied
+
+    def consume_applied_plan(self) -> Optional[AppliedPlan]:
+        """:attr:`applied_plan`, forgotten: the forward calls it, so that a trusted plan's skipped slot checks
+        cover exactly one forward (the next one runs every check unless another plan is applied first)."""
+        applied, self._applied = self._applied, None
+        return applied
 
     # ------------------------------------------------------------------------------------------------------
     # durability and statistics

@@ -411,15 +411,34 @@ class TorchRecStrategy(DDPStrategy):
         """Flush, then empty the caches (a new plan stream starts from an empty cache)."""
         reset_caches(self.cached_modules())
 
+    def apply_lookahead_plans(self, batch: LookaheadBatch) -> None:
+        """Bring every cached table to ``batch``'s plan: write back the rows it evicts (with their updates and
+        optimizer state), load the rows it fetches (staged by the loader's stager thread), and, with several
+        ranks, run the step's row synchronisation (see :meth:`LookaheadBatch.apply_to
+        <torchrec_lookahead.data.LookaheadBatch.apply_to>`).
+
+        :meth:`batch_to_device` calls it for every training batch of a
+        :class:`~torchrec_lookahead.data.LookaheadDataModule`, right before the batch's training step and after
+        the previous step's optimizer update, on the training thread. That order is the no-stale-read rule: the
+        rows a plan evicts carry every update of the steps before it, and the rows it fetches were gathered
+        only once every write-back they depend on had landed (the loader's
+        :class:`~torchrec_lookahead.data._threads.ApplyProgress` tells its stager when). Applying a plan
+        anywhere else (earlier, on another thread, twice) would read or write stale rows.
+        """
+        batch.apply_to(self.cached_modules())
+
     @override
     def batch_to_device(
         self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0
     ) -> Any:
+        """Apply a training batch's cache plans (:meth:`apply_lookahead_plans`), then move the batch (the user's
+        own type when it was read through a :class:`~torchrec_lookahead.data.BatchAdapter`) to ``device``.
+        Outside training (validation, prediction) no plan is applied: the batch is only moved."""
         lm = self.lightning_module
         trainer = lm._trainer if lm is not None else None
         training = trainer is not None and trainer.training
         if isinstance(batch, LookaheadBatch) and training:
-            batch.apply_to(self.cached_modules())
+            self.apply_lookahead_plans(batch)
         if isinstance(batch, LookaheadBatch):
             batch = (
                 batch.user_batch()
