@@ -270,8 +270,8 @@ class LookaheadLoader:
 
         Raises:
             SetupError: with several ranks, the planner thread's last id all-gather (or the stager's last row
-                gather over row-sharded stores) was not joined by every rank within ``stop_timeout_s`` (raised unless another exception is being handled, in which case it
-                is logged).
+                gather over row-sharded stores) was not joined by every rank within ``stop_timeout_s`` (raised
+                unless another exception is being handled, in which case it is logged).
         """
         run, self._run = self._run, None
         if run is not None:
@@ -523,7 +523,8 @@ def scan_epoch(
     adapter: Optional[BatchAdapter] = None,
     on_batch: Optional[Callable[[], None]] = None,
 ) -> Dict[str, int]:
-    """Read one epoch of ``inner`` (a loader of TorchRec batches, or of others read through ``adapter``) and check every window and id against the cache
+    """Read one epoch of ``inner`` (a loader of TorchRec batches, or of others read through ``adapter``) and check
+    every window and id against the cache
     before training (:func:`~torchrec_lookahead.data.capacity.check_stream`; with several ranks over the
     global batches, gathered in lockstep). Random states, the loader's generators included, are restored.
     ``on_batch`` is called after each batch is read (a progress bar's tick).

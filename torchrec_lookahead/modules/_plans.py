@@ -17,10 +17,10 @@ Example:
     >>> c.after.tolist(), c.fetch_ids.tolist()
     ([3, 5], [5])
     >>> validate_plan(0, t, TablePlan(e, e, torch.tensor([3]), torch.tensor([1]), torch.tensor([1])),
-    ...               None, CacheOptimizerConfig("exact_sgd"))
+    ...               None, CacheOptimizerConfig("exact_sgd"))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    torchrec_lookahead.errors.SetupError: plan step 0, table 't': fetches id 3 which is already cached; plans must be applied in order, each once, starting from an empty cache
+    torchrec_lookahead.errors.SetupError: plan step 0, table 't': fetches id 3 which is already cached; plans must ...
 """
 
 from __future__ import annotations

@@ -511,7 +511,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             if t is None or t.slot_to_id is None:
                 what = "resident (it has no capacity)" if t is not None else "unknown"
                 raise ConfigError(
-                    f"plan step {plan.step} names table '{name}' which is {what}; cached tables: {sorted(self.capacity)}"
+                    f"plan step {plan.step} names table '{name}' which is {what}; "
+                    f"cached tables: {sorted(self.capacity)}"
                 )
             checked[name] = validate_plan(plan.step, t, table_plan, staged, self._optimizer_config, trusted)
         for name, c in checked.items():
