@@ -1,18 +1,21 @@
 """Cached vs resident vs naive host-embedding training of the default DLRM on one CUDA GPU.
 
-Not run by CI and not yet run on a GPU (see docs/benchmarks.md for the set-up). Three ways to train the same
+Not run by CI (it needs a GPU; docs/benchmarks.md has the set-up and the figures). Four ways to train the same
 model (``configs/dlrm_synthetic.yaml``: 26 Criteo-shaped tables, dim 16, batch 2,048, row-wise Adagrad
 embeddings, Adagrad dense) on ``--device`` (default ``cuda``), alternated in one process:
 
 * ``resident``: every table on the GPU, TorchRec's fused FBGEMM kernel (``strategy="torchrec"``);
+* ``resident_bg``: the same, its batches read by a background thread as the cached job's planner thread reads
+  them (:class:`~benchmarks._common.BackgroundLoadingDataModule`), so that the two differ by the cache only;
 * ``cached``: tables above ``--min-cached-rows`` rows in host stores, a GPU cache of ``--fraction`` of their
   rows planned by the lookahead oracle (``LookaheadEmbeddingBagCollectionSharder`` + ``LookaheadDataModule``);
 * ``host``: the naive way to train tables that do not fit: every table on the CPU (``EmbeddingBagCollection``
   on CPU, Adagrad on CPU), the pooled embeddings copied to the GPU each step and their gradients back; dense
   layers on the GPU. A plain PyTorch loop (no Lightning).
 
-Figures: median step time and samples/s of each, and the ratios cached / resident and host / resident
-(JSON ``cached_over_resident``, ``host_over_resident``, ``*_samples_per_s``). Add ``--scale 1.0`` for the
+Figures: median step time and samples/s of each, and the ratios cached / resident, cached / resident with
+background loading and host / resident (JSON ``cached_over_resident``,
+``cached_over_resident_background_loading``, ``host_over_resident``, ``*_samples_per_s``). Add ``--scale 1.0`` for the
 Kaggle-sized tables (33.8 M rows; the host baseline then moves the dense gradient of every table each step,
 which is why it is naive).
 
@@ -28,7 +31,7 @@ import gc
 import os
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -129,7 +132,7 @@ class _Sync:
         return Sync()
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--config", default=CONFIG)
@@ -138,11 +141,13 @@ def main() -> None:
     )
     p.add_argument("--fraction", type=float, default=0.05, help="cache rows / rows of each cached table")
     p.add_argument("--min-cached-rows", type=int, default=5000)
-    p.add_argument("--rounds", type=int, default=None, help="rounds of (resident, cached, host)")
+    p.add_argument(
+        "--rounds", type=int, default=None, help="rounds of (resident, resident_bg, cached, host), rotated"
+    )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dry-run", action="store_true", help="only compute and print the capacities")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     quiet()
     rounds = args.rounds or (1 if args.quick else 3)
     steps = args.steps or (20 if args.quick else 100)
@@ -168,12 +173,13 @@ def main() -> None:
     figures: Dict[str, Any] = {"device": str(device), "capacity": capacity, "bumped_from": bumped}
     if args.dry_run:
         write_json(args.json, figures)
-        return
+        return figures
     accelerator = "gpu" if device.type == "cuda" else "cpu"
-    times: Dict[str, List[float]] = {"resident": [], "cached": [], "host": []}
+    kinds = ("resident", "resident_bg", "cached", "host")
+    times: Dict[str, List[float]] = {k: [] for k in kinds}
     out_rows: List[Dict[str, Any]] = []
     for r in range(rounds):
-        for kind in ("resident", "cached", "host"):
+        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:  # rotated: load falls on each alike
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -188,6 +194,7 @@ def main() -> None:
                     warmup=args.warmup,
                     callbacks=[_Sync.make(device)],
                     accelerator=accelerator,
+                    background_loading=kind == "resident_bg",
                 )
             times[kind] += res["times"]
             row = {"round": r, "kind": kind, "step_ms": res["step_ms"], "samples/s": res["samples_per_s"]}
@@ -201,6 +208,7 @@ def main() -> None:
             **{f"{k}_step_ms": v for k, v in med.items()},
             **{f"{k}_samples_per_s": batch / v * 1e3 for k, v in med.items()},
             "cached_over_resident": med["cached"] / med["resident"],
+            "cached_over_resident_background_loading": med["cached"] / med["resident_bg"],
             "host_over_resident": med["host"] / med["resident"],
             "rounds": rounds,
             "steps_per_run": steps,
@@ -209,11 +217,14 @@ def main() -> None:
     print()
     print(table(out_rows))
     print(
-        f"\nmedian step: resident {med['resident']:.2f} ms, cached {med['cached']:.2f} ms, host {med['host']:.2f} ms;"
-        f" cached / resident {figures['cached_over_resident']:.3f}, host / resident "
+        f"\nmedian step: resident {med['resident']:.2f} ms (background loading {med['resident_bg']:.2f} ms), "
+        f"cached {med['cached']:.2f} ms, host {med['host']:.2f} ms; cached / resident "
+        f"{figures['cached_over_resident']:.3f} (/ background loading "
+        f"{figures['cached_over_resident_background_loading']:.3f}), host / resident "
         f"{figures['host_over_resident']:.3f}  on {machine()['cuda'] or machine()['cpu']}"
     )
     write_json(args.json, figures)
+    return figures
 
 
 if __name__ == "__main__":
