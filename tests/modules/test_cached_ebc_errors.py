@@ -230,3 +230,8 @@ def test_a_trusted_plan_skips_the_slot_checks_of_exactly_one_forward() -> None:
     assert ebc.applied_plan == AppliedPlan(2, trusted=False)
     with pytest.raises(SetupError, match="empty slot"):
         ebc(batch)
+    ebc.apply_plan(BatchPlan(3, {"t0": TablePlan(E, E, E, E, E)}), trusted=True)
+    ebc.invalidate()  # the rows the trusted plan vouched for are gone: so is the plan
+    assert ebc.applied_plan is None
+    with pytest.raises(SetupError, match="empty slot"):
+        ebc(batch)

@@ -559,11 +559,13 @@ class CachedEmbeddingBagCollection(nn.Module):
     def invalidate(self) -> None:
         """Forget every cached row WITHOUT writing it back (call :meth:`flush` first to keep updates).
 
-        Afterwards the cache is empty, so the plan stream must restart from an empty cache (a fresh oracle).
+        Afterwards the cache is empty, so the plan stream must restart from an empty cache (a fresh oracle),
+        and the plan applied last is forgotten (a trusted plan's skipped slot checks do not outlive its rows).
         """
         for t in self._tables.values():
             if t.slot_to_id is not None:
                 t.slot_to_id.fill_(-1)
+        self._applied = None
 
     def stats(self) -> Dict[str, Dict[str, int]]:
         """Per cached table: steps, lookups, hits, rows_fetched, rows_written_back, rows_flushed, bytes_moved.
