@@ -12,7 +12,9 @@ import platform
 import queue
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -310,6 +312,40 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+LAUNCHER_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+)
+
+
+def clean_env() -> Dict[str, str]:
+    """This environment without launcher variables (a child would listen on this process's MASTER_PORT, which
+    an in-process Trainer may have set), with the repository first on PYTHONPATH (children import
+    ``torchrec_lookahead`` and ``benchmarks``)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def torchrun_worker(script: str, world: int, *args: str) -> Any:
+    """Run ``script --worker OUT *args`` on ``world`` ranks under ``torch.distributed.run --standalone`` and
+    return the JSON its rank 0 wrote to ``OUT``; the workers' stderr tail on failure."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "worker.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--standalone",
+               script, "--worker", out, *args]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, env=clean_env())
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-4000:])
+        with open(out) as f:
+            return json.load(f)
 
 
 class BackgroundLoader:

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,35 +51,12 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import median, parser, table, write_json  # noqa: E402
+from benchmarks._common import clean_env, free_port, median, parser, table, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "dlrm_lookahead.yaml"
 SHARDER = "torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder"
-LAUNCHER_VARS = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-)
 RANKS = 2
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def clean_env() -> Dict[str, str]:
-    """This environment without launcher variables (a child would listen on our MASTER_PORT), with the
-    repository first on PYTHONPATH (the children import ``torchrec_lookahead`` and ``benchmarks``)."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return env
 
 
 def job_defaults(config: Path) -> Dict[str, Any]:

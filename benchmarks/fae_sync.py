@@ -20,17 +20,14 @@ and the median step time. Headline: ``fae_over_lookahead_grad_bytes`` and ``fae_
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._common import machine, parser, table, write_json  # noqa: E402
+from benchmarks._common import machine, parser, table, torchrun_worker, write_json  # noqa: E402
 
 WORLD = 2
 MIB = 1 << 20
@@ -103,20 +100,8 @@ def _worker(out: str, steps: int, batch: int) -> None:
 
 def sync(steps: int, batch: int) -> Dict[str, Any]:
     """Both runs under ``torch.distributed.run`` with two ranks; their per-step figures."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "sync.json"
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
-        }
-        env["PYTHONPATH"] = str(REPO)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--standalone",
-               __file__, "--worker", str(out), str(steps), str(batch)]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr[-4000:])
-        return json.loads(out.read_text())
+    figures: Dict[str, Any] = torchrun_worker(__file__, WORLD, str(steps), str(batch))
+    return figures
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:

@@ -38,10 +38,7 @@ machine (4 processes on its cores), reported as ratios to ``sync``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -49,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import machine, parser, table, write_json  # noqa: E402
+from benchmarks._common import machine, parser, table, torchrun_worker, write_json  # noqa: E402
 from torchrec_lookahead.models import DLRMModule  # noqa: E402
 from torchrec_lookahead.strategies._splits import (  # noqa: E402
     Placement,
@@ -127,21 +124,10 @@ def _worker(out: str, steps: int, batch: int, sync_every: int, seeds: List[int],
 def quality(steps: int, batch: int, sync_every: int, seeds: List[int], alpha: float) -> Dict[str, Any]:
     """Per run, one row per seed (``val_logloss``: after the fit's final averaging, the mean over the ranks'
     validation shards)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "quality.json"
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
-        }
-        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--standalone",
-               __file__, "--worker", str(out), str(steps), str(batch), str(sync_every),
-               ",".join(map(str, seeds)), str(alpha)]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr[-4000:])
-        return json.loads(out.read_text())
+    figures: Dict[str, Any] = torchrun_worker(
+        __file__, WORLD, str(steps), str(batch), str(sync_every), ",".join(map(str, seeds)), str(alpha)
+    )
+    return figures
 
 
 def _model(spec: Dict[str, Any]) -> torch.nn.Module:

@@ -33,6 +33,7 @@ from benchmarks._common import (  # noqa: E402
     REPO,
     build,
     capacities,
+    clean_env,
     machine,
     parser,
     proc_status,
@@ -46,15 +47,6 @@ from torchrec_lookahead.strategies import TorchRecStrategy  # noqa: E402
 
 LOOKAHEAD = os.path.join(REPO, "configs", "dlrm_lookahead.yaml")
 MIB = float(1 << 20)
-_DIST_ENV = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "LOCAL_WORLD_SIZE",
-)
 
 
 def config_capacity(config: str) -> Dict[str, int]:
@@ -263,7 +255,7 @@ def main() -> None:
             text=True,
             check=False,
             # a fresh process group: Lightning set MASTER_PORT etc. for this process's (still open) one
-            env={k: v for k, v in os.environ.items() if k not in _DIST_ENV},
+            env=clean_env(),
         )
         print(out.stdout.split("{", 1)[0].strip())
         try:

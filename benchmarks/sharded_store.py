@@ -15,7 +15,6 @@ JSON keys: ``local_gather_rows_per_s``, ``sharded_gather_rows_per_s``, ``local_s
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -27,17 +26,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import machine, median, parser, table, write_json  # noqa: E402
+from benchmarks._common import free_port, machine, median, parser, table, write_json  # noqa: E402
 from torchrec_lookahead.store import RowShardedStore, TensorStore, row_bounds  # noqa: E402
 
 D = 16
 WIDTHS = {"momentum1": 1}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, port: int, rows: int, batch: int, trials: int, queue: Any) -> None:
@@ -87,7 +80,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     rows, trials = (200_000, 8) if args.quick else (args.rows, args.trials)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_worker, args=(_free_port(), rows, args.batch, trials, queue), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), rows, args.batch, trials, queue), nprocs=2, join=True)
     t = queue.get()
     b = args.batch
     figures = {

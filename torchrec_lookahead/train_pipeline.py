@@ -196,7 +196,10 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         super()._connect(dataloader_iter)
 
     def _next_batch(self, dataloader_iter: Iterator[Batch]) -> Optional[Batch]:
-        assert self._batches is not None
+        if self._batches is None:
+            raise SetupError(
+                "LookaheadTrainPipeline has no stream: call progress(dataloader_iter) to start one"
+            )
         return super()._next_batch(self._batches)
 
     def _wait_for_batch(self, cur_batch: Batch) -> None:
