@@ -36,3 +36,28 @@ def test_the_cli_reexports_what_the_commands_share():
     )
     for name in launch.__all__:
         assert getattr(cli, name) is getattr(launch, name), name
+
+
+def _report(monkeypatch, capsys, rank: str) -> str:
+    import pytest
+
+    from torchrec_lookahead import launch
+    from torchrec_lookahead.errors import ConfigError
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.delenv(launch.TRACEBACK_ENV, raising=False)
+    monkeypatch.setattr(launch, "OTHER_RANK_REPORT_DELAY_S", 0.0)
+    with pytest.raises(SystemExit) as exit_info, launch.short_lookahead_errors():
+        raise ValueError(
+            f"Does not validate against any of the Union subtypes\n - {ConfigError('bad policy')}"
+        )
+    assert exit_info.value.code == 1
+    return capsys.readouterr().err
+
+
+def test_rank_zero_reports_at_once_and_another_rank_reports_its_own_error_prefixed(monkeypatch, capsys):
+    from torchrec_lookahead.errors import ConfigError
+
+    ConfigError("bad policy")  # recorded, as jsonargparse's Union check would have met it
+    assert _report(monkeypatch, capsys, "0") == "ConfigError: bad policy\n"
+    assert _report(monkeypatch, capsys, "1") == "[rank 1] ConfigError: bad policy\n"
