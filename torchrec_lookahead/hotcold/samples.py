@@ -9,7 +9,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.errors import ConfigError, InvalidIdError
 
 __all__ = ["Samples", "cold_ids_per_sample", "owners"]
 
@@ -69,49 +69,85 @@ class Samples:
     def of(cls, batch: Batch) -> Samples:
         """The rows of a batch."""
         kjt = batch.sparse_features
-        per = kjt.to_dict()
         keys = list(kjt.keys())
+        n = batch.labels.numel()
+        if not keys:
+            lengths = torch.zeros(0, n, dtype=torch.int64)
+            values: List[torch.Tensor] = []
+        else:  # a KeyedJaggedTensor lays its lengths out feature by feature, n per feature
+            lengths = kjt.lengths().to(torch.int64).reshape(len(keys), n)
+            per_key = lengths.sum(1).tolist()
+            values = list(kjt.values()[: sum(per_key)].to(torch.int64).split(per_key))
         return cls(
             keys=keys,
             dense=batch.dense_features,
             labels=batch.labels,
-            lengths=torch.stack([per[k].lengths().to(torch.int64) for k in keys])
-            if keys
-            else torch.zeros(0, batch.labels.numel(), dtype=torch.int64),
-            values=[per[k].values().to(torch.int64) for k in keys],
+            lengths=lengths,
+            values=values,
             lengths_dtype=kjt.lengths().dtype,
         )
 
     def __len__(self) -> int:
         return int(self.labels.numel())
 
+    def _flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every id, feature after feature, and the sample each belongs to (computed once per object)."""
+        cached = self.__dict__.get("_flat_cache")
+        if cached is None:
+            flat = torch.cat(self.values) if self.values else torch.zeros(0, dtype=torch.int64)
+            cached = (flat, owners(self.lengths.reshape(-1)) % max(len(self), 1))
+            self.__dict__["_flat_cache"] = cached
+        return cached
+
     def hot(self, masks: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """A bool per sample: every id of every feature is hot."""
-        cold = torch.zeros(len(self), dtype=torch.int64)
-        for i, k in enumerate(self.keys):
+        """A bool per sample: every id of every feature is hot (one pass over all features' ids)."""
+        for k in self.keys:
             if k not in masks:
                 raise ConfigError(f"The batches have feature {k!r} but the hot set has none of that name")
-            cold += cold_ids_per_sample(self.values[i], self.lengths[i], masks[k])
-        return cold == 0
+        if not self.keys:
+            return torch.ones(len(self), dtype=torch.bool)
+        flat, sample = self._flat()
+        sizes = torch.tensor([masks[k].numel() for k in self.keys], dtype=torch.int64)
+        per_value = torch.repeat_interleave(sizes, self.lengths.sum(1))
+        if flat.numel() and bool(((flat < 0) | (flat >= per_value)).any()):
+            self._raise_out_of_range(masks)
+        base = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, self.lengths.sum(1))
+        cold_ids = (~torch.cat([masks[k] for k in self.keys])[flat + base]).to(torch.int64)
+        return torch.zeros(len(self), dtype=torch.int64).index_add_(0, sample, cold_ids) == 0
+
+    def _raise_out_of_range(self, masks: Mapping[str, torch.Tensor]) -> None:
+        for k, v in zip(self.keys, self.values):
+            rows = masks[k].numel()
+            bad = v[(v < 0) | (v >= rows)]
+            if bad.numel():
+                worst = int(bad.min()) if int(bad.min()) < 0 else int(bad.max())
+                raise InvalidIdError(
+                    f"id {worst} of feature {k!r} is outside its table of {rows:,} rows (the hot set's size); "
+                    "check the data against the table sizes, or recalibrate for these tables",
+                    table=k,
+                    id=worst,
+                    num_rows=rows,
+                )
 
     def slice(self, a: int, b: int) -> Samples:
         """Rows ``a`` to ``b``."""
-        vals: List[torch.Tensor] = []
-        for i in range(len(self.keys)):
-            off = torch.cumsum(self.lengths[i], 0)
-            lo = int(off[a - 1]) if a > 0 else 0
-            hi = int(off[b - 1]) if b > 0 else 0
-            vals.append(self.values[i][lo:hi])
+        off = torch.cumsum(self.lengths, 1)
+        lo = off[:, a - 1].tolist() if a > 0 else [0] * len(self.keys)
+        hi = off[:, b - 1].tolist() if b > 0 else [0] * len(self.keys)
+        vals = [v[start:end] for v, start, end in zip(self.values, lo, hi)]
         return Samples(
             self.keys, self.dense[a:b], self.labels[a:b], self.lengths[:, a:b], vals, self.lengths_dtype
         )
 
     def select(self, mask: torch.Tensor) -> Samples:
         """The rows where ``mask`` is true, in order."""
-        vals = [self.values[i][mask[owners(self.lengths[i])]] for i in range(len(self.keys))]
-        return Samples(
-            self.keys, self.dense[mask], self.labels[mask], self.lengths[:, mask], vals, self.lengths_dtype
-        )
+        lengths = self.lengths[:, mask]
+        if self.keys:
+            flat, sample = self._flat()
+            vals = list(flat[mask[sample]].split(lengths.sum(1).tolist()))
+        else:
+            vals = []
+        return Samples(self.keys, self.dense[mask], self.labels[mask], lengths, vals, self.lengths_dtype)
 
     @staticmethod
     def cat(parts: Sequence[Samples]) -> Samples:
