@@ -158,6 +158,10 @@ def test_hot_rows_stay_pinned_and_hot_batches_move_nothing(tmp_path: Path) -> No
         # Rows moved: the pinned rows once, then only cold ids (a hot id is never fetched again).
         assert stats[table]["rows_fetched"] >= hot.numel()
     assert trainer.global_step == sum(per.values())
+    # The planner's cold pass and the training order shared one read of the source batches.
+    source_batches = tiny_data_args()["num_train_batches"]
+    assert loader.shared_read is not None and loader.shared_read.detached == 0
+    assert loader.shared_read.source_reads == source_batches
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])

@@ -19,6 +19,7 @@ twice fails with a typed error instead of training on the wrong plan.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
@@ -28,6 +29,7 @@ from torchrec.datasets.utils import Batch
 from torchrec_lookahead.data._threads import LoaderStats
 from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
 from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
+from torchrec_lookahead.data.shared_read import SharedRead
 from torchrec_lookahead.distributed.lockstep import IdGatherer
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, LRPPTablePlan, LRPPTracker, slice_samples
 from torchrec_lookahead.errors import CheckpointError, DataError, SetupError
@@ -60,6 +62,8 @@ class ColdBatches:
 
     def __init__(self, stream: HotColdStream) -> None:
         self.stream = stream
+        #: where the next iteration reads the source batches (``None``: the stream's own source)
+        self.source: Optional[Callable[[], Iterator[Batch]]] = None
         self._resume = 0
         self._lockstep: Optional[IdGatherer] = None
 
@@ -81,7 +85,7 @@ class ColdBatches:
     def __iter__(self) -> Iterator[Batch]:
         main = self.stream
         cold = HotColdStream(
-            main.source,
+            self.source or main.source,
             main.masks,
             main.batch_size,
             window=main.window,
@@ -147,6 +151,8 @@ class HotColdLookaheadLoader:
         self._f2t = dict(target.feature_to_table)
         #: hot batches served (each read only pinned rows), see :meth:`stats`
         self._hot_batches = 0
+        #: the current (or last) iteration's read of the source, shared by the planner and training
+        self.shared_read: Optional[SharedRead[Batch]] = None
 
     # the scheduler's and Lightning's view: the hot/cold loader's
     def __len__(self) -> int:
@@ -229,15 +235,30 @@ class HotColdLookaheadLoader:
         """Slot writers before the first cold plan: rank 0 for the pinned rows, nobody for the empty rest."""
         return LRPPTracker(self.target.capacity, self.target.num_ranks, self.pinned.pinned_rows).writers()
 
+    def share_bound(self) -> int:
+        """Source batches the shared read keeps at most (:class:`~torchrec_lookahead.data.shared_read.SharedRead`):
+        the regrouping window plus the planner's lead (horizon and ready queue, in cold batches) in source
+        batches, at the epoch's share of cold samples, and at most eight windows."""
+        stream = self.hotcold.stream
+        lead = self.cold.horizon + self.cold.queue_depth + 2
+        hot, total = stream.num_samples or (0, 1)
+        per_cold = total / max(total - hot, 1)
+        return min(stream.window + math.ceil(lead * per_cold), 8 * stream.window)
+
     def __iter__(self) -> Iterator[LookaheadBatch]:
         if self.on_epoch_start is not None:
             self.on_epoch_start()  # the caches are empty: the pinned rows load with the first batch
         pin: Optional[BatchPlan] = self.pinned.pin_plan()
+        # The planner's pass over the cold batches and the training order read the same source batches: one
+        # read serves both (the planner, ahead, reads; training takes the batches it kept).
+        self.shared_read = SharedRead(self.hotcold.stream.source, consumers=2, bound=self.share_bound())
+        cold_reader, training_reader = self.shared_read.readers()
+        self.cold_batches.source = cold_reader
         cold_it = iter(self.cold)
         last_cold = -1
         writers = self._first_writers() if self.target.num_ranks > 1 else {}
         try:
-            for kind, batch in self.hotcold.kinds():
+            for kind, batch in self.hotcold.kinds(training_reader):
                 if kind is BatchKind.COLD:
                     item = next(cold_it, None)
                     if item is None or not _same_batch(item, batch):
@@ -258,3 +279,4 @@ class HotColdLookaheadLoader:
                 yield item
         finally:
             self.cold.close()
+            self.cold_batches.source = None

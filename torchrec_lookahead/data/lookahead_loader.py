@@ -191,6 +191,7 @@ class LookaheadLoader:
         # Validate the arguments here, in the training thread; the planner thread builds a fresh oracle per
         # iteration.
         OracleConfig(feature_to_table=dict(target.feature_to_table), **self._oracle_kwargs)
+        self.horizon = horizon
         self.prefetch_depth = prefetch_depth
         self.queue_depth = max(queue_depth, prefetch_depth + 2)
         self.on_epoch_start = on_epoch_start

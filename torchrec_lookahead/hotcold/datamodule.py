@@ -83,9 +83,12 @@ class HotColdLoader:
     def __len__(self) -> int:
         return len(self.stream)
 
-    def kinds(self) -> Iterator[tuple[BatchKind, Batch]]:
-        """The epoch's batches with their kinds (what :meth:`__iter__` yields, with the kind)."""
-        for kind, batch in self.stream:
+    def kinds(
+        self, source: Optional[Callable[[], Iterator[Batch]]] = None
+    ) -> Iterator[tuple[BatchKind, Batch]]:
+        """The epoch's batches with their kinds (what :meth:`__iter__` yields, with the kind); ``source`` as in
+        :meth:`HotColdStream.iterate`."""
+        for kind, batch in self.stream.iterate(source):
             if self.on_epoch_end is not None and self.stream.epoch_complete():
                 self.on_epoch_end(self.stream)
             yield kind, batch

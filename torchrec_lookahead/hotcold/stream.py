@@ -227,12 +227,19 @@ class HotColdStream:
         return s.slice(lo, lo + base + (1 if self.rank < extra else 0))
 
     def __iter__(self) -> Iterator[tuple[BatchKind, Batch]]:
+        return self.iterate()
+
+    def iterate(
+        self, source: Optional[Callable[[], Iterator[Batch]]] = None
+    ) -> Iterator[tuple[BatchKind, Batch]]:
+        """One epoch, as ``iter(stream)``, reading ``source`` (the same batches as the stream's own, e.g. a reader
+        of a :class:`~torchrec_lookahead.data.shared_read.SharedRead`) instead of the stream's ``source``."""
         try:
-            yield from self._iter()
+            yield from self._iter(source or self.source)
         except _GathersOver:
             return
 
-    def _iter(self) -> Iterator[tuple[BatchKind, Batch]]:
+    def _iter(self, source: Callable[[], Iterator[Batch]]) -> Iterator[tuple[BatchKind, Batch]]:
         g = self.global_batch_size
         skip = self._resume or {BatchKind.HOT: 0, BatchKind.COLD: 0}
         self._resume = None
@@ -242,7 +249,7 @@ class HotColdStream:
         if self.count_accesses:
             self.access_counts = {f: torch.zeros(m.numel(), dtype=torch.int64) for f, m in self.masks.items()}
             self.samples_read = 0
-        it = self.source()
+        it = source()
         exhausted = False
         source_rows = 0
 
