@@ -171,6 +171,23 @@ def test_fae_cached_equals_resident_on_the_same_stream(optimizer: str) -> None:
     assert out["steps"] == 30
 
 
+def test_a_training_order_left_behind_the_shared_read_reads_on_its_own_and_stays_exact(monkeypatch) -> None:
+    import torchrec_lookahead.data.hotcold_lookahead as module
+
+    reads: List[Any] = []
+
+    class Recorded(module.SharedRead):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            reads.append(self)
+
+    monkeypatch.setattr(module, "SharedRead", Recorded)
+    monkeypatch.setattr(HotColdLookaheadLoader, "share_bound", lambda self: 1)
+    out = verify(TINY, steps=12)
+    assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["steps"] == 12, out
+    assert reads and all(r.detached == 1 for r in reads)
+
+
 def test_mid_epoch_resume_equals_uninterrupted(tmp_path: Path) -> None:
     check_mid_epoch_resume(_fit, tmp_path)
 
