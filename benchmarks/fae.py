@@ -10,8 +10,9 @@
    batches the calibrator never read (the held-out check of the leave-one-out estimates); the same on the real
    samples in ``../shared/data`` (Criteo Kaggle head, Taobao head) when present.
 3. Accuracy (FAE's Table III) on the default job (``--train-batches``, default 300 batches of 2,048): final
-   validation AUC of FAE's schedule (HotColdScheduler, 4 MiB hot budget) against the original data order
-   (``abs_auc_gap``), and "all cold, then all hot" (a fixed rate of 100) as the control. Every table resident.
+   validation AUC of FAE's schedule (HotColdScheduler; configs/dlrm_fae.yaml's hot budget and calibration sample)
+   against the original data order (``abs_auc_gap``), and "all cold, then all hot" (a fixed rate of 100) as the
+   control. Every table resident.
 4. Pinned hot rows in the lookahead cache (``--cache-batches``, default 300 batches of 2,048, ``--cache-epochs``
    1, ``--repeats`` 3 rounds in rotated order): resident, resident on FAE's batches, lookahead-only, lookahead-only
    with FAE's device rows, and FAE. Median step time and process CPU time per step
@@ -303,6 +304,16 @@ def default_model(inner: Any) -> Any:
     )
 
 
+def fae_settings() -> Dict[str, Any]:
+    """The hot budget and calibration sample of configs/dlrm_fae.yaml (``hot_budget_bytes``,
+    ``sample_fraction``), which the training and cache comparisons use."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "configs" / "dlrm_fae.yaml").read_text())
+    hotcold = cfg["data"]["init_args"]["datamodule"]["init_args"]
+    return {k: hotcold[k] for k in ("hot_budget_bytes", "sample_fraction")}
+
+
 def train(
     batches: int, batch_size: int, orders: tuple = ("original", "fae", "cold_then_hot")
 ) -> Dict[str, Any]:
@@ -320,7 +331,7 @@ def train(
         dm: pl.LightningDataModule = inner
         callbacks: List[pl.Callback] = []
         if kind != "original":
-            dm = HotColdDataModule(inner, hot_budget_bytes=4 * MIB)
+            dm = HotColdDataModule(inner, **fae_settings())
             callbacks.append(
                 HotColdScheduler()
                 if kind == "fae"
@@ -405,7 +416,12 @@ CACHE_RUNS = ("resident", "resident_hotcold", "lookahead", "lookahead_same_memor
 
 
 def cache_training(
-    batches: int, batch_size: int, epochs: int = 1, repeats: int = 1, hot_budget_mib: float = 4.0
+    batches: int,
+    batch_size: int,
+    epochs: int = 1,
+    repeats: int = 1,
+    hot_budget_mib: Optional[float] = None,
+    sample_fraction: Optional[float] = None,
 ) -> Dict[str, Any]:
     """The default job five ways in one process: resident, resident on FAE's hot/cold batches, lookahead-only
     cached (configs/dlrm_lookahead.yaml's slots), lookahead-only with as many slots per table as FAE holds, and
@@ -427,12 +443,16 @@ def cache_training(
     lookahead_capacity: Dict[str, int] = cfg["trainer"]["strategy"]["init_args"]["sharders"][0]["init_args"][
         "capacity"
     ]
-    budget = int(hot_budget_mib * MIB)
+    settings = fae_settings()  # configs/dlrm_fae.yaml's, unless given
+    if hot_budget_mib is not None:
+        settings["hot_budget_bytes"] = int(hot_budget_mib * MIB)
+    if sample_fraction is not None:
+        settings["sample_fraction"] = sample_fraction
 
     def source() -> CriteoSyntheticDataModule:
         return CriteoSyntheticDataModule(batch_size=batch_size, num_train_batches=batches, num_val_batches=2)
 
-    calibrated = HotColdDataModule(source(), hot_budget_bytes=budget, embedding_dim=16)
+    calibrated = HotColdDataModule(source(), **settings, embedding_dim=16)
     calibrated.setup("fit")
     assert calibrated.hot_set is not None
     fae_capacity = {t: c + calibrated.hot_set.hot_rows[t] for t, c in lookahead_capacity.items()}
@@ -444,7 +464,7 @@ def cache_training(
         callbacks: List[pl.Callback] = []
         capacity = dict(lookahead_capacity)
         if kind in ("resident_hotcold", "fae"):  # FAE's batches and scheduler
-            dm = HotColdDataModule(inner, hot_budget_bytes=budget, embedding_dim=16)
+            dm = HotColdDataModule(inner, **settings, embedding_dim=16)
             callbacks.append(HotColdScheduler())
         if kind in ("fae", "lookahead_same_memory"):
             capacity = dict(fae_capacity)
@@ -546,7 +566,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     )
     p.add_argument("--cache-epochs", type=int, default=None, help="epochs of each cache run (default 1)")
     p.add_argument("--repeats", type=int, default=None, help="rounds of the cache runs (default 3, quick 1)")
-    p.add_argument("--hot-budget-mib", type=float, default=4.0, help="FAE's hot budget in the cache runs")
+    p.add_argument(
+        "--hot-budget-mib",
+        type=float,
+        default=None,
+        help="FAE's hot budget in the cache runs (default: dlrm_fae.yaml's)",
+    )
+    p.add_argument(
+        "--sample-fraction",
+        type=float,
+        default=None,
+        help="FAE's calibration sample in the cache runs (default: dlrm_fae.yaml's)",
+    )
     p.add_argument("--skip-calibration", action="store_true", help="only the training comparisons")
     p.add_argument(
         "--recalibrate",
@@ -583,6 +614,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             epochs=args.cache_epochs or 1,
             repeats=args.repeats or (1 if args.quick else 3),
             hot_budget_mib=args.hot_budget_mib,
+            sample_fraction=args.sample_fraction,
         )
     headline: Dict[str, Any] = {}
     if "synthetic" in figures:
