@@ -44,7 +44,7 @@ def _report(monkeypatch, capsys, rank: str) -> str:
     from torchrec_lookahead import launch
     from torchrec_lookahead.errors import ConfigError
 
-    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(launch, "_rank", lambda: int(rank))  # a process group of an earlier test may be up
     monkeypatch.delenv(launch.TRACEBACK_ENV, raising=False)
     monkeypatch.setattr(launch, "OTHER_RANK_REPORT_DELAY_S", 0.0)
     with pytest.raises(SystemExit) as exit_info, launch.short_lookahead_errors():
