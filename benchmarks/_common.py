@@ -119,6 +119,17 @@ class StepTimeLog(StepTimer):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "dlrm_synthetic.yaml")
 
+
+def fae_settings() -> Dict[str, Any]:
+    """The hot budget and calibration sample of configs/dlrm_fae.yaml (``hot_budget_bytes``,
+    ``sample_fraction``), which the FAE runs of the benchmarks use."""
+    import yaml
+
+    with open(os.path.join(REPO, "configs", "dlrm_fae.yaml")) as f:
+        hotcold = yaml.safe_load(f)["data"]["init_args"]["datamodule"]["init_args"]
+    return {k: hotcold[k] for k in ("hot_budget_bytes", "sample_fraction")}
+
+
 _QUIET = [
     "--trainer.logger=false",
     "--trainer.enable_progress_bar=false",
@@ -135,7 +146,9 @@ def build(config: str = CONFIG, overrides: Sequence[str] = ()) -> Any:
 
 def batch_size(dm: Any) -> int:
     """Samples per batch of a (possibly wrapped) synthetic DataModule."""
-    inner = dm.datamodule if isinstance(dm, WrappedDataModule) else dm
+    inner = dm
+    while isinstance(inner, WrappedDataModule):  # e.g. the lookahead around FAE's hot/cold batches
+        inner = inner.datamodule
     cfg = getattr(inner, "config", None)
     return int(cfg.batch_size if cfg is not None else inner.hparams["batch_size"])
 

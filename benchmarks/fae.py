@@ -43,7 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._common import machine, parser, table, write_json  # noqa: E402
+from benchmarks._common import fae_settings, machine, parser, table, write_json  # noqa: E402
 from torchrec_lookahead.data import (  # noqa: E402
     CriteoSyntheticDataModule,
     CriteoSyntheticDataset,
@@ -302,16 +302,6 @@ def default_model(inner: Any) -> Any:
         embedding_optimizer=EmbeddingOptimizerSpec("rowwise_adagrad", lr=0.05),
         dense_optimizer=DenseOptimizerSpec("adagrad", lr=0.05),
     )
-
-
-def fae_settings() -> Dict[str, Any]:
-    """The hot budget and calibration sample of configs/dlrm_fae.yaml (``hot_budget_bytes``,
-    ``sample_fraction``), which the training and cache comparisons use."""
-    import yaml
-
-    cfg = yaml.safe_load((REPO / "configs" / "dlrm_fae.yaml").read_text())
-    hotcold = cfg["data"]["init_args"]["datamodule"]["init_args"]
-    return {k: hotcold[k] for k in ("hot_budget_bytes", "sample_fraction")}
 
 
 def train(

@@ -9,17 +9,20 @@ embeddings, Adagrad dense) on ``--device`` (default ``cuda``), alternated in one
   them (:class:`~benchmarks._common.BackgroundLoadingDataModule`), so that the two differ by the cache only;
 * ``cached``: tables above ``--min-cached-rows`` rows in host stores, a GPU cache of ``--fraction`` of their
   rows planned by the lookahead oracle (``LookaheadEmbeddingBagCollectionSharder`` + ``LookaheadDataModule``);
+* ``fae``: FAE on the cached job: ``configs/dlrm_fae.yaml``'s hot budget and calibration sample, hot and cold
+  mini-batches with the ``HotColdScheduler``, the hot rows pinned in the GPU caches (each cached table's
+  capacity is ``cached``'s plus its hot rows), the lookahead oracle planning the cold batches;
 * ``host``: the naive way to train tables that do not fit: every table on the CPU (``EmbeddingBagCollection``
   on CPU, Adagrad on CPU), the pooled embeddings copied to the GPU each step and their gradients back; dense
   layers on the GPU. A plain PyTorch loop (no Lightning).
 
 Figures: median step time and samples/s of each, and the ratios cached / resident, cached / resident with
-background loading and host / resident (JSON ``cached_over_resident``,
-``cached_over_resident_background_loading``, ``host_over_resident``, ``*_samples_per_s``). Add ``--scale 1.0`` for the
-Kaggle-sized tables (33.8 M rows; the host baseline then moves the dense gradient of every table each step,
-which is why it is naive).
+background loading, FAE / resident and host / resident (JSON ``cached_over_resident``,
+``cached_over_resident_background_loading``, ``fae_over_resident``, ``host_over_resident``,
+``*_samples_per_s``). Add ``--scale 1.0`` for the Kaggle-sized tables (33.8 M rows; the host baseline then
+moves the dense gradient of every table each step, which is why it is naive).
 
-``--device cpu`` runs the same three code paths on the CPU (a smoke test of the script where there is no GPU);
+``--device cpu`` runs the same code paths on the CPU (a smoke test of the script where there is no GPU);
 ``--dry-run`` only computes and prints the cache capacities (no training).
 
     python benchmarks/gpu.py [--quick] [--json PATH] [--device cuda|cpu] [--scale 0.01] [--dry-run]
@@ -42,6 +45,7 @@ from benchmarks._common import (  # noqa: E402
     batch_size,
     build,
     capacities,
+    fae_settings,
     machine,
     median,
     parser,
@@ -132,6 +136,31 @@ class _Sync:
         return Sync()
 
 
+def fae_run(
+    cli: Any, capacity: Dict[str, int], steps: int, warmup: int, device: torch.device, accelerator: str
+) -> Dict[str, Any]:
+    """The cached job with FAE: the config's DataModule regrouped into hot and cold batches (hot set calibrated
+    with configs/dlrm_fae.yaml's budget and sample), its hot rows pinned on top of ``capacity``."""
+    from types import SimpleNamespace
+
+    from torchrec_lookahead.callbacks import HotColdScheduler
+    from torchrec_lookahead.hotcold import HotColdDataModule
+
+    dim = int(cli.model.hparams.get("embedding_dim", 16))
+    hot = HotColdDataModule(cli.datamodule, **fae_settings(), embedding_dim=dim)
+    hot.setup("fit")
+    assert hot.hot_set is not None
+    pinned = {t: c + hot.hot_set.hot_rows[t] for t, c in capacity.items()}
+    return train(
+        SimpleNamespace(model=cli.model, datamodule=hot),
+        pinned,
+        steps,
+        warmup=warmup,
+        callbacks=[HotColdScheduler(), _Sync.make(device)],
+        accelerator=accelerator,
+    )
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -142,7 +171,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--fraction", type=float, default=0.05, help="cache rows / rows of each cached table")
     p.add_argument("--min-cached-rows", type=int, default=5000)
     p.add_argument(
-        "--rounds", type=int, default=None, help="rounds of (resident, resident_bg, cached, host), rotated"
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds of (resident, resident_bg, cached, fae, host), rotated",
     )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=5)
@@ -175,7 +207,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         write_json(args.json, figures)
         return figures
     accelerator = "gpu" if device.type == "cuda" else "cpu"
-    kinds = ("resident", "resident_bg", "cached", "host")
+    kinds = ("resident", "resident_bg", "cached", "fae", "host")
     times: Dict[str, List[float]] = {k: [] for k in kinds}
     out_rows: List[Dict[str, Any]] = []
     for r in range(rounds):
@@ -186,6 +218,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             cli = build(args.config, overrides)
             if kind == "host":
                 res = host_embedding_run(cli, device, steps, args.warmup)
+            elif kind == "fae":
+                res = fae_run(cli, capacity, steps, args.warmup, device, accelerator)
             else:
                 res = train(
                     cli,
@@ -209,6 +243,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             **{f"{k}_samples_per_s": batch / v * 1e3 for k, v in med.items()},
             "cached_over_resident": med["cached"] / med["resident"],
             "cached_over_resident_background_loading": med["cached"] / med["resident_bg"],
+            "fae_over_resident": med["fae"] / med["resident"],
             "host_over_resident": med["host"] / med["resident"],
             "rounds": rounds,
             "steps_per_run": steps,
@@ -218,7 +253,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print(table(out_rows))
     print(
         f"\nmedian step: resident {med['resident']:.2f} ms (background loading {med['resident_bg']:.2f} ms), "
-        f"cached {med['cached']:.2f} ms, host {med['host']:.2f} ms; cached / resident "
+        f"cached {med['cached']:.2f} ms, FAE {med['fae']:.2f} ms, host {med['host']:.2f} ms; cached / resident "
         f"{figures['cached_over_resident']:.3f} (/ background loading "
         f"{figures['cached_over_resident_background_loading']:.3f}), host / resident "
         f"{figures['host_over_resident']:.3f}  on {machine()['cuda'] or machine()['cpu']}"

@@ -1,4 +1,4 @@
-"""benchmarks/gpu.py runs its four code paths on the CPU (``--device cpu``) and reports both resident anchors."""
+"""benchmarks/gpu.py runs its five code paths on the CPU (``--device cpu``) and reports both resident anchors."""
 
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ def test_gpu_benchmark_on_cpu(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads(out.read_text())
     assert saved["cached_over_resident"] == pytest.approx(saved["cached_step_ms"] / saved["resident_step_ms"])
-    for kind in ("resident", "resident_bg", "cached", "host"):
+    for kind in ("resident", "resident_bg", "cached", "fae", "host"):
         assert saved[f"{kind}_step_ms"] > 0
+    assert saved["fae_over_resident"] == pytest.approx(saved["fae_step_ms"] / saved["resident_step_ms"])
     assert saved["cached_over_resident_background_loading"] == pytest.approx(
         saved["cached_step_ms"] / saved["resident_bg_step_ms"]
     )
