@@ -27,6 +27,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from torchrec_lookahead import preserved_rng
 from torchrec_lookahead.data import CriteoSyntheticDataset, SyntheticCriteoConfig
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder, lookahead_sharding_plan
 from torchrec_lookahead.export import resident_key
@@ -58,10 +59,13 @@ def build(
     steps: int = 12,
     batch_size: int = 64,
     capacity: Mapping[str, int] = CAPACITY,
+    dropout: float = 0.2,
     **pipeline_kw: Any,
 ) -> Tuple[DistributedModelParallel, Any, CriteoSyntheticDataset]:
-    """The sharded tiny DLRM, its pipeline (TorchRec's ``TrainPipelineBase`` when resident) and this rank's part
-    of a ``steps``-batch stream."""
+    """The sharded tiny DLRM (``dropout`` on its bottom MLP's output: its masks come from the global random
+    stream), its pipeline (TorchRec's ``TrainPipelineBase`` when resident) and this rank's part of a
+    ``steps``-batch stream. The model is sharded inside ``preserved_rng``, as a plain loop that compares the
+    two must: TorchRec draws the random initial values of the tables it builds, and the plans differ."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     config = SyntheticCriteoConfig(batch_size=batch_size, num_batches=steps, num_embeddings=TABLES, seed=0,
@@ -77,6 +81,10 @@ def build(
         dense_arch_layer_sizes=[16, 8],
         over_arch_layer_sizes=[16, 1],
     )
+    if dropout:
+        dlrm.dense_arch.register_forward_hook(
+            lambda m, i, out: torch.nn.functional.dropout(out, dropout, m.training)
+        )
     model = DLRMTrain(dlrm)
     apply_optimizer_in_backward(RowWiseAdagrad, dlrm.sparse_arch.parameters(), {"lr": 0.05, "eps": 1e-8})
     topology = Topology(world_size=world, compute_device="cpu")
@@ -91,7 +99,8 @@ def build(
         cons = {t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
                 for t in tables}  # fmt: skip
         plan = EmbeddingShardingPlanner(topology=topology, constraints=cons).collective_plan(model, sharders)
-    dmp = DistributedModelParallel(model, device=device, sharders=sharders, plan=plan)
+    with preserved_rng():
+        dmp = DistributedModelParallel(model, device=device, sharders=sharders, plan=plan)
     init_embedding_bag_tables_(dmp, [t for t in tables if not cached or t.name not in capacity], seed=0)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),

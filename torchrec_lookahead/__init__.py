@@ -17,6 +17,7 @@ from torchrec_lookahead.errors import (
 )
 
 if TYPE_CHECKING:
+    from torchrec_lookahead._rng import preserved_rng
     from torchrec_lookahead.train_pipeline import LookaheadTrainPipeline
 
 __version__ = "0.1.0"
@@ -31,6 +32,7 @@ __all__ = [
     "SetupError",
     "CheckpointError",
     "LookaheadTrainPipeline",
+    "preserved_rng",
 ]
 
 
@@ -40,4 +42,8 @@ def __getattr__(name: str) -> Any:
         from torchrec_lookahead.train_pipeline import LookaheadTrainPipeline
 
         return LookaheadTrainPipeline
+    if name == "preserved_rng":
+        from torchrec_lookahead._rng import preserved_rng
+
+        return preserved_rng
     raise AttributeError(f"module 'torchrec_lookahead' has no attribute {name!r}")

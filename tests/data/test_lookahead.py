@@ -261,7 +261,7 @@ def test_check_stream_matches_the_oracle_minimum_and_refuses_bad_ids():
 def test_preserved_rng_keeps_a_shuffling_loaders_order():
     from torch.utils.data import DataLoader
 
-    from torchrec_lookahead.data.capacity import preserved_rng
+    from torchrec_lookahead._rng import preserved_rng
 
     loader = DataLoader(list(range(20)), batch_size=4, shuffle=True)
     torch.manual_seed(0)
@@ -321,7 +321,7 @@ def test_lookahead_threads_run_their_operators_single_threaded_without_changing_
 def test_preserved_rng_keeps_the_order_of_a_loader_with_its_own_generator():
     from torch.utils.data import DataLoader
 
-    from torchrec_lookahead.data.capacity import preserved_rng
+    from torchrec_lookahead._rng import preserved_rng
 
     def order(seed_first_pass: bool):
         loader = DataLoader(

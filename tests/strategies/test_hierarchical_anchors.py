@@ -154,7 +154,8 @@ def test_background_easgd_groups_hold_different_replicas_that_stay_close(runs) -
 
 
 def test_verify_compares_a_hierarchical_cached_config_with_synchronous_dmp(tmp_path: Path) -> None:
-    """One group, replicated layers, the lookahead cache: `verify` finds the synchronous DMP weights."""
+    """One group, replicated layers, the lookahead cache, dropout on the bottom MLP: `verify` finds the
+    synchronous DMP weights."""
     cfg = tmp_path / "ht.yaml"
     cfg.write_text(
         "trainer:\n  strategy:\n    class_path: torchrec_lookahead.strategies.HierarchicalStrategy\n"
@@ -165,7 +166,7 @@ def test_verify_compares_a_hierarchical_cached_config_with_synchronous_dmp(tmp_p
     from .test_torchrun import torchrun
 
     out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--config", str(cfg),
-                   "--trainer.devices=2", "--steps", "12", timeout=300)  # fmt: skip
+                   "--trainer.devices=2", "--steps", "12", "--model.init_args.dropout=0.2", timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["passed"] and result["max_abs_weight_diff"] <= 1e-5, result

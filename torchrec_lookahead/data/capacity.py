@@ -9,18 +9,16 @@ first: the same per-window working sets, ids checked against the table sizes, an
 from __future__ import annotations
 
 import enum
-import random
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Tuple
+from typing import Any, Dict, Iterable, Iterator, Mapping, Tuple
 
 import numpy as np
-import torch
 
 from torchrec_lookahead.errors import CapacityError, InvalidIdError
 from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, split_batch
 from torchrec_lookahead.oracle.oracle import window_working_sets
 from torchrec_lookahead.oracle.types import describe_window
 
-__all__ = ["CapacityCheck", "check_stream", "preserved_rng"]
+__all__ = ["CapacityCheck", "check_stream"]
 
 
 class CapacityCheck(enum.StrEnum):
@@ -34,41 +32,6 @@ class CapacityCheck(enum.StrEnum):
 
     EPOCH = "epoch"  #: before training, scan the epoch's sparse features once (:func:`check_stream`)
     LOOKAHEAD = "lookahead"  #: only as the oracle plans, ``horizon`` batches ahead of training
-
-
-class preserved_rng:
-    """Context manager restoring, on exit, torch's, numpy's and Python's global random states and those of the
-    ``torch.Generator`` s of the given loaders (``loader.generator``, its sampler's, its batch sampler's
-    sampler's), so that reading a loader once (a shuffling ``DataLoader`` draws its order from its generator
-    or from torch's) leaves the order of its next iteration as it would have been.
-
-    Args:
-        loaders: loaders whose own generators to restore too.
-    """
-
-    def __init__(self, *loaders: Any) -> None:
-        self._generators: List[torch.Generator] = []
-        for loader in loaders:
-            for path in (("generator",), ("sampler", "generator"), ("batch_sampler", "sampler", "generator")):
-                obj: Any = loader
-                for attr in path:
-                    obj = getattr(obj, attr, None)
-                if isinstance(obj, torch.Generator) and all(obj is not g for g in self._generators):
-                    self._generators.append(obj)
-
-    def __enter__(self) -> preserved_rng:
-        self._torch = torch.get_rng_state()
-        self._numpy = np.random.get_state()
-        self._python = random.getstate()
-        self._states = [g.get_state() for g in self._generators]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.set_rng_state(self._torch)
-        np.random.set_state(self._numpy)
-        random.setstate(self._python)
-        for g, state in zip(self._generators, self._states):
-            g.set_state(state)
 
 
 def check_stream(

@@ -252,6 +252,7 @@ class HotColdLookaheadLoader:
         # The planner's pass over the cold batches and the training order read the same source batches: one
         # read serves both (the planner, ahead, reads; training takes the batches it kept).
         self.shared_read = SharedRead(self.hotcold.stream.source, consumers=2, bound=self.share_bound())
+        self.shared_read.start()  # here, on the training thread, as the resident stream starts its source
         cold_reader, training_reader = self.shared_read.readers()
         self.cold_batches.source = cold_reader
         cold_it = iter(self.cold)

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Generator, Iterator, Optional, Tuple
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
+from torchrec_lookahead._rng import preserved_rng
 from torchrec_lookahead.data._threads import (
     _END,
     ApplyProgress,
@@ -40,7 +41,7 @@ from torchrec_lookahead.data._threads import (
 )
 from torchrec_lookahead.data.adapter import BatchAdapter, as_torchrec_batch
 from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch, staged_result
-from torchrec_lookahead.data.capacity import check_stream, preserved_rng
+from torchrec_lookahead.data.capacity import check_stream
 from torchrec_lookahead.distributed.lrpp import (
     GatherStatus,
     IdGatherer,
@@ -100,17 +101,19 @@ def global_batches(
     gatherer: Optional[IdGatherer],
     stopped: Callable[[], bool] = lambda: False,
     adapter: Optional[BatchAdapter] = None,
+    source: Optional[Iterator[Any]] = None,
 ) -> Iterator[Tuple[Batch, Any]]:
     """``(batch, global sparse features)`` for each batch of ``loader``: with a gatherer (several ranks), every
     rank's ids of the batch gathered in lockstep (dense features never leave the rank); without, the batch's
     own. Batches that are not TorchRec ``Batch`` es are read through ``adapter``
     (:func:`~torchrec_lookahead.data.adapter.as_torchrec_batch`). Ends with the loader (with a gatherer: when
     the gathers end) or once ``stopped()``. A loader whose own reading needs collectives (``join_lockstep``,
-    e.g. the cold pass of a hot/cold stream) makes them through the gatherer, in the same lockstep."""
+    e.g. the cold pass of a hot/cold stream) makes them through the gatherer, in the same lockstep. ``source``:
+    the loader's iterator, already started (default: ``iter(loader)`` here)."""
     join = getattr(loader, "join_lockstep", None)
     if gatherer is not None and join is not None:
         join(gatherer)
-    it = iter(loader)
+    it = iter(loader) if source is None else source
     while not stopped():
         b = next(it, None)
         if b is not None:
@@ -197,6 +200,7 @@ class LookaheadLoader:
         self.on_epoch_start = on_epoch_start
         self._yielded = 0
         self._resume_from = 0
+        self._source: Optional[Iterator[Any]] = None  # the wrapped loader's iterator, started by __iter__
         #: the no-stale-read rule: which plans' write-backs have landed (the stager waits on it)
         self.progress = ApplyProgress(target.num_ranks)
         self._planned = -1
@@ -288,6 +292,11 @@ class LookaheadLoader:
             self._stop_error = err
 
     def __iter__(self) -> Iterator[LookaheadBatch]:
+        """An epoch of planned batches. At the first ``next``, on the training thread, where a resident loop
+        does the same, the wrapped loader's iterator is created and its first batch read (then the planner and
+        stager threads start): creating a ``DataLoader`` iterator draws its base seed from torch's global
+        random stream, and a shuffling sampler draws its order at the first batch, so the training thread's
+        stream (the model's dropout) sees the draws the resident loop's stream sees, in the same place."""
         self.close()
         start, self._resume_from = self._resume_from, 0
         if start:
@@ -304,6 +313,7 @@ class LookaheadLoader:
         self._yielded = start
         self.progress.reset()
         self._planned = -1
+        self._source = self._start_source()
         run = _Run(self.queue_depth, join_timeout_s=self.stop_timeout_s + 30.0)
         self._run = run
         run.start(self._plan, self._stage)
@@ -322,6 +332,16 @@ class LookaheadLoader:
             self._stopped(run)
             if self._run is run:
                 self._run = None
+
+    def _start_source(self) -> Optional[Iterator[Any]]:
+        """The wrapped loader's iterator with its first batch read (see :meth:`__iter__`); ``None`` for a loader
+        whose reading is a collective in the planner's lockstep (``join_lockstep``): the planner thread starts
+        it, after joining."""
+        if hasattr(self.loader, "join_lockstep"):
+            return None
+        it = iter(self.loader)
+        first = next(it, _END)
+        return it if first is _END else itertools.chain([first], it)
 
     def _plan(self, run: _Run) -> None:
         single_threaded_ops()
@@ -359,8 +379,9 @@ class LookaheadLoader:
         multi = gatherer is not None
 
         def sparse() -> Iterator[Any]:
+            source, self._source = self._source, None
             for b, global_kjt in global_batches(
-                self.loader, gatherer, lambda: run.stopped, self.batch_adapter
+                self.loader, gatherer, lambda: run.stopped, self.batch_adapter, source
             ):
                 batches.put(b)
                 yield global_kjt

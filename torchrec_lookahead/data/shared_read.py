@@ -28,6 +28,7 @@ import threading
 from collections import deque
 from typing import Callable, Deque, Dict, Generic, Iterator, List, Optional, TypeVar
 
+from torchrec_lookahead._rng import preserved_rng
 from torchrec_lookahead.errors import ConfigError
 
 __all__ = ["SharedRead"]
@@ -77,6 +78,18 @@ class SharedRead(Generic[T]):
         self.detached = 0
         #: the most items kept at once
         self.max_kept = 0
+        self._owner: Optional[int] = None  # the thread that started the read (see start())
+
+    def start(self) -> None:
+        """Create the shared iterator and read its first item now, on the calling thread (the training thread):
+        a ``DataLoader`` draws its base seed from torch's global random stream when its iterator is created,
+        and a shuffling sampler its order at the first item, and a resident loop does both on the training
+        thread before its first step. A reader detached later starts its own read under
+        :class:`~torchrec_lookahead._rng.preserved_rng` when it runs on this thread."""
+        self._owner = threading.get_ident()
+        with self._read_lock:
+            if self._it is None and not self._ended:
+                self._read_one()
 
     def readers(self) -> List[Callable[[], Iterator[T]]]:
         """One callable per consumer, each returning that consumer's iterator (call each at most once)."""
@@ -165,7 +178,11 @@ class SharedRead(Generic[T]):
             self._base += 1
 
     def _own_read(self, position: int) -> Iterator[T]:
-        it = self.source()
+        if threading.get_ident() == self._owner:
+            with preserved_rng():  # a second iterator: its seed draw is no draw of the resident loop's
+                it = self.source()
+        else:
+            it = self.source()
         for _ in range(position):
             if next(it, _DETACHED) is _DETACHED:
                 return

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
+from torch import nn
 from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -27,6 +28,8 @@ class DLRMModule(TorchRecModule):
         over_arch_layer_sizes: top MLP; its last size must be 1.
         embedding_optimizer: the embedding tables' optimizer.
         dense_optimizer: the dense layers' optimizer.
+        dropout: probability of dropout on the bottom MLP's output while training (0: none). Its masks come
+            from torch's global random stream, which cached training keeps as resident training has it.
 
     Example:
         >>> m = DLRMModule({"cat_0": 10}, num_dense_features=2, embedding_dim=4, dense_arch_layer_sizes=[4])
@@ -46,6 +49,7 @@ class DLRMModule(TorchRecModule):
         over_arch_layer_sizes: Optional[List[int]] = None,
         embedding_optimizer: Optional[EmbeddingOptimizerSpec] = None,
         dense_optimizer: Optional[DenseOptimizerSpec] = None,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__(
             num_embeddings_per_feature,
@@ -66,6 +70,9 @@ class DLRMModule(TorchRecModule):
                 "over_arch_layer_sizes needs at least two layers (TorchRec's OverArch) "
                 f"but got {self.over_arch_layer_sizes}"
             )
+        if not 0.0 <= float(dropout) < 1.0 or isinstance(dropout, bool):
+            raise ConfigError(f"Expected dropout in [0, 1) but got {dropout!r}")
+        self.dropout = float(dropout)
         if self.over_arch_layer_sizes[-1] != 1:
             raise ConfigError(
                 f"The last over_arch_layer_sizes entry must be 1 but got {self.over_arch_layer_sizes}"
@@ -76,10 +83,24 @@ class DLRMModule(TorchRecModule):
         ``dense_device`` (default ``device``)."""
         ebc = EmbeddingBagCollection(tables=self.tables, device=device)
         dense_device = dense_device or device
-        return DLRM(
+        model = DLRM(
             embedding_bag_collection=ebc,
             dense_in_features=self.num_dense_features,
             dense_arch_layer_sizes=self.dense_arch_layer_sizes,
             over_arch_layer_sizes=self.over_arch_layer_sizes,
             dense_device=dense_device,
         )
+        if self.dropout:
+            # A hook, not a module: the state-dict keys stay TorchRec's DLRM's.
+            model.dense_arch.register_forward_hook(_Dropout(self.dropout))
+        return model
+
+
+class _Dropout:
+    """Forward hook: dropout on a module's output while the module trains."""
+
+    def __init__(self, p: float) -> None:
+        self.p = p
+
+    def __call__(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(output, self.p, module.training)

@@ -40,6 +40,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from typing_extensions import override
 
+from torchrec_lookahead._rng import preserved_rng
 from torchrec_lookahead.data._report import report_text, scan_progress
 from torchrec_lookahead.data.adapter import as_torchrec_batch
 from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch, cached_modules, reset_caches
@@ -506,7 +507,11 @@ class TorchRecStrategy(DDPStrategy):
                 "collection (EmbeddingBagCollection or EmbeddingCollection); name the attribute that holds them, "
                 "or leave module_name unset to find it"
             )
-        self.dmp = self.shard(module)
+        # Sharding draws from the global random streams (TorchRec's random initial values of the tables it
+        # builds, our budget planner's and FAE's passes over the data) as many times as the plan has tables,
+        # cached or not: put them back, so the model's own draws (dropout) see the same stream either way.
+        with preserved_rng():
+            self.dmp = self.shard(module)
         setattr(lm, name, self.dmp)
         log.info("TorchRec sharding plan:\n%s", self.dmp.plan)
 
