@@ -1,3 +1,4 @@
+import re
 from typing import Any, Dict, List
 
 import lightning.pytorch as pl
@@ -80,3 +81,26 @@ def test_samples_of_dict_batches_are_counted_through_the_datamodule_s_adapter():
     batch = {"dense": torch.zeros(3, 1), "sparse": kjt, "labels": torch.ones(3)}
     assert _batch_size(batch) == 0  # nothing says where a dict keeps its labels
     assert _batch_size(batch, DictBatchAdapter()) == 3
+
+
+def test_a_tensorboard_log_gets_the_custom_scalars_layout_of_the_cache_metrics(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    tb = TensorBoardLogger(tmp_path, name="tb")
+    fit_cached(tmp_path, 2, callbacks=[CacheMonitor(log_every_n_steps=1)], logger=tb, log_every_n_steps=1)
+    layouts, tags = [], set()
+    for events in (tmp_path / "tb").rglob("events.out.tfevents.*"):
+        for event in EventFileLoader(str(events)).Load():
+            for value in event.summary.value:
+                tags.add(value.tag)
+                if value.tag == "custom_scalars__config__":
+                    layouts.append(layout_pb2.Layout.FromString(value.tensor.string_val[0]))
+    (layout,) = layouts
+    charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
+    hit_rate = [re.compile(r) for r in charts["hit rate (every table, and all)"]]
+    for table in TABLES:  # every table's logged hit rate is drawn on the one chart
+        assert f"cache/{table}/hit_rate" in tags
+        assert any(r.fullmatch(f"cache/{table}/hit_rate") for r in hit_rate)
+    assert any(r.fullmatch("cache/hit_rate") for r in hit_rate)

@@ -1,13 +1,14 @@
 """Lightning callbacks: cache statistics, FAE's hot/cold shuffle scheduler, the predictions of ``predict``, a
 model summary that counts embedding tables where they live."""
 
-from torchrec_lookahead.callbacks.cache_monitor import CacheMonitor
+from torchrec_lookahead.callbacks.cache_monitor import TENSORBOARD_LAYOUT, CacheMonitor
 from torchrec_lookahead.callbacks.hotcold_scheduler import HotColdScheduler, RateRule
 from torchrec_lookahead.callbacks.model_summary import EmbeddingModelSummary, use_embedding_summary
 from torchrec_lookahead.callbacks.prediction_writer import PredictionWriter
 
 __all__ = [
     "CacheMonitor",
+    "TENSORBOARD_LAYOUT",
     "EmbeddingModelSummary",
     "HotColdScheduler",
     "PredictionWriter",

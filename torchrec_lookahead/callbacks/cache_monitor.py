@@ -15,22 +15,46 @@ within the step), ``cache/sync/rows_synced_delayed`` (shared rows not read at th
 travel in the background), ``cache/sync/rows_refreshed``, ``cache/sync/rows_grad_synced`` (every
 shared row), ``cache/sync/rows_skipped`` (rows updated by one rank only, never synchronised) and
 ``cache/sync/grad_floats_sent`` (gradient floats this rank sent for other ranks' shared rows).
+
+With a TensorBoard logger, the monitor also writes a custom-scalars layout (:data:`TENSORBOARD_LAYOUT`, the
+"Custom Scalars" tab): every table's hit rate on one chart, every table's rows fetched on another, and so on.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from torchrec_lookahead.data._threads import LoaderStats
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["CacheMonitor"]
+__all__ = ["CacheMonitor", "TENSORBOARD_LAYOUT"]
+
+#: TensorBoard's custom-scalars layout: category -> chart title -> ``["Multiline", [tag regexes]]``, each chart
+#: drawing every cached table's series of one metric together.
+TENSORBOARD_LAYOUT: Dict[str, Dict[str, List[Any]]] = {
+    "lookahead cache": {
+        "hit rate (every table, and all)": ["Multiline", [r"cache/[^/]+/hit_rate", r"cache/hit_rate"]],
+        "rows fetched per step": ["Multiline", [r"cache/[^/]+/rows_fetched"]],
+        "rows written back per step": ["Multiline", [r"cache/[^/]+/rows_written_back"]],
+        "occupancy": ["Multiline", [r"cache/[^/]+/occupancy"]],
+        "bytes": ["Multiline", [r"cache/device_bytes", r"cache/host_bytes"]],
+    },
+    "lookahead threads": {
+        "training waits (ms per step)": ["Multiline", [r"cache/stager_wait_ms", r"cache/batch_wait_ms"]],
+        "thread CPU (ms per batch)": ["Multiline", [r"cache/planner_cpu_ms", r"cache/stager_cpu_ms"]],
+        "oracle lead (batches)": ["Multiline", [r"cache/oracle_lead"]],
+    },
+    "lookahead sync (several ranks)": {
+        "rows synchronised per step": ["Multiline", [r"cache/sync/rows_.*"]],
+    },
+}
 
 
 def _batch_size(batch: Any, adapter: Any = None) -> int:
@@ -97,6 +121,10 @@ class CacheMonitor(Callback):
         self._last_step = trainer.global_step
         self._last_time = time.perf_counter()
         self._samples = 0
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_custom_scalars(TENSORBOARD_LAYOUT)
 
     def _footprint(self, trainer: pl.Trainer) -> Dict[str, float]:
         """Per cached table its occupancy (filled slots / capacity), and device and host bytes of all caches."""
