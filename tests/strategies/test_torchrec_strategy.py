@@ -1,6 +1,5 @@
 import os
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -87,7 +86,7 @@ def test_unsharded_fallback_trains_with_plain_optimizers(tmp_path):
     trainer, model = fit(tmp_path, max_steps=3, strategy="auto")
     assert not isinstance(model.model, DistributedModelParallel)
     assert trainer.global_step == 3
-    assert isinstance(pl.Trainer, type)
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])  # trained through the plain optimizers
 
 
 def test_damaged_or_mismatched_checkpoints_are_refused_with_what_to_do(tmp_path):
