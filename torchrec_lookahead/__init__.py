@@ -14,6 +14,7 @@ from torchrec_lookahead.errors import (
     InvalidIdError,
     LookaheadError,
     SetupError,
+    StoreError,
 )
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ __all__ = [
     "CapacityError",
     "SetupError",
     "CheckpointError",
+    "StoreError",
     "LookaheadTrainPipeline",
     "preserved_rng",
 ]

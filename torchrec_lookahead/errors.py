@@ -32,6 +32,7 @@ __all__ = [
     "CapacityError",
     "SetupError",
     "CheckpointError",
+    "StoreError",
 ]
 
 
@@ -111,3 +112,11 @@ class SetupError(LookaheadError, RuntimeError):
 
 class CheckpointError(LookaheadError, RuntimeError):
     """A checkpoint cannot be written or restored."""
+
+
+class StoreError(LookaheadError, OSError):
+    """A host store's file cannot be written or read: the disk is full (``ENOSPC``) or an I/O error. The rows
+    not yet written stay in host memory and the file is consistent as of its last flush."""
+
+    FACTS = ("path",)
+    path: Optional[str] = None  #: the store file

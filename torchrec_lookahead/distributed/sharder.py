@@ -34,7 +34,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
 from torchrec_lookahead.distributed.sharded import CUSTOMIZED, ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.errors import CapacityError, ConfigError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig
-from torchrec_lookahead.store import MmapStore, RowShardedStore, TensorStore, row_bounds
+from torchrec_lookahead.store import DiskStore, MmapStore, RowShardedStore, TensorStore, row_bounds
 from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, EmptyShardStore
 from torchrec_lookahead.store.types import EmbeddingStore
 
@@ -60,6 +60,8 @@ __all__ = [
     "cache_optimizer_from_module",
     "StoreSharding",
     "STORE_SHARDINGS",
+    "StoreKind",
+    "STORE_KINDS",
     "lookahead_planning",
 ]
 
@@ -93,6 +95,25 @@ class StoreSharding(enum.StrEnum):
 
 STORE_SHARDINGS = tuple(s.value for s in StoreSharding)
 """Values of the sharder's ``store_sharding`` option."""
+
+
+class StoreKind(enum.StrEnum):
+    """What holds a cached table on the host (the sharder's ``store``).
+
+    Example:
+        >>> StoreKind("disk") is StoreKind.DISK
+        True
+    """
+
+    RAM = "ram"  #: in RAM (several ranks of a host: shared memory)
+    MMAP = "mmap"  #: a memory-mapped file under ``store_dir`` (the page cache decides what stays in RAM)
+    DISK = (
+        "disk"  #: a file under ``store_dir`` read with direct I/O, under a host tier of ``host_budget_bytes``
+    )
+
+
+STORE_KINDS = tuple(s.value for s in StoreKind)
+"""Values of the sharder's ``store`` option."""
 
 _IN_BACKWARD_ATTRS = ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers")
 
@@ -301,7 +322,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     Its arguments, by concern (the Args below follow this order):
 
     * cache size: ``capacity``, ``device_budget_bytes``, ``planner_options``;
-    * host stores: ``stores``, ``store_dir``, ``keep_stores``, ``store_sharding``, ``seed``;
+    * host stores: ``stores``, ``store``, ``store_dir``, ``host_budget_bytes``, ``disk_options``, ``keep_stores``,
+      ``store_sharding``, ``seed``;
     * optimizer: ``optimizer``;
     * several ranks: ``cdlrm_average_every``, ``delayed_sync``;
     * resident tables (TorchRec's): ``fuse_resident``, ``fused_params``, ``qcomm_codecs_registry``.
@@ -314,9 +336,19 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         planner_options: keyword arguments of the planner (``horizon``, ``prefetch_depth``, ``policy``,
             ``num_sample_batches``, ...).
         stores: explicit host stores per cached table.
-        store_dir: create memory-mapped stores instead of in-RAM ones, for tables larger than host memory: in a
-            fresh directory ``<store_dir>/torchrec_lookahead_stores_*/<table>.bin`` per run, removed when the
-            process exits (a later run removes those of runs that were killed) unless ``keep_stores``.
+        store: what holds the cached tables on the host: ``"ram"``, ``"mmap"`` (a memory-mapped file under
+            ``store_dir``) or ``"disk"`` (a :class:`~torchrec_lookahead.store.DiskStore`: a file under ``store_dir``,
+            default the temp directory, read with direct I/O under a host tier of ``host_budget_bytes``; with
+            several ranks one row shard per rank, as ``store_sharding="row_wise"``). Default: ``"mmap"`` when
+            ``store_dir`` is given, else ``"ram"``.
+        store_dir: where the files of ``"mmap"`` and ``"disk"`` stores go: a fresh directory
+            ``<store_dir>/torchrec_lookahead_stores_*/`` per run, removed when the process exits (a later run
+            removes those of runs that were killed) unless ``keep_stores``.
+        host_budget_bytes: with ``store="disk"``, the host tier's bytes on each rank: an int is split over the
+            cached tables of each collection in proportion to their bytes (each must get at least one row), a
+            dict gives each table its own.
+        disk_options: with ``store="disk"``, more :class:`~torchrec_lookahead.store.DiskStore` arguments
+            (``direct_io``, ``io_threads``, ``preallocate``).
         keep_stores: keep the store directories under ``store_dir`` after the run (to inspect the trained
             tables; a new run never reopens them). Default: remove them.
         store_sharding: where the host stores of a multi-rank job live. ``"host"`` (the default): one copy of
@@ -365,6 +397,9 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         stores: Optional[Dict[str, EmbeddingStore]] = None,
         store_dir: Optional[str] = None,
         keep_stores: bool = False,
+        store: Optional[str] = None,
+        host_budget_bytes: Optional[Union[int, Dict[str, int]]] = None,
+        disk_options: Optional[Dict[str, Any]] = None,
         seed: Optional[int] = None,
         device_budget_bytes: Optional[int] = None,
         planner_options: Optional[Dict[str, Any]] = None,
@@ -407,6 +442,9 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self.stores = dict(stores or {})
         self.store_dir = store_dir
         self.keep_stores = bool(keep_stores)
+        self.store_kind = _store_kind(store, store_dir, host_budget_bytes, disk_options)
+        self.host_budget_bytes = host_budget_bytes
+        self.disk_options = dict(disk_options or {})
         self._run_dir: Optional[str] = None
         self._owner_locks: List[int] = []  # descriptors holding shared-store directories' owner locks
         self.seed = seed
@@ -518,14 +556,18 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             kernels.append(CUSTOMIZED)
         return kernels
 
-    def _store(self, cfg: Any, optimizer: CacheOptimizerConfig) -> Optional[EmbeddingStore]:
+    def _store(self, cfg: Any, optimizer: CacheOptimizerConfig, host_budget: int) -> Optional[EmbeddingStore]:
         if cfg.name in self.stores:
             return self.stores[cfg.name]
-        if self.store_dir is None:
+        if self.store_kind is StoreKind.RAM:
             return None
         if self._run_dir is None:
             # A fresh directory per run: reopening an earlier run's files would silently continue its training.
             self._run_dir = self._new_store_dir(self.store_dir, "", keep=self.keep_stores)
+        if self.store_kind is StoreKind.DISK:
+            return self._disk_store(
+                os.path.join(self._run_dir, f"{cfg.name}.rows"), cfg, optimizer, host_budget
+            )
         return MmapStore(
             os.path.join(self._run_dir, f"{cfg.name}.bin"),
             cfg.num_embeddings,
@@ -641,7 +683,48 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             # LRPP: one shared host store per table. The kernel is the one-rank kernel (FBGEMM's where it has
             # the optimizer): its backward runs over the exchange batch (distributed/exact_sync.py).
             return self._shared_stores(cfgs, optimizer, env)
-        return {c.name: s for c in cfgs if (s := self._store(c, optimizer)) is not None}
+        budgets = self._host_budgets({c.name: c.num_embeddings * _row_bytes(c, optimizer) for c in cfgs})
+        return {c.name: s for c in cfgs if (s := self._store(c, optimizer, budgets[c.name])) is not None}
+
+    def _host_budgets(self, table_bytes: Dict[str, int]) -> Dict[str, int]:
+        """Each table's share of ``host_budget_bytes`` (0 unless ``store="disk"``)."""
+        budget = self.host_budget_bytes
+        if self.store_kind is not StoreKind.DISK or budget is None:
+            return dict.fromkeys(table_bytes, 0)
+        if isinstance(budget, dict):
+            missing = sorted(set(table_bytes) - set(budget))
+            if missing:
+                raise ConfigError(
+                    f"host_budget_bytes gives no budget to the cached tables {missing}; give every cached table "
+                    "one, or one int for all"
+                )
+            return {t: int(budget[t]) for t in table_bytes}
+        total = max(1, sum(table_bytes.values()))
+        return {t: int(budget) * b // total for t, b in table_bytes.items()}
+
+    def _disk_store(
+        self,
+        path: str,
+        cfg: Any,
+        optimizer: CacheOptimizerConfig,
+        host_budget: int,
+        rows: Optional[Tuple[int, int]] = None,
+    ) -> DiskStore:
+        """A disk store of table ``cfg`` (of its rows ``[lo, hi)`` when ``rows`` is given)."""
+        lo, hi = rows or (0, cfg.num_embeddings)
+        widths = optimizer.state_widths(cfg.embedding_dim)
+        row_bytes = _row_bytes(cfg, optimizer)
+        if host_budget < row_bytes:
+            raise CapacityError(
+                f"the host tier of table '{cfg.name}' gets {host_budget:,} bytes of host_budget_bytes="
+                f"{self.host_budget_bytes}, below one row ({row_bytes} bytes); raise host_budget_bytes",
+                table=cfg.name,
+                needed=1,
+                available=0,
+            )
+        return DiskStore(path, hi - lo, cfg.embedding_dim, widths, name=cfg.name, seed=self.seed or 0,
+                         host_budget_bytes=host_budget, row_offset=lo, table_rows=cfg.num_embeddings,
+                         **self.disk_options)  # fmt: skip
 
     def _fuse_resident(
         self,
@@ -697,7 +780,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if self.stores:  # checked on every rank, before any collective
             raise ConfigError("explicit stores= are not supported with several ranks; use store_dir=")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-        if self.store_sharding is StoreSharding.ROW_WISE:
+        if self.store_sharding is StoreSharding.ROW_WISE or self.store_kind is StoreKind.DISK:
+            # a disk store's host tier is one process's memory: one row shard per rank
             return self._sharded_stores(cfgs, optimizer, env, list(range(env.world_size)))
         if local == env.world_size:
             return self._one_host_stores(cfgs, optimizer, env)
@@ -762,16 +846,28 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         creator = env.rank == servers[0]
         seed = self.seed or 0
         directory: Optional[str] = None
-        if creator and (shared or self.store_dir is not None):
-            base = self.store_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        disk = self.store_kind is StoreKind.DISK
+        if creator and (shared or self.store_dir is not None or disk):
+            base = (
+                self.store_dir
+                if disk
+                else self.store_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+            )
             keep = self.keep_stores and self.store_dir is not None
             directory = self._new_store_dir(base, f"shard{shard}_", keep=keep)
         locals_: Dict[str, EmbeddingStore] = {}
+        bounds = {c.name: row_bounds(c.num_embeddings, num_shards)[shard : shard + 2] for c in cfgs}
+        budgets = self._host_budgets(
+            {c.name: (bounds[c.name][1] - bounds[c.name][0]) * _row_bytes(c, optimizer) for c in cfgs}
+        )
         for c in cfgs:
-            lo, hi = row_bounds(c.num_embeddings, num_shards)[shard : shard + 2]
+            lo, hi = bounds[c.name]
             widths = optimizer.state_widths(c.embedding_dim)
             if hi == lo:  # fewer rows than shards: this shard is empty, no id is ever routed to it
                 locals_[c.name] = EmptyShardStore(c.name, c.embedding_dim, widths)
+            elif disk and directory is not None:
+                path = os.path.join(directory, f"{c.name}.rows")
+                locals_[c.name] = self._disk_store(path, c, optimizer, budgets[c.name], (lo, hi))
             elif directory is not None:
                 store = MmapStore(os.path.join(directory, f"{c.name}.bin"), hi - lo, c.embedding_dim, widths,
                                   name=c.name, seed=seed, row_offset=lo, table_rows=c.num_embeddings)  # fmt: skip
@@ -802,3 +898,41 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             )
             stores[c.name] = WriterFilteredStore(sharded)
         return stores
+
+
+def _row_bytes(cfg: Any, optimizer: CacheOptimizerConfig) -> int:
+    """Bytes of one stored row of table ``cfg``: weight and optimizer state, float32."""
+    return 4 * (cfg.embedding_dim + sum(optimizer.state_widths(cfg.embedding_dim).values()))
+
+
+def _store_kind(
+    store: Optional[str],
+    store_dir: Optional[str],
+    host_budget_bytes: Optional[Union[int, Dict[str, int]]],
+    disk_options: Optional[Dict[str, Any]],
+) -> StoreKind:
+    """The sharder's ``store``, checked against the options that go with it."""
+    if store is not None and store not in STORE_KINDS:
+        raise ConfigError(f"store must be one of {list(STORE_KINDS)} but got {store!r}")
+    kind = (
+        StoreKind(store) if store is not None else StoreKind.MMAP if store_dir is not None else StoreKind.RAM
+    )
+    if kind is StoreKind.RAM and store_dir is not None:
+        raise ConfigError("store='ram' keeps no files: drop store_dir, or choose store='mmap' or 'disk'")
+    if kind is StoreKind.MMAP and store_dir is None:
+        raise ConfigError("store='mmap' needs store_dir (the directory of the memory-mapped files)")
+    if kind is not StoreKind.DISK and (host_budget_bytes is not None or disk_options):
+        raise ConfigError(
+            f"host_budget_bytes and disk_options are for store='disk' but store is {kind.value!r}; "
+            "set store: disk or drop them"
+        )
+    if kind is StoreKind.DISK:
+        if host_budget_bytes is None:
+            raise ConfigError("store='disk' needs host_budget_bytes (the host tier's bytes on each rank)")
+        budgets = host_budget_bytes.values() if isinstance(host_budget_bytes, dict) else [host_budget_bytes]
+        if any(int(b) <= 0 for b in budgets):
+            raise ConfigError(f"host_budget_bytes must be positive but got {host_budget_bytes}")
+        unknown = sorted(set(disk_options or {}) - {"direct_io", "io_threads", "preallocate"})
+        if unknown:
+            raise ConfigError(f"disk_options takes direct_io, io_threads and preallocate, not {unknown}")
+    return kind

@@ -2,7 +2,9 @@
 
 * :class:`EmbeddingStore`: the abstract contract (gather / scatter rows with their optimizer state).
 * :class:`TensorStore`: in RAM.
-* :class:`MmapStore`: a memory-mapped file, for tables larger than host RAM.
+* :class:`MmapStore`: a memory-mapped file (the kernel's page cache decides what stays in memory).
+* :class:`DiskStore`: a file read and written with direct I/O under a bounded host-memory tier
+  (``host_budget_bytes``), for tables larger than host RAM.
 * :class:`RowShardedStore`: a table sharded row-wise over the ranks (or hosts) of a job, reached with
   torch.distributed collectives.
 * :func:`init_rows` / :func:`init_embedding_weights`: the deterministic initial values every store uses, also
@@ -20,6 +22,7 @@ Example:
     torch.Size([1, 4])
 """
 
+from torchrec_lookahead.store.disk_store import DiskStore
 from torchrec_lookahead.store.init import init_embedding_weights, init_rows
 from torchrec_lookahead.store.mmap_store import MmapStore
 from torchrec_lookahead.store.sharded_store import RowShardedStore, row_bounds
@@ -30,6 +33,7 @@ __all__ = [
     "EmbeddingStore",
     "TensorStore",
     "MmapStore",
+    "DiskStore",
     "RowShardedStore",
     "row_bounds",
     "init_rows",

@@ -1,0 +1,168 @@
+"""The sharder's ``store="disk"``: options refused clearly, and training over disk stores with a small host tier
+equal to resident TorchRec training (1 and 2 ranks, a whole epoch of the default job, kill -9 and resume)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+import torch
+
+from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+from torchrec_lookahead.errors import CapacityError, ConfigError
+from torchrec_lookahead.store import DiskStore
+
+TINY_CAPACITY = "{t_cat_2: 140, t_cat_11: 120, t_cat_15: 110}"
+
+
+def disk_sharder(store_dir: Path, budget: int, capacity: str = TINY_CAPACITY, extra: str = "") -> str:
+    """The CLI override that swaps the config's sharder for one over disk stores."""
+    return (
+        "--trainer.strategy.init_args.sharders=[{class_path: torchrec_lookahead.distributed."
+        f"LookaheadEmbeddingBagCollectionSharder, init_args: {{capacity: {capacity}, store: disk, "
+        f"store_dir: {store_dir}, host_budget_bytes: {budget}{extra}}}}}]"
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"store": "ssd"}, "store must be one of"),
+        ({"store": "disk"}, "needs host_budget_bytes"),
+        ({"store": "disk", "host_budget_bytes": 0}, "must be positive"),
+        ({"host_budget_bytes": 1000}, "are for store='disk'"),
+        ({"store": "mmap"}, "needs store_dir"),
+        ({"store": "ram", "store_dir": "/tmp"}, "keeps no files"),
+        (
+            {"store": "disk", "host_budget_bytes": 1000, "disk_options": {"o_direct": True}},
+            "not \\['o_direct'\\]",
+        ),
+    ],
+)
+def test_bad_store_options_are_refused(kwargs: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        LookaheadEmbeddingBagCollectionSharder(capacity={"t": 10}, **kwargs)
+
+
+def test_host_budget_is_split_by_table_bytes_and_a_share_below_one_row_is_refused(tmp_path: Path) -> None:
+    from torchrec import EmbeddingBagConfig
+
+    from torchrec_lookahead.modules import CacheOptimizerConfig
+
+    sharder = LookaheadEmbeddingBagCollectionSharder(
+        capacity={"a": 10, "b": 10}, store="disk", store_dir=str(tmp_path), host_budget_bytes=30_000
+    )
+    cfgs = [
+        EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=3000, feature_names=["fa"]),
+        EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=1000, feature_names=["fb"]),
+    ]
+    opt = CacheOptimizerConfig("exact_row_wise_adagrad")
+    stores = sharder.cache_stores(cfgs, opt, _one_rank())
+    assert {k: type(s) for k, s in stores.items()} == {"a": DiskStore, "b": DiskStore}
+    assert [s.host_budget_bytes for s in stores.values()] == [22_500, 7_500]  # type: ignore[attr-defined]
+    for s in stores.values():
+        s.close()  # type: ignore[attr-defined]
+    tiny = LookaheadEmbeddingBagCollectionSharder(
+        capacity={"a": 10, "b": 10}, store="disk", store_dir=str(tmp_path), host_budget_bytes=50
+    )
+    with pytest.raises(CapacityError, match="table 'b' gets 12 bytes .* below one row \\(20 bytes\\)"):
+        tiny.cache_stores(cfgs, opt, _one_rank())
+
+
+def _one_rank() -> Any:
+    from torchrec.distributed.types import ShardingEnv
+
+    return ShardingEnv(world_size=1, rank=0, pg=None)
+
+
+@pytest.fixture
+def disk_stores(monkeypatch: pytest.MonkeyPatch) -> List[DiskStore]:
+    """Every DiskStore the sharder creates in this test."""
+    made: List[DiskStore] = []
+
+    class Recorded(DiskStore):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr("torchrec_lookahead.distributed.sharder.DiskStore", Recorded)
+    return made
+
+
+@pytest.mark.slow
+def test_tiny_job_over_disk_stores_equals_resident_training(
+    tmp_path: Path, disk_stores: List[DiskStore]
+) -> None:
+    from torchrec_lookahead.verify import verify
+
+    result = verify("configs/dlrm_tiny_lookahead.yaml", steps=24, overrides=[disk_sharder(tmp_path, 3000)])
+    assert result["passed"] and result["max_abs_weight_diff"] == result["max_abs_loss_diff"] == 0.0, result
+    assert len(disk_stores) == 3
+    for store in disk_stores:
+        stats = store.stats()
+        assert stats["rows_read"] > 0 and stats["host_rows"] <= stats["host_capacity"] < store.num_embeddings
+
+
+@pytest.mark.slow
+def test_default_job_whole_epoch_over_a_minimal_host_tier_equals_resident_training(
+    tmp_path: Path, disk_stores: List[DiskStore]
+) -> None:
+    """The default job (332 K cached rows, 17.9 K device rows) over disk stores whose host tier holds 1 MB
+    (about 15 K rows, 4.5 % of the tables): a whole epoch, bit for bit."""
+    from torchrec_lookahead.verify import verify
+
+    capacity = "{t_cat_2: 5100, t_cat_3: 2200, t_cat_11: 4200, t_cat_15: 2800, t_cat_20: 3600}"
+    result = verify(
+        "configs/dlrm_lookahead.yaml", steps=300, overrides=[disk_sharder(tmp_path, 1_000_000, capacity)]
+    )
+    assert result["passed"] and result["steps"] == 300, result
+    assert result["max_abs_weight_diff"] == result["max_abs_loss_diff"] == 0.0, result
+    read = sum(s.stats()["rows_read"] for s in disk_stores)
+    assert read > 300 * 1000  # most steps read from disk
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_over_disk_stores_equal_torchrec_resident_training(tmp_path: Path) -> None:
+    from ..strategies.test_torchrun import torchrun
+
+    out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
+                   "--steps", "24", disk_sharder(tmp_path, 1500))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["passed"] and result["max_abs_weight_diff"] == 0.0, result
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(
+    tmp_path: Path, ranks: int
+) -> None:
+    """A rank is SIGKILLed after step 6 of 12 (the last checkpoint at step 4); torchrun restarts the job, which
+    resumes over fresh disk stores from the checkpoint and ends with the uninterrupted run's weights, bit for bit."""
+    from ..conftest import free_port
+    from ..strategies.test_torchrun import _ckpt_args, _full_state, torchrun
+
+    common = ["fit", "--config", "configs/dlrm_tiny_lookahead.yaml", f"--trainer.devices={ranks}",
+              "--trainer.limit_val_batches=0", "--trainer.max_steps=12", "--ckpt_path=last"]  # fmt: skip
+
+    def run(name: str, *extra: str) -> Any:
+        ckpt = [*_ckpt_args(tmp_path / f"{name}_ckpt", 4), "--trainer.callbacks.save_last=true"]
+        return torchrun(ranks, *common, f"--trainer.default_root_dir={tmp_path}/{name}", *ckpt,
+                        disk_sharder(tmp_path / f"{name}_stores", 1500), *extra,
+                        launcher=[f"--master_port={free_port()}", "--max-restarts=1"], timeout=300)  # fmt: skip
+
+    full = run("a")
+    assert full.returncode == 0, full.stderr[-4000:]
+    killed = run("b", "--trainer.callbacks+=tests.strategies.faults.KillAtStep", "--trainer.callbacks.step=6",
+                 f"--trainer.callbacks.rank={ranks - 1}")  # fmt: skip
+    assert killed.returncode == 0, killed.stderr[-4000:]
+    assert "Restored all states from the checkpoint" in killed.stdout + killed.stderr
+    a = _full_state(tmp_path / "a_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
+    b = _full_state(tmp_path / "b_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
+    assert any(".cache.embedding_bags." in k for k in a) and a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

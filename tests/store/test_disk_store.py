@@ -1,0 +1,256 @@
+"""DiskStore: equal to TensorStore on random gather/scatter sequences, lazy blocks, reopen, refusals, budget,
+faults (unwritable directory, no direct I/O, a full disk)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError, SetupError, StoreError
+from torchrec_lookahead.store import DiskStore, TensorStore, init_rows
+from torchrec_lookahead.store.init import INIT_BLOCK_ROWS
+
+N, D = 20000, 4  # three blocks of 8192 rows
+WIDTHS = {"momentum1": D, "momentum2": 1}
+ROW_BYTES = (D + D + 1) * 4
+
+
+def _disk(path: Path, budget_rows: int = 300, **kwargs: Any) -> DiskStore:
+    return DiskStore(
+        path, N, D, WIDTHS, name="t", seed=5, host_budget_bytes=budget_rows * ROW_BYTES, **kwargs
+    )
+
+
+def _equal(a: DiskStore, b: TensorStore) -> None:
+    assert torch.equal(a.full_weights(), b.full_weights())
+    sa, sb = a.full_states(), b.full_states()
+    assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sb)
+
+
+@pytest.mark.parametrize("budget_rows", [1, 64, 300, N])
+def test_random_sequence_equals_tensor_store(tmp_path: Path, budget_rows: int) -> None:
+    disk = _disk(tmp_path / "t.rows", budget_rows)
+    ref = TensorStore(N, D, WIDTHS, name="t", seed=5, chunk_rows=INIT_BLOCK_ROWS)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(60):
+        n = int(torch.randint(1, 400, (1,), generator=gen))
+        hot = torch.randint(0, 500, (n,), generator=gen)  # a reused head and a long tail
+        tail = torch.randint(0, N, (n,), generator=gen)
+        ids = torch.where(torch.rand(n, generator=gen) < 0.6, hot, tail)
+        w, s = disk.gather(ids)
+        rw, rs = ref.gather(ids)
+        assert torch.equal(w, rw) and all(torch.equal(s[k], rs[k]) for k in rs), step
+        upd = torch.unique(ids)
+        weights = torch.randn(upd.numel(), D, generator=gen)
+        states = {
+            "momentum1": torch.rand(upd.numel(), D, generator=gen),
+            "momentum2": torch.rand(upd.numel()),
+        }
+        if step % 2:
+            disk.scatter(upd, weights, states)
+        else:
+            disk.write_back(upd, weights, states)
+        ref.scatter(upd, weights, states)
+        assert disk.stats()["host_rows"] <= disk.host_capacity <= budget_rows
+    _equal(disk, ref)
+    disk.flush()
+    disk.close()
+    again = DiskStore.open(tmp_path / "t.rows", host_budget_bytes=10 * ROW_BYTES)
+    _equal(again, ref)
+    again.close()
+
+
+def test_initial_rows_are_created_on_first_touch_only(tmp_path: Path) -> None:
+    disk = _disk(tmp_path / "t.rows")
+    ids = torch.tensor([0, 19999, 8192, 8191, 0])
+    w, s = disk.gather(ids)
+    assert torch.equal(w, init_rows(5, "t", 0, N, D, N)[ids])
+    assert all(float(v.abs().sum()) == 0.0 for v in s.values())
+    assert disk.stats()["blocks_created"] == 3
+    disk.gather(torch.tensor([1, 2, 8200]))
+    assert disk.stats()["blocks_created"] == 3
+    # a shard's initial rows are the whole table's
+    shard = DiskStore(tmp_path / "s.rows", 1000, D, name="t", seed=5, row_offset=8000, table_rows=N,
+                      host_budget_bytes=4096)  # fmt: skip
+    assert torch.equal(shard.gather(torch.arange(1000))[0], init_rows(5, "t", 8000, 9000, D, N))
+    disk.close()
+    shard.close()
+
+
+def test_reopen_keeps_rows_and_refuses_another_table(tmp_path: Path) -> None:
+    path = tmp_path / "t.rows"
+    disk = _disk(path)
+    disk.scatter(
+        torch.tensor([7, 12345]),
+        torch.ones(2, D),
+        {"momentum1": torch.ones(2, D), "momentum2": torch.ones(2)},
+    )
+    disk.close()
+    with pytest.raises(ConfigError, match="seed: file 5, asked 6"):
+        DiskStore(path, N, D, WIDTHS, name="t", seed=6)
+    with pytest.raises(ConfigError, match="name: file 't', asked 'u'"):
+        DiskStore(path, N, D, WIDTHS, name="u", seed=5)
+    with pytest.raises(ConfigError, match="num_embeddings: file 20000, asked 20001"):
+        DiskStore(path, N + 1, D, WIDTHS, name="t", seed=5)
+    with pytest.raises(ConfigError, match="state_widths"):
+        DiskStore(path, N, D, {"momentum1": D}, name="t", seed=5)
+    again = _disk(path)
+    assert again.gather(torch.tensor([12345]))[0].tolist() == [[1.0] * D]
+    again.close()
+    with open(path, "r+b") as f:  # truncated
+        f.truncate(os.path.getsize(path) - 4096)
+    with pytest.raises(ConfigError, match="truncated or foreign"):
+        _disk(path)
+    (tmp_path / "other.rows").write_bytes(b"x" * 8192)
+    with pytest.raises(ConfigError, match="not a disk store file"):
+        DiskStore.open(tmp_path / "other.rows")
+    with pytest.raises(ConfigError, match="no disk store"):
+        DiskStore.open(tmp_path / "missing.rows")
+
+
+def test_bad_input_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    disk = _disk(tmp_path / "t.rows")
+    with pytest.raises(ConfigError, match="at least one row"):
+        DiskStore(tmp_path / "u.rows", N, D, WIDTHS, name="u", host_budget_bytes=ROW_BYTES - 1)
+    with pytest.raises(InvalidIdError, match="out of range"):
+        disk.gather(torch.tensor([N]))
+    with pytest.raises(InvalidIdError, match="repeated"):
+        disk.scatter(torch.tensor([1, 1]), torch.ones(2, D), {k: torch.ones(2, w) for k, w in WIDTHS.items()})
+    with pytest.raises(DataError, match="must have shape"):
+        disk.scatter(
+            torch.tensor([1]), torch.ones(1, D + 1), {k: torch.ones(1, w) for k, w in WIDTHS.items()}
+        )
+    with pytest.raises(DataError):
+        disk.load(torch.zeros(N - 1, D))
+    assert disk.stats()["blocks_created"] == 0
+    disk.close()
+    with pytest.raises(ConfigError, match="closed"):
+        disk.gather(torch.tensor([1]))
+
+
+def test_load_then_full_tables(tmp_path: Path) -> None:
+    disk = _disk(tmp_path / "t.rows")
+    w = torch.randn(N, D)
+    disk.gather(torch.tensor([3]))  # a row in the host tier is replaced too
+    disk.load(w, {"momentum1": torch.ones(N, D)})
+    assert torch.equal(disk.full_weights(), w) and torch.equal(disk.gather(torch.tensor([3]))[0], w[3:4])
+    assert float(disk.full_states()["momentum1"].sum()) == N * D
+    assert float(disk.full_states()["momentum2"].abs().sum()) == 0.0
+    disk.close()
+
+
+def test_concurrent_gathers_and_writes_on_disjoint_ids(tmp_path: Path) -> None:
+    disk = _disk(tmp_path / "t.rows", budget_rows=100)
+    ref = TensorStore(N, D, WIDTHS, name="t", seed=5)
+    errors = []
+
+    def writer() -> None:
+        try:
+            for i in range(50):
+                ids = torch.arange(10000 + i * 20, 10000 + i * 20 + 20)
+                disk.write_back(
+                    ids, torch.full((20, D), float(i)), {k: torch.ones(20, w) for k, w in WIDTHS.items()}
+                )
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    for i in range(50):
+        ids = torch.arange(i * 100, i * 100 + 100)
+        assert torch.equal(disk.gather(ids)[0], ref.gather(ids)[0])
+    t.join()
+    assert not errors
+    assert torch.equal(disk.gather(torch.tensor([10999]))[0], torch.full((1, D), 49.0))
+    disk.close()
+
+
+def test_unwritable_directory_is_refused(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SetupError, match="not writable"):
+        DiskStore(blocker / "t.rows", N, D, name="t")
+
+
+def test_no_direct_io_falls_back_with_a_warning_or_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = os.open
+
+    def refuse_direct(path: str, flags: int, *args: object) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", refuse_direct)
+    with pytest.raises(SetupError, match="refuses direct I/O"):
+        _disk(tmp_path / "a.rows", direct_io=True)
+    with caplog.at_level(logging.WARNING):
+        disk = _disk(tmp_path / "b.rows")
+    assert not disk.direct_io and "falling back to buffered I/O" in caplog.text
+    assert torch.equal(disk.gather(torch.tensor([4]))[0], init_rows(5, "t", 4, 5, D, N))
+    disk.close()
+
+
+def test_a_full_disk_is_a_store_error_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = _disk(tmp_path / "t.rows", budget_rows=50)
+    ref = TensorStore(N, D, WIDTHS, name="t", seed=5)
+    ids = torch.arange(40)
+    disk.gather(ids)
+    rows = {"momentum1": torch.ones(40, D), "momentum2": torch.ones(40)}
+    disk.scatter(ids, torch.full((40, D), 3.0), rows)
+    ref.scatter(ids, torch.full((40, D), 3.0), rows)
+    real = os.pwritev
+
+    def full(fd: int, buffers: object, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
+    with pytest.raises(StoreError, match="is full") as info:
+        disk.gather(torch.arange(100, 140))  # evicts the 40 dirty rows: their write fails
+    assert info.value.path == str(tmp_path / "t.rows")
+    with pytest.raises(StoreError):
+        disk.flush()
+    monkeypatch.setattr(os, "pwritev", real)
+    disk.flush()  # the dirty rows were kept
+    disk.close()
+    again = _disk(tmp_path / "t.rows")
+    _equal(again, ref)
+    again.close()
+
+
+def test_no_room_for_the_file_at_creation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(StoreError, match="no space for disk store"):
+        _disk(tmp_path / "t.rows")
+    assert not (tmp_path / "t.rows").exists()
+
+
+@pytest.mark.parametrize(
+    "dim, widths", [(1100, {}), (3, {"momentum1": 1}), (128, {"exp_avg": 128, "exp_avg_sq": 128})]
+)
+def test_records_of_any_width(tmp_path: Path, dim: int, widths: dict) -> None:
+    """Records smaller than a page share units; records over a page take units of several pages."""
+    disk = DiskStore(tmp_path / "t.rows", 9000, dim, widths, name="t", seed=1, host_budget_bytes=1 << 16)
+    ref = TensorStore(9000, dim, widths, name="t", seed=1)
+    ids = torch.tensor([0, 1, 8191, 8192, 8999, 4000])
+    new = torch.randn(ids.numel(), dim)
+    st = {k: torch.rand(ids.numel(), w) for k, w in widths.items()}
+    disk.scatter(ids, new, st)
+    ref.scatter(ids, new, st)
+    disk.flush()
+    _equal(disk, ref)
+    assert torch.equal(disk.gather(torch.arange(9000))[0], ref.gather(torch.arange(9000))[0])
+    disk.close()

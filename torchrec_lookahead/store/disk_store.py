@@ -1,0 +1,414 @@
+"""Embedding store on disk under a bounded host-memory tier, for tables larger than host RAM.
+
+Rows and their optimizer state live in one file per table (layout in :mod:`torchrec_lookahead.store._disk_file`),
+read and written with direct I/O (no page cache: the process's memory is what ``host_budget_bytes`` says), in
+parallel from a small thread pool. Between the file and the device cache, a host tier of at most
+``host_budget_bytes`` keeps the rows used most recently; a dirty row evicted from it is written back, rows
+grouped by disk unit (one read-modify-write per unit, consecutive units in one request).
+
+Nothing initialises the table at set-up: a block of :data:`~torchrec_lookahead.store.init.INIT_BLOCK_ROWS` rows is
+created (with :func:`~torchrec_lookahead.store.init_rows`' values, bit for bit those of a
+:class:`~torchrec_lookahead.store.TensorStore`) and written the first time one of its rows is read or written.
+
+:meth:`DiskStore.flush` writes every dirty row, fsyncs, then writes and fsyncs the block flags, so the file
+holds every write before the flush (a checkpoint calls it). Writes after it may reach the file before a crash;
+a run resumes from its checkpoint, which holds the full tables.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+from torchrec_lookahead.errors import ConfigError, DataError
+from torchrec_lookahead.store._disk_file import DiskFile, read_header
+from torchrec_lookahead.store._host_tier import HostTier
+from torchrec_lookahead.store._row_store import _RowStore
+from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
+
+__all__ = ["DiskStore", "DEFAULT_HOST_BUDGET_BYTES"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+DEFAULT_HOST_BUDGET_BYTES: int = 64 << 20
+"""Host tier size when none is given (64 MiB)."""
+
+_EVICT_FRACTION = 8  # when full, evict at least 1/8 of the tier at once (one scan of the tier per eviction)
+
+
+class DiskStore(_RowStore):
+    """A table and its per-row optimizer state in a file on disk, under a bounded host-memory tier.
+
+    Creates the file when it does not exist, reopens it (refusing another table's, size's, layout's or seed's
+    file) when it does.
+
+    Args:
+        path: file path (its directory is created if needed).
+        num_embeddings: rows of the table (or of the shard).
+        embedding_dim: width of a row.
+        state_widths: optimizer state name -> columns per row.
+        name: table name (seeds the initial values; recorded in the header).
+        seed: global seed of the initial values.
+        host_budget_bytes: bytes of rows (with their optimizer state) the host tier holds at most; at least one
+            row. The row -> slot index adds 4 bytes per table row.
+        row_offset: for a row shard of a larger table: the table row held by local row 0.
+        table_rows: rows of the whole table when the store is a shard (default ``num_embeddings``).
+        direct_io: ``None`` (default): direct I/O (``O_DIRECT``) where the filesystem takes it, else buffered I/O
+            with ``posix_fadvise(DONTNEED)`` and a logged warning; ``True``: require it; ``False``: buffered.
+        io_threads: threads issuing reads and writes in parallel.
+        preallocate: reserve the file's blocks at creation (``posix_fallocate``), so that a full disk is found
+            at set-up rather than mid-run.
+
+    Raises:
+        ConfigError: a size is not positive, the budget holds no row, or an existing file was created for
+            another table, size, layout or seed (the message names the fields).
+        SetupError: the directory is not writable, or ``direct_io=True`` and the filesystem refuses it.
+        StoreError: the disk has no room for the file.
+
+    Example:
+        >>> import tempfile, os, torch
+        >>> d = tempfile.mkdtemp()
+        >>> store = DiskStore(os.path.join(d, "t0.rows"), 100_000, 4, {"momentum1": 1}, name="t0",
+        ...                   host_budget_bytes=1000 * 20)
+        >>> store.scatter(torch.tensor([5]), torch.ones(1, 4), {"momentum1": torch.ones(1, 1)})
+        >>> store.close()
+        >>> again = DiskStore.open(os.path.join(d, "t0.rows"), host_budget_bytes=1000 * 20)
+        >>> again.gather(torch.tensor([5]))[0].tolist(), again.num_embeddings
+        ([[1.0, 1.0, 1.0, 1.0]], 100000)
+        >>> again.close()
+    """
+
+    def __init__(
+        self,
+        path: PathLike,
+        num_embeddings: int,
+        embedding_dim: int,
+        state_widths: Optional[Mapping[str, int]] = None,
+        *,
+        name: str = "table",
+        seed: int = 0,
+        host_budget_bytes: int = DEFAULT_HOST_BUDGET_BYTES,
+        row_offset: int = 0,
+        table_rows: Optional[int] = None,
+        direct_io: Optional[bool] = None,
+        io_threads: int = 8,
+        preallocate: bool = True,
+    ) -> None:
+        super().__init__(
+            name, num_embeddings, embedding_dim, state_widths, seed, INIT_BLOCK_ROWS, row_offset, table_rows
+        )
+        row_bytes = self.row_width * 4
+        if int(host_budget_bytes) < row_bytes:
+            raise ConfigError(
+                f"host_budget_bytes for table '{self._name}' must hold at least one row ({row_bytes} bytes) but "
+                f"got {host_budget_bytes}; raise it"
+            )
+        if int(io_threads) < 1:
+            raise ConfigError(f"io_threads must be >= 1 but got {io_threads}")
+        self._path = os.fspath(path)
+        self._budget = int(host_budget_bytes)
+        self._file = DiskFile(
+            self._path, self._meta(), self._num, self.row_width, direct_io, int(io_threads), preallocate
+        )
+        self._tier = HostTier(min(self._budget // row_bytes, self._num), self.row_width, self._num)
+        self._lock = threading.Lock()  # the host tier and the file, one call at a time
+        self._counts = dict.fromkeys(
+            ("host_hits", "rows_read", "rows_written", "blocks_created", "unit_reads", "unit_writes"), 0
+        )
+
+    @classmethod
+    def open(cls, path: PathLike, **kwargs: Any) -> DiskStore:
+        """Reopen an existing store with the sizes and layout its header records.
+
+        Args:
+            path: file path given when the store was created.
+            kwargs: the host-tier and I/O arguments (``host_budget_bytes``, ``direct_io``, ``io_threads``).
+
+        Raises:
+            ConfigError: no file, or not a disk store's.
+        """
+        meta = read_header(os.fspath(path))
+        return cls(
+            path,
+            meta["num_embeddings"],
+            meta["embedding_dim"],
+            meta["state_widths"],
+            name=meta["name"],
+            seed=meta["seed"],
+            row_offset=meta["row_offset"],
+            table_rows=meta["table_rows"],
+            **kwargs,
+        )
+
+    def _meta(self) -> Dict[str, Any]:
+        from torchrec_lookahead.store._disk_file import FORMAT, VERSION
+
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "name": self._name,
+            "num_embeddings": self._num,
+            "embedding_dim": self._dim,
+            "state_widths": self._widths,
+            "seed": self._seed,
+            "row_offset": self._row_offset,
+            "table_rows": self._table_rows,
+            "dtype": "float32",
+        }
+
+    # -- properties ------------------------------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        """File path."""
+        return self._path
+
+    @property
+    def host_budget_bytes(self) -> int:
+        """The host tier's budget in bytes."""
+        return self._budget
+
+    @property
+    def host_capacity(self) -> int:
+        """Rows the host tier holds at most."""
+        return self._tier.capacity
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether the file is read and written with ``O_DIRECT`` (else buffered with ``posix_fadvise``)."""
+        return self._file.direct
+
+    def stats(self) -> Dict[str, int]:
+        """Counters: ``host_hits`` (rows served by the host tier), ``rows_read`` / ``rows_written`` (rows moved
+        between the host and the disk), ``unit_reads`` / ``unit_writes`` (disk units), ``bytes_read`` /
+        ``bytes_written``, ``blocks_created`` (blocks initialised on first touch), ``host_rows`` (rows in the
+        host tier now) and ``host_capacity``."""
+        return dict(
+            self._counts,
+            bytes_read=self._file.bytes_read,
+            bytes_written=self._file.bytes_written,
+            host_rows=self._tier.capacity - self._tier.num_free,
+            host_capacity=self._tier.capacity,
+        )
+
+    # -- _RowStore hooks: blocks created on first touch ------------------------------------------------------
+    def _rows(self) -> torch.Tensor:
+        raise NotImplementedError("a DiskStore has no backing tensor")
+
+    def _chunk_flags(self) -> torch.Tensor:
+        self._check_open()
+        return torch.from_numpy(self._file.flags)
+
+    def _init_chunk(self, chunk: int) -> None:
+        self._file.write_block(chunk, self._initial_records(chunk))
+        self._counts["blocks_created"] += 1
+
+    def _initial_records(self, block: int) -> np.ndarray:
+        lo = block * INIT_BLOCK_ROWS
+        hi = min(lo + INIT_BLOCK_ROWS, self._num)
+        records = np.zeros((hi - lo, self.row_width), dtype=np.float32)
+        off = self._row_offset
+        records[:, : self._dim] = init_rows(
+            self._seed, self._name, off + lo, off + hi, self._dim, self._table_rows
+        ).numpy()
+        return records
+
+    def _check_open(self) -> None:
+        if self._file.closed:
+            raise ConfigError(f"disk store '{self._path}' is closed; reopen it with DiskStore.open")
+
+    # -- disk rows ------------------------------------------------------------------------------------------
+    def _read_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Records of sorted distinct ``ids`` from the file (their blocks exist)."""
+        units = np.unique(self._file.locate(ids)[0])
+        _, flat = self._file.read_units(units)
+        self._counts["rows_read"] += ids.size
+        self._counts["unit_reads"] += units.size
+        return flat[self._file.record_index(units, ids)]
+
+    def _write_rows(self, ids: np.ndarray, records: np.ndarray) -> None:
+        """Write records of distinct ``ids`` (their blocks exist): read-modify-write of the units holding them,
+        consecutive units in one request."""
+        if ids.size == 0:
+            return
+        units = np.unique(self._file.locate(ids)[0])
+        buf, flat = self._file.read_units(units)
+        flat[self._file.record_index(units, ids)] = records
+        self._file.write_units(units, buf)
+        self._counts["rows_written"] += ids.size
+        self._counts["unit_reads"] += units.size
+        self._counts["unit_writes"] += units.size
+
+    def _make_room(self, count: int, kept: int) -> None:
+        """Free ``count`` slots, evicting the least recently used rows (at least 1/8 of the tier) but never the
+        ``kept`` rows the current call touched (the most recent), writing the dirty ones back first: if the write
+        fails, nothing is evicted."""
+        tier = self._tier
+        if tier.num_free >= count:
+            return
+        want = max(count - tier.num_free, tier.capacity // _EVICT_FRACTION)
+        victims = tier.victims(min(want, tier.capacity - tier.num_free - kept))
+        dirty = victims[tier.dirty[victims]]
+        if dirty.size:
+            ids = tier.id_of[dirty]
+            order = np.argsort(ids)
+            self._write_rows(ids[order], tier.rows.numpy()[dirty[order]])
+        tier.drop(victims)
+
+    # -- EmbeddingStore --------------------------------------------------------------------------------------
+    def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        ids = self._check_ids(ids, unique=False)
+        with self._lock:
+            self._check_open()
+            if ids.numel() == 0:
+                return self._split(torch.empty(0, self.row_width))
+            self._ensure_init(ids)
+            tier = self._tier
+            uniq, inverse = np.unique(ids.numpy(), return_inverse=True)
+            slots = tier.find(uniq)
+            hit = slots >= 0
+            tier.touch(slots[hit])
+            self._counts["host_hits"] += int(hit.sum())
+            miss = uniq[~hit]
+            if miss.size == 0:
+                return self._split(tier.rows.index_select(0, torch.from_numpy(slots[inverse])))
+            records = self._read_rows(miss)
+            if miss.size <= tier.capacity - int(hit.sum()):
+                self._make_room(miss.size, kept=int(hit.sum()))
+                new = tier.put(miss, dirty=False)
+                tier.rows[torch.from_numpy(new)] = torch.from_numpy(records)
+                tier.touch(new)
+                slots[~hit] = new
+                return self._split(tier.rows.index_select(0, torch.from_numpy(slots[inverse])))
+            # more rows than the tier holds: served from the read, not kept
+            rows = np.empty((uniq.size, self.row_width), dtype=np.float32)
+            rows[hit] = tier.rows.numpy()[slots[hit]]
+            rows[~hit] = records
+            return self._split(torch.from_numpy(rows[inverse]))
+
+    def _write(self, ids: torch.Tensor, packed: torch.Tensor) -> None:
+        if ids.numel() == 0:
+            return
+        with self._lock:
+            self._check_open()
+            self._ensure_init(ids)
+            tier = self._tier
+            arr = ids.numpy()
+            slots = tier.find(arr)
+            hit = slots >= 0
+            records = packed.numpy()
+            if hit.any():
+                tier.rows.numpy()[slots[hit]] = records[hit]
+                tier.dirty[slots[hit]] = True
+                tier.touch(slots[hit])
+            miss = np.flatnonzero(~hit)
+            if miss.size == 0:
+                return
+            if miss.size <= tier.capacity - int(hit.sum()):
+                self._make_room(miss.size, kept=int(hit.sum()))
+                new = tier.put(arr[miss], dirty=True)
+                tier.rows.numpy()[new] = records[miss]
+                tier.touch(new)
+                return
+            order = np.argsort(arr[miss])  # more rows than the tier holds: written through
+            self._write_rows(arr[miss][order], records[miss][order])
+
+    def _full_columns(self, lo: int, hi: int) -> torch.Tensor:
+        """Columns ``[lo, hi)`` of every record: the file's blocks (created ones) and the host tier's rows."""
+        with self._lock:
+            self._check_open()
+            out = torch.empty(self._num, hi - lo, dtype=torch.float32)
+            arr = out.numpy()
+            for block in range(self._file.num_blocks):
+                a = block * INIT_BLOCK_ROWS
+                b = min(a + INIT_BLOCK_ROWS, self._num)
+                if self._file.flags[block]:
+                    units = np.arange(
+                        block * self._file.units_per_block,
+                        (block + 1) * self._file.units_per_block,
+                        dtype=np.int64,
+                    )
+                    _, flat = self._file.read_units(units)
+                    index = self._file.record_index(units, np.arange(a, b, dtype=np.int64))
+                    arr[a:b] = flat[index[:, lo:hi]]
+                else:
+                    arr[a:b] = self._initial_records(block)[:, lo:hi]
+            occ = self._tier.occupied
+            arr[self._tier.id_of[occ]] = self._tier.rows.numpy()[occ, lo:hi]
+            return out
+
+    def full_weights(self) -> torch.Tensor:
+        """The whole table as a new (N, D) tensor (a copy read from the file and the host tier: writes to it do
+        not reach the store)."""
+        return self._full_columns(0, self._dim)
+
+    def full_states(self) -> Dict[str, torch.Tensor]:
+        """Per state name the whole (N, w) state as a new tensor (a copy, as :meth:`full_weights`)."""
+        return {k: self._full_columns(a, b) for k, (a, b) in self._cols.items()}
+
+    def load(self, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+        states = dict(states or {})
+        unknown = set(states) - set(self._widths)
+        if unknown:
+            raise DataError(
+                f"load into table '{self._name}' got unknown states {sorted(unknown)}; expected {sorted(self._widths)}"
+            )
+        if tuple(weights.shape) != (self._num, self._dim):
+            raise DataError(
+                f"load into table '{self._name}' expects weights of shape ({self._num}, {self._dim}) but got "
+                f"{tuple(weights.shape)}"
+            )
+        for key, val in states.items():
+            width, shape = self._widths[key], tuple(val.shape)
+            if shape != (self._num, width) and not (width == 1 and shape == (self._num,)):
+                raise DataError(
+                    f"load into table '{self._name}' expects state '{key}' of shape ({self._num}, {width}) but "
+                    f"got {shape}"
+                )
+        with self._lock, torch.no_grad():
+            self._check_open()
+            self._tier.clear()
+            for block in range(self._file.num_blocks):
+                a = block * INIT_BLOCK_ROWS
+                b = min(a + INIT_BLOCK_ROWS, self._num)
+                records = np.zeros((b - a, self.row_width), dtype=np.float32)
+                records[:, : self._dim] = weights[a:b].to(device="cpu", dtype=torch.float32).numpy()
+                for key, (c0, c1) in self._cols.items():
+                    if key in states:
+                        records[:, c0:c1] = (
+                            states[key][a:b].reshape(b - a, c1 - c0).to("cpu", torch.float32).numpy()
+                        )
+                self._file.write_block(block, records)
+                self._file.flags[block] = 1
+            self._all_init = True
+
+    def flush(self) -> None:
+        """Write every dirty row of the host tier to the file, fsync it, then write and fsync the block flags."""
+        with self._lock:
+            if self._file.closed:
+                return
+            tier = self._tier
+            dirty = np.flatnonzero(tier.dirty)
+            if dirty.size:
+                ids = tier.id_of[dirty]
+                order = np.argsort(ids)
+                self._write_rows(ids[order], tier.rows.numpy()[dirty[order]])
+                tier.dirty[dirty] = False
+            self._file.sync()
+            self._file.write_flags()
+            self._file.sync()
+
+    def close(self) -> None:
+        """Flush and close the file; the store cannot be used afterwards (idempotent)."""
+        self.flush()
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
