@@ -5,7 +5,8 @@ the resident fit sees: the library's set-up puts back what it draws (TorchRec's 
 builds, which depend on the plan), its threads draw nothing, and the wrapped loader's iterator (a
 ``DataLoader`` draws its base seed when it is created) starts on the training thread, where a resident loop
 starts it. The whole-epoch runs at the default job's size are in ``tests/distributed/test_exact_multirank.py``
-(2 ranks), ``tests/data/test_hotcold_lookahead*.py`` (FAE, 1 and 2 ranks) and below (1 rank).
+(2 ranks), ``tests/data/test_hotcold_lookahead*.py`` (FAE, 1 and 2 ranks) and
+``tests/distributed/test_disk_tier.py`` (1 rank, over disk stores).
 """
 
 from __future__ import annotations
@@ -153,13 +154,3 @@ def test_preserved_rng_puts_back_every_global_stream() -> None:
         torch.rand(4), np.random.rand(2), random.random()
     assert torch.equal(before[0], torch.get_rng_state())
     assert (before[1] == np.random.get_state()[1]).all() and before[2] == random.getstate()
-
-
-@pytest.mark.slow
-def test_default_job_with_dropout_one_rank_whole_epoch_bit_exact() -> None:
-    """configs/dlrm_lookahead.yaml, its 300 batches, dropout on the bottom MLP: cached == resident."""
-    result = verify(
-        str(REPO / "configs" / "dlrm_lookahead.yaml"), steps=300, overrides=["--model.init_args.dropout=0.1"]
-    )
-    assert result["steps"] == 300, result
-    assert result["max_abs_weight_diff"] == 0.0 and result["max_abs_loss_diff"] == 0.0, result
