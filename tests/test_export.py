@@ -87,6 +87,14 @@ def test_export_command_line_refuses_a_missing_checkpoint(tmp_path: Path) -> Non
     assert ok.returncode == 0 and "--ckpt" in ok.stdout
 
 
+def test_export_refuses_a_file_that_is_not_a_checkpoint_dict(tmp_path: Path) -> None:
+    listed = tmp_path / "list.pt"
+    torch.save([1, 2], listed)
+    with pytest.raises(CheckpointError, match=r"holds a list, not a Lightning checkpoint"):
+        export_checkpoint(listed, tmp_path / "o.ckpt")
+    assert not (tmp_path / "o.ckpt").exists()
+
+
 def test_export_checks_its_config_before_reading_the_checkpoint(tmp_path: Path, monkeypatch) -> None:
     import torchrec_lookahead.export as export
     from torchrec_lookahead.errors import ConfigError

@@ -97,9 +97,15 @@ def _load_whole(ckpt: Path) -> Dict[str, Any]:
         return full
     if ckpt.is_file():
         try:
-            return dict(torch.load(ckpt, weights_only=False, map_location="cpu"))
+            loaded = torch.load(ckpt, weights_only=False, map_location="cpu")
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"cannot read the checkpoint {ckpt} ({type(e).__name__}: {e})") from e
+        if not isinstance(loaded, Mapping):
+            raise CheckpointError(
+                f"{ckpt} holds a {type(loaded).__name__}, not a Lightning checkpoint (a dict with a state_dict); "
+                "pass the checkpoint ModelCheckpoint wrote"
+            )
+        return dict(loaded)
     raise CheckpointError(f"no checkpoint at {ckpt}")
 
 
