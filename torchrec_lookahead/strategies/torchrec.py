@@ -646,13 +646,20 @@ class TorchRecStrategy(DDPStrategy):
         and was written by as many ranks as this run has.
 
         Raises:
-            CheckpointError: the path does not exist, is not a checkpoint of this strategy, lacks
+            CheckpointError: the path does not exist, is a file (an exported checkpoint, read with
+                ``strategy='auto'``), is not a checkpoint of this strategy, lacks
                 torch.distributed.checkpoint's ``.metadata``, or was written by another number of ranks.
         """
         if not path.exists():
             raise CheckpointError(
                 f"checkpoint {path} does not exist; check ckpt_path (under strategy='torchrec' a checkpoint is the "
                 "directory ModelCheckpoint wrote, e.g. <dirpath>/epoch=0-step=100.ckpt)"
+            )
+        if path.is_file():
+            raise CheckpointError(
+                f"{path} is a checkpoint file, not a directory written by TorchRecStrategy: an ordinary checkpoint "
+                "(of `export`, or of the resident model trained with strategy='auto') is read by the plain model; "
+                "run with --trainer.strategy=auto (in Python, Trainer(strategy='auto')) to evaluate or serve it"
             )
         if not (path / _META_FILE).is_file():
             raise CheckpointError(
