@@ -35,7 +35,7 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders, get_module
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from typing_extensions import override
@@ -53,9 +53,11 @@ from torchrec_lookahead.distributed import (
 )
 from torchrec_lookahead.distributed.lockstep import gather_global_kjt
 from torchrec_lookahead.distributed.sharder import table_configs
+from torchrec_lookahead.distributed.topology import make_topology, sharding_planner
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, init_embedding_bag_tables_
 from torchrec_lookahead.store.init import init_embedding_weights
+from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
 
 __all__ = ["TorchRecStrategy"]
 
@@ -264,11 +266,7 @@ class TorchRecStrategy(DDPStrategy):
             with_default_sharders(self._sharders) if self._sharders is not None else get_default_sharders()
         )
         plan = self._plan
-        topology = Topology(
-            world_size=self.world_size,
-            compute_device=self.root_device.type,
-            local_world_size=self.num_processes,
-        )
+        topology = make_topology(self.world_size, self.root_device.type, local_world_size=self.num_processes)
         lookahead = [s for s in sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)]
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         for s in lookahead:
@@ -308,7 +306,7 @@ class TorchRecStrategy(DDPStrategy):
                 pg=pg,
             )
         elif plan is None:
-            planner = EmbeddingShardingPlanner(topology=topology, constraints=self._constraints_for(module))
+            planner = sharding_planner(topology, self._constraints_for(module))
             plan = planner.collective_plan(module, sharders, pg)
         # DistributedModelParallel replaces the collections in place: list the tables first.
         tables = [
@@ -340,9 +338,10 @@ class TorchRecStrategy(DDPStrategy):
         return dmp
 
     def data_parallel_wrapper(self) -> Optional[DataParallelWrapper]:
-        """How ``DistributedModelParallel`` replicates the dense (unsharded) layers; ``None`` is TorchRec's
-        default, DDP over every rank. Subclasses override it (the hierarchical strategy: DDP inside a group)."""
-        return None
+        """How ``DistributedModelParallel`` replicates the dense (unsharded) layers: DDP over every rank, as
+        TorchRec's default wrapper, with DDP's current buffer arguments (``DenseDataParallelWrapper``).
+        Subclasses override it (the hierarchical strategy: DDP inside a group)."""
+        return DenseDataParallelWrapper()
 
     def _datamodules(self) -> Tuple[Any, Any]:
         """The Trainer's DataModule and the one it wraps (the same when it wraps none)."""
