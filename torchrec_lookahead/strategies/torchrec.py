@@ -58,6 +58,7 @@ from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, init_embedding_bag_tables_
 from torchrec_lookahead.store.init import init_embedding_weights
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
+from torchrec_lookahead.strategies._signals import LockstepSignalConnector, use_lockstep_signals
 
 __all__ = ["TorchRecStrategy"]
 
@@ -445,6 +446,16 @@ class TorchRecStrategy(DDPStrategy):
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Agree on SIGTERM (one all-reduce of one number per step, see ``strategies/_signals.py``): when some rank
+        received it, every rank ends after this step."""
+        lm = self.lightning_module
+        trainer = lm._trainer if lm is not None else None
+        if trainer is not None and isinstance(trainer._signal_connector, LockstepSignalConnector):
+            trainer._signal_connector.agree()
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
     def on_train_end(self) -> None:
         self.flush_caches()
         super().on_train_end()
@@ -526,6 +537,8 @@ class TorchRecStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
+        # Before the Trainer registers its signal handlers: SIGTERM stops every rank at the same step.
+        use_lockstep_signals(trainer)
         self.accelerator.setup(trainer)
         if self.model is None:
             raise SetupError("No model attached to the strategy")
