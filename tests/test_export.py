@@ -85,3 +85,25 @@ def test_export_command_line_refuses_a_missing_checkpoint(tmp_path: Path) -> Non
     assert not (tmp_path / "o.ckpt").exists()
     ok = run_cli("export", "--help")
     assert ok.returncode == 0 and "--ckpt" in ok.stdout
+
+
+def test_export_refuses_a_file_that_is_not_a_checkpoint_dict(tmp_path: Path) -> None:
+    listed = tmp_path / "list.pt"
+    torch.save([1, 2], listed)
+    with pytest.raises(CheckpointError, match=r"holds a list, not a Lightning checkpoint"):
+        export_checkpoint(listed, tmp_path / "o.ckpt")
+    assert not (tmp_path / "o.ckpt").exists()
+
+
+def test_export_checks_its_config_before_reading_the_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    import torchrec_lookahead.export as export
+    from torchrec_lookahead.errors import ConfigError
+
+    def never(ckpt: Path) -> None:
+        raise AssertionError("read the checkpoint before checking the config")
+
+    monkeypatch.setattr(export, "_load_whole", never)
+    ckpt = tmp_path / "c.ckpt"
+    ckpt.write_bytes(b"")
+    with pytest.raises(ConfigError, match="Config file not found"):
+        export_checkpoint(ckpt, tmp_path / "o.ckpt", [str(tmp_path / "nope.yaml")])

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import enum
 import numbers
+import os
 from typing import Type, TypeVar
 
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["is_int", "check_int", "check_choice"]
+__all__ = ["is_int", "check_int", "check_choice", "check_output_file"]
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -56,3 +57,27 @@ def check_choice(name: str, value: object, choices: Type[E]) -> E:
     except ValueError:
         valid = ", ".join(repr(c.value) for c in choices)
         raise ConfigError(f"{name} must be one of {valid} but got {value!r}; pick one of them") from None
+
+
+def check_output_file(name: str, path: str) -> str:
+    """``path`` as a file that can be written: not a directory, and no component of its directory a file. Run it
+    before the work whose result goes there.
+
+    Raises:
+        ConfigError: ``path`` is a directory, or a parent of it is a file; the message names ``name`` and the path.
+
+    Example:
+        >>> check_output_file("--save", "/tmp")
+        Traceback (most recent call last):
+        ...
+        torchrec_lookahead.errors.ConfigError: --save '/tmp' is a directory; name the file to write, e.g. '/tmp/...'
+    """
+    if os.path.isdir(path):
+        example = os.path.join(path, "...")
+        raise ConfigError(f"{name} {path!r} is a directory; name the file to write, e.g. {example!r}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{name} {path!r} cannot be written: {parent!r} is a file, not a directory")
+    return path

@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import List, Sequence
 
+import yaml
+
 from torchrec_lookahead.errors import ConfigError
 
 __all__ = ["CONFIG_DIR", "bundled_configs", "config_path", "resolve_config_args"]
@@ -55,8 +57,12 @@ def resolve_config_args(argv: Sequence[str]) -> List[str]:
     """``argv`` with each ``--config NAME`` (or ``--config=NAME``) whose ``NAME`` is not an existing file but
     a bare name (no directory, no inline YAML) replaced by the bundled config's path; anything else unchanged.
 
+    Every ``--config`` value is checked here, before any work: a value that is neither a file, nor a bundled
+    config's name, nor inline YAML (a mapping) is refused, rather than left to the argument parser, whose
+    message is its whole usage text.
+
     Raises:
-        ConfigError: a bare name that is neither a file nor a bundled config.
+        ConfigError: a bare name that is neither a file nor a bundled config; a path to no file.
 
     Example:
         >>> resolve_config_args(["fit", "--config", "dlrm_tiny"])[2].endswith("configs/dlrm_tiny.yaml")
@@ -66,9 +72,18 @@ def resolve_config_args(argv: Sequence[str]) -> List[str]:
     """
 
     def resolve(value: str) -> str:
-        if Path(value).exists() or not _NAME.match(value) or "/" in value:
+        if Path(value).is_file():
             return value
-        return str(config_path(value))
+        if _NAME.match(value):
+            return str(config_path(value))
+        if _is_inline_yaml(value):
+            return value
+        what = (
+            f"Config file {value!r} is a directory"
+            if Path(value).is_dir()
+            else f"Config file not found: {value!r}"
+        )
+        raise ConfigError(f"{what}; give the path to a YAML file or a bundled config's name")
 
     out: List[str] = []
     after_flag = False
@@ -81,3 +96,17 @@ def resolve_config_args(argv: Sequence[str]) -> List[str]:
             out.append(arg)
         after_flag = arg == "--config"
     return out
+
+
+def _is_inline_yaml(value: str) -> bool:
+    """``value`` is a config written inline (a YAML mapping, or text the YAML parser refuses, which the CLI's
+    parser then reports), not a path.
+
+    Example:
+        >>> _is_inline_yaml("trainer: {max_steps: 1}"), _is_inline_yaml("configs/nope.yaml")
+        (True, False)
+    """
+    try:
+        return isinstance(yaml.safe_load(value), dict)
+    except yaml.YAMLError:
+        return True

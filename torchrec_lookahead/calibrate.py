@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Sequence
 import lightning.pytorch as pl
 import yaml
 
+from torchrec_lookahead._checks import check_output_file
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.hotcold import (
     CalibrationConfig,
@@ -78,11 +79,20 @@ def _write_atomic(path: str, text: str) -> None:
         raise
 
 
-def run_calibration(config_path: str, overrides: Sequence[str] = ()) -> tuple[HotSet, Optional[str]]:
+def run_calibration(
+    config_path: str, overrides: Sequence[str] = (), save: Optional[str] = None
+) -> tuple[HotSet, Optional[str]]:
     """Calibrate the config's training data; returns the hot set and the config's ``hot_set`` path (if any).
 
+    Args:
+        config_path: the LightningCLI YAML config.
+        overrides: command-line overrides of the config.
+        save: where the caller writes the hot set instead of the config's ``hot_set`` path; with ``None``, the
+            config's path (if any) is checked before calibrating.
+
     Raises:
-        ConfigError: the config names no ``hot_budget_bytes`` (or a bad value).
+        ConfigError: the config names no ``hot_budget_bytes`` (or a bad value), or the hot set's file cannot
+            be written (a directory, say).
     """
     if not os.path.isfile(config_path):
         raise ConfigError(f"Config file not found: {config_path!r}")
@@ -103,6 +113,8 @@ def run_calibration(config_path: str, overrides: Sequence[str] = ()) -> tuple[Ho
     ):
         dm = dm.datamodule  # a LookaheadDataModule (pinned hot rows) around the hot/cold DataModule
     if isinstance(dm, HotColdDataModule):
+        if save is None and dm.hot_set_path:
+            check_output_file("the config's hot_set", dm.hot_set_path)
         return calibrate(
             calibration_source(dm.datamodule), dm.num_embeddings_per_feature, dm.calibration_config(model)
         ), dm.hot_set_path
@@ -125,7 +137,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--save", default=None, help="where to write the hot set (default: the config's hot_set)")
     p.add_argument("--json", default=None, help="where to write the figures as JSON")
     args, overrides = p.parse_known_args(argv)
-    hot_set, configured = run_calibration(args.config, overrides)
+    if args.save is not None:  # before the calibration, which takes minutes
+        check_output_file("--save", args.save)
+    if args.json is not None:
+        check_output_file("--json", args.json)
+    hot_set, configured = run_calibration(args.config, overrides, args.save)
     sys.stdout.write(hot_set.report() + "\n")
     target = args.save or configured
     if target:

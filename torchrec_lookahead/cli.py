@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
+from torchrec_lookahead._quiet import pop_verbose_flag, quiet_known_messages
 from torchrec_lookahead.bundled import resolve_config_args
 from torchrec_lookahead.launch import (
     TRACEBACK_ENV,
@@ -38,9 +39,13 @@ __all__ = [
 
 def main(args: Optional[List[str]] = None) -> None:
     """Run the CLI (``args`` defaults to ``sys.argv[1:]``); ``verify`` compares cached and resident training,
-    ``calibrate`` runs FAE's calibrator (:mod:`torchrec_lookahead.calibrate`)."""
+    ``calibrate`` runs FAE's calibrator (:mod:`torchrec_lookahead.calibrate`). Known-harmless messages of the
+    libraries underneath are hidden unless ``--verbose`` is given (:mod:`torchrec_lookahead._quiet`)."""
+    argv, verbose = pop_verbose_flag(list(sys.argv[1:] if args is None else args))
+    if not verbose:
+        quiet_known_messages()
     with short_lookahead_errors():  # `--config NAME` may name a bundled config (torchrec_lookahead.bundled)
-        argv = resolve_config_args(sys.argv[1:] if args is None else args)
+        argv = resolve_config_args(argv)
     if argv[:1] == ["verify"]:
         from torchrec_lookahead.verify import main as verify_main
 
@@ -75,5 +80,5 @@ torchrec_lookahead commands (beside Lightning's fit, validate, test, predict):
   verify   train a config cached and with every table resident, side by side, and compare (bit-exact by default)
   export   write a cached run's checkpoint as the resident model's, for evaluation and serving
   calibrate  estimate and save a hot set for a hot-embedding budget (FAE)
-  each takes --help
+  each takes --help; --verbose (any command) also shows the libraries' known-harmless warnings
 """

@@ -97,9 +97,15 @@ def _load_whole(ckpt: Path) -> Dict[str, Any]:
         return full
     if ckpt.is_file():
         try:
-            return dict(torch.load(ckpt, weights_only=False, map_location="cpu"))
+            loaded = torch.load(ckpt, weights_only=False, map_location="cpu")
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"cannot read the checkpoint {ckpt} ({type(e).__name__}: {e})") from e
+        if not isinstance(loaded, Mapping):
+            raise CheckpointError(
+                f"{ckpt} holds a {type(loaded).__name__}, not a Lightning checkpoint (a dict with a state_dict); "
+                "pass the checkpoint ModelCheckpoint wrote"
+            )
+        return dict(loaded)
     raise CheckpointError(f"no checkpoint at {ckpt}")
 
 
@@ -117,16 +123,23 @@ def export_checkpoint(ckpt: Path, out: Path, config: Optional[Sequence[str]] = N
 
     Raises:
         CheckpointError: the checkpoint is missing or damaged, or does not fit the config's model.
+        ConfigError: a config file is missing or invalid (checked, like ``out``, before the checkpoint is read).
     """
     ckpt, out = Path(ckpt), Path(out)
     if out.exists() and out.is_dir():
         raise CheckpointError(f"--out {out} is a directory; name the checkpoint file to write")
+    if not ckpt.exists():
+        raise CheckpointError(f"no checkpoint at {ckpt}")
+    model = _resident_model(config) if config else None  # the arguments first: reading a checkpoint is slow
     data = _load_whole(ckpt)
     if "state_dict" not in data:
         raise CheckpointError(f"{ckpt} holds no state_dict (is it a Lightning checkpoint?)")
     state = resident_state_dict(data["state_dict"])
-    if config:
-        _check_against(config, state)
+    if model is not None:
+        try:
+            model.load_state_dict(dict(state), strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"the checkpoint does not fit the config's resident model: {e}") from e
     exported = {k: v for k, v in data.items() if k not in ("state_dict", "optimizer_states", "lr_schedulers")}
     exported["state_dict"] = state
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -142,16 +155,15 @@ def export_checkpoint(ckpt: Path, out: Path, config: Optional[Sequence[str]] = N
     }
 
 
-def _check_against(config: Sequence[str], state: Mapping[str, torch.Tensor]) -> None:
+def _resident_model(config: Sequence[str]) -> torch.nn.Module:
+    """The config's LightningModule with its plain, resident model built (no Trainer, no sharding)."""
+    from torchrec_lookahead.bundled import resolve_config_args
     from torchrec_lookahead.launch import build_cli
 
-    args = [a for c in config for a in ("--config", c)] + ["--trainer.logger=false"]
+    args = resolve_config_args([a for c in config for a in ("--config", c)]) + ["--trainer.logger=false"]
     lm = build_cli(args).model
-    lm.configure_model()  # no Trainer: the plain, resident model
-    try:
-        lm.load_state_dict(dict(state), strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"the checkpoint does not fit the config's resident model: {e}") from e
+    lm.configure_model()
+    return lm
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

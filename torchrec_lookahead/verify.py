@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
+from torchrec_lookahead.bundled import resolve_config_args
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.export import resident_key
 from torchrec_lookahead.launch import build_cli, shutdown_distributed
@@ -84,7 +85,7 @@ def comparable_state(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 def _build(config: Union[str, Sequence[str]], overrides: Sequence[str]) -> Any:
     configs = [config] if isinstance(config, str) else list(config)
-    return build_cli([a for c in configs for a in ("--config", c)] + list(overrides))
+    return build_cli(resolve_config_args([a for c in configs for a in ("--config", c)]) + list(overrides))
 
 
 def _train(
@@ -195,8 +196,8 @@ def verify(
         comparison is complete on rank 0, and :func:`main` broadcasts it.
 
     Raises:
-        ConfigError: ``steps < 1``, the config caches no table or does not use ``strategy="torchrec"``, or the
-            two models have different weights.
+        ConfigError: ``steps < 1``, a config file is missing, the config caches no table or does not use
+            ``strategy="torchrec"``, or the two models have different weights.
     """
     if steps < 1:
         raise ConfigError(f"Expected steps >= 1 but got {steps}")

@@ -96,3 +96,52 @@ def test_under_torchrun_one_rank_prints_the_error():
     assert out.returncode != 0
     assert out.stderr.count("ConfigError: Expected policy") == 1, out.stderr[-3000:]
     assert "Does not validate" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["fit"],
+        ["verify"],
+        ["calibrate"],
+        ["export", "--ckpt", "missing.ckpt", "--out", "out.ckpt"],
+    ],
+)
+def test_a_missing_config_file_is_one_short_config_error_for_every_command(capsys, tmp_path, command):
+    missing = str(tmp_path / "nope.yaml")
+    line = _short_error(capsys, [*command, "--config", missing])
+    assert line == (
+        f"ConfigError: Config file not found: {missing!r}; give the path to a YAML file or a bundled config's name"
+    ), line
+    line = _short_error(capsys, [*command, f"--config={tmp_path}"])
+    assert line.startswith(f"ConfigError: Config file {str(tmp_path)!r} is a directory"), line
+
+
+def test_inline_yaml_and_bundled_names_still_pass_as_configs():
+    from torchrec_lookahead.bundled import resolve_config_args
+
+    inline = "--config=trainer: {max_steps: 1}"
+    assert resolve_config_args(["fit", inline, "--config", TINY]) == ["fit", inline, "--config", TINY]
+    assert resolve_config_args(["fit", "--config", "dlrm_tiny"])[2].endswith("dlrm_tiny.yaml")
+
+
+def test_calibrate_refuses_a_directory_to_save_to_before_calibrating(capsys, tmp_path, monkeypatch):
+    import torchrec_lookahead.calibrate as calibrate_command
+
+    def never(*args, **kwargs):
+        raise AssertionError("calibrated before checking where to save")
+
+    monkeypatch.setattr(calibrate_command, "calibrate", never)
+    fae = "configs/dlrm_tiny_fae.yaml"
+    line = _short_error(capsys, ["calibrate", "--config", fae, "--save", str(tmp_path)])
+    assert line.startswith(f"ConfigError: --save {str(tmp_path)!r} is a directory; name the file to write"), (
+        line
+    )
+    line = _short_error(capsys, ["calibrate", "--config", fae, "--json", str(tmp_path)])
+    assert line.startswith(f"ConfigError: --json {str(tmp_path)!r} is a directory"), line
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    line = _short_error(capsys, ["calibrate", "--config", fae, "--save", str(blocker / "hot.pt")])
+    assert line.endswith(f"{str(blocker)!r} is a file, not a directory"), line
+    line = _short_error(capsys, ["calibrate", "--config", fae, f"--data.init_args.hot_set={tmp_path}"])
+    assert line.startswith(f"ConfigError: the config's hot_set {str(tmp_path)!r} is a directory"), line

@@ -3,7 +3,9 @@
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
+import pytest
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from torchrec_lookahead.data._report import report_text, scan_progress
 
@@ -44,3 +46,20 @@ def test_report_text_goes_to_every_tensorboard_logger_and_skips_others(tmp_path)
         (event,) = events.Tensors("lookahead/cache/text_summary")
         # a preformatted Markdown block: TensorBoard keeps the lines and columns
         assert event.tensor_proto.string_val[0].decode() == "    Lookahead cache:\n      t 10 rows"
+
+
+def test_a_pre_scan_of_one_process_ends_when_it_receives_sigterm(tmp_path):
+    for shows_bar in (False, True):
+        t = trainer(tmp_path, progress_bar=shows_bar)
+        with pytest.raises(SIGTERMException):
+            with scan_progress(t, "scan", total=1000) as tick:
+                for i in range(1000):
+                    if i == 3:
+                        t._signal_connector.received_sigterm = True  # what Lightning's handler sets
+                    tick()
+    several = SimpleNamespace(
+        world_size=2, received_sigterm=True, is_global_zero=True, progress_bar_callback=None
+    )
+    with scan_progress(several, "scan", total=2) as tick:  # several ranks: the scan's collectives go on
+        tick()
+        tick()

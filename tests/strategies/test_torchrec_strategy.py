@@ -57,6 +57,13 @@ def test_plain_file_is_not_a_sharded_checkpoint(tmp_path):
         fit(tmp_path, max_steps=2, ckpt_path=str(bogus))
 
 
+def test_an_ordinary_checkpoint_file_is_refused_with_the_strategy_that_reads_it(tmp_path):
+    exported = tmp_path / "dlrm.ckpt"  # what `export` writes: one Lightning checkpoint of the resident model
+    torch.save({"state_dict": {}, "epoch": 0, "global_step": 2}, exported)
+    with pytest.raises(CheckpointError, match=r"is a checkpoint file.*run with --trainer.strategy=auto"):
+        fit(tmp_path, max_steps=2, ckpt_path=str(exported))
+
+
 def test_refuses_device_count_that_does_not_match_the_launcher(monkeypatch):
     strategy = TorchRecStrategy(parallel_devices=[torch.device("cpu")])
     strategy._num_nodes = 1

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 __all__ = ["report_text", "scan_progress", "ScanTicker"]
 
@@ -44,8 +45,8 @@ def report_text(trainer: Any, tag: str, text: str) -> None:
 @contextlib.contextmanager
 def scan_progress(trainer: Any, description: str, total: Optional[int]) -> Iterator[ScanTicker]:
     """A progress bar over a pre-scan of ``total`` batches (``None``: unknown) while the block runs, on rank 0
-    where the Trainer shows progress bars (``enable_progress_bar``); elsewhere the ticker does nothing. Yields the
-    ticker to call once per batch.
+    where the Trainer shows progress bars (``enable_progress_bar``). Yields the ticker to call once per batch; it
+    also ends the scan of a single process that received SIGTERM (``SIGTERMException``).
 
     Example:
         >>> with scan_progress(None, "scan", total=2) as tick:
@@ -57,7 +58,7 @@ def scan_progress(trainer: Any, description: str, total: Optional[int]) -> Itera
         and getattr(trainer, "progress_bar_callback", None) is not None
     )
     if not shows:
-        yield lambda: None
+        yield lambda: _stop_if_terminated(trainer)
         return
     from tqdm import tqdm
 
@@ -65,5 +66,26 @@ def scan_progress(trainer: Any, description: str, total: Optional[int]) -> Itera
     with tqdm(
         total=total, desc=description, unit="batch", file=sys.stderr, dynamic_ncols=True, leave=True
     ) as bar:
-        yield lambda: bar.update(1)
+
+        def tick() -> None:
+            _stop_if_terminated(trainer)
+            bar.update(1)
+
+        yield tick
         bar.set_postfix_str(f"{time.perf_counter() - t0:.1f} s", refresh=True)
+
+
+def _stop_if_terminated(trainer: Any) -> None:
+    """End a pre-scan of one process that received SIGTERM (a scan of a large dataset takes minutes). With
+    several ranks the scan goes on (its collectives pair up only if every rank scans to the end) and the ranks
+    stop together at the first training step (``TorchRecStrategy``).
+
+    Raises:
+        SIGTERMException: Lightning's, as its loops raise it.
+    """
+    if (
+        trainer is not None
+        and getattr(trainer, "world_size", 1) == 1
+        and getattr(trainer, "received_sigterm", False)
+    ):
+        raise SIGTERMException()

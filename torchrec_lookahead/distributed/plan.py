@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
@@ -33,6 +33,7 @@ from torchrec_lookahead.distributed.sharder import (
     lookahead_planning,
     table_configs,
 )
+from torchrec_lookahead.distributed.topology import sharding_planner
 from torchrec_lookahead.errors import ConfigError
 
 __all__ = ["lookahead_sharding_plan", "embedding_tables", "with_default_sharders", "check_all_sharded"]
@@ -166,7 +167,7 @@ def lookahead_sharding_plan(
             cons[t] = ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
         elif compute_kernel is not None:
             cons.setdefault(t, ParameterConstraints(sharding_types=types, compute_kernels=[compute_kernel]))
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=cons)
+    planner = sharding_planner(topology, cons)
     # TorchRec's planner sees cached tables at their cache size: a cached table may be far larger than any
     # device (that is the point), and only `capacity` rows of it will ever be on one.
     target, restore = _with_cache_sized_tables(module, cached)

@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.model_parallel import DataParallelWrapper, DefaultDataParallelWrapper
+from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -53,6 +53,7 @@ from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.optim import _enum
 from torchrec_lookahead.strategies._averaging import Averaging, ReplicaAverager
 from torchrec_lookahead.strategies._compression import bf16_allreduce_hook
+from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
 from torchrec_lookahead.strategies._splits import (
     Placement,
     SplitLayer,
@@ -89,7 +90,7 @@ def _positive_int(value: Any, arg: str) -> int:
     return value
 
 
-class _GroupDataParallelWrapper(DefaultDataParallelWrapper):
+class _GroupDataParallelWrapper(DenseDataParallelWrapper):
     """TorchRec's data-parallel wrapper inside one group: splits the placed layers over the group's mesh, then
     wraps the rest of the dense part in DDP over the group's process group (DDP cannot hold the DTensor
     parameters; it ignores them, and their gradients come out of the tensor-parallel collectives)."""

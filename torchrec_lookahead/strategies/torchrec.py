@@ -35,7 +35,7 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders, get_module
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from typing_extensions import override
@@ -54,9 +54,12 @@ from torchrec_lookahead.distributed import (
 )
 from torchrec_lookahead.distributed.lockstep import gather_global_kjt
 from torchrec_lookahead.distributed.sharder import table_configs
+from torchrec_lookahead.distributed.topology import make_topology, sharding_planner
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, init_embedding_bag_tables_
 from torchrec_lookahead.store.init import init_embedding_weights
+from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
+from torchrec_lookahead.strategies._signals import LockstepSignalConnector, use_lockstep_signals
 
 __all__ = ["TorchRecStrategy"]
 
@@ -265,11 +268,7 @@ class TorchRecStrategy(DDPStrategy):
             with_default_sharders(self._sharders) if self._sharders is not None else get_default_sharders()
         )
         plan = self._plan
-        topology = Topology(
-            world_size=self.world_size,
-            compute_device=self.root_device.type,
-            local_world_size=self.num_processes,
-        )
+        topology = make_topology(self.world_size, self.root_device.type, local_world_size=self.num_processes)
         lookahead = [s for s in sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)]
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         for s in lookahead:
@@ -309,7 +308,7 @@ class TorchRecStrategy(DDPStrategy):
                 pg=pg,
             )
         elif plan is None:
-            planner = EmbeddingShardingPlanner(topology=topology, constraints=self._constraints_for(module))
+            planner = sharding_planner(topology, self._constraints_for(module))
             plan = planner.collective_plan(module, sharders, pg)
         # DistributedModelParallel replaces the collections in place: list the tables first.
         tables = [
@@ -341,9 +340,10 @@ class TorchRecStrategy(DDPStrategy):
         return dmp
 
     def data_parallel_wrapper(self) -> Optional[DataParallelWrapper]:
-        """How ``DistributedModelParallel`` replicates the dense (unsharded) layers; ``None`` is TorchRec's
-        default, DDP over every rank. Subclasses override it (the hierarchical strategy: DDP inside a group)."""
-        return None
+        """How ``DistributedModelParallel`` replicates the dense (unsharded) layers: DDP over every rank, as
+        TorchRec's default wrapper, with DDP's current buffer arguments (``DenseDataParallelWrapper``).
+        Subclasses override it (the hierarchical strategy: DDP inside a group)."""
+        return DenseDataParallelWrapper()
 
     def _datamodules(self) -> Tuple[Any, Any]:
         """The Trainer's DataModule and the one it wraps (the same when it wraps none)."""
@@ -447,6 +447,16 @@ class TorchRecStrategy(DDPStrategy):
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Agree on SIGTERM (one all-reduce of one number per step, see ``strategies/_signals.py``): when some rank
+        received it, every rank ends after this step."""
+        lm = self.lightning_module
+        trainer = lm._trainer if lm is not None else None
+        if trainer is not None and isinstance(trainer._signal_connector, LockstepSignalConnector):
+            trainer._signal_connector.agree()
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
     def on_train_end(self) -> None:
         self.flush_caches()
         super().on_train_end()
@@ -532,6 +542,8 @@ class TorchRecStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
+        # Before the Trainer registers its signal handlers: SIGTERM stops every rank at the same step.
+        use_lockstep_signals(trainer)
         self.accelerator.setup(trainer)
         if self.model is None:
             raise SetupError("No model attached to the strategy")
@@ -651,13 +663,20 @@ class TorchRecStrategy(DDPStrategy):
         and was written by as many ranks as this run has.
 
         Raises:
-            CheckpointError: the path does not exist, is not a checkpoint of this strategy, lacks
+            CheckpointError: the path does not exist, is a file (an exported checkpoint, read with
+                ``strategy='auto'``), is not a checkpoint of this strategy, lacks
                 torch.distributed.checkpoint's ``.metadata``, or was written by another number of ranks.
         """
         if not path.exists():
             raise CheckpointError(
                 f"checkpoint {path} does not exist; check ckpt_path (under strategy='torchrec' a checkpoint is the "
                 "directory ModelCheckpoint wrote, e.g. <dirpath>/epoch=0-step=100.ckpt)"
+            )
+        if path.is_file():
+            raise CheckpointError(
+                f"{path} is a checkpoint file, not a directory written by TorchRecStrategy: an ordinary checkpoint "
+                "(of `export`, or of the resident model trained with strategy='auto') is read by the plain model; "
+                "run with --trainer.strategy=auto (in Python, Trainer(strategy='auto')) to evaluate or serve it"
             )
         if not (path / _META_FILE).is_file():
             raise CheckpointError(

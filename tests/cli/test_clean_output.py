@@ -1,0 +1,54 @@
+"""What a newcomer reads: a fit of the tiny config prints no warning that is not this package's; the libraries'
+known-harmless ones are shown with ``--verbose``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from torchrec_lookahead._quiet import KNOWN_LOG_MESSAGES, KNOWN_WARNINGS
+
+from .test_cli import run_cli
+
+TINY = "configs/dlrm_tiny_lookahead.yaml"
+# a warning as Python prints it ("FutureWarning: ..."), as Lightning prints it ("<file>.py:<line>: ..."), or a log
+# record at level WARNING (Python's "WARNING:<logger>:", torch's "W<mmdd> <time> ...")
+_WARNING_LINE = re.compile(r"Warning\b|WARNING|\bW\d{4} \d\d:|\.py:\d+: ")
+
+
+def _foreign_warnings(output: str) -> List[str]:
+    return [
+        line
+        for line in output.splitlines()
+        if _WARNING_LINE.search(line) and "torchrec_lookahead" not in line
+    ]
+
+
+@pytest.fixture
+def python_warnings_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child prints Python's warnings as a user's shell would (the suite's children ignore them)."""
+    monkeypatch.delenv("PYTHONWARNINGS", raising=False)
+
+
+@pytest.mark.usefixtures("python_warnings_shown")
+def test_fit_of_the_tiny_config_prints_no_warning_that_is_not_ours(tmp_path: Path) -> None:
+    out = run_cli("fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert _foreign_warnings(text) == [], text[-5000:]
+    assert "Tip:" not in text  # Lightning's cloud advertisements
+    assert "Lookahead cache: t_cat_11 120 rows" in text and "Final metrics:" in text
+
+
+@pytest.mark.usefixtures("python_warnings_shown")
+def test_verbose_shows_the_known_harmless_messages(tmp_path: Path) -> None:
+    out = run_cli("fit", "--config", TINY, "--verbose", f"--trainer.default_root_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    shown = [
+        pattern for _, pattern, _ in KNOWN_WARNINGS + [(None, p, None) for _, p, _ in KNOWN_LOG_MESSAGES]
+    ]
+    assert all(re.search(pattern, text) for pattern in shown), text[-5000:]

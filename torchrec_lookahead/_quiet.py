@@ -1,0 +1,75 @@
+"""Known-harmless messages of the libraries underneath, kept out of the command line's default output.
+
+Each entry says whose message it is and why it does not concern a run of this package; ``--verbose`` on the
+command line shows them all. Only the CLI installs these filters (:func:`quiet_known_messages`); the library
+leaves the process's warning and logging configuration alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from typing import List, Tuple, Type
+
+__all__ = ["VERBOSE_FLAG", "KNOWN_WARNINGS", "KNOWN_LOG_MESSAGES", "quiet_known_messages", "pop_verbose_flag"]
+
+VERBOSE_FLAG = "--verbose"
+"""The command-line flag that shows the messages below."""
+
+KNOWN_WARNINGS: List[Tuple[Type[Warning], str, str]] = [
+    (
+        FutureWarning,
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        "Lightning 2.6's pytree helper on torch 2.13; nothing to change on our side",
+    ),
+    (
+        UserWarning,
+        r"Your `IterableDataset` has `__len__` defined",
+        "Lightning warns of duplicated data with several loader workers; the bundled batch loaders are one "
+        "process (num_workers=0) and their length is exact, which Lightning needs to resume mid-epoch",
+    ),
+]
+"""(category, message regex, why) of the warnings the CLI hides by default."""
+
+KNOWN_LOG_MESSAGES: List[Tuple[str, str, str]] = [
+    (
+        "torch.fx._symbolic_trace",
+        r"is_fx_tracing will return true for both",
+        "torch's notice to TorchRec, which calls is_fx_tracing() in its modules' forward",
+    ),
+    (
+        "lightning.pytorch.utilities.rank_zero",
+        r"Tip: For seamless cloud",
+        "Lightning's advertisement of its cloud services",
+    ),
+]
+"""(logger, message regex, why) of the log records the CLI hides by default."""
+
+
+class _DropMatching(logging.Filter):
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+def quiet_known_messages() -> None:
+    """Hide :data:`KNOWN_WARNINGS` and :data:`KNOWN_LOG_MESSAGES` in this process."""
+    for category, message, _ in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for logger, message, _ in KNOWN_LOG_MESSAGES:
+        logging.getLogger(logger).addFilter(_DropMatching(message))
+
+
+def pop_verbose_flag(argv: List[str]) -> Tuple[List[str], bool]:
+    """``argv`` without :data:`VERBOSE_FLAG`, and whether it was there.
+
+    Example:
+        >>> pop_verbose_flag(["fit", "--verbose", "--config", "x.yaml"])
+        (['fit', '--config', 'x.yaml'], True)
+    """
+    rest = [a for a in argv if a != VERBOSE_FLAG]
+    return rest, len(rest) != len(argv)

@@ -1,0 +1,82 @@
+"""SIGTERM stops every rank together, at the same training step.
+
+Lightning's SIGTERM handler runs a blocking ``dist.broadcast`` inside the handler, at whatever point the signal
+finds the main thread: a peer inside the cache's all-gather (or any other collective) never joins it, and every
+rank waits for good. The handler also makes a rank that receives it alone stop at the end of its step while its
+peers go on. :class:`LockstepSignalConnector` replaces the handler's work by a flag (and the forwarding of the
+signal to the processes Lightning launched), and the strategy agrees on the flags once per training step, at the
+start of the step, with one all-reduce on the training thread's process group (:meth:`agree`): every rank then
+ends after the same step (Lightning's ``SIGTERMException``), flushes its caches and exits, whichever of them the
+signal reached. With one process the flag stops training at once, and the lookahead pre-scans poll it
+(:func:`~torchrec_lookahead.data._report.scan_progress`).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import FrameType
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info
+from typing_extensions import override
+
+__all__ = ["LockstepSignalConnector", "use_lockstep_signals"]
+
+log = logging.getLogger(__name__)
+
+
+class LockstepSignalConnector(_SignalConnector):
+    """Lightning's signal connector whose SIGTERM handler only records the signal (see the module docstring).
+
+    ``received_sigterm``, which Lightning's loops read, becomes true on every rank at the same step, through
+    :meth:`agree`; with one process, at once.
+    """
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        super().__init__(trainer)
+        #: this rank received SIGTERM (not yet agreed with the others)
+        self.pending = False
+
+    @override
+    def register_signal_handlers(self) -> None:
+        self.pending = False
+        super().register_signal_handlers()
+
+    @override
+    def _sigterm_notifier_fn(self, signum: Any, _: Optional[FrameType]) -> None:
+        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", self.trainer.local_rank))
+        if not self.pending:
+            launcher = self.trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)  # the ranks Lightning started as this process's children
+        self.pending = True
+        if self.trainer.world_size == 1:
+            self.received_sigterm = True
+
+    def agree(self) -> bool:
+        """Whether some rank received SIGTERM; a collective of every rank's training thread (one all-reduce of
+        one number on the default group) that every rank calls at the same point of every step."""
+        if self.received_sigterm:
+            return True
+        if self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([int(self.pending)], device=self.trainer.strategy.root_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if int(flag.item()):
+                self.received_sigterm = True
+                rank_zero_info(
+                    f"SIGTERM: every rank stops after step {self.trainer.global_step + 1} (the caches are flushed)"
+                )
+        return self.received_sigterm
+
+
+def use_lockstep_signals(trainer: pl.Trainer) -> LockstepSignalConnector:
+    """Give ``trainer`` a :class:`LockstepSignalConnector` (before it registers its signal handlers)."""
+    connector = trainer._signal_connector
+    if not isinstance(connector, LockstepSignalConnector):
+        connector = LockstepSignalConnector(trainer)
+        trainer._signal_connector = connector
+    return connector
