@@ -1,17 +1,14 @@
-"""Shared plumbing of the benchmark scripts: machine description, tables, JSON output, timing callbacks, and
+"""Shared plumbing of the benchmark scripts: timing callbacks, loaders, launch helpers, and
 the cached / resident training job of ``cache_overhead.py`` that ``memory.py``, ``scale.py`` and ``gpu.py``
 reuse (``build``, ``capacities``, ``train``). Scripts import it as ``benchmarks._common`` with the repository
-root on ``sys.path``; no script imports another."""
+root on ``sys.path``; no script imports another. The helpers that need neither Lightning nor TorchRec (command
+line, tables, JSON output) are in ``_report.py`` and re-exported here."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import queue
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,6 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import lightning.pytorch as pl
 import torch
 
+# re-exported: the scripts import these from here or, to start without Lightning, from _report
+from benchmarks._report import free_port, machine, median, parser, table, write_json  # noqa: F401
 from torchrec_lookahead.data import LoaderStats, LookaheadDataModule, WrappedDataModule
 from torchrec_lookahead.data._threads import lower_thread_priority, single_threaded_ops
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
@@ -29,59 +28,6 @@ from torchrec_lookahead.launch import build_cli
 from torchrec_lookahead.oracle import OracleConfig, min_capacity
 from torchrec_lookahead.strategies import TorchRecStrategy
 from torchrec_lookahead.verify import QUIET_TRAINER_ARGS
-
-
-def parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--quick", action="store_true", help="a small variant that finishes in about a minute")
-    p.add_argument("--json", metavar="PATH", help="write the headline figures to this JSON file")
-    return p
-
-
-def machine() -> Dict[str, Any]:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-
-
-def table(rows: Sequence[Dict[str, Any]], columns: Optional[List[str]] = None) -> str:
-    if not rows:
-        return "(no rows)"
-    cols = columns or list(rows[0].keys())
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
-        return str(v)
-
-    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)), "-|-".join("-" * w for w in widths)]
-    lines += [" | ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
-
-
-def write_json(path: Optional[str], figures: Dict[str, Any]) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump({**figures, "machine": machine()}, f, indent=2, sort_keys=True)
-
-
-def median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs))
 
 
 class StepTimer(pl.Callback):
@@ -318,13 +264,6 @@ def proc_status(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface (for a rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 LAUNCHER_VARS = (

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 import time
 import zlib
@@ -26,6 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._report import write_json  # noqa: E402
 from benchmarks._zipf import KAGGLE_ROWS, criteo_batches, table_names  # noqa: E402
 from torchrec_lookahead.errors import LookaheadError  # noqa: E402
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, min_capacity  # noqa: E402
@@ -254,8 +254,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "belady / lru fetches at 5% above the compulsory first-touch fetches: "
         f"{results['belady_over_lru_5pct_above_compulsory']:.3f}"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    write_json(args.json, results)
     return results
 
 

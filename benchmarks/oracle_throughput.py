@@ -6,9 +6,6 @@ python benchmarks/oracle_throughput.py [--quick] [--json PATH]
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -19,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._report import write_json  # noqa: E402
 from benchmarks._zipf import KAGGLE_ROWS, criteo_batches, table_names  # noqa: E402
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig  # noqa: E402
 
@@ -50,27 +48,30 @@ def main(argv: Any = None) -> Dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--capacity-fraction", type=float, default=0.05)
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="Kaggle table sizes x this (at least 3 rows)"
+    )
     args = parser.parse_args(argv)
     steps = args.steps or (120 if args.quick else 300)
     runs = args.runs or (1 if args.quick else 3)
     horizon = min(args.horizon, steps - 1)
     names = table_names()
-    rows = dict(zip(names, KAGGLE_ROWS))
+    sizes = [max(3, int(r * args.scale)) for r in KAGGLE_ROWS]
+    rows = dict(zip(names, sizes))
     t0 = time.perf_counter()
-    batches = criteo_batches(steps, args.batch, KAGGLE_ROWS)
+    batches = criteo_batches(steps, args.batch, sizes)
     gen_s = time.perf_counter() - t0
     # belady: 5% of rows, at least the working set of two batches (prefetch_depth=1) or the whole table
     cap = {n: max(int(r * args.capacity_fraction), min(r, 2 * args.batch)) for n, r in rows.items()}
     samples = steps * args.batch
     floor = statistics.median(floor_pass(batches) for _ in range(runs))
     results: Dict[str, Any] = {
-        "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "batch": args.batch,
         "steps": steps,
         "horizon": horizon,
         "tables": len(names),
+        "rows": sum(sizes),
         "generate_s": round(gen_s, 2),
         "floor_samples_per_s": samples / floor,
         "policies": {},
@@ -107,8 +108,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
         print(f"{'oracle ' + policy:<34}{r['samples_per_s']:>14,.0f}{ratio:>10.2f}")
     print(f"belady without / with num_embeddings: {results['unsized_over_sized']:.2f}")
     print(f"({steps} batches of {args.batch}, {len(names)} tables, horizon {horizon}, median of {runs} runs)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return results
 
 

@@ -7,6 +7,8 @@ minimum where below it); the others are resident. A bounded number of steps is t
 after warm-up (JSON ``samples_per_s``), peak RSS (``peak_rss_gib``), store bytes (``store_gib``), the time
 to build and shard the model (``setup_s``, resident tables are initialised there) and the first steps
 (``first_steps_s``: the stores initialise their rows lazily, chunk by chunk, when a step first touches them).
+The epoch has 100,000 batches, of which only the trained ones are read: capacities are checked as the loader plans
+(``capacity_check="lookahead"``), not by a pre-scan of the epoch.
 
 Manual modes (not run in CI), each in its own process so that peak RSS is its own:
 
@@ -16,7 +18,7 @@ Manual modes (not run in CI), each in its own process so that peak RSS is its ow
   same capacities, alternated (``--rounds``): the relative throughput of the memory-mapped store on a size
   that fits RAM (JSON ``mmap_over_ram_samples_per_s``).
 
-    python benchmarks/scale.py [--quick] [--json PATH] [--steps N] [--fraction 0.01]
+    python benchmarks/scale.py [--quick] [--json PATH] [--steps N] [--fraction 0.01] [--scale 1.0]
     python benchmarks/scale.py --terabyte --store-dir /big/disk/stores [--steps N]
     python benchmarks/scale.py --mmap-vs-ram --store-dir /big/disk/stores [--steps N] [--rounds 2]
 """
@@ -99,7 +101,10 @@ def run(
     rows = table_rows(dm)
     clock = _StepClock(first=warmup)
     clock.t0 = time.perf_counter()
-    res = train(cli, capacity, steps, warmup=warmup, store_dir=store_dir, callbacks=[clock])
+    # the loader checks capacities as it plans: the default pre-scan would read the whole 100,000-batch epoch
+    # before the first step, of which only ``steps + warmup`` batches are trained
+    res = train(cli, capacity, steps, warmup=warmup, store_dir=store_dir, callbacks=[clock],
+                lookahead_kwargs={"capacity_check": "lookahead"})  # fmt: skip
     mods = res["strategy"].cached_modules()
     stores = {n: s for m in mods for n, s in m.cache.stores.items()}
     out = {
@@ -149,6 +154,9 @@ def main() -> None:
     p.add_argument("--min-cached-rows", type=int, default=50_000, help="cache the tables with more rows")
     p.add_argument("--batch-size", type=int, default=2048)
     p.add_argument(
+        "--scale", type=float, default=1.0, help="Kaggle table sizes x this (the smoke test's tiny run)"
+    )
+    p.add_argument(
         "--terabyte", action="store_true", help="Criteo-Terabyte-shaped tables in memory-mapped stores"
     )
     p.add_argument("--store-dir", default=None, help="directory of the memory-mapped stores (--terabyte)")
@@ -188,7 +196,7 @@ def main() -> None:
         }
     elif args.mmap_vs_ram:
         # in-RAM vs memory-mapped stores on the Kaggle sizes (fit in RAM), same capacities, alternated
-        kaggle = [*base, "--data.init_args.scale=1.0"]
+        kaggle = [*base, f"--data.init_args.scale={args.scale}"]
         kg_dir = os.path.join(args.store_dir, "kaggle")
         cap: Optional[Dict[str, int]] = None
         by_kind: Dict[str, List[float]] = {"in-RAM": [], "mmap": []}
@@ -219,7 +227,11 @@ def main() -> None:
         }
     else:
         r = run(
-            [*base, "--data.init_args.scale=1.0"], args.fraction, args.min_cached_rows, steps, args.warmup
+            [*base, f"--data.init_args.scale={args.scale}"],
+            args.fraction,
+            args.min_cached_rows,
+            steps,
+            args.warmup,
         )
         results.append({"job": "kaggle, in-RAM", **r})
         _report(results[-1])

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import free_port, machine, median, parser, table, write_json  # noqa: E402
+from benchmarks._report import free_port, machine, median, parser, table, write_json  # noqa: E402
 from torchrec_lookahead.store import RowShardedStore, TensorStore, row_bounds  # noqa: E402
 
 D = 16
@@ -73,11 +73,12 @@ def _worker(rank: int, port: int, rows: int, batch: int, trials: int, queue: Any
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--rows", type=int, default=None, help="table rows (default 2,000,000; --quick 200,000)")
     p.add_argument("--batch", type=int, default=16_384)
-    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--trials", type=int, default=None, help="timed trials (default 20; --quick 8)")
     args = p.parse_args(argv)
-    rows, trials = (200_000, 8) if args.quick else (args.rows, args.trials)
+    rows = args.rows or (200_000 if args.quick else 2_000_000)
+    trials = args.trials or (8 if args.quick else 20)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.spawn(_worker, args=(free_port(), rows, args.batch, trials, queue), nprocs=2, join=True)

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import free_port, machine, median, parser, table, write_json  # noqa: E402
+from benchmarks._report import free_port, machine, median, parser, table, write_json  # noqa: E402
 from benchmarks._zipf import KAGGLE_ROWS, table_names, zipf_ids  # noqa: E402
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, RankAnnotation  # noqa: E402
 

@@ -1,0 +1,361 @@
+"""Every benchmark script starts and reports consistent figures: each runs its smallest path (tiny tables, a few
+steps) in its own interpreter, as from the command line, with ``--json`` to a temporary file, and the test checks
+the JSON's keys and the relations between its figures (ratios that are quotients of reported times, counts that
+must add up, bounds every cache obeys). Speed is not asserted.
+
+The scripts run two at a time (one per core) from a module fixture that starts the selected ones at the first
+test, so the whole set costs about the time of its slowest half; each has its own timeout. A script that is not
+smoke-tested here must be run by another test of this folder (``test_every_benchmark_is_run_by_a_test``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List
+
+import pytest
+
+from ..cli.test_cli import clean_env
+from ..conftest import REPO
+
+TINY = "configs/dlrm_tiny.yaml"
+TINY_LOOKAHEAD = "configs/dlrm_tiny_lookahead.yaml"  # three tables cached, batch 64, 12 batches
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def positive(x: Any) -> bool:
+    return finite(x) and x > 0
+
+
+def close(a: float, b: float, rel: float = 1e-6) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+# --- checks, one per script: the JSON it wrote -----------------------------------------------------------------
+
+
+def check_baseline(f: Dict[str, Any]) -> None:
+    assert f["runs"] == 1 and f["steps_per_run"] == 3 and f["config"] == TINY
+    assert positive(f["step_ms"]) and positive(f["samples_per_s"])
+    # one run: its samples/s is its batch (64) over its median step
+    assert close(f["samples_per_s"] * f["step_ms"] / 1e3, 64)
+
+
+def check_cache_overhead(f: Dict[str, Any]) -> None:
+    assert f["pairs"] == 1 and f["steps_per_run"] == 3 and f["batch_size"] == 64
+    for k in ("resident", "resident_background_loading", "cached"):
+        assert positive(f[f"{k}_step_ms"]) and positive(f[f"{k}_train_thread_cpu_ms"])
+    assert close(f["step_time_ratio"], f["cached_step_ms"] / f["resident_step_ms"])
+    assert close(
+        f["step_time_ratio_background_loading"],
+        f["cached_step_ms"] / f["resident_background_loading_step_ms"],
+    )
+    assert len(f["pair_ratios"]) == len(f["pair_ratios_background_loading"]) == 1
+    assert all(positive(x) for x in f["pair_ratios"] + f["pair_ratios_background_loading"])
+    assert close(f["cached_samples_per_s"] * f["cached_step_ms"] / 1e3, 64)
+    for k in ("cached_batch_wait_ms_per_step", "planner_cpu_ms_per_batch", "stager_cpu_ms_per_batch"):
+        assert finite(f[k]) and f[k] >= 0
+    # the cached tables (more than 100 rows) at half their rows, unless the oracle's minimum raised them
+    cap, rows = f["capacity"], f["cached_table_rows"]
+    assert set(cap) == set(rows) == {t for t, n in tiny_rows().items() if n > 100}
+    assert all(0 < cap[t] <= rows[t] for t in cap)
+    assert all(f["bumped_from"][t] < cap[t] for t in f["bumped_from"])
+    c = f["last_cached_run_counters"]
+    assert c["steps"] > 0 and 0 <= c["hits"] <= c["lookups"] and 0 < c["rows_fetched"] <= c["lookups"]
+
+
+def check_cache_traffic(f: Dict[str, Any]) -> None:
+    d = f["datasets"]["synthetic criteo-shaped"]
+    assert list(f["datasets"]) == ["synthetic criteo-shaped"]  # --no-real
+    assert d["steps"] == 12 and d["tables"] == 26 and d["rows"] == f["synthetic"]["rows"]
+    r = d["results"]
+    none, floor = r["none"]["fetch_per_step"], r["compulsory"]["fetch_per_step"]
+    assert 0 < floor <= none
+    caps = []
+    for frac in ("1pct", "5pct", "10pct"):
+        res = r[frac]
+        caps.append(res["capacity_rows"])
+        assert 0 <= res["bumped_partial_tables"] <= res["bumped_tables"] <= d["tables"]
+        for policy in ("belady", "lru", "window"):
+            x = res[policy]
+            assert "error" not in x, (frac, policy, x)
+            # every cache fetches each distinct row once, and at most the distinct ids of every batch
+            assert floor - 1e-9 <= x["fetch_per_step"] <= none + 1e-9, (frac, policy, x)
+            assert 0 <= x["writeback_per_step"] <= x["fetch_per_step"] + 1e-9
+    assert caps == sorted(caps)
+    assert (
+        floor <= r["ttl"]["fetch_per_step"] <= none
+        and 0 < r["ttl"]["peak_rows"] <= r["compulsory"]["peak_rows"]
+    )
+    assert sorted(int(h) for h in f["ttl_vs_horizon"]) == [5, 10]  # the horizons below the 12 steps
+    s5 = r["5pct"]
+    assert close(f["belady_over_lru_5pct"], s5["belady"]["fetch_per_step"] / s5["lru"]["fetch_per_step"])
+    assert finite(f["belady_over_lru_5pct_above_compulsory"])
+
+
+def check_oracle_throughput(f: Dict[str, Any]) -> None:
+    assert f["steps"] == 12 and f["batch"] == 512 and f["horizon"] == 8 and f["tables"] == 26
+    assert set(f["policies"]) == {"belady", "ttl", "lru", "belady, no num_embeddings"}
+    samples = f["steps"] * f["batch"]
+    for p in f["policies"].values():
+        assert positive(p["seconds"]) and close(p["samples_per_s"], samples / p["seconds"])
+    assert f["samples_per_s"] == f["policies"]["belady"]["samples_per_s"]
+    assert positive(f["floor_samples_per_s"]) and positive(f["unsized_over_sized"])
+    assert 0 < f["ttl_peak_rows_60_steps"] <= f["rows"]
+
+
+def check_sync_volume(f: Dict[str, Any]) -> None:
+    assert f["config"]["steps"] == 3 and f["config"]["global_batch"] == 512
+    assert set(f["rows_per_step"]) == {"2", "4"}
+    for w, m in f["rows_per_step"].items():
+        # every touched row is shared (LRPP) or read by one rank (skipped); shared rows are critical or delayed
+        assert close(m["replicated"], m["lrpp"] + m["skipped"]), m
+        assert close(m["lrpp"], m["critical"] + m["delayed"]), m
+        assert 0 < m["critical"] <= m["lrpp"] < m["replicated"], m
+        assert close(f["lrpp_over_replicated"][w], m["lrpp"] / m["replicated"])
+        assert close(f["critical_over_replicated"][w], m["critical"] / m["replicated"])
+        # a row read by two ranks occurs twice in the global batch
+        assert m["lrpp"] <= f["non_singleton_per_step"] + 1e-9
+    assert f["lrpp_over_replicated"]["2"] <= f["lrpp_over_replicated"]["4"]  # more ranks share more rows
+    assert 0 < f["non_singleton_over_replicated"] < 1
+    # --gloo: the three all_reduce buffers, the LRPP ones no larger than the replicated one
+    g = f["gloo_rows"]
+    assert g["critical"] <= g["lrpp"] <= g["replicated"] and close(g["lrpp"], f["rows_per_step"]["2"]["lrpp"])
+    assert all(positive(f[f"gloo_ms_{k}"]) for k in ("replicated", "lrpp", "critical"))
+
+
+def check_sharded_store(f: Dict[str, Any]) -> None:
+    assert f["rows"] == 20_000 and f["batch"] == 1024
+    for op in ("gather", "scatter"):
+        local, sharded = f[f"local_{op}_rows_per_s"], f[f"sharded_{op}_rows_per_s"]
+        assert positive(local) and positive(sharded)
+        assert close(f[f"{op}_slowdown"], local / sharded)
+
+
+def check_exact_sync(f: Dict[str, Any]) -> None:
+    assert f["config"]["global_batch"] == 256 and f["config"]["steps"] == 2
+    (w,) = f["results"]
+    s = f["results"][w]
+    assert w == "2" and s["world"] == 2 and s["local_batch"] == 128 and s["timed_steps"] == 2
+    c = s["check"]
+    assert c["exact_on_vs_off_max_abs"] == 0.0  # delayed synchronisation changes nothing, bit for bit
+    assert 0 <= c["partial_vs_exact_max_abs"] < 1e-4 and len(c["rows_updated_exact"]) == 2
+    ms, m = s["ms"], s["mean"]
+    assert all(positive(v) for v in ms.values()), ms
+    assert close(s["ratio_exact_off_over_partial"], ms["exact_off"] / ms["partial"])
+    assert close(s["ratio_exact_on_over_partial"], ms["exact_on"] / ms["partial"])
+    assert close(m["payload_off"], m["payload_critical"] + m["payload_delayed"])
+    assert 0 < m["rows_delayed"] <= m["rows_shared"]
+    assert close(s["wire_ratio_exact_off_over_partial"], m["wire_exact_off"] / m["wire_partial"])
+
+
+def check_memory(f: Dict[str, Any]) -> None:
+    for key, job in (
+        ("cache_bytes_over_budget", "default_job"),
+        ("planner_cache_bytes_over_budget", "planner"),
+    ):
+        # the device bytes fit the budget they were sized for (the documented contract)
+        assert 0 < f[key] <= 1.0, (key, f[key])
+        r = f[job]
+        assert close(r["device_bytes"], r["device_cache_bytes"] + r["device_resident_bytes"])
+        assert r["cache_rows"] > 0 and r["store_bytes"] > 0 and r["rss_peak"] >= r["rss_after"] > 0
+    r = f["default_job"]
+    assert close(f["cache_bytes_over_budget"], r["device_bytes"] / r["nominal_bytes"])
+    assert r["cache_rows"] == 140 + 120 + 110  # configs/dlrm_tiny_lookahead.yaml's capacities
+    assert close(f["host_rss_over_store_bytes"], (r["rss_after"] - r["rss_before"]) / r["store_bytes"])
+    p = f["planner"]
+    assert close(f["planner_cache_bytes_over_budget"], p["device_bytes"] / p["budget"])
+    assert 0 < p["planned_device_bytes"] <= p["budget"]
+
+
+def check_scale(f: Dict[str, Any]) -> None:
+    assert f["steps"] == 3 and f["warmup"] == 1 and f["batch_size"] == 256
+    cap = f["capacity"]
+    assert f["cached_tables"] == len(cap) > 0 and f["cache_rows"] == sum(cap.values())
+    assert 0 < f["cache_rows"] <= f["cached_rows"] <= f["rows"]
+    assert all(f["bumped"][t] < cap[t] for t in f["bumped"])
+    assert f["store_type"] == "TensorStore" and positive(f["store_gib"])
+    assert close(f["samples_per_s"] * f["step_ms"] / 1e3, f["batch_size"])
+    assert len(f["first_steps_s"]) == f["warmup"] and all(positive(x) for x in f["first_steps_s"])
+    assert f["peak_rss_gib"] >= f["rss_gib"] > 0 and positive(f["setup_s"]) and positive(f["fit_s"])
+
+
+RUNS = ("sync", "flat_easgd", "flat_mean", "ht_2x2", "ht_2x2_mean", "ht_2x2_split")
+
+
+def check_hierarchical(f: Dict[str, Any]) -> None:
+    assert f["steps"] == 7 and f["batch_per_rank"] == 32 and f["seeds"] == [0]
+    q = f["quality"]
+    assert set(q) == set(RUNS) and all(len(v) == 1 for v in q.values())
+    for (run,) in q.values():
+        assert 0 <= run["val_auc"] <= 1 and positive(run["val_logloss"]) and positive(run["examples_per_s"])
+    assert close(f["ht_over_sync_val_logloss"], q["ht_2x2"][0]["val_logloss"] / q["sync"][0]["val_logloss"])
+    assert close(
+        f["ht_over_flat_val_logloss"], q["ht_2x2"][0]["val_logloss"] / q["flat_easgd"][0]["val_logloss"]
+    )
+    assert f["ht_over_sync_val_logloss_per_seed"] == [f["ht_over_sync_val_logloss"]]
+    for key in ("model", "wide"):
+        rows = f[f"traffic_{key}"]
+        assert rows[0]["variant"] == "sync data parallel" and rows[0]["over_sync"] == 1.0
+        assert all(close(r["over_sync"], r["critical_bytes"] / rows[0]["critical_bytes"]) for r in rows)
+        # HT's in-group traffic is below the all-reduce over every rank, and compression only lowers it
+        assert (
+            0
+            < f[f"ht_over_sync_critical_bytes_{key}"]
+            <= f[f"ht_uncompressed_over_sync_critical_bytes_{key}"]
+            < 1
+        )
+
+
+def check_cdlrm_gap(f: Dict[str, Any]) -> None:
+    assert f["ranks"] == 2 and f["global_batch"] == 64 and f["max_steps"] == -1
+    assert [(r["mode"], r["lambda"], r["steps"]) for r in f["runs"]] == [("exact", 2, 12), ("cdlrm", 2, 12)]
+    for mode in ("exact", "cdlrm"):
+        assert 0 <= f[f"val_auc_{mode}"]["2"] <= 1 and positive(f[f"val_logloss_{mode}"]["2"])
+        assert positive(f[f"step_ms_{mode}"]["2"]) and positive(f[f"sync_rows_per_step_{mode}"]["2"])
+    assert close(f["val_auc_gap"]["2"], f["val_auc_cdlrm"]["2"] - f["val_auc_exact"]["2"])
+    assert close(f["val_logloss_gap"]["2"], f["val_logloss_cdlrm"]["2"] - f["val_logloss_exact"]["2"])
+    assert 0 <= f["train_loss_gap_mean"]["2"] <= f["train_loss_gap_max"]["2"]
+    assert f["exact_runs_max_loss_diff"] == 0.0  # one lambda: nothing to compare
+    exact, cdlrm = f["runs"]
+    assert exact["train_loss"][0] == cdlrm["train_loss"][0]  # the same model, seed and first batch
+
+
+def tiny_rows() -> Dict[str, int]:
+    import yaml
+
+    cfg = yaml.safe_load((REPO / TINY).read_text())
+    return {f"t_cat_{i}": n for i, n in enumerate(cfg["data"]["init_args"]["num_embeddings"])}
+
+
+@dataclass
+class Smoke:
+    args: List[str]
+    check: Callable[[Dict[str, Any]], None]
+    timeout: int = 240  # seconds; on a busy 2-core machine a run takes up to three times its CPU time
+
+
+#: script -> its smallest path. Ordered by cost (the slowest first), so that two at a time finish together.
+SMOKE: Dict[str, Smoke] = {
+    "hierarchical": Smoke(["--quick", "--steps", "7", "--batch", "32", "--seeds", "0"], check_hierarchical),
+    "cdlrm_gap": Smoke(
+        ["--config", TINY_LOOKAHEAD, "--lambdas", "2", "--max-steps", "-1", "--capacity-scale", "1"],
+        check_cdlrm_gap,
+    ),
+    "exact_sync": Smoke(["--quick", "--steps", "2", "--warmup", "1", "--batch", "256"], check_exact_sync),
+    "cache_overhead": Smoke(
+        ["--quick", "--config", TINY, "--min-cached-rows", "100", "--fraction", "0.5"]
+        + ["--pairs", "1", "--steps", "3", "--warmup", "1"],
+        check_cache_overhead,
+    ),
+    "scale": Smoke(
+        ["--quick", "--scale", "0.001", "--steps", "3", "--warmup", "1", "--batch-size", "256"]
+        + ["--min-cached-rows", "1000"],
+        check_scale,
+    ),
+    "memory": Smoke(
+        ["--quick", "--config", TINY_LOOKAHEAD, "--steps", "3", "--budget-frac", "0.6"], check_memory
+    ),
+    "baseline": Smoke(["--quick", "--config", TINY, "--runs", "1", "--steps", "3"], check_baseline),
+    "sharded_store": Smoke(
+        ["--quick", "--rows", "20000", "--batch", "1024", "--trials", "2"], check_sharded_store
+    ),
+    "sync_volume": Smoke(
+        ["--quick", "--gloo", "--gap-ms", "1", "--scale", "0.01", "--batch", "512", "--steps", "3"]
+        + ["--warmup", "1", "--ranks", "2", "4"],
+        check_sync_volume,
+    ),
+    "oracle_throughput": Smoke(
+        ["--quick", "--scale", "0.001", "--batch", "512", "--steps", "12", "--horizon", "8"],
+        check_oracle_throughput,
+    ),
+    "cache_traffic": Smoke(
+        ["--quick", "--no-real", "--scale", "0.001", "--batch", "256", "--steps", "12", "--horizon", "8"],
+        check_cache_traffic,
+    ),
+}
+
+#: scripts run two at a time: each is mostly one busy thread
+WORKERS = 2
+
+
+def _run(name: str, out: Path) -> Dict[str, Any]:
+    smoke = SMOKE[name]
+    path = out / f"{name}.json"
+    env = {**clean_env(), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}  # one core each
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, f"benchmarks/{name}.py", *smoke.args, "--json", str(path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=smoke.timeout,
+            env=env,
+        )
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-3000:] if isinstance(e.stderr, bytes) else (e.stderr or "")[-3000:]
+        return {"error": f"no result within {smoke.timeout} s: {tail!r}"}
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        return {"error": f"exit status {done.returncode}\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}"}
+    return {"figures": json.loads(path.read_text()), "wall_s": wall}
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict]:
+    """The selected scripts' runs, started together (``WORKERS`` at a time) at the first test that asks."""
+    selected = {
+        item.callspec.params["name"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec") and "name" in item.callspec.params
+    }
+    out = tmp_path_factory.mktemp("smoke")
+    pool = ThreadPoolExecutor(max_workers=WORKERS)
+    runs: Dict[str, Future] = {n: pool.submit(_run, n, out) for n in SMOKE if n in selected}
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SMOKE))
+def test_benchmark_smoke(name: str, smoke_runs: Dict[str, Future]) -> None:
+    result = smoke_runs[name].result()
+    assert "error" not in result, f"benchmarks/{name}.py: {result.get('error')}"
+    figures = result["figures"]
+    assert figures.get("machine"), "the JSON names the machine it was measured on"
+    SMOKE[name].check(figures)
+
+
+def test_every_benchmark_is_run_by_a_test() -> None:
+    scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py") if not p.stem.startswith("_")}
+    here = Path(__file__).resolve()
+    others = "\n".join(p.read_text() for p in here.parent.glob("test_*.py") if p != here)
+    elsewhere = {
+        s
+        for s in scripts
+        if re.search(rf"benchmarks(/|\.| import ){s}\b|from benchmarks import .*\b{s}\b", others)
+    }
+    missing = sorted(scripts - set(SMOKE) - elsewhere)
+    assert not missing, f"benchmark scripts that no test runs: {missing} (add a smoke path to SMOKE)"
+    assert set(SMOKE) <= scripts, f"SMOKE names scripts that do not exist: {sorted(set(SMOKE) - scripts)}"
+
+
+def test_smoke_checks_fail_on_inconsistent_figures() -> None:
+    # the checks catch a ratio that is not the quotient of the figures it is computed from
+    good = {"runs": 1, "steps_per_run": 3, "config": TINY, "step_ms": 100.0, "samples_per_s": 640.0}
+    check_baseline(good)
+    with pytest.raises(AssertionError):
+        check_baseline({**good, "samples_per_s": 650.0})
+    with pytest.raises(AssertionError):
+        check_baseline({**good, "step_ms": float("nan")})
