@@ -238,6 +238,31 @@ def tiny_rows() -> Dict[str, int]:
     return {f"t_cat_{i}": n for i, n in enumerate(cfg["data"]["init_args"]["num_embeddings"])}
 
 
+def check_disk_tier(f: Dict[str, Any]) -> None:
+    runs = {r["run"]: r for r in f["runs"]}
+    assert set(runs) == {"ram", "disk_25", "disk_10", "mmap"} and f["steps"] == 2
+    batch = {round(r["samples_per_s"] * r["step_ms"] / 1e3) for r in runs.values()}
+    assert len(batch) == 1 and batch.pop() > 0  # every run trains the same batches
+    assert close(
+        f["disk_over_ram_samples_per_s"], runs["disk_25"]["samples_per_s"] / runs["ram"]["samples_per_s"]
+    )
+    assert close(
+        f["disk10_over_ram_samples_per_s"], runs["disk_10"]["samples_per_s"] / runs["ram"]["samples_per_s"]
+    )
+    assert close(
+        f["mmap_over_ram_samples_per_s"], runs["mmap"]["samples_per_s"] / runs["ram"]["samples_per_s"]
+    )
+    b25, b10 = runs["disk_25"]["host_budget_mib"], runs["disk_10"]["host_budget_mib"]
+    assert positive(b10) and close(b10 / b25, 0.4, rel=0.01)  # 10 % and 25 % of the same table bytes
+    assert close(b25 * 2**20, 0.25 * f["cached_store_bytes"], rel=0.01)
+    for name in ("disk_25", "disk_10"):
+        assert positive(runs[name]["rows_read_per_step"]) and positive(runs[name]["units_read_per_step"])
+    assert runs["ram"]["rows_read_per_step"] is None and runs["mmap"]["rows_read_per_step"] is None
+    assert positive(f["random_reads_per_s"]["1_in_flight"]) and positive(
+        f["random_reads_per_s"]["8_in_flight"]
+    )
+
+
 @dataclass
 class Smoke:
     args: List[str]
@@ -263,6 +288,7 @@ SMOKE: Dict[str, Smoke] = {
         + ["--min-cached-rows", "1000"],
         check_scale,
     ),
+    "disk_tier": Smoke(["--scale", "0.001", "--steps", "2", "--warmup", "1"], check_disk_tier),
     "memory": Smoke(
         ["--quick", "--config", TINY_LOOKAHEAD, "--steps", "3", "--budget-frac", "0.6"], check_memory
     ),
