@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
@@ -21,6 +22,10 @@ __all__ = ["Policy", "OracleConfig", "MAX_RANKS"]
 
 #: Largest ``num_ranks`` a reader bit mask in an int64 can hold.
 MAX_RANKS = 63
+
+#: Most planner threads ``plan_threads=None`` picks (tables are planned in parallel, one thread per table at a
+#: time; beyond a few threads the per-batch hand-off costs more than the tables' work spreads).
+DEFAULT_PLAN_THREADS = 4
 
 
 class Policy(str, enum.Enum):
@@ -72,6 +77,9 @@ class OracleConfig:
         unknown_features: a batch's feature that ``feature_to_table`` does not list is refused (``"error"``)
             or skipped (``"ignore"``: batches that also carry features of tables nobody caches); see
             :class:`~torchrec_lookahead.oracle.UnknownFeatures`.
+        plan_threads: threads planning the tables of a batch in parallel (tables are independent; NumPy
+            releases the GIL); ``1`` plans them one after the other in the calling thread, ``None`` picks
+            ``min(4, os.cpu_count())``. The plans do not depend on it.
 
     Raises:
         ConfigError: any value out of range, an unknown policy, ``horizon < prefetch_depth``.
@@ -89,6 +97,7 @@ class OracleConfig:
     seed: int = 0
     num_ranks: int = 1
     unknown_features: Union[UnknownFeatures, str] = UnknownFeatures.ERROR
+    plan_threads: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity, Mapping):
@@ -129,6 +138,14 @@ class OracleConfig:
         if self.feature_to_table is not None:
             self.feature_to_table = dict(self.feature_to_table)
         self.unknown_features = check_choice("unknown_features", self.unknown_features, UnknownFeatures)
+        if self.plan_threads is None:
+            self.plan_threads = max(1, min(DEFAULT_PLAN_THREADS, os.cpu_count() or 1))
+        self.plan_threads = check_int(
+            "plan_threads",
+            self.plan_threads,
+            1,
+            "set 1 to plan in the calling thread, or None for the default",
+        )
         if self.victim_rows is not None:
             check_int(
                 "victim_rows", self.victim_rows, 0, "set the number of conflict rows of the window cache"

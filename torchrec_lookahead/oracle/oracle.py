@@ -18,7 +18,8 @@ Example:
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Deque, Dict, Iterable, Iterator, List, Mapping, Tuple, Type
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Type
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from torchrec_lookahead.oracle.belady import BeladyPlanner
 from torchrec_lookahead.oracle.config import OracleConfig, Policy
 from torchrec_lookahead.oracle.lru import LRUPlanner
 from torchrec_lookahead.oracle.ttl import TTLPlanner
-from torchrec_lookahead.oracle.types import BatchPlan
+from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
 from torchrec_lookahead.oracle.window import WindowPlanner
 
 __all__ = ["LookaheadOracle", "min_capacity", "window_working_sets"]
@@ -71,6 +72,9 @@ class LookaheadOracle:
         }
         self._read = 0
         self._next = 0
+        # tables go to the pool largest capacity first (the longest tasks start first); plans are keyed by table
+        self._order = sorted(self._tables, key=lambda n: -self._tables[n].capacity)
+        self._pool: Optional[ThreadPoolExecutor] = None
 
     @property
     def next_step(self) -> int:
@@ -101,14 +105,9 @@ class LookaheadOracle:
             self.config.unknown_features,
         )
         step = self._read
-        for name in names:
-            self._tables[name].check_ids(parts[name][0], step)
-        for name in names:
-            self._tables[name].push(step, *parts[name])
+        ready = max(0, step + 1 - self._next - self.config.horizon)
+        out = self._advance(ready, parts, step)
         self._read += 1
-        out = []
-        while self._read - self._next > self.config.horizon:
-            out.append(self._plan_one())
         return out
 
     def finish(self) -> List[BatchPlan]:
@@ -119,7 +118,7 @@ class LookaheadOracle:
         """
         out = []
         while self._next < self._read:
-            out.append(self._plan_one())
+            out.extend(self._advance(1))
         return out
 
     def plan_stream(self, batches: Iterable[Any]) -> Iterator[BatchPlan]:
@@ -135,11 +134,52 @@ class LookaheadOracle:
             yield from self.feed(batch)
         yield from self.finish()
 
-    def _plan_one(self) -> BatchPlan:
-        step = self._next
-        tables = {name: tab.plan() for name, tab in self._tables.items()}
-        self._next += 1
-        return BatchPlan(step=step, tables=tables)
+    def _advance(self, ready: int, parts: Optional[Dict[str, Any]] = None, step: int = 0) -> List[BatchPlan]:
+        """Per table (in parallel with ``plan_threads > 1``): check and read batch ``step`` of ``parts`` (when
+        given), then plan the ``ready`` oldest window batches.
+
+        Tables are independent, so the plans do not depend on the threads. A failure raises the error the
+        serial order (check every table, read every table, then plan step by step, table by table) meets first.
+        """
+
+        def work(name: str) -> Tuple[List[TablePlan], Optional[Tuple[int, int, BaseException]]]:
+            tab = self._tables[name]
+            plans: List[TablePlan] = []
+            try:
+                if parts is not None:
+                    ids = parts[name][0]
+                    try:
+                        tab.check_ids(ids, step)
+                    except Exception as exc:
+                        return plans, (0, 0, exc)
+                    try:
+                        tab.push(step, *parts[name])
+                    except Exception as exc:
+                        return plans, (1, 0, exc)
+                for _ in range(ready):
+                    plans.append(tab.plan())
+            except Exception as exc:
+                return plans, (2, len(plans), exc)
+            return plans, None
+
+        threads = int(self.config.plan_threads or 1)
+        if threads > 1 and len(self._tables) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    min(threads, len(self._tables)), thread_name_prefix="oracle-plan"
+                )
+            done = dict(zip(self._order, self._pool.map(work, self._order)))
+        else:
+            done = {name: work(name) for name in self._tables}
+        index = {name: i for i, name in enumerate(self._tables)}
+        failed = [(err[0], err[1], index[name], err[2]) for name, (_, err) in done.items() if err is not None]
+        if failed:
+            raise min(failed, key=lambda f: f[:3])[3]
+        out = []
+        for k in range(ready):
+            out.append(BatchPlan(step=self._next, tables={name: done[name][0][k] for name in self._tables}))
+            self._next += 1
+        return out
 
     def stats(self) -> Dict[str, Dict[str, int]]:
         """Counters per table: steps, lookups, unique, hits, fetches, evictions, peak_rows.
