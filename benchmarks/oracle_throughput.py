@@ -1,6 +1,10 @@
 """Oracle throughput on Criteo-Kaggle-shaped batches, against the floor of one torch.unique pass per table.
 
-python benchmarks/oracle_throughput.py [--quick] [--json PATH]
+python benchmarks/oracle_throughput.py [--quick] [--json PATH] [--plan-threads N]
+
+Every policy is timed planning its tables one after the other (``plan_threads=1``) and on ``--plan-threads``
+threads (default: the oracle's default), runs of the two alternating; each reports samples/s (wall clock,
+median) and the process CPU time per batch (all threads; steadier than the wall clock on a shared machine).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -30,13 +34,20 @@ def floor_pass(batches: List[Dict[str, torch.Tensor]]) -> float:
 
 
 def oracle_pass(cfg: OracleConfig, batches: List[Dict[str, torch.Tensor]], with_alloc: bool = False) -> float:
-    start = time.perf_counter()
+    return timed_pass(cfg, batches, with_alloc)[0]
+
+
+def timed_pass(
+    cfg: OracleConfig, batches: List[Dict[str, torch.Tensor]], with_alloc: bool = False
+) -> Tuple[float, float]:
+    """(wall seconds, process CPU seconds) of planning ``batches``."""
+    start, cpu = time.perf_counter(), time.process_time()
     oracle = LookaheadOracle(cfg)  # allocation of the per-id arrays is timed only with_alloc
     if not with_alloc:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
     for _ in oracle.plan_stream(batches):
         pass
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def main(argv: Any = None) -> Dict[str, Any]:
@@ -50,6 +61,12 @@ def main(argv: Any = None) -> Dict[str, Any]:
     parser.add_argument("--capacity-fraction", type=float, default=0.05)
     parser.add_argument(
         "--scale", type=float, default=1.0, help="Kaggle table sizes x this (at least 3 rows)"
+    )
+    parser.add_argument(
+        "--plan-threads",
+        type=int,
+        default=None,
+        help="planner threads of the parallel passes (default: OracleConfig's default)",
     )
     args = parser.parse_args(argv)
     steps = args.steps or (120 if args.quick else 300)
@@ -77,23 +94,44 @@ def main(argv: Any = None) -> Dict[str, Any]:
         "policies": {},
     }
     stats: Dict[str, Any] = {}
+    threads = OracleConfig(capacity={"t": 1}, plan_threads=args.plan_threads).plan_threads
+    results["plan_threads"] = threads
     for policy in ("belady", "ttl", "lru"):
         capacity = rows if policy == "ttl" else cap
-        cfg = OracleConfig(
-            capacity=capacity, num_embeddings=rows, horizon=horizon, prefetch_depth=1, policy=policy
-        )
-        secs = statistics.median(oracle_pass(cfg, batches) for _ in range(runs))
-        results["policies"][policy] = {"samples_per_s": samples / secs, "seconds": secs}
-        oracle = LookaheadOracle(cfg)
+        cfgs = {
+            n: OracleConfig(
+                capacity=capacity,
+                num_embeddings=rows,
+                horizon=horizon,
+                prefetch_depth=1,
+                policy=policy,
+                plan_threads=n,
+            )
+            for n in sorted({1, int(threads or 1)})
+        }
+        timings: Dict[int, List[Tuple[float, float]]] = {n: [] for n in cfgs}
+        for _ in range(runs):  # alternate, so that both see the same load on a shared machine
+            for n, c in cfgs.items():
+                timings[n].append(timed_pass(c, batches))
+        for n, got in timings.items():
+            secs = statistics.median(w for w, _ in got)
+            cpu_ms = 1e3 * statistics.median(c for _, c in got) / steps
+            key = policy if n == 1 else f"{policy}, {n} threads"
+            results["policies"][key] = {
+                "samples_per_s": samples / secs,
+                "seconds": secs,
+                "cpu_ms_per_batch": cpu_ms,
+            }
+        oracle = LookaheadOracle(cfgs[1])
         if policy == "ttl":
             for _ in oracle.plan_stream(batches[: min(steps, 60)]):
                 pass
             stats["ttl_peak_rows_60_steps"] = sum(s["peak_rows"] for s in oracle.stats().values())
     # belady without table sizes: the per-id arrays grow while planning, so the ratio to the sized oracle
     # times the allocation of the per-id arrays in both (pairs run alternately, median of the pair ratios)
-    unsized = OracleConfig(capacity=cap, horizon=horizon, prefetch_depth=1, policy="belady")
+    unsized = OracleConfig(capacity=cap, horizon=horizon, prefetch_depth=1, policy="belady", plan_threads=1)
     sized = OracleConfig(
-        capacity=cap, num_embeddings=rows, horizon=horizon, prefetch_depth=1, policy="belady"
+        capacity=cap, num_embeddings=rows, horizon=horizon, prefetch_depth=1, policy="belady", plan_threads=1
     )
     pairs = [(oracle_pass(sized, batches, True), oracle_pass(unsized, batches, True)) for _ in range(runs)]
     secs = statistics.median(u for _, u in pairs)
@@ -101,11 +139,12 @@ def main(argv: Any = None) -> Dict[str, Any]:
     results["samples_per_s"] = results["policies"]["belady"]["samples_per_s"]
     results["unsized_over_sized"] = statistics.median(s / u for s, u in pairs)
     results.update(stats)
-    print(f"{'pass':<34}{'samples/s':>14}{'x floor':>10}")
+    print(f"{'pass':<34}{'samples/s':>14}{'x floor':>10}{'CPU ms/batch':>14}")
     print(f"{'torch.unique floor':<34}{results['floor_samples_per_s']:>14,.0f}{1.0:>10.2f}")
     for policy, r in results["policies"].items():
         ratio = r["samples_per_s"] / results["floor_samples_per_s"]
-        print(f"{'oracle ' + policy:<34}{r['samples_per_s']:>14,.0f}{ratio:>10.2f}")
+        cpu = f"{r['cpu_ms_per_batch']:>14.2f}" if "cpu_ms_per_batch" in r else ""
+        print(f"{'oracle ' + policy:<34}{r['samples_per_s']:>14,.0f}{ratio:>10.2f}{cpu}")
     print(f"belady without / with num_embeddings: {results['unsized_over_sized']:.2f}")
     print(f"({steps} batches of {args.batch}, {len(names)} tables, horizon {horizon}, median of {runs} runs)")
     write_json(args.json, results)

@@ -105,10 +105,13 @@ def check_cache_traffic(f: Dict[str, Any]) -> None:
 
 def check_oracle_throughput(f: Dict[str, Any]) -> None:
     assert f["steps"] == 12 and f["batch"] == 512 and f["horizon"] == 8 and f["tables"] == 26
-    assert set(f["policies"]) == {"belady", "ttl", "lru", "belady, no num_embeddings"}
+    assert f["plan_threads"] == 2
+    threaded = {f"{p}, 2 threads" for p in ("belady", "ttl", "lru")}
+    assert set(f["policies"]) == {"belady", "ttl", "lru", "belady, no num_embeddings"} | threaded
     samples = f["steps"] * f["batch"]
-    for p in f["policies"].values():
+    for name, p in f["policies"].items():
         assert positive(p["seconds"]) and close(p["samples_per_s"], samples / p["seconds"])
+        assert name == "belady, no num_embeddings" or positive(p["cpu_ms_per_batch"])
     assert f["samples_per_s"] == f["policies"]["belady"]["samples_per_s"]
     assert positive(f["floor_samples_per_s"]) and positive(f["unsized_over_sized"])
     assert 0 < f["ttl_peak_rows_60_steps"] <= f["rows"]
@@ -302,7 +305,19 @@ SMOKE: Dict[str, Smoke] = {
         check_sync_volume,
     ),
     "oracle_throughput": Smoke(
-        ["--quick", "--scale", "0.001", "--batch", "512", "--steps", "12", "--horizon", "8"],
+        [
+            "--quick",
+            "--scale",
+            "0.001",
+            "--batch",
+            "512",
+            "--steps",
+            "12",
+            "--horizon",
+            "8",
+            "--plan-threads",
+            "2",
+        ],
         check_oracle_throughput,
     ),
     "cache_traffic": Smoke(
