@@ -24,7 +24,8 @@ __all__ = ["Policy", "OracleConfig", "MAX_RANKS"]
 MAX_RANKS = 63
 
 #: Most planner threads ``plan_threads=None`` picks (tables are planned in parallel, one thread per table at a
-#: time; beyond a few threads the per-batch hand-off costs more than the tables' work spreads).
+#: time; beyond a few threads the per-batch hand-off costs more than the tables' work spreads). It picks one
+#: thread per four cores: the threads contend for the GIL, and on a 2-core host two were slower than one.
 DEFAULT_PLAN_THREADS = 4
 
 
@@ -79,7 +80,7 @@ class OracleConfig:
             :class:`~torchrec_lookahead.oracle.UnknownFeatures`.
         plan_threads: threads planning the tables of a batch in parallel (tables are independent; NumPy
             releases the GIL); ``1`` plans them one after the other in the calling thread, ``None`` picks
-            ``min(4, os.cpu_count())``. The plans do not depend on it.
+            ``min(4, os.cpu_count() // 4)``, at least 1. The plans do not depend on it.
 
     Raises:
         ConfigError: any value out of range, an unknown policy, ``horizon < prefetch_depth``.
@@ -139,7 +140,7 @@ class OracleConfig:
             self.feature_to_table = dict(self.feature_to_table)
         self.unknown_features = check_choice("unknown_features", self.unknown_features, UnknownFeatures)
         if self.plan_threads is None:
-            self.plan_threads = max(1, min(DEFAULT_PLAN_THREADS, os.cpu_count() or 1))
+            self.plan_threads = max(1, min(DEFAULT_PLAN_THREADS, (os.cpu_count() or 1) // 4))
         self.plan_threads = check_int(
             "plan_threads",
             self.plan_threads,
