@@ -30,3 +30,13 @@ def test_importing_the_package_then_fbgemm_prints_no_version_notice() -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     assert "_fbgemm_torch_compat_table" not in run.stderr, run.stderr[-2000:]
     assert "kept" in run.stderr
+
+
+def test_ddp_no_buffer_sync_names_the_argument_the_installed_torch_takes() -> None:
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    kwargs = _compat.ddp_no_buffer_sync()
+    assert list(kwargs.values()) == [False]
+    assert set(kwargs) <= set(inspect.signature(DistributedDataParallel.__init__).parameters)
