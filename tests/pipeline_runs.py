@@ -4,11 +4,15 @@
 Run under torchrun to compare the two on several ranks (each rank writes ``<out>/rank<r>.json``)::
 
     python -m torch.distributed.run --nproc_per_node=2 -m tests.pipeline_runs <out>
+
+``TRL_TEST_DEVICE=cuda`` trains on the GPU (every rank on the current device, gloo between them: two ranks
+share one GPU).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Tuple
@@ -36,6 +40,7 @@ from torchrec_lookahead.train_pipeline import LookaheadTrainPipeline
 
 TABLES = [50, 20, 300, 100, 7, 3, 40, 30, 2, 60, 25, 200, 15, 5, 35, 150, 4, 22, 18, 3, 120, 6, 5, 45, 9, 55]
 CAPACITY = {"t_cat_2": 200, "t_cat_11": 150, "t_cat_15": 120}
+CPU = torch.device("cpu")
 
 
 def whole_weights(dmp: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -60,11 +65,12 @@ def build(
     batch_size: int = 64,
     capacity: Mapping[str, int] = CAPACITY,
     dropout: float = 0.2,
+    device: torch.device = CPU,
     **pipeline_kw: Any,
 ) -> Tuple[DistributedModelParallel, Any, CriteoSyntheticDataset]:
-    """The sharded tiny DLRM (``dropout`` on its bottom MLP's output: its masks come from the global random
-    stream), its pipeline (TorchRec's ``TrainPipelineBase`` when resident) and this rank's part of a
-    ``steps``-batch stream. The model is sharded inside ``preserved_rng``, as a plain loop that compares the
+    """The sharded tiny DLRM on ``device`` (``dropout`` on its bottom MLP's output: its masks come from the
+    global random stream), its pipeline (TorchRec's ``TrainPipelineBase`` when resident) and this rank's part of
+    a ``steps``-batch stream. The model is sharded inside ``preserved_rng``, as a plain loop that compares the
     two must: TorchRec draws the random initial values of the tables it builds, and the plans differ."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
@@ -87,8 +93,7 @@ def build(
         )
     model = DLRMTrain(dlrm)
     apply_optimizer_in_backward(RowWiseAdagrad, dlrm.sparse_arch.parameters(), {"lr": 0.05, "eps": 1e-8})
-    topology = Topology(world_size=world, compute_device="cpu")
-    device = torch.device("cpu")
+    topology = Topology(world_size=world, compute_device=device.type)
     if cached:
         sharders: List[Any] = [LookaheadEmbeddingBagCollectionSharder(capacity=dict(capacity), seed=0)]
         plan = lookahead_sharding_plan(
@@ -144,7 +149,7 @@ def train(cached: bool, epochs: int = 1, horizon: int = 8, **kw: Any) -> Dict[st
 def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> Dict[str, Any]:
     """Largest weight difference over the keys both runs hold whole, and whether the losses are equal."""
     common = sorted(set(a["weights"]) & set(b["weights"]))
-    dw = max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in common)
+    dw = max((a["weights"][k].cpu() - b["weights"][k].cpu()).abs().max().item() for k in common)
     return {
         "max_dw": dw,
         "keys": common,
@@ -155,10 +160,12 @@ def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> Dict[str, Any]:
 
 def main(out: str) -> None:
     dist.init_process_group("gloo")
-    resident = train(cached=False)
-    cached = train(cached=True)
+    device = torch.device(os.environ.get("TRL_TEST_DEVICE", "cpu"))
+    resident = train(cached=False, device=device)
+    cached = train(cached=True, device=device)
     result = compare(cached, resident)
     result["all_keys"] = sorted(resident["weights"])
+    result["device"] = str(device)
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

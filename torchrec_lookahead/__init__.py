@@ -6,6 +6,7 @@ device cache holds just those rows, with results equal to resident training.
 
 from typing import TYPE_CHECKING, Any
 
+from torchrec_lookahead import _compat
 from torchrec_lookahead.errors import (
     CapacityError,
     CheckpointError,
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from torchrec_lookahead.train_pipeline import LookaheadTrainPipeline
 
 __version__ = "0.1.0"
+
+_compat.install()  # before anything imports FBGEMM
 
 __all__ = [
     "__version__",

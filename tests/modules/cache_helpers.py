@@ -22,6 +22,7 @@ from torchrec_lookahead.modules import (
 from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
 
 SEED = 7
+CPU = torch.device("cpu")
 
 
 def make_tables(mean_table: bool = False) -> List[EmbeddingBagConfig]:
@@ -128,19 +129,23 @@ def min_capacity(batches: Sequence[Dict[str, torch.Tensor]], tables: Sequence[st
 
 
 def make_dmp(
-    tables: Sequence[EmbeddingBagConfig], optimizer: CacheOptimizerConfig, is_weighted: bool = False
+    tables: Sequence[EmbeddingBagConfig],
+    optimizer: CacheOptimizerConfig,
+    is_weighted: bool = False,
+    device: torch.device = CPU,
 ) -> DistributedModelParallel:
-    """The resident baseline: TorchRec EBC sharded table-wise with the FUSED kernel on the 1-rank group."""
+    """The resident baseline: TorchRec EBC sharded table-wise with the FUSED kernel on the 1-rank group (on
+    ``device``: FBGEMM's CPU or CUDA kernels)."""
     ebc = EmbeddingBagCollection(tables=list(tables), device=torch.device("meta"), is_weighted=is_weighted)
     sharder = EmbeddingBagCollectionSharder(fused_params=optimizer.fused_params())
     constraints = {
         t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"]) for t in tables
     }
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints
+        topology=Topology(world_size=1, compute_device=device.type), constraints=constraints
     )
     plan = planner.collective_plan(ebc, [sharder], dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), sharders=[sharder], plan=plan)
+    dmp = DistributedModelParallel(ebc, device=device, sharders=[sharder], plan=plan)
     init_embedding_bag_tables_(dmp, tables, SEED)
     return dmp
 

@@ -107,8 +107,8 @@ def test_fbgemm_cpu_ignores_rowwise_adagrad_weight_decay(mode: str) -> None:
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
         SplitTableBatchedEmbeddingBagsCodegen,
+        WeightDecayMode,  # (FBGEMM 1.6 too)
     )
-    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 
     results = []
     for wd in (0.0, 0.5):

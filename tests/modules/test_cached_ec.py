@@ -53,7 +53,8 @@ def _train(ec: CachedEmbeddingCollection, cached: bool) -> List[Dict[str, torch.
         outs.append({k: v.values().detach().clone() for k, v in out.items()})
         scale = torch.arange(1, 9, dtype=torch.float32) * (step + 1) / 10  # a different gradient per column
         sum(
-            (v.values()[:, : scale.numel()] * scale[: v.values().shape[1]]).sum() for v in out.values()
+            (v.values()[:, : scale.numel()] * scale[: v.values().shape[1]].to(v.values().device)).sum()
+            for v in out.values()
         ).backward()
     return outs
 

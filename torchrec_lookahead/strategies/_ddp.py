@@ -19,6 +19,7 @@ from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, Dist
 from torchrec.distributed.types import ShardedModule, ShardingEnv
 from typing_extensions import override
 
+from torchrec_lookahead._compat import ddp_no_buffer_sync
 from torchrec_lookahead.errors import SetupError
 
 __all__ = ["DenseDataParallelWrapper", "sharded_buffer_names"]
@@ -65,7 +66,7 @@ class DenseDataParallelWrapper(DefaultDataParallelWrapper):
             device_ids=None if device.type == "cpu" else [device],
             process_group=pg,
             gradient_as_bucket_view=True,
-            forward_sync_buffers=False,
+            **ddp_no_buffer_sync(),  # forward_sync_buffers=False (torch 2.11: broadcast_buffers=False)
             static_graph=self._static_graph,
             find_unused_parameters=self._find_unused_parameters,
             bucket_cap_mb=self._bucket_cap_mb,

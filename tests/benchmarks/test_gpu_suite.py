@@ -1,0 +1,50 @@
+"""benchmarks/gpu_suite.py runs every part on the CPU (``--cpu-smoke``) and records each in its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..cli.test_cli import clean_env
+from ..conftest import REPO
+
+PARTS = (
+    "env",
+    "cuda_tests",
+    "verify_default",
+    "verify_fae_adam",
+    "two_ranks",
+    "bench_default",
+    "bench_kaggle",
+)
+
+
+@pytest.mark.slow
+def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "benchmarks/gpu_suite.py", "--cpu-smoke", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=clean_env(),
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    saved = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert saved["mode"] == "cpu-smoke" and tuple(saved["parts"]) == PARTS
+    failed = {k: v.get("output_tail", v) for k, v in saved["parts"].items() if not v.get("ok")}
+    assert not failed, failed
+    assert saved["parts"]["env"]["info"]["fbgemm_cumsum"] == [0, 1, 3, 6]
+    tests = saved["parts"]["cuda_tests"]["tests"]
+    assert tests and all(t["outcome"] in ("passed", "skipped") for t in tests.values()), tests
+    assert any("max_abs_weight_diff" in t.get("properties", {}) for t in tests.values())
+    for part in ("verify_default", "verify_fae_adam"):
+        assert saved["parts"][part]["max_abs_weight_diff"] == 0.0
+    assert [r["max_dw"] for r in saved["parts"]["two_ranks"]["runs"]["pipeline_gloo"]["ranks"]] == [0.0, 0.0]
+    assert saved["parts"]["bench_default"]["figures"]["cached_step_ms"] > 0
+    assert saved["parts"]["bench_kaggle"]["figures"]["capacity"]
+    assert (tmp_path / "gpu_suite.log").stat().st_size > 0
