@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, List
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
@@ -81,16 +83,29 @@ def test_checkpoint_of_cached_training_on_the_device_exported_and_served_residen
     cli = build_cli(["--config", TINY, "--trainer.max_steps=7", "--trainer.logger=false",
                      f"--trainer.accelerator={ACCELERATOR}", "--trainer.enable_checkpointing=false",
                      "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+    inner = cli.datamodule.datamodule
+    predicted: List[Any] = []
+
+    class Predict(pl.Callback):
+        """The cached model's predictions at the end of training, on the device (Lightning's teardown moves
+        the LightningModule back to the CPU after the fit)."""
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            inner.setup("validate")
+            batch = next(iter(inner.val_dataloader()))
+            pl_module.eval()
+            with torch.no_grad():
+                dense, sparse = batch.dense_features.to(DEVICE), batch.sparse_features.to(DEVICE)
+                predicted.append(pl_module(dense, sparse).cpu())
+            pl_module.train()
+            predicted.append(batch)
+
+    cli.trainer.callbacks.append(Predict())
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     ckpt = tmp_path / "cached.ckpt"
     cli.trainer.save_checkpoint(ckpt)
-    inner = cli.datamodule.datamodule
-    inner.setup("validate")
-    batch = next(iter(inner.val_dataloader()))
-    cli.model.eval()
-    with torch.no_grad():
-        cached = cli.model(batch.dense_features.to(DEVICE), batch.sparse_features.to(DEVICE)).cpu()
     cli.trainer.strategy.teardown()
+    cached, batch = predicted
 
     out = tmp_path / "served.ckpt"
     summary = export_checkpoint(ckpt, out, config=[TINY])

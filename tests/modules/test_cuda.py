@@ -127,7 +127,9 @@ def test_fbgemm_cache_equals_torchrec_resident_tables_on_the_device(
     tables = make_tables()
     batches = make_batches(tables, steps)
     cached = ("t0", "t1")
-    probe = CachedEmbeddingBagCollection(tables, {t: 1 for t in cached}, cfg)
+    probe = CachedEmbeddingBagCollection(
+        tables, {t: 1 for t in cached}, cfg, device=DEVICE
+    )  # FBGEMM's Adam: GPU
     ids = [probe.table_ids(b) for b in batches]
     capacity = min_capacity(ids, list(cached))
     plans = naive_plans(ids, capacity, "belady")
