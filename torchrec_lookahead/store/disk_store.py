@@ -174,6 +174,7 @@ class DiskStore(_RowStore):
         self._read_upto = -1  # the background thread has read every hinted step up to this one
         self._written: Optional[List[np.ndarray]] = None  # ids written to the file while a prefetch reads
         self._reset = False  # the tier was cleared (load) while a prefetch read
+        self._inflight: Optional[np.ndarray] = None  # the rows a background read is reading now
         self._wake = threading.Condition(self._lock)
         self._closing = False
         self._reader: Optional[threading.Thread] = None
@@ -437,7 +438,8 @@ class DiskStore(_RowStore):
                 records, units = self._read_uncounted(miss)
             except Exception:
                 with self._lock:
-                    self._written = None
+                    self._written = self._inflight = None
+                    self._wake.notify_all()
                 continue
             with self._lock:
                 try:
@@ -445,8 +447,9 @@ class DiskStore(_RowStore):
                 except Exception:
                     pass
                 finally:
-                    self._written = None
+                    self._written = self._inflight = None
                     self._reset = False
+                    self._wake.notify_all()
 
     def _prefetch_begin(self, step: int) -> Optional[np.ndarray]:
         """Under the lock: the rows of ``step`` to read (not in the host tier, as many as it has room for
@@ -464,6 +467,7 @@ class DiskStore(_RowStore):
         nxt = self._next_use()
         room = tier.num_free + int(((nxt > step) & (tier.id_of >= 0)).sum())
         miss = miss[:room]
+        self._inflight = miss
         self._written = []
         self._reset = False
         return miss
@@ -504,6 +508,8 @@ class DiskStore(_RowStore):
             self._ensure_init(ids)
             tier = self._tier
             uniq, inverse = np.unique(ids.numpy(), return_inverse=True)
+            while self._inflight is not None and np.isin(uniq, self._inflight, assume_unique=True).any():
+                self._wake.wait()  # the background read of some of these rows lands first: no second read
             slots = tier.find(uniq)
             hit = slots >= 0
             tier.touch(slots[hit])
