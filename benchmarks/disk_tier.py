@@ -2,7 +2,10 @@
 ``--scale``, 33.8 M rows at 1.0) trained side by side in one process with the cached tables
 
 * ``ram``: in RAM (``TensorStore``), the reference;
-* ``disk_25``, ``disk_10``: on disk (``store: disk``) under a host tier of 25 % and 10 % of their bytes;
+* ``disk_25``, ``disk_10``: on disk (``store: disk``) under a host tier of 25 % and 10 % of their bytes, kept
+  least recently used with reads one batch ahead (``host_policy: lru``);
+* ``disk_25_lookahead``, ``disk_10_lookahead``: the same memory planned from the lookahead
+  (``host_policy: lookahead``, rows read ``--disk-prefetch-depth`` steps ahead);
 * ``mmap``: in memory-mapped files (``store: mmap``), the page cache deciding what stays in memory.
 
 The device cache is 1 % of each cached table (tables over ``--min-cached-rows`` rows), bumped to the oracle's
@@ -14,7 +17,9 @@ reset before each run through ``/proc/self/clear_refs``) against the host budget
 4 KiB read rate measured in the same process (one and eight reads in flight).
 
 JSON: ``disk_over_ram_samples_per_s`` (25 %), ``disk10_over_ram_samples_per_s``,
-``mmap_over_ram_samples_per_s``, ``random_reads_per_s``, ``runs``.
+``mmap_over_ram_samples_per_s``, ``random_reads_per_s``, ``rows_read_per_step`` (per host policy and budget:
+``{"lru": {"25": ..., "10": ...}, "lookahead": {...}}``), ``lookahead_over_lru_rows_read`` (per budget),
+``runs``.
 
     python benchmarks/disk_tier.py [--quick] [--json PATH] [--scale 1.0] [--steps N] [--store-dir DIR]
 """
@@ -93,6 +98,11 @@ def run(name: str, args: Any, capacity: Dict[str, int], store_bytes: int, base: 
     if name.startswith("disk"):
         budget = store_bytes * int(name.split("_")[1]) // 100
         kwargs = {"store": "disk", "host_budget_bytes": budget}
+        if name.endswith("_lookahead"):
+            kwargs["disk_options"] = {
+                "host_policy": "lookahead",
+                "disk_prefetch_depth": args.disk_prefetch_depth,
+            }
     elif name == "mmap":
         kwargs = {"store": "mmap"}
     gc.collect()
@@ -102,19 +112,25 @@ def run(name: str, args: Any, capacity: Dict[str, int], store_bytes: int, base: 
                 store_dir=directory if name != "ram" else None, sharder_kwargs=kwargs)  # fmt: skip
     peak = proc_status("VmHWM")
     steps = args.steps + args.warmup + 1
-    read = units = 0
+    read = units = prefetched = discarded = hits = 0
     for m in out["strategy"].cached_modules():
         for store in m.cache.stores.values():
             inner = getattr(store, "inner", store)
             if isinstance(inner, DiskStore):
                 read += inner.stats()["rows_read"]
                 units += inner.stats()["unit_reads"]
+                prefetched += inner.stats()["rows_prefetched"]
+                discarded += inner.stats()["prefetch_discarded"]
+                hits += inner.stats()["host_hits"]
     figures = {
         "run": name,
         "samples_per_s": out["samples_per_s"],
         "step_ms": out["step_ms"],
         "rows_read_per_step": read / steps if name.startswith("disk") else None,
         "units_read_per_step": units / steps if name.startswith("disk") else None,
+        "rows_prefetched_per_step": prefetched / steps if name.startswith("disk") else None,
+        "prefetch_discarded_per_step": discarded / steps if name.startswith("disk") else None,
+        "host_hits_per_step": hits / steps if name.startswith("disk") else None,
         "host_budget_mib": budget / 2**20 if budget else None,
         "peak_rss_gib": peak / 2**30,
         "rss_growth_gib": (peak - rss0) / 2**30,
@@ -133,6 +149,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 60; --quick 10)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--min-cached-rows", type=int, default=100_000)
+    p.add_argument(
+        "--disk-prefetch-depth", type=int, default=8, help="steps ahead the lookahead policy reads"
+    )
     p.add_argument("--store-dir", default=None, help="directory of the store files (default: the temp dir)")
     args = p.parse_args()
     quiet()
@@ -149,7 +168,8 @@ def main() -> None:
         bsz = batch_size(cli.datamodule)
         del cli
         runs: List[Dict[str, Any]] = [
-            run(n, args, capacity, store_bytes, base) for n in ("ram", "disk_25", "disk_10", "mmap")
+            run(n, args, capacity, store_bytes, base)
+            for n in ("ram", "disk_25", "disk_10", "disk_25_lookahead", "disk_10_lookahead", "mmap")
         ]
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -159,6 +179,15 @@ def main() -> None:
           f"MiB with their state), batch {bsz}, {args.steps} timed steps; {machine()['cpu']}")  # fmt: skip
     print(table(runs))
     print("random 4 KiB reads/s:", {k: round(v) for k, v in rates.items()})
+    rows_read = {
+        pol: {
+            b: by[f"disk_{b}" + ("" if pol == "lru" else "_lookahead")]["rows_read_per_step"]
+            for b in ("25", "10")
+        }
+        for pol in ("lru", "lookahead")
+    }
+    ratio = {b: rows_read["lookahead"][b] / max(rows_read["lru"][b], 1e-9) for b in ("25", "10")}
+    print("rows read from disk per step:", rows_read, "lookahead / lru:", ratio)
     write_json(
         args.json,
         {
@@ -170,6 +199,8 @@ def main() -> None:
             "disk10_over_ram_samples_per_s": by["disk_10"]["samples_per_s"] / ram,
             "mmap_over_ram_samples_per_s": by["mmap"]["samples_per_s"] / ram,
             "random_reads_per_s": rates,
+            "rows_read_per_step": rows_read,
+            "lookahead_over_lru_rows_read": ratio,
             "runs": runs,
         },
     )

@@ -106,6 +106,32 @@ def test_tiny_job_over_disk_stores_equals_resident_training(
 
 
 @pytest.mark.slow
+def test_tiny_job_over_lookahead_host_tiers_equals_resident_training(
+    tmp_path: Path, disk_stores: List[DiskStore]
+) -> None:
+    """The host tiers planned from the lookahead (Belady, rows read 4 steps ahead in the background) change
+    where rows are, never their values."""
+    from torchrec_lookahead.verify import verify
+
+    extra = ", disk_options: {host_policy: lookahead, disk_prefetch_depth: 4}"
+    result = verify(
+        "configs/dlrm_tiny_lookahead.yaml", steps=24, overrides=[disk_sharder(tmp_path, 3000, extra=extra)]
+    )
+    assert result["passed"] and result["max_abs_weight_diff"] == result["max_abs_loss_diff"] == 0.0, result
+    assert len(disk_stores) == 3 and all(s.host_policy == "lookahead" for s in disk_stores)
+    stats = [s.stats() for s in disk_stores]
+    assert all(st["host_rows"] <= st["host_capacity"] for st in stats)
+    assert sum(st["rows_prefetched"] for st in stats) > 0, stats
+
+
+def test_bad_host_policy_is_refused() -> None:
+    with pytest.raises(ConfigError, match="host_policy must be one of"):
+        LookaheadEmbeddingBagCollectionSharder(
+            capacity={"t": 10}, store="disk", host_budget_bytes=1000, disk_options={"host_policy": "mru"}
+        )
+
+
+@pytest.mark.slow
 def test_default_job_whole_epoch_over_a_minimal_host_tier_equals_resident_training(
     tmp_path: Path, disk_stores: List[DiskStore]
 ) -> None:

@@ -8,6 +8,11 @@ they depend on have landed: rows for step ``t`` are gathered only after plan ``t
 been applied (the oracle never evicts an id needed within the prefetch window, so no later write-back can
 touch them). The ``torchrec`` strategy applies each batch's plan right before its training step.
 
+As it plans each batch, the planner tells every store which rows the step will gather
+(:meth:`~torchrec_lookahead.store.EmbeddingStore.plan_reads`): a disk store under the lookahead host policy
+reads them into its host tier ``disk_prefetch_depth`` steps ahead, so the planner runs at least that far ahead
+(``queue_depth`` is raised to ``disk_prefetch_depth + 2``).
+
 With several ranks, the planner threads all-gather every batch's ids in lockstep (an
 :class:`~torchrec_lookahead.distributed.lrpp.IdGatherer`): all ranks stop gathering at the same batch, whether
 the epoch ends, a rank's loader runs out early (a typed error on every rank) or a rank stops training. When
@@ -196,7 +201,9 @@ class LookaheadLoader:
         OracleConfig(feature_to_table=dict(target.feature_to_table), **self._oracle_kwargs)
         self.horizon = horizon
         self.prefetch_depth = prefetch_depth
-        self.queue_depth = max(queue_depth, prefetch_depth + 2)
+        #: the deepest disk prefetch of the stores: the planner runs at least that far ahead to hint its reads
+        self.disk_prefetch_depth = max((_disk_prefetch_depth(s) for s in target.stores.values()), default=0)
+        self.queue_depth = max(queue_depth, prefetch_depth + 2, self.disk_prefetch_depth + 2)
         self.on_epoch_start = on_epoch_start
         self._yielded = 0
         self._resume_from = 0
@@ -424,6 +431,10 @@ class LookaheadLoader:
             global_kjt = globals_.get()
             if pinned is not None:
                 plan = pinned.lift(plan, global_kjt)
+            for name, table_plan in plan.tables.items():  # the disk stores read these rows ahead
+                store = self.target.stores.get(name)
+                if store is not None and table_plan.fetch_ids.numel():
+                    store.plan_reads(plan.step, table_plan.fetch_ids)
             fut: Future[StagedRows] = Future()
             run.to_stage.put((plan, fut))
             kjt = remap_kjt(global_kjt, plan, f2t_cached, cached)
@@ -535,6 +546,16 @@ class LookaheadLoader:
         if "batches_yielded" not in state_dict:
             raise CheckpointError(f"Loader state {state_dict} has no 'batches_yielded'")
         self._resume_from = int(state_dict["batches_yielded"])
+
+
+def _disk_prefetch_depth(store: Any) -> int:
+    """The ``disk_prefetch_depth`` of a store or of the store it wraps (0 when none has one)."""
+    while store is not None:
+        depth = getattr(store, "disk_prefetch_depth", None)
+        if depth is not None:
+            return int(depth)
+        store = getattr(store, "inner", None) or getattr(store, "local", None)
+    return 0
 
 
 def scan_epoch(

@@ -297,6 +297,12 @@ class WriterFilteredStore(EmbeddingStore):
     def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         return self.inner.gather(ids)
 
+    def plan_reads(self, step: int, ids: torch.Tensor) -> None:
+        self.inner.plan_reads(step, ids)
+
+    def at_step(self, step: int) -> None:
+        self.inner.at_step(step)
+
     def scatter(
         self, ids: torch.Tensor, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None
     ) -> None:

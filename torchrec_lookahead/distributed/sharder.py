@@ -52,6 +52,7 @@ from torchrec_lookahead.distributed.sharded import CUSTOMIZED, ShardedLookaheadE
 from torchrec_lookahead.errors import CapacityError, ConfigError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig
 from torchrec_lookahead.store import DiskStore, MmapStore, RowShardedStore, TensorStore, row_bounds
+from torchrec_lookahead.store.disk_store import check_host_policy
 from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, EmptyShardStore
 from torchrec_lookahead.store.types import EmbeddingStore
 
@@ -348,7 +349,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             cached tables of each collection in proportion to their bytes (each must get at least one row), a
             dict gives each table its own.
         disk_options: with ``store="disk"``, more :class:`~torchrec_lookahead.store.DiskStore` arguments
-            (``direct_io``, ``io_threads``, ``preallocate``).
+            (``direct_io``, ``io_threads``, ``preallocate``, ``host_policy``: ``"lru"`` or ``"lookahead"``,
+            ``disk_prefetch_depth``: steps ahead the lookahead policy reads the planned rows from disk).
         keep_stores: keep the store directories under ``store_dir`` after the run (to inspect the trained
             tables; a new run never reopens them). Default: remove them.
         store_sharding: where the host stores of a multi-rank job live. ``"host"`` (the default): one copy of
@@ -932,7 +934,14 @@ def _store_kind(
         budgets = host_budget_bytes.values() if isinstance(host_budget_bytes, dict) else [host_budget_bytes]
         if any(int(b) <= 0 for b in budgets):
             raise ConfigError(f"host_budget_bytes must be positive but got {host_budget_bytes}")
-        unknown = sorted(set(disk_options or {}) - {"direct_io", "io_threads", "preallocate"})
+        opts = dict(disk_options or {})
+        unknown = sorted(
+            set(opts) - {"direct_io", "io_threads", "preallocate", "host_policy", "disk_prefetch_depth"}
+        )
         if unknown:
-            raise ConfigError(f"disk_options takes direct_io, io_threads and preallocate, not {unknown}")
+            raise ConfigError(
+                "disk_options takes direct_io, io_threads, preallocate, host_policy and disk_prefetch_depth, "
+                f"not {unknown}"
+            )
+        check_host_policy(opts.get("host_policy", "lru"), opts.get("disk_prefetch_depth", 0))
     return kind

@@ -47,6 +47,7 @@ def stage_rows(plan: BatchPlan, stores: Mapping[str, EmbeddingStore], pin_memory
             raise ConfigError(
                 f"plan step {plan.step} names table '{name}' but no store was given; known: {sorted(stores)}"
             )
+        stores[name].at_step(plan.step)
         if table_plan.fetch_ids.numel() == 0:
             continue
         weights, states = stores[name].gather(table_plan.fetch_ids)

@@ -1,5 +1,5 @@
 """The bounded host-memory tier of a :class:`~torchrec_lookahead.store.DiskStore`: rows by slot, dirty bits, and
-the choice of the rows to evict (least recently used)."""
+the choice of the rows to evict (least recently used, or furthest next use first when the next uses are known)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,15 @@ class HostTier:
         if count >= occ.size:
             return occ
         return occ[np.argpartition(self._stamp[occ], count)[:count]]
+
+    def furthest(self, count: int, next_use: np.ndarray, eligible: np.ndarray) -> np.ndarray:
+        """At most ``count`` occupied slots among ``eligible`` (a mask over slots), the furthest ``next_use``
+        first (a step, or a value past every step when none is known), ties broken least recently used first."""
+        occ = np.flatnonzero((self.id_of >= 0) & eligible)
+        if count >= occ.size:
+            return occ
+        order = np.lexsort((self._stamp[occ], -next_use[occ]))
+        return occ[order[:count]]
 
     def drop(self, slots: np.ndarray) -> None:
         """Forget the rows of ``slots`` (already written back where dirty) and free the slots."""

@@ -3,8 +3,21 @@
 Rows and their optimizer state live in one file per table (layout in :mod:`torchrec_lookahead.store._disk_file`),
 read and written with direct I/O (no page cache: the process's memory is what ``host_budget_bytes`` says), in
 parallel from a small thread pool. Between the file and the device cache, a host tier of at most
-``host_budget_bytes`` keeps the rows used most recently; a dirty row evicted from it is written back, rows
-grouped by disk unit (one read-modify-write per unit, consecutive units in one request).
+``host_budget_bytes`` keeps rows; a dirty row evicted from it is written back, rows grouped by disk unit (one
+read-modify-write per unit, consecutive units in one request).
+
+Which rows the host tier keeps is its ``host_policy``:
+
+* ``"lru"``: the rows used most recently; rows are read from the file when a gather misses them.
+* ``"lookahead"``: the rows the plans of the coming steps read soonest (Belady over the known steps). The
+  lookahead loader's planner tells the store, with :meth:`DiskStore.plan_reads`, which rows each planned step
+  will gather, and the stager says with :meth:`DiskStore.at_step` which step it gathers now. A background
+  thread reads the rows of steps up to ``disk_prefetch_depth`` ahead of the gathered one into the host tier (one
+  batched, parallel read per step), evicting for them only rows next needed later than that step or not known
+  to be needed. A gather evicts the rows next needed furthest away (those known to be needed by no planned step
+  first, least recently used first among them) and never the rows it serves. The hints decide only where rows
+  are: a gather reads what the host tier lacks from the file, so values are the latest written whatever the
+  hints (wrong, missing or extra ones included).
 
 Nothing initialises the table at set-up: a block of :data:`~torchrec_lookahead.store.init.INIT_BLOCK_ROWS` rows is
 created (with :func:`~torchrec_lookahead.store.init_rows`' values, bit for bit those of a
@@ -19,7 +32,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -30,7 +43,7 @@ from torchrec_lookahead.store._host_tier import HostTier
 from torchrec_lookahead.store._row_store import _RowStore
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
 
-__all__ = ["DiskStore", "DEFAULT_HOST_BUDGET_BYTES"]
+__all__ = ["DiskStore", "DEFAULT_HOST_BUDGET_BYTES", "HOST_POLICIES", "check_host_policy"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -38,6 +51,30 @@ DEFAULT_HOST_BUDGET_BYTES: int = 64 << 20
 """Host tier size when none is given (64 MiB)."""
 
 _EVICT_FRACTION = 8  # when full, evict at least 1/8 of the tier at once (one scan of the tier per eviction)
+
+HOST_POLICIES = ("lru", "lookahead")
+"""What the host tier keeps: the rows used most recently, or those the coming steps read soonest."""
+
+_NEVER = np.iinfo(np.int64).max  # the next use of a row no known step reads
+
+
+def check_host_policy(host_policy: str, disk_prefetch_depth: int) -> None:
+    """Refuse a host policy not in :data:`HOST_POLICIES` or a disk prefetch depth below 0.
+
+    Raises:
+        ConfigError: the policy or the depth (the message names the accepted values).
+
+    Example:
+        >>> check_host_policy("lookahead", 16)
+    """
+    if host_policy not in HOST_POLICIES:
+        raise ConfigError(f"host_policy must be one of {list(HOST_POLICIES)} but got {host_policy!r}")
+    if (
+        isinstance(disk_prefetch_depth, bool)
+        or not isinstance(disk_prefetch_depth, int)
+        or disk_prefetch_depth < 0
+    ):
+        raise ConfigError(f"disk_prefetch_depth must be an int >= 0 but got {disk_prefetch_depth!r}")
 
 
 class DiskStore(_RowStore):
@@ -62,10 +99,15 @@ class DiskStore(_RowStore):
         io_threads: threads issuing reads and writes in parallel.
         preallocate: reserve the file's blocks at creation (``posix_fallocate``), so that a full disk is found
             at set-up rather than mid-run.
+        host_policy: ``"lru"`` (default) or ``"lookahead"``: which rows the host tier keeps (module docstring).
+        disk_prefetch_depth: with ``host_policy="lookahead"``, how many steps ahead of the gathered step the
+            background thread reads the planned rows into the host tier (0: no background reads; the hints
+            still rank the evictions).
 
     Raises:
-        ConfigError: a size is not positive, the budget holds no row, or an existing file was created for
-            another table, size, layout or seed (the message names the fields).
+        ConfigError: a size is not positive, the budget holds no row, an unknown host policy or a negative
+            prefetch depth, or an existing file was created for another table, size, layout or seed (the
+            message names the fields).
         SetupError: the directory is not writable, or ``direct_io=True`` and the filesystem refuses it.
         StoreError: the disk has no room for the file.
 
@@ -97,6 +139,8 @@ class DiskStore(_RowStore):
         direct_io: Optional[bool] = None,
         io_threads: int = 8,
         preallocate: bool = True,
+        host_policy: str = "lru",
+        disk_prefetch_depth: int = 0,
     ) -> None:
         super().__init__(
             name, num_embeddings, embedding_dim, state_widths, seed, INIT_BLOCK_ROWS, row_offset, table_rows
@@ -109,6 +153,7 @@ class DiskStore(_RowStore):
             )
         if int(io_threads) < 1:
             raise ConfigError(f"io_threads must be >= 1 but got {io_threads}")
+        check_host_policy(host_policy, disk_prefetch_depth)
         self._path = os.fspath(path)
         self._budget = int(host_budget_bytes)
         self._file = DiskFile(
@@ -117,8 +162,27 @@ class DiskStore(_RowStore):
         self._tier = HostTier(min(self._budget // row_bytes, self._num), self.row_width, self._num)
         self._lock = threading.Lock()  # the host tier and the file, one call at a time
         self._counts = dict.fromkeys(
-            ("host_hits", "rows_read", "rows_written", "blocks_created", "unit_reads", "unit_writes"), 0
-        )
+            ("host_hits", "rows_read", "rows_written", "blocks_created", "unit_reads", "unit_writes",
+             "rows_prefetched", "prefetch_discarded"),
+            0,
+        )  # fmt: skip
+        self._policy = host_policy
+        self._depth = int(disk_prefetch_depth)
+        # lookahead: the rows each planned step gathers (sorted distinct ids), from the gathered step on
+        self._hints: Dict[int, np.ndarray] = {}
+        self._step = -1  # the step gathered last (at_step)
+        self._read_upto = -1  # the background thread has read every hinted step up to this one
+        self._written: Optional[List[np.ndarray]] = None  # ids written to the file while a prefetch reads
+        self._reset = False  # the tier was cleared (load) while a prefetch read
+        self._inflight: Optional[np.ndarray] = None  # the rows a background read is reading now
+        self._wake = threading.Condition(self._lock)
+        self._closing = False
+        self._reader: Optional[threading.Thread] = None
+        if self._policy == "lookahead" and self._depth > 0:
+            self._reader = threading.Thread(
+                target=self._prefetch_loop, name=f"disk-prefetch-{name}", daemon=True
+            )
+            self._reader.start()
 
     @classmethod
     def open(cls, path: PathLike, **kwargs: Any) -> DiskStore:
@@ -177,13 +241,25 @@ class DiskStore(_RowStore):
         return self._tier.capacity
 
     @property
+    def host_policy(self) -> str:
+        """Which rows the host tier keeps: ``"lru"`` or ``"lookahead"``."""
+        return self._policy
+
+    @property
+    def disk_prefetch_depth(self) -> int:
+        """Steps ahead of the gathered one the planned rows are read into the host tier (lookahead policy)."""
+        return self._depth
+
+    @property
     def direct_io(self) -> bool:
         """Whether the file is read and written with ``O_DIRECT`` (else buffered with ``posix_fadvise``)."""
         return self._file.direct
 
     def stats(self) -> Dict[str, int]:
         """Counters: ``host_hits`` (rows served by the host tier), ``rows_read`` / ``rows_written`` (rows moved
-        between the host and the disk), ``unit_reads`` / ``unit_writes`` (disk units), ``bytes_read`` /
+        between the host and the disk, the background reads included), ``rows_prefetched`` (rows the background
+        thread read into the host tier), ``prefetch_discarded`` (rows it read but did not keep: written meanwhile,
+        or no room left), ``unit_reads`` / ``unit_writes`` (disk units), ``bytes_read`` /
         ``bytes_written``, ``blocks_created`` (blocks initialised on first touch), ``host_rows`` (rows in the
         host tier now) and ``host_capacity``."""
         return dict(
@@ -223,11 +299,17 @@ class DiskStore(_RowStore):
     # -- disk rows ------------------------------------------------------------------------------------------
     def _read_rows(self, ids: np.ndarray) -> np.ndarray:
         """Records of sorted distinct ``ids`` from the file (their blocks exist)."""
+        records, units = self._read_uncounted(ids)
+        self._counts["rows_read"] += ids.size
+        self._counts["unit_reads"] += units
+        return records
+
+    def _read_uncounted(self, ids: np.ndarray) -> Tuple[np.ndarray, int]:
+        """Records of sorted distinct ``ids`` from the file and the units read (no lock needed: the file's
+        calls are thread-safe)."""
         units = np.unique(self._file.locate(ids)[0])
         _, flat = self._file.read_units(units)
-        self._counts["rows_read"] += ids.size
-        self._counts["unit_reads"] += units.size
-        return flat[self._file.record_index(units, ids)]
+        return flat[self._file.record_index(units, ids)], int(units.size)
 
     def _write_rows(self, ids: np.ndarray, records: np.ndarray) -> None:
         """Write records of distinct ``ids`` (their blocks exist): read-modify-write of the units holding them,
@@ -238,25 +320,183 @@ class DiskStore(_RowStore):
         buf, flat = self._file.read_units(units)
         flat[self._file.record_index(units, ids)] = records
         self._file.write_units(units, buf)
+        if self._written is not None:
+            self._written.append(ids.copy())
         self._counts["rows_written"] += ids.size
         self._counts["unit_reads"] += units.size
         self._counts["unit_writes"] += units.size
 
-    def _make_room(self, count: int, kept: int) -> None:
-        """Free ``count`` slots, evicting the least recently used rows (at least 1/8 of the tier) but never the
-        ``kept`` rows the current call touched (the most recent), writing the dirty ones back first: if the write
-        fails, nothing is evicted."""
+    def _make_room(self, count: int, kept: int, protect: Optional[np.ndarray] = None) -> None:
+        """Free ``count`` slots, evicting rows (at least 1/8 of the tier) but never the ``kept`` rows the current
+        call touched (the most recent; ``protect``: their slots), writing the dirty ones back first: if the write
+        fails, nothing is evicted. LRU: the least recently used rows; lookahead: the rows next needed furthest
+        away, past ``count`` only rows no known step needs."""
         tier = self._tier
         if tier.num_free >= count:
             return
-        want = max(count - tier.num_free, tier.capacity // _EVICT_FRACTION)
-        victims = tier.victims(min(want, tier.capacity - tier.num_free - kept))
+        need = count - tier.num_free
+        want = max(need, tier.capacity // _EVICT_FRACTION)
+        if self._policy == "lru":
+            victims = tier.victims(min(want, tier.capacity - tier.num_free - kept))
+        else:
+            eligible = np.ones(tier.capacity, dtype=bool)
+            if protect is not None:
+                eligible[protect] = False
+            nxt = self._next_use()
+            victims = tier.furthest(need, nxt, eligible)
+            eligible[victims] = False
+            extra = tier.furthest(want - need, nxt, eligible & (nxt == _NEVER))
+            victims = np.concatenate([victims, extra])
+        self._evict(victims)
+
+    def _evict(self, victims: np.ndarray) -> None:
+        """Write back the dirty rows of ``victims``, then free their slots (nothing freed if the write fails)."""
+        tier = self._tier
         dirty = victims[tier.dirty[victims]]
         if dirty.size:
             ids = tier.id_of[dirty]
             order = np.argsort(ids)
             self._write_rows(ids[order], tier.rows.numpy()[dirty[order]])
         tier.drop(victims)
+
+    # -- lookahead: the planned reads ------------------------------------------------------------------------
+    def plan_reads(self, step: int, ids: torch.Tensor) -> None:
+        """Step ``step`` will gather ``ids`` (a hint from the planner; ignored under the LRU policy). Under the
+        lookahead policy the rows are read into the host tier in the background once the gathered step is within
+        ``disk_prefetch_depth`` of ``step``, and the host tier keeps them until then in preference to rows
+        needed later. A hint never changes a value: out-of-range ids are dropped, and a wrong hint costs only
+        reads."""
+        if self._policy != "lookahead":
+            return
+        arr = ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
+        arr = np.unique(arr[(arr >= 0) & (arr < self._num)])
+        with self._lock:
+            if step <= self._step or self._closing:
+                return
+            self._hints[int(step)] = arr
+            self._wake.notify_all()
+
+    def at_step(self, step: int) -> None:
+        """The stager gathers step ``step`` now: hints of earlier steps are dropped, and the background thread may
+        read up to ``step + disk_prefetch_depth``. Steps go forward; a lower one (a new epoch) starts over."""
+        if self._policy != "lookahead":
+            return
+        with self._lock:
+            step = int(step)
+            if step < self._step:  # a new iteration: earlier hints are of the old one
+                self._hints = {s: v for s, v in self._hints.items() if s >= step}
+                self._read_upto = step - 1
+            else:
+                for s in [s for s in self._hints if s < step]:
+                    del self._hints[s]
+            self._step = step
+            self._wake.notify_all()
+
+    def _next_use(self) -> np.ndarray:
+        """Per slot of the host tier, the first hinted step from the gathered one on that reads its row
+        (:data:`_NEVER` when none)."""
+        tier = self._tier
+        nxt = np.full(tier.capacity, _NEVER, dtype=np.int64)
+        for s in sorted(self._hints, reverse=True):
+            if s < self._step:
+                continue
+            slots = tier.find(self._hints[s])
+            nxt[slots[slots >= 0]] = s
+        return nxt
+
+    def _next_prefetch(self) -> Optional[int]:
+        """The first hinted step not read yet within the prefetch depth, if the rows of the steps from the
+        gathered one to it fit in the host tier together (under the lock). Reading a step whose rows would
+        not stay until it is gathered would only read them twice."""
+        lo = max(self._read_upto, self._step)
+        ready = [s for s in self._hints if lo < s <= self._step + self._depth]
+        if not ready:
+            return None
+        step = min(ready)
+        window = [v for s, v in self._hints.items() if self._step <= s <= step]
+        if np.unique(np.concatenate(window)).size > self._tier.capacity:
+            return None
+        return step
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closing and self._next_prefetch() is None:
+                    self._wake.wait()
+                if self._closing or self._file.closed:
+                    return
+                step = self._next_prefetch()
+                assert step is not None
+                self._read_upto = step
+                try:
+                    miss = self._prefetch_begin(step)
+                except Exception:  # a failing disk: the gathers meet the error themselves
+                    miss, self._written = None, None
+            if miss is None or miss.size == 0:
+                continue
+            try:
+                records, units = self._read_uncounted(miss)
+            except Exception:
+                with self._lock:
+                    self._written = self._inflight = None
+                    self._wake.notify_all()
+                continue
+            with self._lock:
+                try:
+                    self._prefetch_end(step, miss, records, units)
+                except Exception:
+                    pass
+                finally:
+                    self._written = self._inflight = None
+                    self._reset = False
+                    self._wake.notify_all()
+
+    def _prefetch_begin(self, step: int) -> Optional[np.ndarray]:
+        """Under the lock: the rows of ``step`` to read (not in the host tier, as many as it has room for
+        without evicting a row needed by ``step`` or sooner); starts recording the file's writes."""
+        if self._file.closed:
+            return None
+        ids = self._hints[step]
+        if ids.size == 0:
+            return None
+        self._ensure_init(torch.from_numpy(ids))
+        tier = self._tier
+        miss = ids[tier.find(ids) < 0]
+        if miss.size == 0:
+            return None
+        nxt = self._next_use()
+        room = tier.num_free + int(((nxt > step) & (tier.id_of >= 0)).sum())
+        miss = miss[:room]
+        self._inflight = miss
+        self._written = []
+        self._reset = False
+        return miss
+
+    def _prefetch_end(self, step: int, miss: np.ndarray, records: np.ndarray, units: int) -> None:
+        """Under the lock: keep the rows read for ``step`` that are still missing and were not written
+        meanwhile, evicting for them only rows next needed after ``step``."""
+        self._counts["rows_read"] += miss.size
+        self._counts["unit_reads"] += units
+        keep = np.ones(miss.size, dtype=bool)
+        if self._reset or self._file.closed:
+            keep[:] = False
+        elif self._written:
+            keep &= ~np.isin(miss, np.concatenate(self._written))
+        tier = self._tier
+        keep &= tier.find(miss) < 0
+        idx = np.flatnonzero(keep)
+        if idx.size > tier.num_free:
+            nxt = self._next_use()
+            later = tier.furthest(idx.size - tier.num_free, nxt, nxt > step)
+            self._evict(later)
+            idx = idx[: tier.num_free]
+        self._counts["prefetch_discarded"] += miss.size - idx.size
+        if idx.size == 0:
+            return
+        new = tier.put(miss[idx], dirty=False)
+        tier.rows[torch.from_numpy(new)] = torch.from_numpy(records[idx])
+        tier.touch(new)
+        self._counts["rows_prefetched"] += idx.size
 
     # -- EmbeddingStore --------------------------------------------------------------------------------------
     def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -268,6 +508,8 @@ class DiskStore(_RowStore):
             self._ensure_init(ids)
             tier = self._tier
             uniq, inverse = np.unique(ids.numpy(), return_inverse=True)
+            while self._inflight is not None and np.isin(uniq, self._inflight, assume_unique=True).any():
+                self._wake.wait()  # the background read of some of these rows lands first: no second read
             slots = tier.find(uniq)
             hit = slots >= 0
             tier.touch(slots[hit])
@@ -277,7 +519,7 @@ class DiskStore(_RowStore):
                 return self._split(tier.rows.index_select(0, torch.from_numpy(slots[inverse])))
             records = self._read_rows(miss)
             if miss.size <= tier.capacity - int(hit.sum()):
-                self._make_room(miss.size, kept=int(hit.sum()))
+                self._make_room(miss.size, kept=int(hit.sum()), protect=slots[hit])
                 new = tier.put(miss, dirty=False)
                 tier.rows[torch.from_numpy(new)] = torch.from_numpy(records)
                 tier.touch(new)
@@ -308,7 +550,7 @@ class DiskStore(_RowStore):
             if miss.size == 0:
                 return
             if miss.size <= tier.capacity - int(hit.sum()):
-                self._make_room(miss.size, kept=int(hit.sum()))
+                self._make_room(miss.size, kept=int(hit.sum()), protect=slots[hit])
                 new = tier.put(arr[miss], dirty=True)
                 tier.rows.numpy()[new] = records[miss]
                 tier.touch(new)
@@ -371,6 +613,7 @@ class DiskStore(_RowStore):
         with self._lock, torch.no_grad():
             self._check_open()
             self._tier.clear()
+            self._reset = True
             for block in range(self._file.num_blocks):
                 a = block * INIT_BLOCK_ROWS
                 b = min(a + INIT_BLOCK_ROWS, self._num)
@@ -402,7 +645,13 @@ class DiskStore(_RowStore):
             self._file.sync()
 
     def close(self) -> None:
-        """Flush and close the file; the store cannot be used afterwards (idempotent)."""
+        """Stop the background reads, flush and close the file; the store cannot be used afterwards
+        (idempotent)."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify_all()
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join()
         self.flush()
         with self._lock:
             self._file.close()

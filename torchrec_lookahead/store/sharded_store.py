@@ -369,6 +369,16 @@ class RowShardedStore(EmbeddingStore):
             col += width
         return rows[:, :dim], out
 
+    def plan_reads(self, step: int, ids: torch.Tensor) -> None:
+        """Hands the local shard the hinted ids it holds (local, not a collective)."""
+        ids = ids.reshape(-1)
+        mine = ids[(ids >= self._lo) & (ids < self._hi)]
+        self._local.plan_reads(step, mine - self._lo)
+
+    def at_step(self, step: int) -> None:
+        """Tells the local shard (local, not a collective)."""
+        self._local.at_step(step)
+
     def _local_rows(self, local_ids: torch.Tensor) -> torch.Tensor:
         w, s = self._local.gather(local_ids)
         return torch.cat([w, *(s[k].reshape(-1, v) for k, v in self._widths.items())], 1)

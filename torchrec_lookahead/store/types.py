@@ -110,6 +110,16 @@ class EmbeddingStore(abc.ABC):
         """
         self.scatter(ids, weights, states)
 
+    def plan_reads(self, step: int, ids: torch.Tensor) -> None:
+        """A hint from the planner: step ``step`` will gather ``ids`` (table ids). A store with a slower tier
+        behind a faster one (a :class:`~torchrec_lookahead.store.DiskStore` under the lookahead policy) reads
+        them ahead and keeps them; a hint never changes a value. This default ignores it."""
+        return None
+
+    def at_step(self, step: int) -> None:
+        """The stager gathers step ``step`` now (see :meth:`plan_reads`). This default ignores it."""
+        return None
+
     @abc.abstractmethod
     def full_weights(self) -> torch.Tensor:
         """The whole table as an (N, D) tensor view of the store (no copy; writes go to the store)."""
