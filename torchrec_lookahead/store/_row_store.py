@@ -10,7 +10,7 @@ import torch
 
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
-from torchrec_lookahead.store.types import EmbeddingStore
+from torchrec_lookahead.store.types import EmbeddingStore, check_load
 
 __all__: List[str] = []
 
@@ -255,25 +255,7 @@ class _RowStore(EmbeddingStore):
         return self._split(self._rows())[1]
 
     def load(self, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None) -> None:
-        states = dict(states or {})
-        unknown = set(states) - set(self._widths)
-        if unknown:
-            raise DataError(
-                f"load into table '{self._name}' got unknown states {sorted(unknown)}; expected {sorted(self._widths)}"
-            )
-        if tuple(weights.shape) != (self._num, self._dim):
-            raise DataError(
-                f"load into table '{self._name}' expects weights of shape ({self._num}, {self._dim}) but got "
-                f"{tuple(weights.shape)}"
-            )
-        for key, val in states.items():
-            width = self._widths[key]
-            shape = tuple(val.shape)
-            if shape != (self._num, width) and not (width == 1 and shape == (self._num,)):
-                raise DataError(
-                    f"load into table '{self._name}' expects state '{key}' of shape ({self._num}, {width}) but "
-                    f"got {shape}"
-                )
+        states = check_load(self._name, self._num, self._dim, self._widths, weights, states)
         rows = self._rows()
         with torch.no_grad():
             for chunk in range(self._num_chunks):

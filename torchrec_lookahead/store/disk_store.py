@@ -37,11 +37,12 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from torchrec_lookahead.errors import ConfigError, DataError
+from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.store._disk_file import DiskFile, read_header
 from torchrec_lookahead.store._host_tier import HostTier
 from torchrec_lookahead.store._row_store import _RowStore
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
+from torchrec_lookahead.store.types import check_load
 
 __all__ = ["DiskStore", "DEFAULT_HOST_BUDGET_BYTES", "HOST_POLICIES", "check_host_policy"]
 
@@ -592,24 +593,7 @@ class DiskStore(_RowStore):
         return {k: self._full_columns(a, b) for k, (a, b) in self._cols.items()}
 
     def load(self, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None) -> None:
-        states = dict(states or {})
-        unknown = set(states) - set(self._widths)
-        if unknown:
-            raise DataError(
-                f"load into table '{self._name}' got unknown states {sorted(unknown)}; expected {sorted(self._widths)}"
-            )
-        if tuple(weights.shape) != (self._num, self._dim):
-            raise DataError(
-                f"load into table '{self._name}' expects weights of shape ({self._num}, {self._dim}) but got "
-                f"{tuple(weights.shape)}"
-            )
-        for key, val in states.items():
-            width, shape = self._widths[key], tuple(val.shape)
-            if shape != (self._num, width) and not (width == 1 and shape == (self._num,)):
-                raise DataError(
-                    f"load into table '{self._name}' expects state '{key}' of shape ({self._num}, {width}) but "
-                    f"got {shape}"
-                )
+        states = check_load(self._name, self._num, self._dim, self._widths, weights, states)
         with self._lock, torch.no_grad():
             self._check_open()
             self._tier.clear()

@@ -25,7 +25,9 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["EmbeddingStore"]
+from torchrec_lookahead.errors import DataError
+
+__all__ = ["EmbeddingStore", "check_load"]
 
 
 class EmbeddingStore(abc.ABC):
@@ -153,3 +155,37 @@ class EmbeddingStore(abc.ABC):
     def nbytes(self) -> int:
         """Bytes the table and its optimizer state occupy in the store."""
         return self.num_embeddings * self.row_width * 4
+
+
+def check_load(
+    name: str,
+    num_embeddings: int,
+    embedding_dim: int,
+    state_widths: Mapping[str, int],
+    weights: torch.Tensor,
+    states: Optional[Mapping[str, torch.Tensor]],
+) -> Dict[str, torch.Tensor]:
+    """The arguments of :meth:`EmbeddingStore.load` checked against a table's shape: the given states (a subset
+    of ``state_widths``; a width-1 state may come as a vector).
+
+    Raises:
+        DataError: an unknown state, or a tensor of another shape, naming the table.
+    """
+    out = dict(states or {})
+    unknown = set(out) - set(state_widths)
+    if unknown:
+        raise DataError(
+            f"load into table '{name}' got unknown states {sorted(unknown)}; expected {sorted(state_widths)}"
+        )
+    if tuple(weights.shape) != (num_embeddings, embedding_dim):
+        raise DataError(
+            f"load into table '{name}' expects weights of shape ({num_embeddings}, {embedding_dim}) but got "
+            f"{tuple(weights.shape)}"
+        )
+    for key, val in out.items():
+        width, shape = state_widths[key], tuple(val.shape)
+        if shape != (num_embeddings, width) and not (width == 1 and shape == (num_embeddings,)):
+            raise DataError(
+                f"load into table '{name}' expects state '{key}' of shape ({num_embeddings}, {width}) but got {shape}"
+            )
+    return out
