@@ -359,7 +359,10 @@ def smoke_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     selected = {
         item.callspec.params["name"]
         for item in request.session.items
-        if item.module is request.module and hasattr(item, "callspec") and "name" in item.callspec.params
+        # the session's items include doctests, which have no module attribute
+        if getattr(item, "module", None) is request.module
+        and hasattr(item, "callspec")
+        and "name" in item.callspec.params
     }
     out = tmp_path_factory.mktemp("smoke")
     pool = ThreadPoolExecutor(max_workers=WORKERS)
