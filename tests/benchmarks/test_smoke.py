@@ -243,7 +243,8 @@ def tiny_rows() -> Dict[str, int]:
 
 def check_disk_tier(f: Dict[str, Any]) -> None:
     runs = {r["run"]: r for r in f["runs"]}
-    assert set(runs) == {"ram", "disk_25", "disk_10", "mmap"} and f["steps"] == 2
+    disk = ("disk_25", "disk_10", "disk_25_lookahead", "disk_10_lookahead")
+    assert set(runs) == {"ram", "mmap", *disk} and f["steps"] == 2
     batch = {round(r["samples_per_s"] * r["step_ms"] / 1e3) for r in runs.values()}
     assert len(batch) == 1 and batch.pop() > 0  # every run trains the same batches
     assert close(
@@ -258,8 +259,16 @@ def check_disk_tier(f: Dict[str, Any]) -> None:
     b25, b10 = runs["disk_25"]["host_budget_mib"], runs["disk_10"]["host_budget_mib"]
     assert positive(b10) and close(b10 / b25, 0.4, rel=0.01)  # 10 % and 25 % of the same table bytes
     assert close(b25 * 2**20, 0.25 * f["cached_store_bytes"], rel=0.01)
-    for name in ("disk_25", "disk_10"):
+    for name in disk:
         assert positive(runs[name]["rows_read_per_step"]) and positive(runs[name]["units_read_per_step"])
+    for pct in ("25", "10"):  # the two host policies at the same memory, and their ratio
+        lru, ahead = runs[f"disk_{pct}"], runs[f"disk_{pct}_lookahead"]
+        assert lru["host_budget_mib"] == ahead["host_budget_mib"]
+        assert f["rows_read_per_step"]["lru"][pct] == lru["rows_read_per_step"]
+        assert f["rows_read_per_step"]["lookahead"][pct] == ahead["rows_read_per_step"]
+        assert close(
+            f["lookahead_over_lru_rows_read"][pct], ahead["rows_read_per_step"] / lru["rows_read_per_step"]
+        )
     assert runs["ram"]["rows_read_per_step"] is None and runs["mmap"]["rows_read_per_step"] is None
     assert positive(f["random_reads_per_s"]["1_in_flight"]) and positive(
         f["random_reads_per_s"]["8_in_flight"]
