@@ -611,39 +611,3 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._COLLECTION,
         ):
             self.invalidate()
-
-    @classmethod
-    def from_ebc(
-        cls,
-        ebc: nn.Module,
-        capacity: Mapping[str, int],
-        optimizer: Optional[CacheOptimizerConfig] = None,
-        stores: Optional[Mapping[str, EmbeddingStore]] = None,
-        seed: int = 0,
-        device: Optional[torch.device] = None,
-    ) -> CachedEmbeddingBagCollection:
-        """Build a cached collection with the tables of a ``torchrec.EmbeddingBagCollection``.
-
-        The new collection starts from the seeded initial values (not the EBC's weights); load a state dict to
-        copy trained weights.
-
-        Args:
-            ebc: an ``EmbeddingBagCollection`` (any device, ``meta`` included).
-            capacity: table name -> cache rows.
-            optimizer: fused sparse optimizer.
-            stores: optional stores of cached tables.
-            seed: seed of the initial values.
-            device: device of the cache.
-
-        Returns:
-            The cached collection.
-        """
-        return cls(
-            ebc.embedding_bag_configs(),  # type: ignore[operator]
-            capacity,
-            optimizer=optimizer,
-            stores=stores,
-            seed=seed,
-            device=device,
-            is_weighted=bool(ebc.is_weighted()),  # type: ignore[operator]
-        )
