@@ -21,11 +21,12 @@ import torch
 
 # re-exported: the scripts import these from here or, to start without Lightning, from _report
 from benchmarks._report import free_port, machine, median, parser, table, write_json  # noqa: F401
-from torchrec_lookahead.data import LoaderStats, LookaheadDataModule, WrappedDataModule
-from torchrec_lookahead.data._threads import lower_thread_priority, single_threaded_ops
+from torchrec_lookahead.data import LookaheadDataModule, WrappedDataModule
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
 from torchrec_lookahead.launch import build_cli
 from torchrec_lookahead.oracle import OracleConfig, min_capacity
+from torchrec_lookahead.runtime import LoaderStats
+from torchrec_lookahead.runtime._threads import lower_thread_priority, single_threaded_ops
 from torchrec_lookahead.strategies import TorchRecStrategy
 from torchrec_lookahead.verify import QUIET_TRAINER_ARGS
 

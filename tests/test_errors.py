@@ -5,9 +5,9 @@ import pickle
 import pytest
 import torch
 
-from torchrec_lookahead.data.capacity import check_stream
 from torchrec_lookahead.errors import CapacityError, ConfigError, InvalidIdError
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+from torchrec_lookahead.runtime.capacity import check_stream
 from torchrec_lookahead.store import TensorStore
 
 

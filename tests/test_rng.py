@@ -119,8 +119,7 @@ def test_the_wrapped_loaders_iterator_starts_on_the_training_thread() -> None:
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from torchrec_lookahead.data.batch import CacheTarget
-    from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
+    from torchrec_lookahead.runtime import CacheSession, CacheTarget, LookaheadLoader
     from torchrec_lookahead.store import TensorStore
 
     def batch(ids: List[int]) -> Batch:
@@ -134,7 +133,7 @@ def test_the_wrapped_loaders_iterator_starts_on_the_training_thread() -> None:
         num_embeddings={"t": 10},
         stores={"t": TensorStore(10, 4, name="t")},
     )
-    loader = LookaheadLoader(inner, target, horizon=4, prefetch_depth=1, policy="belady")
+    loader = LookaheadLoader(inner, CacheSession(target), horizon=4, prefetch_depth=1, policy="belady")
     it = iter(loader)
     first = next(it)
     assert inner.threads[:2] == [threading.get_ident()] * 2  # created, and the first batch read, here

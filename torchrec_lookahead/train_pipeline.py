@@ -19,7 +19,7 @@ Behind ``progress``, the :class:`~torchrec_lookahead.data.LookaheadLoader` that 
 ``dataloader_iter`` in a background thread, runs the oracle ``horizon`` batches ahead and remaps the cached
 features' ids to cache slots; a second thread gathers the rows each plan fetches ``prefetch_depth`` steps ahead.
 Before each step the batch's plan is applied to the cached modules (exactly as ``strategy="torchrec"`` does,
-through :meth:`~torchrec_lookahead.data.LookaheadBatch.apply_to`), then TorchRec's step runs unchanged. The
+through :meth:`~torchrec_lookahead.runtime.CacheSession.apply`), then TorchRec's step runs unchanged. The
 data is streamed: only ``queue_depth`` planned batches and the oracle's ``horizon`` of ids are held.
 
 With several ranks every rank runs the same pipeline on its own part of the data (as in the resident loop);
@@ -35,27 +35,17 @@ from types import TracebackType
 from typing import Any, Iterator, List, Optional, Type
 
 import torch
-import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineBase
 
-from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch, cached_modules, reset_caches
-from torchrec_lookahead.data.lookahead_loader import LookaheadLoader, lookahead_options
 from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.runtime import CacheSession, LookaheadBatch, LookaheadLoader
+from torchrec_lookahead.runtime.loader import lookahead_options
 
 __all__ = ["LookaheadTrainPipeline"]
 
 log = logging.getLogger(__name__)
-
-
-def _id_group(module: ShardedLookaheadEmbeddingBagCollection) -> Optional[dist.ProcessGroup]:
-    """The gloo group on which the planner thread gathers the ranks' ids (collective: every rank)."""
-    if module.world_size == 1:
-        return None
-    pg = module._pg
-    ranks = dist.get_process_group_ranks(pg) if pg is not None else None
-    return dist.new_group(ranks=ranks, backend="gloo")
 
 
 class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
@@ -152,25 +142,23 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
     ) -> None:
         chosen, oracle_kwargs = lookahead_options(horizon, prefetch_depth, policy, window, ways)
         super().__init__(model, optimizer, device)
-        self._cached = cached_modules(model)
         self._batches: Optional[Iterator[Batch]] = None
         self.loader: Optional[LookaheadLoader] = None
-        if not self._cached:
+        #: the owner of the cached step (collective with several ranks: the planner's id group)
+        self.session = CacheSession.for_model(model)
+        if self.session is None:
             log.warning(
                 "LookaheadTrainPipeline: the model has no cached tables; batches pass through unplanned"
             )
             return
-        first = self._cached[0]
-        target = CacheTarget.from_modules(self._cached, first.world_size, first.rank, _id_group(first))
         #: the lookahead loader reading the connected data iterator (its ``stats()`` count waits and CPU time)
         self.loader = LookaheadLoader(
             None,
-            target,
+            self.session,
             horizon,
             prefetch_depth,
             chosen.value,
             queue_depth,
-            on_epoch_start=lambda: reset_caches(self._cached),
             oracle_kwargs=oracle_kwargs,
             stop_timeout_s=stop_timeout_s,
             planner_nice=planner_nice,
@@ -179,7 +167,7 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
     @property
     def cached(self) -> List[ShardedLookaheadEmbeddingBagCollection]:
         """The model's collections with cached tables."""
-        return list(self._cached)
+        return [] if self.session is None else list(self.session.modules)
 
     # ------------------------------------------------------------------- TorchRec's TrainPipelineBase hooks
     def _connect(self, dataloader_iter: Iterator[Batch]) -> None:
@@ -204,9 +192,9 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
 
     def _wait_for_batch(self, cur_batch: Batch) -> None:
         super()._wait_for_batch(cur_batch)
-        if isinstance(cur_batch, LookaheadBatch):
+        if isinstance(cur_batch, LookaheadBatch) and self.session is not None:
             # After the previous step's optimizer update, before this step's forward (no stale read).
-            cur_batch.apply_to(self._cached)
+            self.session.apply(cur_batch)
 
     def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
         """One training step on the next batch of ``dataloader_iter`` (a new iterator after the end of the
@@ -233,8 +221,8 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         """Write every cached row and its optimizer state back to the host stores (``barrier=False`` on an
         exception path, where another rank may be gone: see
         :meth:`~torchrec_lookahead.distributed.ShardedLookaheadEmbeddingBagCollection.flush`)."""
-        for m in self._cached:
-            m.flush(barrier=barrier)
+        if self.session is not None:
+            self.session.flush(barrier=barrier)
 
     def close(self) -> None:
         """Stop the background threads (a later ``progress`` starts a new stream)."""

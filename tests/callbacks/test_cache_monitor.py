@@ -7,7 +7,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from torchrec_lookahead import ConfigError
 from torchrec_lookahead.callbacks import CacheMonitor
-from torchrec_lookahead.data import LoaderStats
+from torchrec_lookahead.runtime import LoaderStats
 
 from ..helpers import fit_cached
 

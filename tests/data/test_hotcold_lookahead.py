@@ -208,12 +208,12 @@ def test_default_fae_job_cached_equals_resident_over_a_full_epoch(tmp_path: Path
 
 
 def test_pinned_rows_with_cdlrm_averaging_are_refused_clearly() -> None:
-    from torchrec_lookahead.data.lookahead import CacheTarget
+    from torchrec_lookahead.runtime import CacheSession, CacheTarget
 
     dm = LookaheadDataModule(HotColdDataModule(CriteoSyntheticDataModule(**tiny_data_args()), **FAE))
     target = CacheTarget(CAPACITY, {"cat_2": "t_cat_2"}, {"t_cat_2": 300}, {}, num_ranks=2, average_every=4)
     with pytest.raises(ConfigError, match="Pinned hot rows .* drop average_every"):
-        dm._hotcold_loader(None, target)
+        dm._hotcold_loader(None, CacheSession(target))
 
 
 def _budget_override(tmp_path: Path, budget: int) -> str:

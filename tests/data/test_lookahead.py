@@ -8,8 +8,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from torchrec_lookahead import CapacityError, ConfigError, InvalidIdError, SetupError
-from torchrec_lookahead.data import LookaheadDataModule, LookaheadLoader
-from torchrec_lookahead.data.lookahead import CacheTarget
+from torchrec_lookahead.data import LookaheadDataModule
+from torchrec_lookahead.runtime import CacheSession, CacheTarget, LookaheadLoader
 from torchrec_lookahead.store import TensorStore
 
 from ..conftest import TINY_TABLES
@@ -102,7 +102,7 @@ def _loader(batches, capacity, stores, rows):
     target = CacheTarget(
         capacity=capacity, feature_to_table={"f": "t"}, num_embeddings={"t": rows}, stores=stores
     )
-    return LookaheadLoader(batches, target, horizon=4, prefetch_depth=1, policy="belady")
+    return LookaheadLoader(batches, CacheSession(target), horizon=4, prefetch_depth=1, policy="belady")
 
 
 def test_loader_stages_rows_and_refuses_out_of_range_ids():
@@ -119,11 +119,11 @@ def test_loader_stages_rows_and_refuses_out_of_range_ids():
     loader = _loader([batch([1, 2]), batch([2, 3]), batch([4, 1])], {"t": 4}, {"t": store}, 10)
     out = []
     for b in loader:
-        staged = b.wait_staged()
+        staged = loader.staged_rows(b.plan, b.staged)
         out.append(
             (b.plan.tables["t"].fetch_ids.tolist(), staged.tables["t"].ids.tolist() if staged.tables else [])
         )
-        b.mark_applied()
+        loader.progress.applied(b.plan.step)
     assert [f for f, _ in out] == [s for _, s in out]
     assert sorted(sum((f for f, _ in out), [])) == [1, 2, 3, 4]
     bad = _loader([batch([1, 12])], {"t": 4}, {"t": store}, 10)
@@ -231,8 +231,8 @@ def test_a_late_window_that_does_not_fit(tmp_path, check, fails_before_training)
 
 
 def test_check_stream_matches_the_oracle_minimum_and_refuses_bad_ids():
-    from torchrec_lookahead.data.capacity import check_stream
     from torchrec_lookahead.oracle import OracleConfig, min_capacity
+    from torchrec_lookahead.runtime.capacity import check_stream
 
     gen = torch.Generator().manual_seed(3)
     stream = [{"a": torch.randint(0, 50, (20,), generator=gen), "b": torch.randint(0, 9, (7,), generator=gen)}
@@ -273,8 +273,9 @@ def test_preserved_rng_keeps_a_shuffling_loaders_order():
 
 
 def test_capacity_check_value_is_validated():
-    from torchrec_lookahead.data import CapacityCheck, CriteoSyntheticDataModule
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
     from torchrec_lookahead.oracle import Policy
+    from torchrec_lookahead.runtime import CapacityCheck
 
     with pytest.raises(ConfigError, match="capacity_check 'epoch' or 'lookahead' but got 'never'"):
         LookaheadDataModule(CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), capacity_check="never")
@@ -294,7 +295,7 @@ def test_capacity_check_value_is_validated():
 def test_lookahead_threads_run_their_operators_single_threaded_without_changing_others():
     import threading
 
-    from torchrec_lookahead.data.lookahead import single_threaded_ops
+    from torchrec_lookahead.runtime._threads import single_threaded_ops
 
     before = torch.get_num_threads()
     try:
@@ -353,7 +354,7 @@ def test_the_planner_thread_runs_at_lower_priority_than_training():
     import os
     import threading
 
-    from torchrec_lookahead.data.lookahead import lower_thread_priority
+    from torchrec_lookahead.runtime._threads import lower_thread_priority
 
     seen = {}
 

@@ -38,21 +38,19 @@ def _batches(rank: int, n: int, size: int = 2) -> List[Any]:
 
 
 def _loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 20.0) -> Any:
-    from torchrec_lookahead.data.batch import CacheTarget
-    from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
+    from torchrec_lookahead.runtime import CacheSession, CacheTarget, LookaheadLoader
     from torchrec_lookahead.store import TensorStore
 
     target = CacheTarget(capacity={"t": 16}, feature_to_table={"f": "t"}, num_embeddings={"t": ROWS},
                          stores={"t": TensorStore(ROWS, 4, name="t")}, num_ranks=2, rank=rank, group=group)  # fmt: skip
-    return LookaheadLoader(batches, target, horizon=2, prefetch_depth=1, policy="belady", queue_depth=3,
+    return LookaheadLoader(batches, CacheSession(target), horizon=2, prefetch_depth=1, policy="belady", queue_depth=3,
                            stop_timeout_s=stop_timeout_s)  # fmt: skip
 
 
 def _sharded_loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 20.0) -> Any:
     """The loader over a row-sharded store: each rank holds half of the rows, the stager's gathers are
     collectives on a group of their own."""
-    from torchrec_lookahead.data.batch import CacheTarget
-    from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
+    from torchrec_lookahead.runtime import CacheSession, CacheTarget, LookaheadLoader
     from torchrec_lookahead.store import RowShardedStore, TensorStore, row_bounds
     from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL
 
@@ -64,15 +62,15 @@ def _sharded_loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: f
                             channel_groups={STAGE_CHANNEL: groups[STAGE_CHANNEL]})  # fmt: skip
     target = CacheTarget(capacity={"t": 16}, feature_to_table={"f": "t"}, num_embeddings={"t": ROWS},
                          stores={"t": store}, num_ranks=2, rank=rank, group=group)  # fmt: skip
-    return LookaheadLoader(batches, target, horizon=2, prefetch_depth=1, policy="belady", queue_depth=3,
+    return LookaheadLoader(batches, CacheSession(target), horizon=2, prefetch_depth=1, policy="belady", queue_depth=3,
                            stop_timeout_s=stop_timeout_s)  # fmt: skip
 
 
-def _staged_diff(b: Any) -> float:
+def _staged_diff(loader: Any, b: Any) -> float:
     """Max |staged - initial| of a batch's fetched rows (nothing is written back in these scenarios)."""
     from torchrec_lookahead.store import TensorStore
 
-    rows = b.wait_staged()
+    rows = loader.staged_rows(b.plan, b.staged)
     ids = b.plan.tables["t"].fetch_ids
     if not ids.numel():
         return 0.0
@@ -80,12 +78,12 @@ def _staged_diff(b: Any) -> float:
     return float((rows.tables["t"].weights - want).abs().max())
 
 
-def _consume(it: Any, n: int) -> int:
+def _consume(loader: Any, it: Any, n: int) -> int:
+    """Train ``n`` steps of ``it`` (an iteration of ``loader``): each batch applied through the loader's session
+    (no cached module: the apply gate and the staged rows only)."""
     done = 0
     for _ in range(n):
-        b = next(it)
-        b.mark_started()
-        b.wait_staged()
+        loader.session.apply(next(it))
         done += 1
     return done
 
@@ -105,7 +103,7 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     if name == "equal":  # two epochs of 6 batches each: both end at the same gather
         loader = _loader(rank, _batches(rank, 6), group)
-        out["steps"] = [_consume(iter(loader), 6) for _ in range(2)]
+        out["steps"] = [_consume(loader, iter(loader), 6) for _ in range(2)]
         loader.close()
     elif name in ("ragged", "empty"):
         batches = _batches(rank, 6)
@@ -114,15 +112,14 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
         loader = _loader(rank, batches, group)
         try:
             for b in loader:
-                b.mark_started()
-                b.wait_staged()
+                loader.session.apply(b)
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
         loader.close()
     elif name == "stop":  # both stop after 3 of 40 batches, at different moments
         loader = _loader(rank, _batches(rank, 40), group)
         it = iter(loader)
-        out["steps"] = _consume(it, 3)
+        out["steps"] = _consume(loader, it, 3)
         time.sleep(0.5 * rank)
         t0 = time.monotonic()
         loader.close()
@@ -131,12 +128,12 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
         loader = _loader(rank, _batches(rank, 40), group)
         it = iter(loader)
         try:
-            _consume(it, 2 if rank == 1 else 40)
+            _consume(loader, it, 2 if rank == 1 else 40)
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
         loader.close()
     elif name == "peer_gone":  # rank 1 stops; rank 0's planner never joins (its queue is full for 8 s)
-        from torchrec_lookahead.data import _threads
+        from torchrec_lookahead.runtime import _threads
 
         blocked = threading.Event()
         put = _threads._Run.put
@@ -150,7 +147,7 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
         try:
             loader = _loader(rank, _batches(rank, 40), group, stop_timeout_s=1.0)
             it = iter(loader)
-            _consume(it, 2)
+            _consume(loader, it, 2)
             _wait_until(blocked.is_set, "the planner waits in put() with a full queue")
         finally:
             _threads._Run.put = put  # type: ignore[method-assign]
@@ -172,14 +169,14 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
         for _ in range(2):
             n = 0
             for b in loader:
-                b.mark_started()
-                out["diff"] = max(out["diff"], _staged_diff(b))
+                loader.progress.begin(b.plan.step)
+                out["diff"] = max(out["diff"], _staged_diff(loader, b))
                 n += 1
             out["steps"].append(n)
         loader.close()
     elif name == "sharded_stop":  # both stop after 3 of 40 batches, at different moments
         loader = _sharded_loader(rank, _batches(rank, 40), group)
-        out["steps"] = _consume(iter(loader), 3)
+        out["steps"] = _consume(loader, iter(loader), 3)
         time.sleep(0.5 * rank)
         t0 = time.monotonic()
         loader.close()
@@ -190,7 +187,7 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
         # gather rank 1 never joins: it learns that rank 1 stopped, and plan 3's rows fail with a SetupError.
         loader = _sharded_loader(rank, _batches(rank, 40), group)
         it = iter(loader)
-        _consume(it, 3 if rank == 0 else 2)
+        _consume(loader, it, 3 if rank == 0 else 2)
         dist.barrier(group=side)  # rank 0 has plan 2's rows (rank 1's stager joined their gather)
         t0 = time.monotonic()
         if rank == 1:
@@ -201,7 +198,7 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
             try:
                 b = next(it)
                 out["plan"] = b.plan.step
-                b.wait_staged()
+                loader.staged_rows(b.plan, b.staged)
             except Exception as e:
                 out["error"] = f"{type(e).__name__}: {e}"
             loader.close()
@@ -224,7 +221,7 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
             loader = _sharded_loader(rank, _batches(rank, 40), group, stop_timeout_s=1.0)
             it = iter(loader)
             if rank == 1:
-                _consume(it, 2)
+                _consume(loader, it, 2)
                 _wait_until(at_plan_2.is_set, "the stager waits in plan 2's row gather")
         finally:
             StageGathers.begin = begin  # type: ignore[method-assign]
@@ -248,7 +245,7 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
                 out["error"] = f"{type(e).__name__}: {e}"
         out["close_s"] = time.monotonic() - t0
     elif name in ("scan", "scan_fails"):  # the capacity pre-scan: rank 1's loader fails at batch 3
-        from torchrec_lookahead.data.lookahead_loader import scan_epoch
+        from torchrec_lookahead.runtime import scan_epoch
 
         batches: Any = _batches(rank, 6)
         if name == "scan_fails" and rank == 1:

@@ -9,7 +9,6 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lookahead.data.capacity import check_stream
 from torchrec_lookahead.distributed.planner import batch_table_ids, min_capacities
 from torchrec_lookahead.errors import ConfigError, DataError
 from torchrec_lookahead.modules import table_ids as modules_table_ids
@@ -21,6 +20,7 @@ from torchrec_lookahead.oracle import (
     table_ids,
     window_working_sets,
 )
+from torchrec_lookahead.runtime.capacity import check_stream
 
 F2T = {"f_a": "t0", "f_b": "t1", "f_c": "t0"}
 

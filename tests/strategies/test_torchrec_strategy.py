@@ -146,16 +146,16 @@ def test_importing_the_strategies_registers_them_with_lightning():
     assert "TorchRec" in StrategyRegistry["torchrec"]["description"]
 
 
-def test_batch_to_device_applies_each_training_batchs_plans_once_through_the_named_method(
-    tmp_path, monkeypatch
-):
+def test_batch_to_device_applies_each_training_batchs_plans_once_through_the_session(tmp_path, monkeypatch):
+    from torchrec_lookahead.runtime import CacheSession
+
     applied = []
-    apply = TorchRecStrategy.apply_lookahead_plans
+    apply = CacheSession.apply
 
     def recording(self, batch):
         applied.append(batch.plan.step)
         apply(self, batch)
 
-    monkeypatch.setattr(TorchRecStrategy, "apply_lookahead_plans", recording)
+    monkeypatch.setattr(CacheSession, "apply", recording)
     fit_cached(tmp_path, 3)
     assert applied == [0, 1, 2]  # every step's plan, in order, once, before its training step

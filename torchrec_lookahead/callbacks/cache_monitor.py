@@ -31,8 +31,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
-from torchrec_lookahead.data._threads import LoaderStats
 from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.runtime import CacheHost, CacheSession, LoaderStats
 
 __all__ = ["CacheMonitor", "TENSORBOARD_LAYOUT"]
 
@@ -92,25 +92,23 @@ class CacheMonitor(Callback):
         self.last_metrics: Dict[str, float] = {}
 
     @staticmethod
-    def _strategy(trainer: pl.Trainer) -> Any:
+    def _session(trainer: pl.Trainer) -> Optional[CacheSession]:
         s = trainer.strategy
-        return s if hasattr(s, "cached_modules") else None
+        return s.cache_session() if isinstance(s, CacheHost) else None
 
     def _stats(self, trainer: pl.Trainer) -> Dict[str, Dict[str, int]]:
-        s = self._strategy(trainer)
+        session = self._session(trainer)
         out: Dict[str, Dict[str, int]] = {}
-        if s is not None:
-            for m in s.cached_modules():
-                out.update(m.cache.stats())
+        for m in [] if session is None else session.modules:
+            out.update(m.cache.stats())
         return out
 
     def _sync(self, trainer: pl.Trainer) -> Dict[str, int]:
-        s = self._strategy(trainer)
+        session = self._session(trainer)
         out: Dict[str, int] = {}
-        if s is not None:
-            for m in s.cached_modules():
-                for k, v in getattr(m, "sync_counters", {}).items():
-                    out[k] = out.get(k, 0) + v
+        for m in [] if session is None else session.modules:
+            for k, v in m.sync_counters.items():
+                out[k] = out.get(k, 0) + v
         return out
 
     @override
@@ -128,12 +126,12 @@ class CacheMonitor(Callback):
 
     def _footprint(self, trainer: pl.Trainer) -> Dict[str, float]:
         """Per cached table its occupancy (filled slots / capacity), and device and host bytes of all caches."""
-        s = self._strategy(trainer)
+        session = self._session(trainer)
         out: Dict[str, float] = {}
         device = host = 0
-        if s is None:
+        if session is None:
             return out
-        for m in s.cached_modules():
+        for m in session.modules:
             cache = m.cache
             for table, capacity in cache.capacity.items():
                 filled = int((cache.slot_ids(table) >= 0).sum())
@@ -182,10 +180,10 @@ class CacheMonitor(Callback):
         for k, v in sync.items():
             metrics[f"cache/sync/{k}"] = (v - self._last_sync.get(k, 0)) / steps
         self._last_sync = sync
-        loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
-        if loader is not None and hasattr(loader, "oracle_lead"):
-            metrics["cache/oracle_lead"] = float(loader.oracle_lead())
-            counters: LoaderStats = loader.stats()
+        session = self._session(trainer)
+        if session is not None and session.loader is not None:
+            metrics["cache/oracle_lead"] = float(session.oracle_lead())
+            counters: LoaderStats = session.stats()
             delta = counters - self._last_loader
             self._last_loader = counters
             metrics["cache/stager_wait_ms"] = delta.stager_wait_s * 1e3 / steps

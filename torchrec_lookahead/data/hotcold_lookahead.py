@@ -26,9 +26,6 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 import torch
 from torchrec.datasets.utils import Batch
 
-from torchrec_lookahead.data._threads import LoaderStats
-from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch
-from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
 from torchrec_lookahead.data.shared_read import SharedRead
 from torchrec_lookahead.distributed.lockstep import IdGatherer
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, LRPPTablePlan, LRPPTracker, slice_samples
@@ -39,6 +36,7 @@ from torchrec_lookahead.hotcold.samples import Samples
 from torchrec_lookahead.hotcold.stream import BatchKind, HotColdStream
 from torchrec_lookahead.modules import remap_kjt
 from torchrec_lookahead.oracle.types import BatchPlan
+from torchrec_lookahead.runtime import CacheSession, LoaderStats, LookaheadBatch, LookaheadLoader
 
 __all__ = ["ColdBatches", "HotColdLookaheadLoader"]
 
@@ -127,30 +125,27 @@ class HotColdLookaheadLoader:
     Args:
         hotcold: the hot/cold DataModule's training loader.
         pinned: the hot rows pinned in the caches.
-        target: the model's cached tables (full capacities).
-        on_epoch_start: empties the caches at every new iteration (the strategy's ``reset_caches``).
-        lookahead: builds the :class:`~torchrec_lookahead.data.LookaheadLoader` of the cold batches from a
-            loader, a target and the pinned rows (the DataModule passes its horizon, depth and policy).
+        session: the cached job's session: it applies the batches, and every iteration starts a new plan
+            stream on it (the pinned rows load with its first batch).
+        lookahead: builds the :class:`~torchrec_lookahead.runtime.LookaheadLoader` of the cold batches from a
+            loader, the session and the pinned rows (the DataModule passes its horizon, depth and policy).
     """
 
     def __init__(
         self,
         hotcold: HotColdLoader,
         pinned: PinnedRows,
-        target: CacheTarget,
-        lookahead: Callable[[Any, CacheTarget, PinnedRows], LookaheadLoader],
-        on_epoch_start: Optional[Callable[[], None]] = None,
+        session: CacheSession,
+        lookahead: Callable[[Any, CacheSession, PinnedRows], LookaheadLoader],
     ) -> None:
         self.hotcold = hotcold
         self.pinned = pinned
-        self.target = target
-        self.on_epoch_start = on_epoch_start
+        self.session = session
+        self.target = target = session.target
         self.cold_batches = ColdBatches(hotcold.stream)
-        self.cold = lookahead(self.cold_batches, target, pinned)
+        self.cold = lookahead(self.cold_batches, session, pinned)
         self._cached = sorted(target.capacity)
         self._f2t = dict(target.feature_to_table)
-        #: hot batches served (each read only pinned rows), see :meth:`stats`
-        self._hot_batches = 0
         #: the current (or last) iteration's read of the source, shared by the planner and training
         self.shared_read: Optional[SharedRead[Batch]] = None
 
@@ -176,8 +171,9 @@ class HotColdLookaheadLoader:
         return self.hotcold.batches_per_epoch()
 
     def stats(self) -> LoaderStats:
-        """The cold lookahead loader's counters, and hot batches served."""
-        return replace(self.cold.stats(), hot_batches=self._hot_batches)
+        """The cold lookahead loader's counters, and the hot batches trained (see
+        :meth:`CacheSession.stats <torchrec_lookahead.runtime.CacheSession.stats>`)."""
+        return self.session.stats()
 
     def oracle_lead(self) -> int:
         """Cold batches planned but not yet applied."""
@@ -198,7 +194,6 @@ class HotColdLookaheadLoader:
         if self.target.num_ranks == 1:
             plan = self.pinned.hot_plan(batch.sparse_features, step)
             kjt = remap_kjt(batch.sparse_features, plan, self._f2t, self._cached)
-            self._hot_batches += 1
             return LookaheadBatch(batch.dense_features, kjt, batch.labels, plan=plan)
         # Several ranks: every rank holds every pinned row, so each updates every row the global batch reads,
         # from every bag that reads it (LRPPPlan.pinned); the plan moves nothing, and no slot's replicas change.
@@ -228,7 +223,6 @@ class HotColdLookaheadLoader:
             glob,
             self.pinned.pinned_rows,
         )
-        self._hot_batches += 1
         return LookaheadBatch(batch.dense_features, kjt, batch.labels, plan=plan, lrpp=lrpp)
 
     def _first_writers(self) -> Dict[str, torch.Tensor]:
@@ -246,8 +240,7 @@ class HotColdLookaheadLoader:
         return min(stream.window + math.ceil(lead * per_cold), 8 * stream.window)
 
     def __iter__(self) -> Iterator[LookaheadBatch]:
-        if self.on_epoch_start is not None:
-            self.on_epoch_start()  # the caches are empty: the pinned rows load with the first batch
+        self.session.new_stream()  # the caches are empty: the pinned rows load with the first batch
         pin: Optional[BatchPlan] = self.pinned.pin_plan()
         # The planner's pass over the cold batches and the training order read the same source batches: one
         # read serves both (the planner, ahead, reads; training takes the batches it kept).
@@ -276,7 +269,7 @@ class HotColdLookaheadLoader:
                 else:
                     item = self._hot(batch, last_cold, writers)
                 if pin is not None:
-                    item.pin, pin = pin, None
+                    item, pin = replace(item, pin=pin), None
                 yield item
         finally:
             self.cold.close()

@@ -1,9 +1,10 @@
 """``LookaheadDataModule``: wraps any DataModule of TorchRec batches and plans the cache ahead of training.
 
-Its training loader is a :class:`~torchrec_lookahead.data.lookahead_loader.LookaheadLoader` (planner and stager
-threads, see :mod:`torchrec_lookahead.data.lookahead_loader`), checked against the caches first
-(``capacity_check``); validation and test loaders are the wrapped DataModule's own: evaluation reads ids, not
-slots. The batch types and loader are importable from here too, as before the split.
+Its training loader is a :class:`~torchrec_lookahead.runtime.LookaheadLoader` (planner and stager threads,
+see :mod:`torchrec_lookahead.runtime.loader`) built on the strategy's
+:class:`~torchrec_lookahead.runtime.CacheSession` (the session applies its batches), checked against the caches
+first (``capacity_check``); validation and test loaders are the wrapped DataModule's own: evaluation reads ids,
+not slots.
 """
 
 from __future__ import annotations
@@ -17,25 +18,18 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
-from torchrec_lookahead.data._report import report_text, scan_progress
-from torchrec_lookahead.data._threads import _check_nice
-from torchrec_lookahead.data._threads import _Run as _Run
-from torchrec_lookahead.data._threads import lower_thread_priority as lower_thread_priority
-from torchrec_lookahead.data._threads import single_threaded_ops as single_threaded_ops
-from torchrec_lookahead.data.adapter import BatchAdapter
-from torchrec_lookahead.data.batch import CacheTarget as CacheTarget
-from torchrec_lookahead.data.batch import LookaheadBatch as LookaheadBatch
-from torchrec_lookahead.data.capacity import CapacityCheck
-from torchrec_lookahead.data.lookahead_loader import LookaheadLoader as LookaheadLoader
-from torchrec_lookahead.data.lookahead_loader import global_batches as global_batches
-from torchrec_lookahead.data.lookahead_loader import lookahead_options, scan_epoch
 from torchrec_lookahead.data.rank_split import split_for_ranks
 from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.hotcold.pinned import PinnedRows
 from torchrec_lookahead.oracle import OracleConfig, Policy
+from torchrec_lookahead.runtime import CacheHost, CacheSession, CapacityCheck, LookaheadLoader, scan_epoch
+from torchrec_lookahead.runtime._report import report_text, scan_progress
+from torchrec_lookahead.runtime._threads import _check_nice
+from torchrec_lookahead.runtime.adapter import BatchAdapter
+from torchrec_lookahead.runtime.loader import lookahead_options
 
-__all__ = ["LookaheadBatch", "LookaheadDataModule", "LookaheadLoader", "CacheTarget"]
+__all__ = ["LookaheadDataModule"]
 
 
 def check_cdlrm_schedule(policy: str, window: int, average_every: Optional[int]) -> None:
@@ -156,48 +150,45 @@ class LookaheadDataModule(WrappedDataModule):
             self.loader.close()
         super().teardown(stage)
 
-    def _target(self) -> Optional[CacheTarget]:
-        trainer = self.trainer
-        strategy = getattr(trainer, "strategy", None)
-        if strategy is None or not hasattr(strategy, "cache_target"):
-            return None
-        return strategy.cache_target()  # type: ignore[no-any-return]
+    def _session(self) -> Optional[CacheSession]:
+        """The strategy's cache session (``None`` without a strategy that holds one, or no cached table)."""
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        return strategy.cache_session() if isinstance(strategy, CacheHost) else None
 
     @override
     def train_dataloader(self) -> Any:
         from torchrec_lookahead.hotcold.datamodule import HotColdLoader  # hotcold/ imports data/'s wrapper
 
         inner = self.datamodule.train_dataloader()
-        target = self._target()
-        if isinstance(inner, HotColdLoader) and target is not None and target.capacity:
-            return self._hotcold_loader(inner, target)
-        if target is not None and target.capacity and self.trainer is not None:
-            inner = split_for_ranks(self.trainer, inner)
-        if target is None or not target.capacity:
+        session = self._session()
+        if session is None or not session.target.capacity:
             rank_zero_warn(
                 "LookaheadDataModule: the model has no cached tables; batches pass through unplanned"
             )
             return inner
+        target = session.target
+        if isinstance(inner, HotColdLoader):
+            return self._hotcold_loader(inner, session)
+        if self.trainer is not None:
+            inner = split_for_ranks(self.trainer, inner)
         window = int(self.oracle_kwargs.get("window", OracleConfig.__dataclass_fields__["window"].default))
         check_cdlrm_schedule(self.policy.value, window, target.average_every)
         if self.loader is not None:  # a reload: the previous loader's threads must not outlive it
             self.loader.close()
-        self._check_epoch(inner, target)
-        self.loader = self._lookahead(inner, target)
+        self._check_epoch(inner, session)
+        self.loader = self._lookahead(inner, session)
         return self.loader
 
     def _lookahead(
-        self, inner: Any, target: CacheTarget, pinned: Optional[PinnedRows] = None
+        self, inner: Any, session: CacheSession, pinned: Optional[PinnedRows] = None
     ) -> LookaheadLoader:
-        strategy = self.trainer.strategy if self.trainer is not None else None
         return LookaheadLoader(
             inner,
-            target,
+            session,
             self.horizon,
             self.prefetch_depth,
             self.policy.value,
             self.queue_depth,
-            on_epoch_start=None if pinned is not None else getattr(strategy, "reset_caches", None),
             oracle_kwargs=self.oracle_kwargs,
             stop_timeout_s=self.stop_timeout_s,
             planner_nice=self.planner_nice,
@@ -205,9 +196,11 @@ class LookaheadDataModule(WrappedDataModule):
             batch_adapter=self.batch_adapter,
         )
 
-    def _hotcold_loader(self, inner: Any, target: CacheTarget) -> Any:
+    def _hotcold_loader(self, inner: Any, session: CacheSession) -> Any:
         """FAE with pinned hot rows: hot batches read pinned slots, the oracle plans the cold batches alone."""
         from torchrec_lookahead.data.hotcold_lookahead import ColdBatches, HotColdLookaheadLoader
+
+        target = session.target
 
         if self.batch_adapter is not None:
             raise ConfigError(
@@ -249,14 +242,12 @@ class LookaheadDataModule(WrappedDataModule):
                 f"Lookahead capacity check of the cold batches: {time.perf_counter() - t0:.1f} s; the largest "
                 f"windows need {need} dynamic cache rows",
             )
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        self.loader = HotColdLookaheadLoader(
-            inner, pinned, target, self._lookahead, on_epoch_start=getattr(strategy, "reset_caches", None)
-        )
+        self.loader = HotColdLookaheadLoader(inner, pinned, session, self._lookahead)
         return self.loader
 
-    def _check_epoch(self, inner: Any, target: CacheTarget) -> None:
+    def _check_epoch(self, inner: Any, session: CacheSession) -> None:
         """``capacity_check="epoch"``: fail before training if a window of the epoch does not fit (contract 2)."""
+        target = session.target
         if self.capacity_check is not CapacityCheck.EPOCH or self.policy is Policy.WINDOW:
             return
         try:

@@ -222,6 +222,11 @@ class ShardedLookaheadEmbeddingBagCollection(
         return self._fused_optim
 
     @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """The group of the ranks this collection trains on (its critical-path collectives)."""
+        return self._pg
+
+    @property
     def unsharded_module_type(self) -> type:
         return EmbeddingBagCollection
 

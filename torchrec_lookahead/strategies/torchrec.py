@@ -41,9 +41,6 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from typing_extensions import override
 
 from torchrec_lookahead._rng import preserved_rng
-from torchrec_lookahead.data._report import report_text, scan_progress
-from torchrec_lookahead.data.adapter import as_torchrec_batch
-from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch, cached_modules, reset_caches
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
     ShardedLookaheadEmbeddingBagCollection,
@@ -57,6 +54,9 @@ from torchrec_lookahead.distributed.sharder import table_configs
 from torchrec_lookahead.distributed.topology import make_topology, sharding_planner
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, init_embedding_bag_tables_
+from torchrec_lookahead.runtime import CacheSession, LookaheadBatch
+from torchrec_lookahead.runtime._report import report_text, scan_progress
+from torchrec_lookahead.runtime.adapter import as_torchrec_batch
 from torchrec_lookahead.store.init import init_embedding_weights
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
 from torchrec_lookahead.strategies._signals import LockstepSignalConnector, use_lockstep_signals
@@ -161,7 +161,7 @@ class TorchRecStrategy(DDPStrategy):
         self._sharded_name: Optional[str] = module_name
         self._plan = plan
         self._init_seed = init_seed
-        self._id_group: Optional[dist.ProcessGroup] = None
+        self._session: Optional[CacheSession] = None
         self.dmp: Optional[DistributedModelParallel] = None
 
     @classmethod
@@ -391,55 +391,38 @@ class TorchRecStrategy(DDPStrategy):
                 yield kjt
 
     # ---------------------------------------------------------------------------------------- the cache
-    def cached_modules(self) -> List[ShardedLookaheadEmbeddingBagCollection]:
-        """The model's collections with cached tables."""
-        lm = self.lightning_module
-        return [] if lm is None else cached_modules(lm)
+    def cache_session(self) -> Optional[CacheSession]:
+        """The cached job's :class:`~torchrec_lookahead.runtime.CacheSession` (built once the model is sharded;
+        ``None`` before, or when the model has no cached tables): the owner of the cached training step, which
+        :class:`~torchrec_lookahead.data.LookaheadDataModule` builds its loader on and :meth:`batch_to_device`
+        applies every training batch through."""
+        return self._session
 
-    def cache_target(self) -> Optional[CacheTarget]:
-        """What :class:`~torchrec_lookahead.data.LookaheadDataModule` needs to plan the cached tables."""
-        mods = self.cached_modules()
-        if not mods:
-            return None
-        return CacheTarget.from_modules(mods, self.world_size, self.global_rank, self._id_group)
+    def cached_modules(self) -> List[ShardedLookaheadEmbeddingBagCollection]:
+        """The model's collections with cached tables (the session's; none before set-up)."""
+        return [] if self._session is None else list(self._session.modules)
 
     def flush_caches(self) -> None:
         """Write every cached row and its optimizer state back to the host stores (contract: nothing lost)."""
-        for m in self.cached_modules():
-            m.flush()
-
-    def reset_caches(self) -> None:
-        """Flush, then empty the caches (a new plan stream starts from an empty cache)."""
-        reset_caches(self.cached_modules())
-
-    def apply_lookahead_plans(self, batch: LookaheadBatch) -> None:
-        """Bring every cached table to ``batch``'s plan: write back the rows it evicts (with their updates and
-        optimizer state), load the rows it fetches (staged by the loader's stager thread), and, with several
-        ranks, run the step's row synchronisation (see :meth:`LookaheadBatch.apply_to
-        <torchrec_lookahead.data.LookaheadBatch.apply_to>`).
-
-        :meth:`batch_to_device` calls it for every training batch of a
-        :class:`~torchrec_lookahead.data.LookaheadDataModule`, right before the batch's training step and after
-        the previous step's optimizer update, on the training thread. That order is the no-stale-read rule: the
-        rows a plan evicts carry every update of the steps before it, and the rows it fetches were gathered
-        only once every write-back they depend on had landed (the loader's
-        :class:`~torchrec_lookahead.data._threads.ApplyProgress` tells its stager when). Applying a plan
-        anywhere else (earlier, on another thread, twice) would read or write stale rows.
-        """
-        batch.apply_to(self.cached_modules())
+        if self._session is not None:
+            self._session.flush()
 
     @override
     def batch_to_device(
         self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0
     ) -> Any:
-        """Apply a training batch's cache plans (:meth:`apply_lookahead_plans`), then move the batch (the user's
-        own type when it was read through a :class:`~torchrec_lookahead.data.BatchAdapter`) to ``device``.
-        Outside training (validation, prediction) no plan is applied: the batch is only moved."""
+        """Apply a training batch's cache plans (:meth:`CacheSession.apply
+        <torchrec_lookahead.runtime.CacheSession.apply>`: right before the batch's training step, after the
+        previous step's optimizer update, on the training thread), then move the batch (the user's own type
+        when it was read through a :class:`~torchrec_lookahead.data.BatchAdapter`) to ``device``. Outside
+        training (validation, prediction) no plan is applied: the batch is only moved."""
         lm = self.lightning_module
         trainer = lm._trainer if lm is not None else None
         training = trainer is not None and trainer.training
         if isinstance(batch, LookaheadBatch) and training:
-            self.apply_lookahead_plans(batch)
+            if self._session is None:
+                raise SetupError("a planned batch reached a strategy whose model has no cached tables")
+            self._session.apply(batch)
         if isinstance(batch, LookaheadBatch):
             batch = (
                 batch.user_batch()
@@ -465,8 +448,8 @@ class TorchRecStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         try:
             # Other ranks may be inside a collective: flush without a barrier (nobody reads afterwards).
-            for m in self.cached_modules():
-                m.flush(barrier=False)
+            if self._session is not None:
+                self._session.flush(barrier=False)
         finally:
             super().on_exception(exception)
 
@@ -525,10 +508,11 @@ class TorchRecStrategy(DDPStrategy):
         setattr(lm, name, self.dmp)
         log.info("TorchRec sharding plan:\n%s", self.dmp.plan)
 
-    def _ensure_id_group(self) -> None:
-        if self.world_size > 1 and self._id_group is None and self.cached_modules():
-            # The lookahead loader's planner thread gathers every rank's ids on a group of its own.
-            self._id_group = dist.new_group(backend="gloo")
+    def _ensure_session(self) -> None:
+        lm = self.lightning_module
+        if self._session is None and lm is not None:
+            # Collective with several ranks (the planner's id group): every rank builds it here.
+            self._session = CacheSession.for_model(lm)
 
     @override
     def model_to_device(self) -> None:
@@ -549,7 +533,7 @@ class TorchRecStrategy(DDPStrategy):
             raise SetupError("No model attached to the strategy")
         self.precision_plugin.convert_module(self.model)
         self._shard_lightning_module()
-        self._ensure_id_group()
+        self._ensure_session()
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -564,8 +548,8 @@ class TorchRecStrategy(DDPStrategy):
     def teardown(self) -> None:
         # A safety net after on_train_end's flush (or after an exception): no barrier, since another rank may
         # be gone or inside a collective.
-        for m in self.cached_modules():
-            m.flush(barrier=False)
+        if self._session is not None:
+            self._session.flush(barrier=False)
         lm = self.lightning_module
         unmaterialised = lm is not None and any(p.is_meta for p in lm.parameters())
         on_cpu = all(d.type == "cpu" for d in self.parallel_devices or [])

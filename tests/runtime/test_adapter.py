@@ -9,9 +9,10 @@ import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 
-from torchrec_lookahead.data import BatchAdapter, DictBatchAdapter, LookaheadBatch
-from torchrec_lookahead.data.adapter import as_torchrec_batch, replace_by_identity
+from torchrec_lookahead.data import BatchAdapter, DictBatchAdapter
 from torchrec_lookahead.errors import ConfigError, DataError
+from torchrec_lookahead.runtime import LookaheadBatch
+from torchrec_lookahead.runtime.adapter import as_torchrec_batch, replace_by_identity
 
 
 def kjt(*values: int) -> KeyedJaggedTensor:

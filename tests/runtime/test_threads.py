@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from torchrec_lookahead.data._threads import ApplyProgress, LoaderStats
+from torchrec_lookahead.runtime._threads import ApplyProgress, LoaderStats
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2])

@@ -29,24 +29,11 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, Generator, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
-from torchrec_lookahead._rng import preserved_rng
-from torchrec_lookahead.data._threads import (
-    _END,
-    ApplyProgress,
-    LoaderStats,
-    _check_nice,
-    _Run,
-    lower_thread_priority,
-    single_threaded_ops,
-)
-from torchrec_lookahead.data.adapter import BatchAdapter, as_torchrec_batch
-from torchrec_lookahead.data.batch import CacheTarget, LookaheadBatch, staged_result
-from torchrec_lookahead.data.capacity import check_stream
 from torchrec_lookahead.distributed.lrpp import (
     GatherStatus,
     IdGatherer,
@@ -55,7 +42,6 @@ from torchrec_lookahead.distributed.lrpp import (
     slice_samples,
 )
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
-from torchrec_lookahead.hotcold.pinned import PinnedRows
 from torchrec_lookahead.modules import remap_kjt, stage_rows
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle import (
@@ -66,9 +52,23 @@ from torchrec_lookahead.oracle import (
     UnknownFeatures,
     table_ids,
 )
+from torchrec_lookahead.runtime._threads import (
+    _END,
+    ApplyProgress,
+    LoaderStats,
+    _check_nice,
+    _Run,
+    lower_thread_priority,
+    single_threaded_ops,
+)
+from torchrec_lookahead.runtime.adapter import BatchAdapter
+from torchrec_lookahead.runtime.batch import LookaheadBatch, staged_result
+from torchrec_lookahead.runtime.scan import LockstepLoader, global_batches
+from torchrec_lookahead.runtime.session import CacheSession
+from torchrec_lookahead.runtime.types import PinnedPart
 from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, collective_channel
 
-__all__ = ["LookaheadLoader", "scan_epoch", "global_batches", "lookahead_options"]
+__all__ = ["LookaheadLoader", "lookahead_options"]
 
 log = logging.getLogger(__name__)
 
@@ -101,53 +101,20 @@ def lookahead_options(
     return chosen, extra
 
 
-def global_batches(
-    loader: Any,
-    gatherer: Optional[IdGatherer],
-    stopped: Callable[[], bool] = lambda: False,
-    adapter: Optional[BatchAdapter] = None,
-    source: Optional[Iterator[Any]] = None,
-) -> Iterator[Tuple[Batch, Any]]:
-    """``(batch, global sparse features)`` for each batch of ``loader``: with a gatherer (several ranks), every
-    rank's ids of the batch gathered in lockstep (dense features never leave the rank); without, the batch's
-    own. Batches that are not TorchRec ``Batch`` es are read through ``adapter``
-    (:func:`~torchrec_lookahead.data.adapter.as_torchrec_batch`). Ends with the loader (with a gatherer: when
-    the gathers end) or once ``stopped()``. A loader whose own reading needs collectives (``join_lockstep``,
-    e.g. the cold pass of a hot/cold stream) makes them through the gatherer, in the same lockstep. ``source``:
-    the loader's iterator, already started (default: ``iter(loader)`` here)."""
-    join = getattr(loader, "join_lockstep", None)
-    if gatherer is not None and join is not None:
-        join(gatherer)
-    it = iter(loader) if source is None else source
-    while not stopped():
-        b = next(it, None)
-        if b is not None:
-            b = as_torchrec_batch(b, adapter)
-        if stopped():
-            return
-        if gatherer is None:
-            if b is None:
-                return
-            yield b, b.sparse_features
-            continue
-        global_kjt = gatherer.gather(None if b is None else b.sparse_features)
-        if global_kjt is None or b is None:
-            return
-        yield b, global_kjt
-
-
 class LookaheadLoader:
     """Iterable of :class:`LookaheadBatch` es planned ahead of training (see the module docstring).
 
     Args:
         loader: the wrapped training loader (yields TorchRec batches).
-        target: the model's cached tables.
+        session: the cached job's :class:`~torchrec_lookahead.runtime.CacheSession`: the loader plans its
+            target's tables and attaches itself to it (the session applies the batches, driving this loader's
+            apply gate); every iteration starts a new plan stream (:meth:`CacheSession.new_stream
+            <torchrec_lookahead.runtime.CacheSession.new_stream>`), except with ``pinned`` rows, whose
+            loader starts it itself.
         horizon: batches the oracle reads ahead.
         prefetch_depth: steps ahead the rows are gathered.
         policy: the oracle's policy.
         queue_depth: planned batches kept ready (bounds memory and the oracle's lead).
-        on_epoch_start: called at every new iteration (the strategy flushes and empties the cache there, so
-            that a fresh oracle starts from an empty cache).
         oracle_kwargs: extra :class:`~torchrec_lookahead.oracle.OracleConfig` fields (``window``, ``ways``, ...).
         stop_timeout_s: with several ranks, how long a rank that stopped training waits for the others to join
             its planner thread's last id all-gather (and, over row-sharded stores, its stager's last row gather)
@@ -165,16 +132,15 @@ class LookaheadLoader:
     def __init__(
         self,
         loader: Any,
-        target: CacheTarget,
+        session: CacheSession,
         horizon: int,
         prefetch_depth: int,
         policy: str,
         queue_depth: int = 8,
-        on_epoch_start: Optional[Any] = None,
         oracle_kwargs: Optional[Dict[str, Any]] = None,
         stop_timeout_s: float = 60.0,
         planner_nice: int = 19,
-        pinned: Optional[PinnedRows] = None,
+        pinned: Optional[PinnedPart] = None,
         batch_adapter: Optional[BatchAdapter] = None,
     ) -> None:
         if not stop_timeout_s > 0:
@@ -183,7 +149,8 @@ class LookaheadLoader:
         self.planner_nice = int(planner_nice)
         self.loader = loader
         self.stop_timeout_s = float(stop_timeout_s)
-        self.target = target
+        self.session = session
+        self.target = target = session.target
         self.pinned = pinned
         self.batch_adapter = batch_adapter
         self._oracle_kwargs: Dict[str, Any] = dict(
@@ -204,7 +171,6 @@ class LookaheadLoader:
         #: the deepest disk prefetch of the stores: the planner runs at least that far ahead to hint its reads
         self.disk_prefetch_depth = max((_disk_prefetch_depth(s) for s in target.stores.values()), default=0)
         self.queue_depth = max(queue_depth, prefetch_depth + 2, self.disk_prefetch_depth + 2)
-        self.on_epoch_start = on_epoch_start
         self._yielded = 0
         self._resume_from = 0
         self._source: Optional[Iterator[Any]] = None  # the wrapped loader's iterator, started by __iter__
@@ -219,6 +185,7 @@ class LookaheadLoader:
         #: the training thread may gather a step's rows itself (not when gathers are collectives, which run
         #: in lockstep on the stager's own process group)
         self.may_gather_here = not any(s.collective for s in target.stores.values())
+        session.attach(self)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -261,10 +228,11 @@ class LookaheadLoader:
         """The cumulative counters of the loader's threads (waits, CPU seconds, counts), as a snapshot.
 
         Example:
+            >>> from torchrec_lookahead.runtime import CacheSession, CacheTarget
             >>> from torchrec_lookahead.store import TensorStore
             >>> store = TensorStore(100, 4, {}, name="t", seed=0)
-            >>> target = CacheTarget({"t": 8}, {"f": "t"}, {"t": 100}, {"t": store})
-            >>> LookaheadLoader([], target, horizon=4, prefetch_depth=1, policy="belady").stats().planned
+            >>> session = CacheSession(CacheTarget({"t": 8}, {"f": "t"}, {"t": 100}, {"t": store}))
+            >>> LookaheadLoader([], session, horizon=4, prefetch_depth=1, policy="belady").stats().planned
             0
         """
         return self._stats
@@ -315,8 +283,8 @@ class LookaheadLoader:
                     "checkpoint"
                 )
             self.loader.load_state_dict({"batches_yielded": start})
-        if self.on_epoch_start is not None:
-            self.on_epoch_start()
+        if self.pinned is None:
+            self.session.new_stream()
         self._yielded = start
         self.progress.reset()
         self._planned = -1
@@ -344,7 +312,7 @@ class LookaheadLoader:
         """The wrapped loader's iterator with its first batch read (see :meth:`__iter__`); ``None`` for a loader
         whose reading is a collective in the planner's lockstep (``join_lockstep``): the planner thread starts
         it, after joining."""
-        if hasattr(self.loader, "join_lockstep"):
+        if isinstance(self.loader, LockstepLoader):
             return None
         it = iter(self.loader)
         first = next(it, _END)
@@ -450,7 +418,6 @@ class LookaheadLoader:
                 b.labels,
                 plan=plan,
                 staged=fut,
-                loader=self,
                 lrpp=lrpp,
                 source=getattr(b, "source", None),
                 adapter=getattr(b, "adapter", None),
@@ -556,73 +523,3 @@ def _disk_prefetch_depth(store: Any) -> int:
             return int(depth)
         store = getattr(store, "inner", None) or getattr(store, "local", None)
     return 0
-
-
-def scan_epoch(
-    inner: Any,
-    target: CacheTarget,
-    prefetch_depth: int,
-    stop_timeout_s: float = 60.0,
-    adapter: Optional[BatchAdapter] = None,
-    on_batch: Optional[Callable[[], None]] = None,
-) -> Dict[str, int]:
-    """Read one epoch of ``inner`` (a loader of TorchRec batches, or of others read through ``adapter``) and check
-    every window and id against the cache
-    before training (:func:`~torchrec_lookahead.data.capacity.check_stream`; with several ranks over the
-    global batches, gathered in lockstep). Random states, the loader's generators included, are restored.
-    ``on_batch`` is called after each batch is read (a progress bar's tick).
-
-    Returns:
-        The largest window working set per cached table.
-
-    Raises:
-        CapacityError, InvalidIdError: see :func:`~torchrec_lookahead.data.capacity.check_stream`.
-        SetupError: another rank failed during its scan.
-    """
-
-    def sparse() -> Generator[Any, None, None]:
-        if target.num_ranks == 1:
-            yield from (kjt for _, kjt in global_batches(inner, None, adapter=adapter))
-            return
-        # Every rank plans the global batch: the same lockstep gathers as the planner thread's. A rank that
-        # fails (its loader raises, a check fails) tells the others, which then fail too instead of waiting.
-        failed = False
-        gatherer = IdGatherer(target.num_ranks, target.group, lambda: failed, stop_timeout_s)
-        try:
-            yield from (kjt for _, kjt in global_batches(inner, gatherer, adapter=adapter))
-        except BaseException:
-            failed = True
-            try:
-                gatherer.stop()
-            except SetupError as e:
-                log.error("capacity check: %s", e)
-            raise
-        if gatherer.peer_stopped:
-            raise SetupError(
-                f"rank(s) {gatherer.peer_stopped} failed during the capacity check of the training data (see "
-                "their error)"
-            )
-
-    def ticking() -> Generator[Any, None, None]:
-        ids = sparse()
-        try:
-            for kjt in ids:
-                if on_batch is not None:
-                    on_batch()
-                yield kjt
-        finally:
-            ids.close()  # at once: with several ranks, the other ranks learn that this one stopped
-
-    stream = ticking()
-    try:
-        with preserved_rng(inner):
-            need = check_stream(
-                stream,
-                target.capacity,
-                target.feature_to_table,
-                target.num_embeddings,
-                prefetch_depth,
-            )
-    finally:
-        stream.close()
-    return need

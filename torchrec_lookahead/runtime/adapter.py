@@ -202,7 +202,7 @@ def as_torchrec_batch(batch: Any, adapter: Optional[BatchAdapter]) -> Batch:
             "torchrec_lookahead.data.DictBatchAdapter(dense_key=..., sparse_key=..., labels_key=...) for dict batches, "
             "or a torchrec_lookahead.data.BatchAdapter(split=<your batch -> (dense, KJT, labels)>)"
         )
-    from torchrec_lookahead.data.batch import LookaheadBatch
+    from torchrec_lookahead.runtime.batch import LookaheadBatch
 
     dense, sparse, labels = adapter.split(batch)
     return LookaheadBatch(dense, sparse, labels, source=batch, adapter=adapter)

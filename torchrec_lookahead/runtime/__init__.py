@@ -1,0 +1,24 @@
+"""The cached job's runtime: the owner of the training step (:class:`CacheSession`), the loader that plans
+the cache ahead of training (:class:`LookaheadLoader`), the batches it yields (:class:`LookaheadBatch`) and the
+capacity pre-scan (:func:`scan_epoch`). See :mod:`torchrec_lookahead.runtime.session` for one step, top-down.
+"""
+
+from torchrec_lookahead.runtime._threads import LoaderStats
+from torchrec_lookahead.runtime.batch import LookaheadBatch
+from torchrec_lookahead.runtime.capacity import CapacityCheck
+from torchrec_lookahead.runtime.loader import LookaheadLoader
+from torchrec_lookahead.runtime.scan import scan_epoch
+from torchrec_lookahead.runtime.session import CacheHost, CacheSession
+from torchrec_lookahead.runtime.target import CacheTarget, cached_modules
+
+__all__ = [
+    "CacheSession",
+    "CacheHost",
+    "CacheTarget",
+    "cached_modules",
+    "LookaheadLoader",
+    "LookaheadBatch",
+    "LoaderStats",
+    "CapacityCheck",
+    "scan_epoch",
+]

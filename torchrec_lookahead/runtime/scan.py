@@ -1,0 +1,134 @@
+"""Reading a training loader's global sparse features, in the ranks' lockstep (:func:`global_batches`), and the
+capacity pre-scan of a whole epoch before training (:func:`scan_epoch`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Generator, Iterator, Optional, Protocol, Tuple, runtime_checkable
+
+from torchrec.datasets.utils import Batch
+
+from torchrec_lookahead._rng import preserved_rng
+from torchrec_lookahead.distributed.lrpp import IdGatherer
+from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.runtime.adapter import BatchAdapter, as_torchrec_batch
+from torchrec_lookahead.runtime.capacity import check_stream
+from torchrec_lookahead.runtime.target import CacheTarget
+
+__all__ = ["global_batches", "scan_epoch", "LockstepLoader"]
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class LockstepLoader(Protocol):
+    """A loader whose own reading is a collective of every rank (the cold pass of a hot/cold stream): it makes
+    its gathers through the planner's id gatherer, in the same lockstep and on the planner's thread."""
+
+    def join_lockstep(self, gatherer: IdGatherer) -> None:
+        """Gather through ``gatherer`` during the next iteration."""
+        ...
+
+
+def global_batches(
+    loader: Any,
+    gatherer: Optional[IdGatherer],
+    stopped: Callable[[], bool] = lambda: False,
+    adapter: Optional[BatchAdapter] = None,
+    source: Optional[Iterator[Any]] = None,
+) -> Iterator[Tuple[Batch, Any]]:
+    """``(batch, global sparse features)`` for each batch of ``loader``: with a gatherer (several ranks), every
+    rank's ids of the batch gathered in lockstep (dense features never leave the rank); without, the batch's
+    own. Batches that are not TorchRec ``Batch`` es are read through ``adapter``
+    (:func:`~torchrec_lookahead.runtime.adapter.as_torchrec_batch`). Ends with the loader (with a gatherer: when
+    the gathers end) or once ``stopped()``. A loader whose own reading needs collectives (``join_lockstep``,
+    e.g. the cold pass of a hot/cold stream) makes them through the gatherer, in the same lockstep. ``source``:
+    the loader's iterator, already started (default: ``iter(loader)`` here)."""
+    if gatherer is not None and isinstance(loader, LockstepLoader):
+        loader.join_lockstep(gatherer)
+    it = iter(loader) if source is None else source
+    while not stopped():
+        b = next(it, None)
+        if b is not None:
+            b = as_torchrec_batch(b, adapter)
+        if stopped():
+            return
+        if gatherer is None:
+            if b is None:
+                return
+            yield b, b.sparse_features
+            continue
+        global_kjt = gatherer.gather(None if b is None else b.sparse_features)
+        if global_kjt is None or b is None:
+            return
+        yield b, global_kjt
+
+
+def scan_epoch(
+    inner: Any,
+    target: CacheTarget,
+    prefetch_depth: int,
+    stop_timeout_s: float = 60.0,
+    adapter: Optional[BatchAdapter] = None,
+    on_batch: Optional[Callable[[], None]] = None,
+) -> Dict[str, int]:
+    """Read one epoch of ``inner`` (a loader of TorchRec batches, or of others read through ``adapter``) and check
+    every window and id against the cache
+    before training (:func:`~torchrec_lookahead.runtime.capacity.check_stream`; with several ranks over the
+    global batches, gathered in lockstep). Random states, the loader's generators included, are restored.
+    ``on_batch`` is called after each batch is read (a progress bar's tick).
+
+    Returns:
+        The largest window working set per cached table.
+
+    Raises:
+        CapacityError, InvalidIdError: see :func:`~torchrec_lookahead.runtime.capacity.check_stream`.
+        SetupError: another rank failed during its scan.
+    """
+
+    def sparse() -> Generator[Any, None, None]:
+        if target.num_ranks == 1:
+            yield from (kjt for _, kjt in global_batches(inner, None, adapter=adapter))
+            return
+        # Every rank plans the global batch: the same lockstep gathers as the planner thread's. A rank that
+        # fails (its loader raises, a check fails) tells the others, which then fail too instead of waiting.
+        failed = False
+        gatherer = IdGatherer(target.num_ranks, target.group, lambda: failed, stop_timeout_s)
+        try:
+            yield from (kjt for _, kjt in global_batches(inner, gatherer, adapter=adapter))
+        except BaseException:
+            failed = True
+            try:
+                gatherer.stop()
+            except SetupError as e:
+                log.error("capacity check: %s", e)
+            raise
+        if gatherer.peer_stopped:
+            raise SetupError(
+                f"rank(s) {gatherer.peer_stopped} failed during the capacity check of the training data (see "
+                "their error)"
+            )
+
+    def ticking() -> Generator[Any, None, None]:
+        ids = sparse()
+        try:
+            for kjt in ids:
+                if on_batch is not None:
+                    on_batch()
+                yield kjt
+        finally:
+            ids.close()  # at once: with several ranks, the other ranks learn that this one stopped
+
+    stream = ticking()
+    try:
+        with preserved_rng(inner):
+            need = check_stream(
+                stream,
+                target.capacity,
+                target.feature_to_table,
+                target.num_embeddings,
+                prefetch_depth,
+            )
+    finally:
+        stream.close()
+    return need

@@ -1,0 +1,168 @@
+"""``CacheSession``: the one owner of a cached job's training step.
+
+One session is built per fit, by the ``torchrec`` strategy (or by
+:class:`~torchrec_lookahead.train_pipeline.LookaheadTrainPipeline` in a plain TorchRec loop), once the model is
+sharded. It holds the model's cached collections, what the planner needs to know of them (the
+:class:`~torchrec_lookahead.runtime.CacheTarget`, with the process group of the planner's id gathers), and the
+planning loader (:class:`~torchrec_lookahead.runtime.LookaheadLoader`, which attaches itself). Step ``t`` reads
+top-down; nothing below calls back up::
+
+    planner thread   LookaheadLoader._plan: batch t + h read, gathered (W ranks), planned by the oracle,
+                     ids remapped to slots, LRPP plan, stores told which rows step t + h reads
+    stager thread    LookaheadLoader._stage: rows of plan t gathered once plan t - depth - 1 is applied
+    training thread  strategy.batch_to_device (or the pipeline's _wait_for_batch) -> CacheSession.apply(t):
+                       1. pinned rows (FAE, first batch of a plan stream)     module.pin_rows
+                       2. the apply gate opens step t                         loader.progress.begin
+                       3. step t's staged rows (wait, or gather them here)    loader.staged_rows
+                       4. each cached collection applies plan t               module.apply_plan
+                          (W ranks: step t - 1's delayed rows land, replicas refresh, the backward's plan armed)
+                       5. the gate records plan t applied                     loader.progress.applied
+                     -> forward (the module consumes its one-forward plan)
+                     -> backward (the cache kernel's backward hook: the module's exact gradient exchange,
+                        the optimizer in backward, rows no rank reads at t + 1 all-reduced in the background)
+                     -> end of step (those delayed rows land at apply(t + 1) or at flush)
+
+:meth:`new_stream` (flush, then empty the caches) starts every plan stream: the planning loader calls it when
+an iteration starts, since its fresh oracle plans from an empty cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.runtime._threads import LoaderStats
+from torchrec_lookahead.runtime.batch import LookaheadBatch, staged_result
+from torchrec_lookahead.runtime.target import CacheTarget, cached_modules
+
+if TYPE_CHECKING:
+    from torchrec_lookahead.runtime.loader import LookaheadLoader
+
+__all__ = ["CacheSession", "CacheHost"]
+
+
+class CacheSession:
+    """The cached step's owner (module docstring): applies each training batch's plan to the cached
+    collections, starts plan streams, flushes.
+
+    Args:
+        target: the cached tables as the planner sees them.
+        modules: the model's collections with cached tables (none: a session that only drives a planning
+            loader's apply gate, for loaders tested on their own).
+
+    Example:
+        >>> from torchrec_lookahead.store import TensorStore
+        >>> target = CacheTarget({"t": 8}, {"f": "t"}, {"t": 100}, {"t": TensorStore(100, 4, {}, name="t", seed=0)})
+        >>> session = CacheSession(target)
+        >>> session.loader is None, session.stats().planned
+        (True, 0)
+    """
+
+    def __init__(
+        self, target: CacheTarget, modules: Sequence[ShardedLookaheadEmbeddingBagCollection] = ()
+    ) -> None:
+        self.target = target
+        self.modules: List[ShardedLookaheadEmbeddingBagCollection] = list(modules)
+        self._loader: Optional[LookaheadLoader] = None
+        self._hot_batches = 0
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> Optional[CacheSession]:
+        """The session of ``model`` (sharded, e.g. a ``DistributedModelParallel``), or ``None`` when it has no
+        cached tables. With several ranks it creates the process group of the planner's id gathers (gloo, over
+        the ranks of the cached collections' group): a collective, called at the same point on every rank.
+        """
+        modules = cached_modules(model)
+        if not modules:
+            return None
+        first = modules[0]
+        group = None
+        if first.world_size > 1:
+            pg = first.process_group
+            ranks = dist.get_process_group_ranks(pg) if pg is not None else None
+            group = dist.new_group(ranks=ranks, backend="gloo")
+        return cls(CacheTarget.from_modules(modules, first.world_size, first.rank, group), modules)
+
+    # ------------------------------------------------------------------------------------------ loaders
+    @property
+    def loader(self) -> Optional[LookaheadLoader]:
+        """The planning loader whose batches this session applies (the last one attached)."""
+        return self._loader
+
+    def attach(self, loader: LookaheadLoader) -> None:
+        """Make ``loader`` the planning loader: its apply gate and wait counters are the ones :meth:`apply`
+        drives (a loader attaches itself when it is built on this session)."""
+        self._loader = loader
+
+    def stats(self) -> LoaderStats:
+        """The planning loader's counters, with the hot batches (pinned rows only) this session applied."""
+        base = LoaderStats() if self._loader is None else self._loader.stats()
+        return dataclasses.replace(base, hot_batches=self._hot_batches)
+
+    def oracle_lead(self) -> int:
+        """Batches planned but not yet applied."""
+        return 0 if self._loader is None else self._loader.oracle_lead()
+
+    def close(self) -> None:
+        """Stop the planning loader's threads (a new iteration starts fresh ones)."""
+        if self._loader is not None:
+            self._loader.close()
+
+    # --------------------------------------------------------------------------------------------- steps
+    def new_stream(self) -> None:
+        """Flush, then empty the caches: a new plan stream (its oracle starts from an empty cache)."""
+        for m in self.modules:
+            m.flush()
+            m.invalidate()
+
+    def apply(self, batch: LookaheadBatch) -> None:
+        """Bring the caches to ``batch``'s plan (steps 1-5 of the module docstring); call right before the
+        batch's training step, after the previous step's optimizer update, on the training thread.
+
+        That order is the no-stale-read rule: the rows a plan evicts carry every update of the steps before
+        it, and the rows it fetches were gathered only once every write-back they depend on had landed (the
+        planning loader's :class:`~torchrec_lookahead.runtime._threads.ApplyProgress` tells its stager when).
+        Applying a plan anywhere else (earlier, on another thread, twice) would read or write stale rows.
+
+        Raises:
+            SetupError: the planning loader was stopped before the batch's rows were gathered.
+        """
+        if batch.pin is not None:
+            for m in self.modules:
+                m.pin_rows(batch.pin)
+        plan = batch.plan
+        if plan is None:
+            return
+        staged = None
+        if batch.staged is None:  # pinned rows only: nothing moves, no gate
+            self._hot_batches += 1
+        elif self._loader is None:
+            staged = staged_result(plan, batch.staged)
+        else:
+            self._loader.progress.begin(plan.step)
+            staged = self._loader.staged_rows(plan, batch.staged)
+        for m in self.modules:
+            # Plans from the planning loader's own oracle: the O(capacity) re-checks are skipped.
+            m.apply_plan(plan, staged, batch.lrpp, trusted=True)
+        if batch.staged is not None and self._loader is not None:
+            self._loader.progress.applied(plan.step)
+
+    def flush(self, barrier: bool = True) -> None:
+        """Write every cached row and its optimizer state back to the host stores (``barrier=False`` on an
+        exception path, where another rank may be gone or inside a collective)."""
+        for m in self.modules:
+            m.flush(barrier=barrier)
+
+
+@runtime_checkable
+class CacheHost(Protocol):
+    """What holds a cached job's session (the ``torchrec`` strategy): the DataModule wrapper and the callbacks
+    find the session through it."""
+
+    def cache_session(self) -> Optional[CacheSession]:
+        """The session of the model being trained (``None`` before set-up or without cached tables)."""
+        ...

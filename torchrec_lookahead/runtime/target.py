@@ -1,0 +1,99 @@
+"""What the planner and the stager know of a model's cached tables (:class:`CacheTarget`), and where they are
+(:func:`cached_modules`).
+
+Example:
+    >>> from torchrec_lookahead.store import TensorStore
+    >>> target = CacheTarget({"t": 8}, {"f": "t"}, {"t": 100}, {"t": TensorStore(100, 4, {}, name="t", seed=0)})
+    >>> target.num_ranks, sorted(target.capacity)
+    (1, ['t'])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.store.types import EmbeddingStore
+
+__all__ = ["CacheTarget", "cached_modules"]
+
+
+def cached_modules(model: torch.nn.Module) -> List[ShardedLookaheadEmbeddingBagCollection]:
+    """The collections of ``model`` (a ``DistributedModelParallel`` model, or any module holding one) with
+    cached tables, in module order."""
+    return [m for m in model.modules() if isinstance(m, ShardedLookaheadEmbeddingBagCollection)]
+
+
+@dataclass(frozen=True)
+class CacheTarget:
+    """What the oracle and stager need to know about the model's cached tables.
+
+    Attributes:
+        capacity: cache rows per cached table.
+        feature_to_table: feature -> table, for every cached table's features.
+        num_embeddings: rows per cached table.
+        stores: host store per cached table.
+        num_ranks: data-parallel ranks (LRPP when > 1: every rank plans the global batch).
+        rank: this rank.
+        group: process group on which the planner thread gathers the other ranks' ids.
+        average_every: cDLRM mode's averaging period λ (``None``: exact LRPP).
+    """
+
+    capacity: Mapping[str, int]
+    feature_to_table: Mapping[str, str]
+    num_embeddings: Mapping[str, int]
+    stores: Mapping[str, EmbeddingStore]
+    num_ranks: int = 1
+    rank: int = 0
+    group: Optional[dist.ProcessGroup] = None
+    average_every: Optional[int] = None
+
+    @classmethod
+    def from_modules(
+        cls,
+        modules: Sequence[ShardedLookaheadEmbeddingBagCollection],
+        num_ranks: int = 1,
+        rank: int = 0,
+        group: Optional[dist.ProcessGroup] = None,
+    ) -> CacheTarget:
+        """The cached tables of ``modules`` (see :func:`cached_modules`), planned on ``num_ranks`` ranks.
+
+        Raises:
+            ConfigError: two cached collections share a table or feature name.
+        """
+        capacity: Dict[str, int] = {}
+        f2t: Dict[str, str] = {}
+        rows: Dict[str, int] = {}
+        stores: Dict[str, EmbeddingStore] = {}
+        for m in modules:
+            cache = m.cache
+            clash = sorted(set(capacity) & set(cache.capacity))
+            clash += sorted(
+                f for f in cache.feature_to_table if f in f2t and f2t[f] != cache.feature_to_table[f]
+            )
+            if clash:
+                raise ConfigError(
+                    f"Two cached collections share table or feature names {clash}; give every cached table and "
+                    "feature a unique name"
+                )
+            capacity.update(cache.capacity)
+            stores.update(cache.stores)
+            f2t.update({f: t for f, t in cache.feature_to_table.items() if t in cache.capacity})
+            rows.update(
+                {c.name: c.num_embeddings for c in cache.embedding_bag_configs() if c.name in cache.capacity}
+            )
+        return cls(
+            capacity=capacity,
+            feature_to_table=f2t,
+            num_embeddings=rows,
+            stores=stores,
+            num_ranks=num_ranks,
+            rank=rank,
+            group=group,
+            average_every=next((m.average_every for m in modules if m.average_every is not None), None),
+        )
