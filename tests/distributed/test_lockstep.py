@@ -54,7 +54,7 @@ def _sharded_loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: f
     from torchrec_lookahead.data.batch import CacheTarget
     from torchrec_lookahead.data.lookahead_loader import LookaheadLoader
     from torchrec_lookahead.store import RowShardedStore, TensorStore, row_bounds
-    from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL
+    from torchrec_lookahead.store.channels import STAGE_CHANNEL
 
     bounds = row_bounds(ROWS, 2)
     lo, hi = bounds[rank : rank + 2]

@@ -66,7 +66,7 @@ from torchrec_lookahead.oracle import (
     UnknownFeatures,
     table_ids,
 )
-from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, collective_channel
+from torchrec_lookahead.store.channels import STAGE_CHANNEL, collective_channel
 
 __all__ = ["LookaheadLoader", "scan_epoch", "global_batches", "lookahead_options"]
 

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch.distributed as dist
 from torchrec.distributed.types import ShardingEnv
 
-from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL
+from torchrec_lookahead.store.channels import STAGE_CHANNEL
 
 __all__ = ["CacheGroups"]
 

@@ -19,8 +19,9 @@ from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
 from torchrec_lookahead.errors import CapacityError, ConfigError
 from torchrec_lookahead.modules import CacheOptimizerConfig
 from torchrec_lookahead.store import DiskStore, MmapStore, RowShardedStore, TensorStore, row_bounds
+from torchrec_lookahead.store.channels import STAGE_CHANNEL
 from torchrec_lookahead.store.disk_store import check_host_policy
-from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, EmptyShardStore
+from torchrec_lookahead.store.sharded_store import EmptyShardStore
 from torchrec_lookahead.store.types import EmbeddingStore
 
 __all__ = [
