@@ -87,7 +87,7 @@ def disk_stores(monkeypatch: pytest.MonkeyPatch) -> List[DiskStore]:
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr("torchrec_lookahead.distributed.sharder.DiskStore", Recorded)
+    monkeypatch.setattr("torchrec_lookahead.distributed._stores.DiskStore", Recorded)
     return made
 
 

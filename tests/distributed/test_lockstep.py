@@ -52,7 +52,7 @@ def _sharded_loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: f
     collectives on a group of their own."""
     from torchrec_lookahead.runtime import CacheSession, CacheTarget, LookaheadLoader
     from torchrec_lookahead.store import RowShardedStore, TensorStore, row_bounds
-    from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL
+    from torchrec_lookahead.store.channels import STAGE_CHANNEL
 
     bounds = row_bounds(ROWS, 2)
     lo, hi = bounds[rank : rank + 2]

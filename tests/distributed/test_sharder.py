@@ -13,7 +13,7 @@ from ..helpers import fit_cached, max_abs_diff, weights
 
 
 def test_compute_kernels_and_argument_checks():
-    from torchrec_lookahead.distributed.sharder import lookahead_planning
+    from torchrec_lookahead.distributed import lookahead_planning
 
     sharder = LookaheadEmbeddingBagCollectionSharder(capacity={"t": 8})
     with lookahead_planning():
@@ -35,7 +35,7 @@ def test_compute_kernels_and_argument_checks():
 
 
 def test_store_sharding_is_a_string_enum_and_bad_values_list_the_valid_ones():
-    from torchrec_lookahead.distributed.sharder import StoreSharding
+    from torchrec_lookahead.distributed import StoreSharding
 
     assert LookaheadEmbeddingBagCollectionSharder().store_sharding is StoreSharding.HOST
     sharder = LookaheadEmbeddingBagCollectionSharder(store_sharding="row_wise")
@@ -167,7 +167,7 @@ def test_shared_store_directories_of_dead_owners_are_removed_and_live_ones_kept(
     import sys
     import time
 
-    from torchrec_lookahead.distributed.sharder import (
+    from torchrec_lookahead.distributed._store_dirs import (
         STORE_DIR_PREFIX,
         hold_store_dir,
         remove_orphaned_store_dirs,
@@ -186,7 +186,7 @@ def test_shared_store_directories_of_dead_owners_are_removed_and_live_ones_kept(
     dead = make("dead")
     # a process that took the lock and was killed: the kernel released its lock
     code = (
-        "import os, signal; from torchrec_lookahead.distributed.sharder import hold_store_dir; "
+        "import os, signal; from torchrec_lookahead.distributed._store_dirs import hold_store_dir; "
         f"hold_store_dir({dead!r}); os.kill(os.getpid(), signal.SIGKILL)"
     )
     subprocess.run([sys.executable, "-c", code], check=False)
@@ -565,11 +565,11 @@ def test_one_rank_store_dir_is_removed_after_the_run_unless_kept(tmp_path, monke
     import shutil
     import time
 
-    from torchrec_lookahead.distributed import sharder as sharder_module
-    from torchrec_lookahead.distributed.sharder import STORE_DIR_PREFIX
+    from torchrec_lookahead.distributed import _store_dirs
+    from torchrec_lookahead.distributed._store_dirs import STORE_DIR_PREFIX
 
     at_exit = []
-    monkeypatch.setattr(sharder_module.atexit, "register", lambda f, *a: at_exit.append((f, a)))
+    monkeypatch.setattr(_store_dirs.atexit, "register", lambda f, *a: at_exit.append((f, a)))
     orphan = tmp_path / f"{STORE_DIR_PREFIX}killed_run"  # a killed run's stores: no live owner holds the lock
     orphan.mkdir()
     (orphan / ".owner.lock").touch()

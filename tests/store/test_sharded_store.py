@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
 from torchrec_lookahead.store import MmapStore, RowShardedStore, TensorStore, row_bounds
-from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, EmptyShardStore, collective_channel
+from torchrec_lookahead.store.channels import STAGE_CHANNEL, collective_channel
+from torchrec_lookahead.store.sharded_store import EmptyShardStore
 
 from ..conftest import free_port
 

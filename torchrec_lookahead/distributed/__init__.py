@@ -2,6 +2,8 @@
 modules, sharding plans with cached tables, and
 (:mod:`torchrec_lookahead.distributed.planner`) the planner that sizes caches for a device budget."""
 
+from torchrec_lookahead.distributed._optimizers import cache_optimizer_from_module
+from torchrec_lookahead.distributed._stores import STORE_KINDS, STORE_SHARDINGS, StoreKind, StoreSharding
 from torchrec_lookahead.distributed.ec_sharder import LookaheadEmbeddingCollectionSharder
 from torchrec_lookahead.distributed.plan import (
     check_all_sharded,
@@ -11,10 +13,7 @@ from torchrec_lookahead.distributed.plan import (
 )
 from torchrec_lookahead.distributed.sharded import CacheFusedOptimizer, ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.distributed.sharded_ec import ShardedLookaheadEmbeddingCollection
-from torchrec_lookahead.distributed.sharder import (
-    LookaheadEmbeddingBagCollectionSharder,
-    cache_optimizer_from_module,
-)
+from torchrec_lookahead.distributed.sharder import LookaheadEmbeddingBagCollectionSharder, lookahead_planning
 
 __all__ = [
     "LookaheadEmbeddingBagCollectionSharder",
@@ -27,4 +26,9 @@ __all__ = [
     "cache_optimizer_from_module",
     "with_default_sharders",
     "check_all_sharded",
+    "lookahead_planning",
+    "StoreSharding",
+    "STORE_SHARDINGS",
+    "StoreKind",
+    "STORE_KINDS",
 ]

@@ -11,7 +11,7 @@ Example:
     >>> from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
     >>> ebc_sharder = LookaheadEmbeddingBagCollectionSharder(capacity={"items": 4096})
     >>> sharder = LookaheadEmbeddingCollectionSharder(ebc_sharder)
-    >>> from torchrec_lookahead.distributed.sharder import lookahead_planning
+    >>> from torchrec_lookahead.distributed import lookahead_planning
     >>> with lookahead_planning():
     ...     kernels = sharder.compute_kernels("data_parallel", "cpu")
     >>> sharder.capacity is ebc_sharder.capacity, "customized_kernel" in kernels
@@ -27,11 +27,9 @@ from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
+from torchrec_lookahead.distributed._tables import copy_in_backward_optimizers
 from torchrec_lookahead.distributed.sharded_ec import ShardedLookaheadEmbeddingCollection
-from torchrec_lookahead.distributed.sharder import (
-    LookaheadEmbeddingBagCollectionSharder,
-    copy_in_backward_optimizers,
-)
+from torchrec_lookahead.distributed.sharder import LookaheadEmbeddingBagCollectionSharder
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.modules.cached_ec import CachedEmbeddingCollection
 

@@ -290,7 +290,7 @@ class StageGathers(LockstepGathers):
     Before the store collectives of each plan, every rank's stager exchanges a status (:meth:`begin`): when
     every rank brings ``BATCH``, all of them run the plan's store gathers (the same tables, in the same order),
     waited for with :meth:`wait` (pass it to
-    :func:`~torchrec_lookahead.store.sharded_store.collective_channel`); the first
+    :func:`~torchrec_lookahead.store.channels.collective_channel`); the first
     exchange in which some rank brings ``STOP`` (its training stopped) or ``END`` (its plan stream ended) is the
     last one for every rank, so no stager is left inside a store gather its peers never join. A stager that
     stops or runs out of plans calls :meth:`stop`. The waits are bounded once this rank has stopped training,

@@ -66,7 +66,7 @@ from torchrec_lookahead.runtime.batch import LookaheadBatch, staged_result
 from torchrec_lookahead.runtime.scan import LockstepLoader, global_batches
 from torchrec_lookahead.runtime.session import CacheSession
 from torchrec_lookahead.runtime.types import PinnedPart
-from torchrec_lookahead.store.sharded_store import STAGE_CHANNEL, collective_channel
+from torchrec_lookahead.store.channels import STAGE_CHANNEL, collective_channel
 
 __all__ = ["LookaheadLoader", "lookahead_options"]
 

@@ -11,8 +11,10 @@
   for initialising a resident TorchRec model identically.
 
 The collective plumbing of :class:`RowShardedStore` (``STAGE_CHANNEL``, ``collective_channel``, ``current_wait``,
-``CollectiveWait``, ``EmptyShardStore``) lives in :mod:`torchrec_lookahead.store.sharded_store`, and the
-initialisation block size ``INIT_BLOCK_ROWS`` in :mod:`torchrec_lookahead.store.init`.
+``CollectiveWait``) lives in :mod:`torchrec_lookahead.store.channels`, ``EmptyShardStore`` in
+:mod:`torchrec_lookahead.store.sharded_store`, the shape value every store answers its shape properties from
+(``StoreShape``) in :mod:`torchrec_lookahead.store.types`, and the initialisation block size
+``INIT_BLOCK_ROWS`` in :mod:`torchrec_lookahead.store.init`.
 
 Example:
     >>> import torch

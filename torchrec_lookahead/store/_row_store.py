@@ -8,9 +8,9 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
+from torchrec_lookahead.errors import ConfigError, DataError
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
-from torchrec_lookahead.store.types import EmbeddingStore, check_load
+from torchrec_lookahead.store.types import ShapedStore, StoreShape, check_load
 
 __all__: List[str] = []
 
@@ -27,7 +27,7 @@ def _check_sizes(name: str, num_embeddings: int, embedding_dim: int, state_width
             )
 
 
-class _RowStore(EmbeddingStore):
+class _RowStore(ShapedStore):
     """Store over a (N, D + S) float32 tensor whose chunks of ``chunk_rows`` rows are initialised lazily.
 
     Subclasses provide the tensor (RAM or memory-mapped) and the per-chunk "initialised" flags.
@@ -56,20 +56,14 @@ class _RowStore(EmbeddingStore):
             raise ConfigError(
                 f"chunk_rows must be a positive multiple of {INIT_BLOCK_ROWS} but got {chunk_rows}"
             )
-        self._name = str(name)
-        self._num = int(num_embeddings)
-        self._dim = int(embedding_dim)
-        self._widths: Dict[str, int] = {k: int(v) for k, v in widths.items()}
+        self._shape = StoreShape(
+            str(name), int(num_embeddings), int(embedding_dim), {k: int(v) for k, v in widths.items()}
+        )
         self._seed = int(seed)
         self._row_offset = int(row_offset)
         self._table_rows = total
         self._chunk_rows = int(chunk_rows)
-        self._num_chunks = -(-self._num // self._chunk_rows)
-        self._cols: Dict[str, Tuple[int, int]] = {}
-        col = self._dim
-        for key, width in self._widths.items():
-            self._cols[key] = (col, col + width)
-            col += width
+        self._num_chunks = -(-self.num_embeddings // self._chunk_rows)
         self._init_lock = threading.Lock()
         self._all_init = False
 
@@ -83,22 +77,6 @@ class _RowStore(EmbeddingStore):
         raise NotImplementedError
 
     # -- properties ----------------------------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def num_embeddings(self) -> int:
-        return self._num
-
-    @property
-    def embedding_dim(self) -> int:
-        return self._dim
-
-    @property
-    def state_widths(self) -> Dict[str, int]:
-        return dict(self._widths)
-
     @property
     def seed(self) -> int:
         """Seed of the initial values."""
@@ -117,13 +95,13 @@ class _RowStore(EmbeddingStore):
     # -- lazy initialisation -------------------------------------------------------------------------------
     def _init_chunk(self, chunk: int) -> None:
         lo = chunk * self._chunk_rows
-        hi = min(lo + self._chunk_rows, self._num)
+        hi = min(lo + self._chunk_rows, self.num_embeddings)
         rows = self._rows()
         off = self._row_offset
-        rows[lo:hi, : self._dim] = init_rows(
-            self._seed, self._name, off + lo, off + hi, self._dim, self._table_rows
+        rows[lo:hi, : self.embedding_dim] = init_rows(
+            self._seed, self.name, off + lo, off + hi, self.embedding_dim, self._table_rows
         )
-        rows[lo:hi, self._dim :] = 0.0
+        rows[lo:hi, self.embedding_dim :] = 0.0
 
     def _ensure_init(self, ids: Optional[torch.Tensor]) -> None:
         """Initialise the chunks ``ids`` touch (every chunk when ``ids`` is None)."""
@@ -152,64 +130,40 @@ class _RowStore(EmbeddingStore):
 
     # -- validation ----------------------------------------------------------------------------------------
     def _check_ids(self, ids: torch.Tensor, unique: bool) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
-            desc = (
-                f"tensor of shape {tuple(ids.shape)} and dtype {ids.dtype}"
-                if isinstance(ids, torch.Tensor)
-                else type(ids).__name__
-            )
-            raise InvalidIdError(
-                f"ids for table '{self._name}' must be a 1-D integer tensor but got {desc}", table=self._name
-            )
-        ids = ids.to(device="cpu", dtype=torch.int64)
-        if ids.numel() == 0:
-            return ids
-        arr = ids.numpy()  # NumPy's reductions: no intra-op threads for a few hundred ids
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= self._num:
-            bad = lo if lo < 0 else hi
-            raise InvalidIdError(
-                f"id {bad} of table '{self._name}' is out of range [0, {self._num}); "
-                "remap or hash ids into the table before training",
-                table=self._name,
-                id=bad,
-                num_rows=self._num,
-            )
-        if unique and torch.unique(ids).numel() != ids.numel():
-            raise InvalidIdError(
-                f"scatter into table '{self._name}' got repeated ids; pass each id at most once",
-                table=self._name,
-            )
+        error, ids = self._shape.check_ids(ids, unique)
+        if error is not None:
+            raise error
         return ids
 
     def _pack(
         self, n: int, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]]
     ) -> torch.Tensor:
         states = dict(states or {})
-        if set(states) != set(self._widths):
+        if set(states) != set(self._shape.state_widths):
             raise DataError(
-                f"states for table '{self._name}' must have exactly the keys {sorted(self._widths)} "
+                f"states for table '{self.name}' must have exactly the keys {sorted(self._shape.state_widths)} "
                 f"but got {sorted(states)}"
             )
-        if tuple(weights.shape) != (n, self._dim):
+        if tuple(weights.shape) != (n, self.embedding_dim):
             raise DataError(
-                f"weights for table '{self._name}' must have shape ({n}, {self._dim}) but got {tuple(weights.shape)}"
+                f"weights for table '{self.name}' must have shape ({n}, {self.embedding_dim}) but got "
+                f"{tuple(weights.shape)}"
             )
         parts = [weights.detach().to(device="cpu", dtype=torch.float32)]
-        for key, width in self._widths.items():
+        for key, width in self._shape.state_widths.items():
             val = states[key].detach()
             if width == 1 and val.dim() == 1:
                 val = val.unsqueeze(1)
             if tuple(val.shape) != (n, width):
                 raise DataError(
-                    f"state '{key}' for table '{self._name}' must have shape ({n}, {width}) but got "
+                    f"state '{key}' for table '{self.name}' must have shape ({n}, {width}) but got "
                     f"{tuple(states[key].shape)}"
                 )
             parts.append(val.to(device="cpu", dtype=torch.float32))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def _split(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        return rows[:, : self._dim], {k: rows[:, a:b] for k, (a, b) in self._cols.items()}
+        return self._shape.split(rows)
 
     # -- EmbeddingStore --------------------------------------------------------------------------------------
     def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -255,14 +209,14 @@ class _RowStore(EmbeddingStore):
         return self._split(self._rows())[1]
 
     def load(self, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None) -> None:
-        states = check_load(self._name, self._num, self._dim, self._widths, weights, states)
+        states = check_load(self._shape, weights, states)
         rows = self._rows()
         with torch.no_grad():
             for chunk in range(self._num_chunks):
                 lo = chunk * self._chunk_rows
-                hi = min(lo + self._chunk_rows, self._num)
-                rows[lo:hi, : self._dim] = weights[lo:hi].to(device="cpu", dtype=torch.float32)
-                for key, (a, b) in self._cols.items():
+                hi = min(lo + self._chunk_rows, self.num_embeddings)
+                rows[lo:hi, : self.embedding_dim] = weights[lo:hi].to(device="cpu", dtype=torch.float32)
+                for key, (a, b) in self._shape.columns.items():
                     if key in states:
                         rows[lo:hi, a:b] = states[key][lo:hi].reshape(hi - lo, b - a).to("cpu", torch.float32)
                     else:
@@ -272,6 +226,6 @@ class _RowStore(EmbeddingStore):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(name={self._name!r}, num_embeddings={self._num}, "
-            f"embedding_dim={self._dim}, state_widths={self._widths})"
+            f"{type(self).__name__}(name={self.name!r}, num_embeddings={self.num_embeddings}, "
+            f"embedding_dim={self.embedding_dim}, state_widths={self._shape.state_widths})"
         )

@@ -39,6 +39,7 @@ import torch
 
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.store._disk_file import DiskFile, read_header
+from torchrec_lookahead.store._disk_lookahead import NEVER, LookaheadReads
 from torchrec_lookahead.store._host_tier import HostTier
 from torchrec_lookahead.store._row_store import _RowStore
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
@@ -55,8 +56,6 @@ _EVICT_FRACTION = 8  # when full, evict at least 1/8 of the tier at once (one sc
 
 HOST_POLICIES = ("lru", "lookahead")
 """What the host tier keeps: the rows used most recently, or those the coming steps read soonest."""
-
-_NEVER = np.iinfo(np.int64).max  # the next use of a row no known step reads
 
 
 def check_host_policy(host_policy: str, disk_prefetch_depth: int) -> None:
@@ -78,7 +77,7 @@ def check_host_policy(host_policy: str, disk_prefetch_depth: int) -> None:
         raise ConfigError(f"disk_prefetch_depth must be an int >= 0 but got {disk_prefetch_depth!r}")
 
 
-class DiskStore(_RowStore):
+class DiskStore(LookaheadReads, _RowStore):
     """A table and its per-row optimizer state in a file on disk, under a bounded host-memory tier.
 
     Creates the file when it does not exist, reopens it (refusing another table's, size's, layout's or seed's
@@ -146,10 +145,10 @@ class DiskStore(_RowStore):
         super().__init__(
             name, num_embeddings, embedding_dim, state_widths, seed, INIT_BLOCK_ROWS, row_offset, table_rows
         )
-        row_bytes = self.row_width * 4
+        row_bytes = self._shape.row_bytes
         if int(host_budget_bytes) < row_bytes:
             raise ConfigError(
-                f"host_budget_bytes for table '{self._name}' must hold at least one row ({row_bytes} bytes) but "
+                f"host_budget_bytes for table '{self.name}' must hold at least one row ({row_bytes} bytes) but "
                 f"got {host_budget_bytes}; raise it"
             )
         if int(io_threads) < 1:
@@ -158,9 +157,17 @@ class DiskStore(_RowStore):
         self._path = os.fspath(path)
         self._budget = int(host_budget_bytes)
         self._file = DiskFile(
-            self._path, self._meta(), self._num, self.row_width, direct_io, int(io_threads), preallocate
+            self._path,
+            self._meta(),
+            self.num_embeddings,
+            self.row_width,
+            direct_io,
+            int(io_threads),
+            preallocate,
         )
-        self._tier = HostTier(min(self._budget // row_bytes, self._num), self.row_width, self._num)
+        self._tier = HostTier(
+            min(self._budget // row_bytes, self.num_embeddings), self.row_width, self.num_embeddings
+        )
         self._lock = threading.Lock()  # the host tier and the file, one call at a time
         self._counts = dict.fromkeys(
             ("host_hits", "rows_read", "rows_written", "blocks_created", "unit_reads", "unit_writes",
@@ -215,10 +222,7 @@ class DiskStore(_RowStore):
         return {
             "format": FORMAT,
             "version": VERSION,
-            "name": self._name,
-            "num_embeddings": self._num,
-            "embedding_dim": self._dim,
-            "state_widths": self._widths,
+            **self._shape.fields(),
             "seed": self._seed,
             "row_offset": self._row_offset,
             "table_rows": self._table_rows,
@@ -285,11 +289,11 @@ class DiskStore(_RowStore):
 
     def _initial_records(self, block: int) -> np.ndarray:
         lo = block * INIT_BLOCK_ROWS
-        hi = min(lo + INIT_BLOCK_ROWS, self._num)
+        hi = min(lo + INIT_BLOCK_ROWS, self.num_embeddings)
         records = np.zeros((hi - lo, self.row_width), dtype=np.float32)
         off = self._row_offset
-        records[:, : self._dim] = init_rows(
-            self._seed, self._name, off + lo, off + hi, self._dim, self._table_rows
+        records[:, : self.embedding_dim] = init_rows(
+            self._seed, self.name, off + lo, off + hi, self.embedding_dim, self._table_rows
         ).numpy()
         return records
 
@@ -346,7 +350,7 @@ class DiskStore(_RowStore):
             nxt = self._next_use()
             victims = tier.furthest(need, nxt, eligible)
             eligible[victims] = False
-            extra = tier.furthest(want - need, nxt, eligible & (nxt == _NEVER))
+            extra = tier.furthest(want - need, nxt, eligible & (nxt == NEVER))
             victims = np.concatenate([victims, extra])
         self._evict(victims)
 
@@ -359,145 +363,6 @@ class DiskStore(_RowStore):
             order = np.argsort(ids)
             self._write_rows(ids[order], tier.rows.numpy()[dirty[order]])
         tier.drop(victims)
-
-    # -- lookahead: the planned reads ------------------------------------------------------------------------
-    def plan_reads(self, step: int, ids: torch.Tensor) -> None:
-        """Step ``step`` will gather ``ids`` (a hint from the planner; ignored under the LRU policy). Under the
-        lookahead policy the rows are read into the host tier in the background once the gathered step is within
-        ``disk_prefetch_depth`` of ``step``, and the host tier keeps them until then in preference to rows
-        needed later. A hint never changes a value: out-of-range ids are dropped, and a wrong hint costs only
-        reads."""
-        if self._policy != "lookahead":
-            return
-        arr = ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
-        arr = np.unique(arr[(arr >= 0) & (arr < self._num)])
-        with self._lock:
-            if step <= self._step or self._closing:
-                return
-            self._hints[int(step)] = arr
-            self._wake.notify_all()
-
-    def at_step(self, step: int) -> None:
-        """The stager gathers step ``step`` now: hints of earlier steps are dropped, and the background thread may
-        read up to ``step + disk_prefetch_depth``. Steps go forward; a lower one (a new epoch) starts over."""
-        if self._policy != "lookahead":
-            return
-        with self._lock:
-            step = int(step)
-            if step < self._step:  # a new iteration: earlier hints are of the old one
-                self._hints = {s: v for s, v in self._hints.items() if s >= step}
-                self._read_upto = step - 1
-            else:
-                for s in [s for s in self._hints if s < step]:
-                    del self._hints[s]
-            self._step = step
-            self._wake.notify_all()
-
-    def _next_use(self) -> np.ndarray:
-        """Per slot of the host tier, the first hinted step from the gathered one on that reads its row
-        (:data:`_NEVER` when none)."""
-        tier = self._tier
-        nxt = np.full(tier.capacity, _NEVER, dtype=np.int64)
-        for s in sorted(self._hints, reverse=True):
-            if s < self._step:
-                continue
-            slots = tier.find(self._hints[s])
-            nxt[slots[slots >= 0]] = s
-        return nxt
-
-    def _next_prefetch(self) -> Optional[int]:
-        """The first hinted step not read yet within the prefetch depth, if the rows of the steps from the
-        gathered one to it fit in the host tier together (under the lock). Reading a step whose rows would
-        not stay until it is gathered would only read them twice."""
-        lo = max(self._read_upto, self._step)
-        ready = [s for s in self._hints if lo < s <= self._step + self._depth]
-        if not ready:
-            return None
-        step = min(ready)
-        window = [v for s, v in self._hints.items() if self._step <= s <= step]
-        if np.unique(np.concatenate(window)).size > self._tier.capacity:
-            return None
-        return step
-
-    def _prefetch_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._closing and self._next_prefetch() is None:
-                    self._wake.wait()
-                if self._closing or self._file.closed:
-                    return
-                step = self._next_prefetch()
-                assert step is not None
-                self._read_upto = step
-                try:
-                    miss = self._prefetch_begin(step)
-                except Exception:  # a failing disk: the gathers meet the error themselves
-                    miss, self._written = None, None
-            if miss is None or miss.size == 0:
-                continue
-            try:
-                records, units = self._read_uncounted(miss)
-            except Exception:
-                with self._lock:
-                    self._written = self._inflight = None
-                    self._wake.notify_all()
-                continue
-            with self._lock:
-                try:
-                    self._prefetch_end(step, miss, records, units)
-                except Exception:
-                    pass
-                finally:
-                    self._written = self._inflight = None
-                    self._reset = False
-                    self._wake.notify_all()
-
-    def _prefetch_begin(self, step: int) -> Optional[np.ndarray]:
-        """Under the lock: the rows of ``step`` to read (not in the host tier, as many as it has room for
-        without evicting a row needed by ``step`` or sooner); starts recording the file's writes."""
-        if self._file.closed:
-            return None
-        ids = self._hints[step]
-        if ids.size == 0:
-            return None
-        self._ensure_init(torch.from_numpy(ids))
-        tier = self._tier
-        miss = ids[tier.find(ids) < 0]
-        if miss.size == 0:
-            return None
-        nxt = self._next_use()
-        room = tier.num_free + int(((nxt > step) & (tier.id_of >= 0)).sum())
-        miss = miss[:room]
-        self._inflight = miss
-        self._written = []
-        self._reset = False
-        return miss
-
-    def _prefetch_end(self, step: int, miss: np.ndarray, records: np.ndarray, units: int) -> None:
-        """Under the lock: keep the rows read for ``step`` that are still missing and were not written
-        meanwhile, evicting for them only rows next needed after ``step``."""
-        self._counts["rows_read"] += miss.size
-        self._counts["unit_reads"] += units
-        keep = np.ones(miss.size, dtype=bool)
-        if self._reset or self._file.closed:
-            keep[:] = False
-        elif self._written:
-            keep &= ~np.isin(miss, np.concatenate(self._written))
-        tier = self._tier
-        keep &= tier.find(miss) < 0
-        idx = np.flatnonzero(keep)
-        if idx.size > tier.num_free:
-            nxt = self._next_use()
-            later = tier.furthest(idx.size - tier.num_free, nxt, nxt > step)
-            self._evict(later)
-            idx = idx[: tier.num_free]
-        self._counts["prefetch_discarded"] += miss.size - idx.size
-        if idx.size == 0:
-            return
-        new = tier.put(miss[idx], dirty=False)
-        tier.rows[torch.from_numpy(new)] = torch.from_numpy(records[idx])
-        tier.touch(new)
-        self._counts["rows_prefetched"] += idx.size
 
     # -- EmbeddingStore --------------------------------------------------------------------------------------
     def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -563,11 +428,11 @@ class DiskStore(_RowStore):
         """Columns ``[lo, hi)`` of every record: the file's blocks (created ones) and the host tier's rows."""
         with self._lock:
             self._check_open()
-            out = torch.empty(self._num, hi - lo, dtype=torch.float32)
+            out = torch.empty(self.num_embeddings, hi - lo, dtype=torch.float32)
             arr = out.numpy()
             for block in range(self._file.num_blocks):
                 a = block * INIT_BLOCK_ROWS
-                b = min(a + INIT_BLOCK_ROWS, self._num)
+                b = min(a + INIT_BLOCK_ROWS, self.num_embeddings)
                 if self._file.flags[block]:
                     units = np.arange(
                         block * self._file.units_per_block,
@@ -586,24 +451,24 @@ class DiskStore(_RowStore):
     def full_weights(self) -> torch.Tensor:
         """The whole table as a new (N, D) tensor (a copy read from the file and the host tier: writes to it do
         not reach the store)."""
-        return self._full_columns(0, self._dim)
+        return self._full_columns(0, self.embedding_dim)
 
     def full_states(self) -> Dict[str, torch.Tensor]:
         """Per state name the whole (N, w) state as a new tensor (a copy, as :meth:`full_weights`)."""
-        return {k: self._full_columns(a, b) for k, (a, b) in self._cols.items()}
+        return {k: self._full_columns(a, b) for k, (a, b) in self._shape.columns.items()}
 
     def load(self, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None) -> None:
-        states = check_load(self._name, self._num, self._dim, self._widths, weights, states)
+        states = check_load(self._shape, weights, states)
         with self._lock, torch.no_grad():
             self._check_open()
             self._tier.clear()
             self._reset = True
             for block in range(self._file.num_blocks):
                 a = block * INIT_BLOCK_ROWS
-                b = min(a + INIT_BLOCK_ROWS, self._num)
+                b = min(a + INIT_BLOCK_ROWS, self.num_embeddings)
                 records = np.zeros((b - a, self.row_width), dtype=np.float32)
-                records[:, : self._dim] = weights[a:b].to(device="cpu", dtype=torch.float32).numpy()
-                for key, (c0, c1) in self._cols.items():
+                records[:, : self.embedding_dim] = weights[a:b].to(device="cpu", dtype=torch.float32).numpy()
+                for key, (c0, c1) in self._shape.columns.items():
                     if key in states:
                         records[:, c0:c1] = (
                             states[key][a:b].reshape(b - a, c1 - c0).to("cpu", torch.float32).numpy()

@@ -95,7 +95,7 @@ class MmapStore(_RowStore):
                     f"memory-mapped store '{self._path}' was created with {found} but is opened with {meta}; "
                     "pass the same arguments (or use MmapStore.open), or delete the files to start afresh"
                 )
-            expected = self._num * self.row_width * 4
+            expected = self._shape.nbytes
             if os.path.getsize(self._path) != expected:
                 raise ConfigError(
                     f"memory-mapped store '{self._path}' has {os.path.getsize(self._path)} bytes but its metadata "
@@ -103,7 +103,7 @@ class MmapStore(_RowStore):
                 )
         mode: Literal["r+", "w+"] = "r+" if exists else "w+"
         self._mm: Optional[np.memmap] = np.memmap(
-            self._path, dtype=np.float32, mode=mode, shape=(self._num, self.row_width)
+            self._path, dtype=np.float32, mode=mode, shape=(self.num_embeddings, self.row_width)
         )
         self._mm_flags: Optional[np.memmap] = np.memmap(
             self._path + ".init", dtype=np.uint8, mode=mode, shape=(self._num_chunks,)
@@ -152,15 +152,14 @@ class MmapStore(_RowStore):
         meta: Dict[str, Any] = {
             "format": _FORMAT,
             "version": _VERSION,
-            "name": self._name,
-            "num_embeddings": self._num,
-            "embedding_dim": self._dim,
-            "state_widths": self._widths,
+            **self._shape.fields(),
             "seed": self._seed,
             "chunk_rows": self._chunk_rows,
             "dtype": "float32",
         }
-        if self._row_offset != 0 or self._table_rows != self._num:  # a row shard (absent: a whole table)
+        if (
+            self._row_offset != 0 or self._table_rows != self.num_embeddings
+        ):  # a row shard (absent: a whole table)
             meta.update(row_offset=self._row_offset, table_rows=self._table_rows)
         return meta
 

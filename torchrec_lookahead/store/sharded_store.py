@@ -21,9 +21,10 @@ A call whose ids all live in the caller's own shard on every rank skips step 2 a
 
 Two threads of one rank may use the store at the same time on disjoint rows (the lookahead stager gathers
 while the training thread writes back) as long as their collectives never share a process group: a call
-runs on the group of the calling thread's *channel* (:func:`collective_channel`), the default group
-otherwise. The stager runs under the :data:`STAGE_CHANNEL` channel, with a wait of its own: its collectives are
-issued asynchronously and waited for by
+runs on the group of the calling thread's *channel*
+(:func:`~torchrec_lookahead.store.channels.collective_channel`), the default group otherwise. The stager runs
+under the :data:`~torchrec_lookahead.store.channels.STAGE_CHANNEL` channel, with a wait of its own: its
+collectives are issued asynchronously and waited for by
 :class:`~torchrec_lookahead.distributed.lrpp.StageGathers`, which keeps the stagers of all ranks in lockstep
 (a status exchanged before each plan's gathers) and bounds the wait once the rank has stopped training. The
 training thread's calls wait without bound.
@@ -35,72 +36,16 @@ the same numbers as a run with one store.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
-from torchrec_lookahead.store.types import EmbeddingStore
+from torchrec_lookahead.store.channels import current_channel, current_wait
+from torchrec_lookahead.store.types import EmbeddingStore, ShapedStore, StoreShape
 
-__all__ = [
-    "RowShardedStore",
-    "EmptyShardStore",
-    "row_bounds",
-    "collective_channel",
-    "current_channel",
-    "current_wait",
-    "CollectiveWait",
-    "STAGE_CHANNEL",
-]
-
-STAGE_CHANNEL = "stage"
-"""Channel of the lookahead stager thread (its gathers run on a process group of their own)."""
-
-_local = threading.local()
-
-
-CollectiveWait = Callable[[Any, str], None]
-"""Waits for an asynchronous collective (a ``torch.distributed`` work handle) and names it for errors."""
-
-
-@contextlib.contextmanager
-def collective_channel(name: Optional[str], wait: Optional[CollectiveWait] = None) -> Iterator[None]:
-    """Run the collectives of :class:`RowShardedStore` calls made by this thread, inside the block, on the
-    process group the store has for ``name`` (the default group when it has none).
-
-    Args:
-        name: the channel (``None``: the default group).
-        wait: called with each of those collectives, issued asynchronously, and a short description; it
-            returns once the collective has completed, or raises (the lookahead stager's bounded wait after
-            its rank stopped, :class:`~torchrec_lookahead.distributed.lrpp.StageGathers`). ``None``: wait
-            without bound.
-
-    Example:
-        >>> with collective_channel(STAGE_CHANNEL):
-        ...     current_channel()
-        'stage'
-        >>> current_channel() is None
-        True
-    """
-    prev = getattr(_local, "name", None), getattr(_local, "wait", None)
-    _local.name, _local.wait = name, wait
-    try:
-        yield
-    finally:
-        _local.name, _local.wait = prev
-
-
-def current_channel() -> Optional[str]:
-    """The channel set by the innermost :func:`collective_channel` of this thread (``None`` outside)."""
-    return getattr(_local, "name", None)
-
-
-def current_wait() -> Optional[CollectiveWait]:
-    """The wait set by the innermost :func:`collective_channel` of this thread (``None``: unbounded)."""
-    return getattr(_local, "wait", None)
+__all__ = ["RowShardedStore", "EmptyShardStore", "row_bounds"]
 
 
 def row_bounds(num_embeddings: int, num_shards: int) -> List[int]:
@@ -122,7 +67,7 @@ def row_bounds(num_embeddings: int, num_shards: int) -> List[int]:
     return [min(num_embeddings, s * per) for s in range(num_shards + 1)]
 
 
-class RowShardedStore(EmbeddingStore):
+class RowShardedStore(ShapedStore):
     """One embedding table sharded row-wise over the ranks of a process group (see the module docstring).
 
     Construction is itself a collective (every rank checks that all ranks describe the same table and
@@ -137,7 +82,8 @@ class RowShardedStore(EmbeddingStore):
         shard_of_rank: per rank of ``group``, the shard it serves; every shard needs at least one rank.
         group: default process group of the collectives (``None``: the default group). A gloo group: the
             rows travel as CPU tensors.
-        channel_groups: extra process groups by channel name (:func:`collective_channel`), each with the same
+        channel_groups: extra process groups by channel name
+            (:func:`~torchrec_lookahead.store.channels.collective_channel`), each with the same
             ranks as ``group``, for threads whose collectives must not interleave with the default group's.
 
     Raises:
@@ -165,7 +111,9 @@ class RowShardedStore(EmbeddingStore):
         channel_groups: Optional[Mapping[str, dist.ProcessGroup]] = None,
     ) -> None:
         self._local = local
-        self._num = int(num_embeddings)
+        self._shape = StoreShape(
+            local.name, int(num_embeddings), local.embedding_dim, dict(local.state_widths)
+        )
         self._bounds = [int(b) for b in bounds]
         self._shard_of_rank = [int(s) for s in shard_of_rank]
         self._group_default = group
@@ -184,7 +132,7 @@ class RowShardedStore(EmbeddingStore):
         desc = (
             problem,
             local.name,
-            self._num,
+            self.num_embeddings,
             local.embedding_dim,
             sorted(local.state_widths.items()),
             self._bounds,
@@ -212,14 +160,13 @@ class RowShardedStore(EmbeddingStore):
         route = [self._rank if self._rank in srv else srv[self._rank % len(srv)] for srv in servers]
         self._route = torch.tensor(route, dtype=torch.int64)
         self._upper = torch.tensor(self._bounds[1:], dtype=torch.int64)
-        self._widths = dict(local.state_widths)
 
     def _check_local(self) -> str:
         b, roles = self._bounds, self._shard_of_rank
-        if self._num <= 0:
-            return f"num_embeddings must be > 0 but is {self._num}"
-        if len(b) < 2 or b[0] != 0 or b[-1] != self._num or any(x > y for x, y in zip(b, b[1:])):
-            return f"bounds {b} must increase from 0 to num_embeddings={self._num}"
+        if self.num_embeddings <= 0:
+            return f"num_embeddings must be > 0 but is {self.num_embeddings}"
+        if len(b) < 2 or b[0] != 0 or b[-1] != self.num_embeddings or any(x > y for x, y in zip(b, b[1:])):
+            return f"bounds {b} must increase from 0 to num_embeddings={self.num_embeddings}"
         if len(roles) != self._world:
             return f"shard_of_rank {roles} must name one shard per rank ({self._world} ranks)"
         if any(not 0 <= s < len(b) - 1 for s in roles):
@@ -235,32 +182,16 @@ class RowShardedStore(EmbeddingStore):
                 f"(rows [{b[s]}, {b[s + 1]}))"
             )
         offset = getattr(self._local, "row_offset", b[s])
-        table_rows = getattr(self._local, "table_rows", self._num)
-        if offset != b[s] or table_rows != self._num:
+        table_rows = getattr(self._local, "table_rows", self.num_embeddings)
+        if offset != b[s] or table_rows != self.num_embeddings:
             return (
                 f"the local store of shard {s} was created with row_offset={offset}, table_rows={table_rows}; "
-                f"expected row_offset={b[s]}, table_rows={self._num} (or its initial values differ from the "
+                f"expected row_offset={b[s]}, table_rows={self.num_embeddings} (or its initial values differ from the "
                 "unsharded table's)"
             )
         return ""
 
     # -- properties ----------------------------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return self._local.name
-
-    @property
-    def num_embeddings(self) -> int:
-        return self._num
-
-    @property
-    def embedding_dim(self) -> int:
-        return self._local.embedding_dim
-
-    @property
-    def state_widths(self) -> Dict[str, int]:
-        return dict(self._widths)
-
     @property
     def local(self) -> EmbeddingStore:
         """The local shard's store (local row ids)."""
@@ -301,45 +232,15 @@ class RowShardedStore(EmbeddingStore):
         else:
             wait(op(*args, async_op=True, **kwargs), what)
 
-    def _check_ids(self, ids: Any, unique: bool) -> Tuple[Optional[BaseException], torch.Tensor]:
-        empty = torch.zeros(0, dtype=torch.int64)
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
-            desc = (
-                f"tensor of shape {tuple(ids.shape)} and dtype {ids.dtype}"
-                if isinstance(ids, torch.Tensor)
-                else type(ids).__name__
-            )
-            return InvalidIdError(
-                f"ids for table '{self.name}' must be a 1-D integer tensor but got {desc}", table=self.name
-            ), empty
-        ids = ids.to(device="cpu", dtype=torch.int64).contiguous()
-        if ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self._num:
-                bad = lo if lo < 0 else hi
-                return InvalidIdError(
-                    f"id {bad} of table '{self.name}' is out of range [0, {self._num}); remap or hash ids into "
-                    "the table before training",
-                    table=self.name,
-                    id=bad,
-                    num_rows=self._num,
-                ), empty
-            if unique and torch.unique(ids).numel() != ids.numel():
-                return InvalidIdError(
-                    f"scatter into table '{self.name}' got repeated ids; pass each id at most once",
-                    table=self.name,
-                ), empty
-        return None, ids
-
     def _pack(
         self, n: int, weights: Any, states: Optional[Mapping[str, torch.Tensor]]
     ) -> Tuple[Optional[BaseException], torch.Tensor]:
         dim = self.embedding_dim
         empty = torch.zeros(0, self.row_width)
         states = dict(states or {})
-        if set(states) != set(self._widths):
+        if set(states) != set(self._shape.state_widths):
             return DataError(
-                f"states for table '{self.name}' must have exactly the keys {sorted(self._widths)} but got "
+                f"states for table '{self.name}' must have exactly the keys {sorted(self._shape.state_widths)} but got "
                 f"{sorted(states)}"
             ), empty
         if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (n, dim):
@@ -348,7 +249,7 @@ class RowShardedStore(EmbeddingStore):
                 f"weights for table '{self.name}' must have shape ({n}, {dim}) but got {shape}"
             ), empty
         parts = [weights.detach().to("cpu", torch.float32)]
-        for key, width in self._widths.items():
+        for key, width in self._shape.state_widths.items():
             val = states[key].detach()
             if width == 1 and val.dim() == 1:
                 val = val.unsqueeze(1)
@@ -361,13 +262,7 @@ class RowShardedStore(EmbeddingStore):
         return None, torch.cat(parts, 1)
 
     def _split(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        dim = self.embedding_dim
-        out: Dict[str, torch.Tensor] = {}
-        col = dim
-        for key, width in self._widths.items():
-            out[key] = rows[:, col : col + width]
-            col += width
-        return rows[:, :dim], out
+        return self._shape.split(rows)
 
     def plan_reads(self, step: int, ids: torch.Tensor) -> None:
         """Hands the local shard the hinted ids it holds (local, not a collective)."""
@@ -381,7 +276,7 @@ class RowShardedStore(EmbeddingStore):
 
     def _local_rows(self, local_ids: torch.Tensor) -> torch.Tensor:
         w, s = self._local.gather(local_ids)
-        return torch.cat([w, *(s[k].reshape(-1, v) for k, v in self._widths.items())], 1)
+        return torch.cat([w, *(s[k].reshape(-1, v) for k, v in self._shape.state_widths.items())], 1)
 
     def _header(
         self, group: Optional[dist.ProcessGroup], error: Optional[BaseException], counts: torch.Tensor
@@ -419,7 +314,7 @@ class RowShardedStore(EmbeddingStore):
                 tensor (raised on every rank).
         """
         group = self._group()
-        error, ids = self._check_ids(ids, unique=False)
+        error, ids = self._shape.check_ids(ids, unique=False)
         order, _, counts = self._route_ids(ids)
         matrix = self._header(group, error, counts)
         width = self.row_width
@@ -457,7 +352,8 @@ class RowShardedStore(EmbeddingStore):
             DataError: a shape or a state name does not match (on any rank); nothing is written.
         """
         group = self._group()
-        error, ids = self._check_ids(ids, unique=True)
+        error: Optional[BaseException]
+        error, ids = self._shape.check_ids(ids, unique=True)
         packed = torch.zeros(0, self.row_width)
         if error is None:
             error, packed = self._pack(ids.numel(), weights, states)
@@ -495,7 +391,7 @@ class RowShardedStore(EmbeddingStore):
             mine[:n] = self._local_rows(torch.arange(n))
         parts = [torch.empty(rows, width) for _ in range(self._world)]
         self._run(f"shards of table '{self.name}'", dist.all_gather, parts, mine, group=group)
-        out = torch.empty(self._num, width)
+        out = torch.empty(self.num_embeddings, width)
         for s, (a, b) in enumerate(zip(self._bounds, self._bounds[1:])):
             out[a:b] = parts[self._first_server[s]][: b - a]
         return out
@@ -514,21 +410,22 @@ class RowShardedStore(EmbeddingStore):
         Raises:
             DataError: a shape or a state name does not match; nothing is written.
         """
-        states = dict(states or {})
-        unknown = set(states) - set(self._widths)
+        states, num, dim = dict(states or {}), self.num_embeddings, self.embedding_dim
+        widths = self._shape.state_widths
+        unknown = set(states) - set(widths)
         if unknown:
             raise DataError(
-                f"load into table '{self.name}' got unknown states {sorted(unknown)}; expected {sorted(self._widths)}"
+                f"load into table '{self.name}' got unknown states {sorted(unknown)}; expected {sorted(widths)}"
             )
-        if tuple(weights.shape) != (self._num, self.embedding_dim):
+        if tuple(weights.shape) != (num, dim):
             raise DataError(
-                f"load into table '{self.name}' expects weights of shape ({self._num}, {self.embedding_dim}) but "
+                f"load into table '{self.name}' expects weights of shape ({num}, {dim}) but "
                 f"got {tuple(weights.shape)}"
             )
         for key, val in states.items():
-            if val.shape[0] != self._num:
+            if val.shape[0] != num:
                 raise DataError(
-                    f"load into table '{self.name}' expects state '{key}' with {self._num} rows but got "
+                    f"load into table '{self.name}' expects state '{key}' with {num} rows but got "
                     f"{tuple(val.shape)}"
                 )
         lo, hi = self._lo, self._hi
@@ -540,12 +437,12 @@ class RowShardedStore(EmbeddingStore):
 
     def __repr__(self) -> str:
         return (
-            f"RowShardedStore(name={self.name!r}, num_embeddings={self._num}, bounds={self._bounds}, "
+            f"RowShardedStore(name={self.name!r}, num_embeddings={self.num_embeddings}, bounds={self._bounds}, "
             f"shard={self._shard}, rank={self._rank}/{self._world})"
         )
 
 
-class EmptyShardStore(EmbeddingStore):
+class EmptyShardStore(ShapedStore):
     """The local store of an empty shard (a table with fewer rows than shards): no rows, nothing to do.
 
     Example:
@@ -557,39 +454,22 @@ class EmptyShardStore(EmbeddingStore):
     def __init__(
         self, name: str, embedding_dim: int, state_widths: Optional[Mapping[str, int]] = None
     ) -> None:
-        self._name = str(name)
-        self._dim = int(embedding_dim)
-        self._widths = {k: int(v) for k, v in (state_widths or {}).items()}
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def num_embeddings(self) -> int:
-        return 0
-
-    @property
-    def embedding_dim(self) -> int:
-        return self._dim
-
-    @property
-    def state_widths(self) -> Dict[str, int]:
-        return dict(self._widths)
+        widths = {k: int(v) for k, v in (state_widths or {}).items()}
+        self._shape = StoreShape(str(name), 0, int(embedding_dim), widths)
 
     def _empty(self) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        return torch.zeros(0, self._dim), {k: torch.zeros(0, w) for k, w in self._widths.items()}
+        return self._shape.split(torch.zeros(0, self.row_width))
 
     def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         if not isinstance(ids, torch.Tensor) or ids.numel():
-            raise InvalidIdError(f"the empty shard of table '{self._name}' holds no rows")
+            raise InvalidIdError(f"the empty shard of table '{self.name}' holds no rows")
         return self._empty()
 
     def scatter(
         self, ids: torch.Tensor, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None
     ) -> None:
         if not isinstance(ids, torch.Tensor) or ids.numel():
-            raise InvalidIdError(f"the empty shard of table '{self._name}' holds no rows")
+            raise InvalidIdError(f"the empty shard of table '{self.name}' holds no rows")
 
     def full_weights(self) -> torch.Tensor:
         return self._empty()[0]
@@ -599,7 +479,7 @@ class EmptyShardStore(EmbeddingStore):
 
     def load(self, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         if weights.shape[0] != 0:
-            raise DataError(f"the empty shard of table '{self._name}' cannot load {weights.shape[0]} rows")
+            raise DataError(f"the empty shard of table '{self.name}' cannot load {weights.shape[0]} rows")
 
     def flush(self) -> None:
         """Nothing to flush."""

@@ -61,7 +61,9 @@ class TensorStore(_RowStore):
         super().__init__(
             name, num_embeddings, embedding_dim, state_widths, seed, chunk_rows, row_offset, table_rows
         )
-        self._data = torch.empty(self._num, self.row_width, dtype=torch.float32, pin_memory=pin_memory)
+        self._data = torch.empty(
+            self.num_embeddings, self.row_width, dtype=torch.float32, pin_memory=pin_memory
+        )
         self._flags = torch.zeros(self._num_chunks, dtype=torch.uint8)
 
     def _rows(self) -> torch.Tensor:

@@ -21,13 +21,15 @@ Contracts every implementation keeps:
 from __future__ import annotations
 
 import abc
-from typing import Dict, Mapping, Optional, Tuple
+import dataclasses
+import functools
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from torchrec_lookahead.errors import DataError
+from torchrec_lookahead.errors import DataError, InvalidIdError
 
-__all__ = ["EmbeddingStore", "check_load"]
+__all__ = ["EmbeddingStore", "StoreShape", "ShapedStore", "check_load"]
 
 
 class EmbeddingStore(abc.ABC):
@@ -157,13 +159,130 @@ class EmbeddingStore(abc.ABC):
         return self.num_embeddings * self.row_width * 4
 
 
+@dataclasses.dataclass(frozen=True)
+class StoreShape:
+    """The shape of one stored table: its name, rows, row width and optimizer state columns (a value: the
+    stores hold one and answer :class:`EmbeddingStore`'s shape properties from it). It checks nothing: each
+    store checks its sizes where it reports them.
+
+    Example:
+        >>> shape = StoreShape("t", 10, 4, {"momentum1": 1, "momentum2": 4})
+        >>> shape.row_width, shape.nbytes, shape.columns
+        (9, 360, {'momentum1': (4, 5), 'momentum2': (5, 9)})
+    """
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    state_widths: Dict[str, int]  #: optimizer state name -> columns, in row order (never mutated)
+
+    @property
+    def row_width(self) -> int:
+        """Number of float32 columns of one stored row: ``D + sum(state_widths)``."""
+        return self.embedding_dim + sum(self.state_widths.values())
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one stored row (float32)."""
+        return self.row_width * 4
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the table and its optimizer state."""
+        return self.num_embeddings * self.row_bytes
+
+    @functools.cached_property
+    def columns(self) -> Dict[str, Tuple[int, int]]:
+        """Per state name its columns ``[a, b)`` in a stored row (after the ``D`` weight columns)."""
+        cols: Dict[str, Tuple[int, int]] = {}
+        col = self.embedding_dim
+        for key, width in self.state_widths.items():
+            cols[key] = (col, col + width)
+            col += width
+        return cols
+
+    def split(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """``(weights, states)``: views of the columns of stored ``rows`` (n, row_width)."""
+        return rows[:, : self.embedding_dim], {k: rows[:, a:b] for k, (a, b) in self.columns.items()}
+
+    def check_ids(self, ids: Any, unique: bool) -> Tuple[Optional[InvalidIdError], torch.Tensor]:
+        """``(None, ids)`` as a contiguous CPU int64 tensor when ``ids`` is a 1-D integer tensor of ids in
+        ``[0, num_embeddings)`` (distinct, if ``unique``); else ``(error, no ids)``, for the store to raise
+        (a collective store raises it on every rank)."""
+        empty = torch.zeros(0, dtype=torch.int64)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+            desc = (
+                f"tensor of shape {tuple(ids.shape)} and dtype {ids.dtype}"
+                if isinstance(ids, torch.Tensor)
+                else type(ids).__name__
+            )
+            return InvalidIdError(
+                f"ids for table '{self.name}' must be a 1-D integer tensor but got {desc}", table=self.name
+            ), empty
+        ids = ids.to(device="cpu", dtype=torch.int64).contiguous()
+        if ids.numel() == 0:
+            return None, ids
+        arr = ids.numpy()  # NumPy's reductions: no intra-op threads for a few hundred ids
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.num_embeddings:
+            bad = lo if lo < 0 else hi
+            return InvalidIdError(
+                f"id {bad} of table '{self.name}' is out of range [0, {self.num_embeddings}); "
+                "remap or hash ids into the table before training",
+                table=self.name,
+                id=bad,
+                num_rows=self.num_embeddings,
+            ), empty
+        if unique and torch.unique(ids).numel() != ids.numel():
+            return InvalidIdError(
+                f"scatter into table '{self.name}' got repeated ids; pass each id at most once",
+                table=self.name,
+            ), empty
+        return None, ids
+
+    def fields(self) -> Dict[str, Any]:
+        """The shape as the plain values a store's file header records."""
+        return {
+            "name": self.name,
+            "num_embeddings": self.num_embeddings,
+            "embedding_dim": self.embedding_dim,
+            "state_widths": dict(self.state_widths),
+        }
+
+
+class ShapedStore(EmbeddingStore):
+    """An :class:`EmbeddingStore` whose shape properties come from one :class:`StoreShape`, ``_shape``, that
+    the subclass sets in its constructor."""
+
+    _shape: StoreShape
+
+    @property
+    def name(self) -> str:
+        return self._shape.name
+
+    @property
+    def num_embeddings(self) -> int:
+        return self._shape.num_embeddings
+
+    @property
+    def embedding_dim(self) -> int:
+        return self._shape.embedding_dim
+
+    @property
+    def state_widths(self) -> Dict[str, int]:
+        return dict(self._shape.state_widths)
+
+    @property
+    def row_width(self) -> int:
+        return self._shape.row_width
+
+    @property
+    def nbytes(self) -> int:
+        return self._shape.nbytes
+
+
 def check_load(
-    name: str,
-    num_embeddings: int,
-    embedding_dim: int,
-    state_widths: Mapping[str, int],
-    weights: torch.Tensor,
-    states: Optional[Mapping[str, torch.Tensor]],
+    shape: StoreShape, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]]
 ) -> Dict[str, torch.Tensor]:
     """The arguments of :meth:`EmbeddingStore.load` checked against a table's shape: the given states (a subset
     of ``state_widths``; a width-1 state may come as a vector).
@@ -171,6 +290,8 @@ def check_load(
     Raises:
         DataError: an unknown state, or a tensor of another shape, naming the table.
     """
+    name, num_embeddings, embedding_dim = shape.name, shape.num_embeddings, shape.embedding_dim
+    state_widths = shape.state_widths
     out = dict(states or {})
     unknown = set(out) - set(state_widths)
     if unknown:
@@ -183,9 +304,9 @@ def check_load(
             f"{tuple(weights.shape)}"
         )
     for key, val in out.items():
-        width, shape = state_widths[key], tuple(val.shape)
-        if shape != (num_embeddings, width) and not (width == 1 and shape == (num_embeddings,)):
+        width, got = state_widths[key], tuple(val.shape)
+        if got != (num_embeddings, width) and not (width == 1 and got == (num_embeddings,)):
             raise DataError(
-                f"load into table '{name}' expects state '{key}' of shape ({num_embeddings}, {width}) but got {shape}"
+                f"load into table '{name}' expects state '{key}' of shape ({num_embeddings}, {width}) but got {got}"
             )
     return out

@@ -49,8 +49,8 @@ from torchrec_lookahead.distributed import (
     lookahead_sharding_plan,
     with_default_sharders,
 )
+from torchrec_lookahead.distributed._tables import table_configs
 from torchrec_lookahead.distributed.lockstep import gather_global_kjt
-from torchrec_lookahead.distributed.sharder import table_configs
 from torchrec_lookahead.distributed.topology import make_topology, sharding_planner
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, init_embedding_bag_tables_

@@ -1,0 +1,71 @@
+"""Cache sizes for a device budget: the lookahead planner run over sampled batches, with FAE's pinned hot rows
+taken off the budget first."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+from torchrec_lookahead.distributed._optimizers import cache_optimizer_from_module
+from torchrec_lookahead.distributed._tables import table_configs
+from torchrec_lookahead.errors import CapacityError, ConfigError
+from torchrec_lookahead.modules import CacheOptimizerConfig
+
+__all__ = ["plan_capacity"]
+
+
+def plan_capacity(
+    module: nn.Module,
+    sample_batches: Iterable[Any],
+    device_budget_bytes: int,
+    optimizer: Optional[CacheOptimizerConfig],
+    planner_options: Mapping[str, Any],
+    pinned: Optional[Mapping[str, torch.Tensor]] = None,
+) -> Tuple[Dict[str, int], Any]:
+    """The capacity of each cached table of ``module`` and the planner's report, for ``device_budget_bytes``
+    (see :meth:`~torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder.plan_capacity`).
+
+    Raises:
+        ConfigError: pinned rows name a table the module does not have.
+        CapacityError: the budget cannot hold the pinned rows and the smallest feasible caches.
+    """
+    from torchrec_lookahead.distributed.planner import LookaheadPlanner
+    from torchrec_lookahead.hotcold.pinned import cold_table_ids
+
+    ebcs = [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
+    tables = [c for m in ebcs for c in table_configs(m)]
+    names = [c.name for c in tables]
+    for m in ebcs:
+        optimizer = optimizer or cache_optimizer_from_module(m, names)
+    optimizer = optimizer or CacheOptimizerConfig()
+    # Leave 25% above the sampled working set by default: batches after the sample can need more rows.
+    options = {"floor_headroom": 1.25, **planner_options}
+    hot = {t: ids for t, ids in (pinned or {}).items() if ids.numel()}
+    if not hot:
+        plan = LookaheadPlanner(device_budget_bytes, **options).plan(tables, optimizer, sample_batches)
+        return dict(plan.capacity), plan
+    unknown = sorted(set(hot) - set(names))
+    if unknown:
+        raise ConfigError(f"pinned rows name tables {unknown} the model does not have; its tables: {names}")
+    probe = LookaheadPlanner(device_budget_bytes, **options)
+    bpr = {t.name: t.bpr for t in probe._tables(tables, optimizer)}
+    pinned_rows = {t: int(ids.numel()) for t, ids in hot.items()}
+    pinned_bytes = sum(n * bpr[t] for t, n in pinned_rows.items())
+    if pinned_bytes >= device_budget_bytes:
+        raise CapacityError(
+            f"device_budget_bytes={device_budget_bytes:,} does not exceed the {pinned_bytes:,} bytes of the "
+            f"{sum(pinned_rows.values()):,} pinned hot rows; raise the budget or lower hot_budget_bytes"
+        )
+    dynamic = [
+        dataclasses.replace(c, num_embeddings=c.num_embeddings - pinned_rows.get(c.name, 0))
+        for c in tables
+        if c.num_embeddings > pinned_rows.get(c.name, 0)
+    ]
+    f2t = {f: c.name for c in dynamic for f in c.feature_names}
+    samples = (cold_table_ids(getattr(b, "sparse_features", b), f2t, hot) for b in sample_batches)
+    plan = LookaheadPlanner(device_budget_bytes - pinned_bytes, **options).plan(dynamic, optimizer, samples)
+    return {t: c + pinned_rows.get(t, 0) for t, c in plan.capacity.items()}, plan
