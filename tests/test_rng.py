@@ -119,6 +119,7 @@ def test_the_wrapped_loaders_iterator_starts_on_the_training_thread() -> None:
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    from torchrec_lookahead.oracle import LookaheadSettings
     from torchrec_lookahead.runtime import CacheSession, CacheTarget, LookaheadLoader
     from torchrec_lookahead.store import TensorStore
 
@@ -133,7 +134,7 @@ def test_the_wrapped_loaders_iterator_starts_on_the_training_thread() -> None:
         num_embeddings={"t": 10},
         stores={"t": TensorStore(10, 4, name="t")},
     )
-    loader = LookaheadLoader(inner, CacheSession(target), horizon=4, prefetch_depth=1, policy="belady")
+    loader = LookaheadLoader(inner, CacheSession(target), LookaheadSettings(horizon=4))
     it = iter(loader)
     first = next(it)
     assert inner.threads[:2] == [threading.get_ident()] * 2  # created, and the first batch read, here

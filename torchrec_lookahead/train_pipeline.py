@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from types import TracebackType
-from typing import Any, Iterator, List, Optional, Type
+from typing import Any, Iterator, List, Optional, Type, Union
 
 import torch
 from torchrec.datasets.utils import Batch
@@ -40,8 +40,9 @@ from torchrec.distributed.train_pipeline import TrainPipelineBase
 
 from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.oracle import LookaheadSettings, Policy
+from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_DEPTH
 from torchrec_lookahead.runtime import CacheSession, LookaheadBatch, LookaheadLoader
-from torchrec_lookahead.runtime.loader import lookahead_options
 
 __all__ = ["LookaheadTrainPipeline"]
 
@@ -131,16 +132,16 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         device: torch.device,
-        horizon: int = 64,
-        prefetch_depth: int = 1,
-        policy: str = "belady",
+        horizon: int = DEFAULT_HORIZON,
+        prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
+        policy: Union[Policy, str] = Policy.BELADY,
         queue_depth: int = 8,
         window: Optional[int] = None,
         ways: Optional[int] = None,
         stop_timeout_s: float = 60.0,
         planner_nice: int = 19,
     ) -> None:
-        chosen, oracle_kwargs = lookahead_options(horizon, prefetch_depth, policy, window, ways)
+        settings = LookaheadSettings(horizon, prefetch_depth, policy, window, ways)
         super().__init__(model, optimizer, device)
         self._batches: Optional[Iterator[Batch]] = None
         self.loader: Optional[LookaheadLoader] = None
@@ -155,11 +156,8 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         self.loader = LookaheadLoader(
             None,
             self.session,
-            horizon,
-            prefetch_depth,
-            chosen.value,
+            settings,
             queue_depth,
-            oracle_kwargs=oracle_kwargs,
             stop_timeout_s=stop_timeout_s,
             planner_nice=planner_nice,
         )

@@ -20,7 +20,7 @@ def test_dry_run_commands_build_the_two_rank_window_job_differing_only_in_the_sh
     assert all("sharders=" in b or "exact_l4" in a for a, b in differ), differ
     cli = build_cli(_cli_args(cdlrm))
     assert cli.trainer.num_devices == 2
-    assert cli.datamodule.policy == "window" and cli.datamodule.oracle_kwargs == {"window": 4}
+    assert cli.datamodule.policy == "window" and cli.datamodule.settings.window == 4
     assert cli.datamodule.datamodule.config.batch_size == 1024  # global batch 2,048 as in the config
     (sharder,) = [
         s for s in cli.trainer.strategy._sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)

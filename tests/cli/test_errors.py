@@ -50,10 +50,10 @@ def _short_error(capsys: pytest.CaptureFixture, args: List[str]) -> str:
     [
         (SHARDERS.replace("CAP", "0"), "ConfigError: capacity of table 't_cat_2' must be a positive number"),
         (SHARDERS.replace("CAP", "-5"), "ConfigError: capacity of table 't_cat_2' must be a positive number"),
-        ("--data.init_args.prefetch_depth=9", "ConfigError: Expected 0 <= prefetch_depth <= horizon"),
+        ("--data.init_args.prefetch_depth=9", "ConfigError: horizon must be >= prefetch_depth=9"),
         (
             "--data.init_args.policy=fifo",
-            "ConfigError: Expected policy in ['belady', 'ttl', 'window', 'lru']",
+            "ConfigError: policy must be one of 'belady', 'ttl', 'window', 'lru'",
         ),
     ],
 )

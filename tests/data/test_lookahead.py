@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from torchrec_lookahead import CapacityError, ConfigError, InvalidIdError, SetupError
 from torchrec_lookahead.data import LookaheadDataModule
+from torchrec_lookahead.oracle import LookaheadSettings
 from torchrec_lookahead.runtime import CacheSession, CacheTarget, LookaheadLoader
 from torchrec_lookahead.store import TensorStore
 
@@ -102,7 +103,7 @@ def _loader(batches, capacity, stores, rows):
     target = CacheTarget(
         capacity=capacity, feature_to_table={"f": "t"}, num_embeddings={"t": rows}, stores=stores
     )
-    return LookaheadLoader(batches, CacheSession(target), horizon=4, prefetch_depth=1, policy="belady")
+    return LookaheadLoader(batches, CacheSession(target), LookaheadSettings(horizon=4))
 
 
 def test_loader_stages_rows_and_refuses_out_of_range_ids():
@@ -288,7 +289,7 @@ def test_capacity_check_value_is_validated():
         CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), policy="ttl", capacity_check="epoch"
     )
     assert dm.policy is Policy.TTL and dm.capacity_check is CapacityCheck.EPOCH
-    with pytest.raises(ConfigError, match=r"policy in \['belady', 'ttl', 'window', 'lru'\] but got 'fifo'"):
+    with pytest.raises(ConfigError, match=r"policy must be one of 'belady', 'ttl', 'window', 'lru' but got 'fifo'"):
         LookaheadDataModule(CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), policy="fifo")
 
 

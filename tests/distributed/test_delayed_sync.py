@@ -229,7 +229,7 @@ def _cached(
         out = out.wait() if hasattr(out, "wait") else out
         local_loss(out.values(), tgt[lo:hi]).backward()
         if step == CHECKPOINT_AT:
-            facts["pending_at_checkpoint"] = len(sharded._pending)
+            facts["pending_at_checkpoint"] = len(sharded.step_state.pending)
             state = sharded.state_dict()  # flushes: the pending delayed rows must land first
             snapshots["mid"] = {t: state[f"cache.embedding_bags.{t}.weight"].clone() for t in cached}
     sharded.flush()

@@ -38,18 +38,20 @@ def _batches(rank: int, n: int, size: int = 2) -> List[Any]:
 
 
 def _loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 20.0) -> Any:
+    from torchrec_lookahead.oracle import LookaheadSettings
     from torchrec_lookahead.runtime import CacheSession, CacheTarget, LookaheadLoader
     from torchrec_lookahead.store import TensorStore
 
     target = CacheTarget(capacity={"t": 16}, feature_to_table={"f": "t"}, num_embeddings={"t": ROWS},
                          stores={"t": TensorStore(ROWS, 4, name="t")}, num_ranks=2, rank=rank, group=group)  # fmt: skip
-    return LookaheadLoader(batches, CacheSession(target), horizon=2, prefetch_depth=1, policy="belady", queue_depth=3,
+    return LookaheadLoader(batches, CacheSession(target), LookaheadSettings(horizon=2), queue_depth=3,
                            stop_timeout_s=stop_timeout_s)  # fmt: skip
 
 
 def _sharded_loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 20.0) -> Any:
     """The loader over a row-sharded store: each rank holds half of the rows, the stager's gathers are
     collectives on a group of their own."""
+    from torchrec_lookahead.oracle import LookaheadSettings
     from torchrec_lookahead.runtime import CacheSession, CacheTarget, LookaheadLoader
     from torchrec_lookahead.store import RowShardedStore, TensorStore, row_bounds
     from torchrec_lookahead.store.channels import STAGE_CHANNEL
@@ -62,7 +64,7 @@ def _sharded_loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: f
                             channel_groups={STAGE_CHANNEL: groups[STAGE_CHANNEL]})  # fmt: skip
     target = CacheTarget(capacity={"t": 16}, feature_to_table={"f": "t"}, num_embeddings={"t": ROWS},
                          stores={"t": store}, num_ranks=2, rank=rank, group=group)  # fmt: skip
-    return LookaheadLoader(batches, CacheSession(target), horizon=2, prefetch_depth=1, policy="belady", queue_depth=3,
+    return LookaheadLoader(batches, CacheSession(target), LookaheadSettings(horizon=2), queue_depth=3,
                            stop_timeout_s=stop_timeout_s)  # fmt: skip
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
@@ -22,12 +22,12 @@ from torchrec_lookahead.data.rank_split import split_for_ranks
 from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.hotcold.pinned import PinnedRows
-from torchrec_lookahead.oracle import OracleConfig, Policy
+from torchrec_lookahead.oracle import LookaheadSettings, Policy
+from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_DEPTH
 from torchrec_lookahead.runtime import CacheHost, CacheSession, CapacityCheck, LookaheadLoader, scan_epoch
 from torchrec_lookahead.runtime._report import report_text, scan_progress
 from torchrec_lookahead.runtime._threads import _check_nice
 from torchrec_lookahead.runtime.adapter import BatchAdapter
-from torchrec_lookahead.runtime.loader import lookahead_options
 
 __all__ = ["LookaheadDataModule"]
 
@@ -71,7 +71,9 @@ class LookaheadDataModule(WrappedDataModule):
 
     Args:
         datamodule: any DataModule whose loaders yield :class:`~torchrec.datasets.utils.Batch` es.
-        horizon: batches the oracle reads ahead.
+        horizon: batches the oracle reads ahead (default
+            :data:`~torchrec_lookahead.oracle.DEFAULT_HORIZON`, the horizon the budget planner sizes caches for
+            unless told otherwise).
         prefetch_depth: steps ahead the fetched rows are gathered (must not exceed ``horizon``).
         policy: a :class:`~torchrec_lookahead.oracle.Policy` or its value: ``belady`` (default), ``ttl``,
             ``window`` or ``lru``.
@@ -111,9 +113,9 @@ class LookaheadDataModule(WrappedDataModule):
     def __init__(
         self,
         datamodule: pl.LightningDataModule,
-        horizon: int = 64,
-        prefetch_depth: int = 1,
-        policy: str = "belady",
+        horizon: int = DEFAULT_HORIZON,
+        prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
+        policy: Union[Policy, str] = Policy.BELADY,
         queue_depth: int = 8,
         window: Optional[int] = None,
         ways: Optional[int] = None,
@@ -137,12 +139,26 @@ class LookaheadDataModule(WrappedDataModule):
         if not stop_timeout_s > 0:
             raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s}")
         self.stop_timeout_s = float(stop_timeout_s)
-        self.policy, self.oracle_kwargs = lookahead_options(horizon, prefetch_depth, policy, window, ways)
-        self.horizon = horizon
-        self.prefetch_depth = prefetch_depth
+        #: the oracle's horizon, prefetch depth and policy, validated once (the loader plans with them)
+        self.settings = LookaheadSettings(horizon, prefetch_depth, policy, window, ways)
         self.queue_depth = queue_depth
         self.capacity_check = CapacityCheck(capacity_check)
         self.loader: Optional[Any] = None  # a LookaheadLoader, or a HotColdLookaheadLoader around one
+
+    @property
+    def horizon(self) -> int:
+        """Batches the oracle reads ahead (:attr:`settings`)."""
+        return self.settings.horizon
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Steps ahead the fetched rows are gathered (:attr:`settings`)."""
+        return self.settings.prefetch_depth
+
+    @property
+    def policy(self) -> Policy:
+        """The oracle's policy (:attr:`settings`)."""
+        return Policy(self.settings.policy)
 
     @override
     def teardown(self, stage: str) -> None:
@@ -171,8 +187,7 @@ class LookaheadDataModule(WrappedDataModule):
             return self._hotcold_loader(inner, session)
         if self.trainer is not None:
             inner = split_for_ranks(self.trainer, inner)
-        window = int(self.oracle_kwargs.get("window", OracleConfig.__dataclass_fields__["window"].default))
-        check_cdlrm_schedule(self.policy.value, window, target.average_every)
+        check_cdlrm_schedule(self.policy.value, self.settings.window_length, target.average_every)
         if self.loader is not None:  # a reload: the previous loader's threads must not outlive it
             self.loader.close()
         self._check_epoch(inner, session)
@@ -185,11 +200,8 @@ class LookaheadDataModule(WrappedDataModule):
         return LookaheadLoader(
             inner,
             session,
-            self.horizon,
-            self.prefetch_depth,
-            self.policy.value,
+            self.settings,
             self.queue_depth,
-            oracle_kwargs=self.oracle_kwargs,
             stop_timeout_s=self.stop_timeout_s,
             planner_nice=self.planner_nice,
             pinned=pinned,

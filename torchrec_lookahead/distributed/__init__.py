@@ -5,13 +5,14 @@ modules, sharding plans with cached tables, and
 from torchrec_lookahead.distributed._optimizers import cache_optimizer_from_module
 from torchrec_lookahead.distributed._stores import STORE_KINDS, STORE_SHARDINGS, StoreKind, StoreSharding
 from torchrec_lookahead.distributed.ec_sharder import LookaheadEmbeddingCollectionSharder
+from torchrec_lookahead.distributed.fused_optimizer import CacheFusedOptimizer
 from torchrec_lookahead.distributed.plan import (
     check_all_sharded,
     embedding_tables,
     lookahead_sharding_plan,
     with_default_sharders,
 )
-from torchrec_lookahead.distributed.sharded import CacheFusedOptimizer, ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.distributed.sharded_ec import ShardedLookaheadEmbeddingCollection
 from torchrec_lookahead.distributed.sharder import LookaheadEmbeddingBagCollectionSharder, lookahead_planning
 

@@ -27,6 +27,7 @@ from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.distributed.lockstep import (
@@ -296,6 +297,13 @@ class WriterFilteredStore(EmbeddingStore):
 
     def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         return self.inner.gather(ids)
+
+    @property
+    def disk_prefetch_depth(self) -> int:
+        return self.inner.disk_prefetch_depth
+
+    def stage_group(self) -> Optional[dist.ProcessGroup]:
+        return self.inner.stage_group()
 
     def plan_reads(self, step: int, ids: torch.Tensor) -> None:
         self.inner.plan_reads(step, ids)

@@ -15,16 +15,13 @@ flushed once and rows are read from the stores.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
-from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import (
     Awaitable,
@@ -35,18 +32,19 @@ from torchrec.distributed.types import (
 )
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_lookahead.distributed.exact_sync import KernelLayout, PendingExchange, exchange_batches
+from torchrec_lookahead.distributed._rank_sync import RankSync, StepState
+from torchrec_lookahead.distributed.fused_optimizer import CacheFusedOptimizer, fused_optimizers
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore, writing_only
 from torchrec_lookahead.errors import ConfigError, InvalidIdError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan
 
-__all__ = ["ShardedLookaheadEmbeddingBagCollection", "CacheFusedOptimizer", "CUSTOMIZED"]
+__all__ = ["ShardedLookaheadEmbeddingBagCollection", "CUSTOMIZED"]
 
 log = logging.getLogger(__name__)
 
@@ -63,70 +61,6 @@ class _LazyNoWait(LazyAwaitable[KeyedTensor]):
 
     def _wait_impl(self) -> KeyedTensor:
         return self._value
-
-
-class CacheFusedOptimizer(FusedOptimizer):
-    """The cache's in-backward optimizer as TorchRec's optimizers see it: one parameter group whose ``lr`` is
-    handed to the cache's kernels on ``zero_grad()`` and ``step()``, exactly as TorchRec's fused optimizer hands
-    its group's ``lr`` to its TBE, so a learning-rate scheduler acting on the model's ``fused_optimizer`` (or on
-    an optimizer combining it, as ``DLRMModule.configure_optimizers`` builds) schedules the cached tables too.
-
-    It owns no optimizer state: the rows and their state live in the cache and its stores (and in the module's
-    state dict), so checkpoints keep their keys. Its group holds one empty placeholder tensor, keyed
-    ``learning_rate``, so that TorchRec can tell the groups of several such optimizers apart when it saves and
-    restores parameter groups (it matches groups by their parameters' keys).
-
-    Args:
-        cache: the cached collection.
-    """
-
-    def __init__(self, cache: CachedEmbeddingBagCollection) -> None:
-        self._cache = cache
-        anchor = torch.empty(0)
-        super().__init__({"learning_rate": anchor}, {}, [{"params": [anchor], "lr": cache.learning_rate}])
-
-    def _push(self) -> None:
-        lr = list(self.param_groups)[0]["lr"]
-        if lr != self._cache.learning_rate:
-            self._cache.set_learning_rate(lr)
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        self._push()
-
-    def step(self, closure: Any = None) -> None:
-        self._push()
-
-    def set_optimizer_step(self, step: int) -> None:
-        """Set the optimizer iteration of the cache's kernels (Adam's bias correction), as TorchRec's fused
-        optimizer sets its TBE's."""
-        self._cache.set_optimizer_step(step)
-
-    def update_hyper_parameters(self, params_dict: Dict[str, Any]) -> None:
-        """Set hyper-parameters as TorchRec's fused optimizer does; the cache supports ``lr``.
-
-        Raises:
-            ConfigError: another hyper-parameter (it would silently diverge from the resident tables).
-        """
-        unknown = sorted(set(params_dict) - {"lr"})
-        if unknown:
-            raise ConfigError(
-                f"the lookahead cache's optimizer can update only 'lr' during training, not {unknown}; set them "
-                "in the optimizer configuration instead"
-            )
-        if "lr" in params_dict:
-            list(self.param_groups)[0]["lr"] = params_dict["lr"]
-            self._push()
-
-
-def _fused_optimizers(module: nn.Module, path: str = "") -> List[Tuple[str, KeyedOptimizer]]:
-    """The fused optimizers of ``module``'s submodules, keyed by path, as DistributedModelParallel collects
-    them (it stops at the first FusedOptimizerModule on each branch)."""
-    if isinstance(module, FusedOptimizerModule):
-        return [(path, module.fused_optimizer)]
-    out: List[Tuple[str, KeyedOptimizer]] = []
-    for name, child in module.named_children():
-        out += _fused_optimizers(child, f"{path}.{name}" if path else name)
-    return out
 
 
 class ShardedLookaheadEmbeddingBagCollection(
@@ -180,18 +114,17 @@ class ShardedLookaheadEmbeddingBagCollection(
         self._resident_features = [f for f in self._feature_names if f not in self._cached_features]
         self._cached_order = [f for f in self._feature_names if f in self._cached_features]
         self._column_runs: Dict[Tuple[Tuple[str, ...], ...], List[Tuple[int, int, int]]] = {}
-        self._plan_pending = False
-        self._eval_flushed = False
-        self._dirty = False  # a plan was applied since the last complete flush
+        #: the state of the current step, in one place (see StepState)
+        self.step_state = StepState()
         self.rank = rank
         self.world_size = world_size
         self._pg = process_group
-        self._lrpp: Optional[LRPPPlan] = None
         self.sync_counters: Dict[str, int] = {}
         self.delayed_sync = bool(delayed_sync) and world_size > 1 and average_every is None
         self._delayed_pg = delayed_group
-        self._pending: List[PendingExchange] = []
         self._fused_optim: Optional[KeyedOptimizer] = None
+        #: the multi-rank synchronisation (``None`` with one rank)
+        self._sync: Optional[RankSync] = None
         if self.delayed_sync and delayed_group is None:
             raise SetupError(
                 "delayed_sync needs a process group of its own (delayed_group), created on every rank; build the "
@@ -203,8 +136,20 @@ class ShardedLookaheadEmbeddingBagCollection(
                     raise SetupError(
                         f"table '{name}': multi-rank caches need WriterFilteredStore views of a shared store"
                     )
-            for g, kernel in enumerate(cache._kernels):
-                kernel.backward_hook = self._make_backward_hook(g, kernel)
+            self._sync = RankSync(
+                cache,
+                rank,
+                world_size,
+                process_group,
+                delayed_group,
+                average_every,
+                self.delayed_sync,
+                is_weighted,
+                self.step_state,
+                self.sync_counters,
+            )
+            for group in cache.kernel_groups():
+                group.kernel.set_backward_hook(self._sync.backward_hook(group))
             self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module.flush())
             self.register_load_state_dict_pre_hook(lambda module, *args: module.land_delayed())
             self.register_load_state_dict_post_hook(lambda module, incompatible: module._barrier())
@@ -217,7 +162,7 @@ class ShardedLookaheadEmbeddingBagCollection(
         if self._fused_optim is None:
             parts: List[Tuple[str, KeyedOptimizer]] = [("", CacheFusedOptimizer(self.cache))]
             if self.resident is not None:
-                parts += _fused_optimizers(self.resident, "resident")
+                parts += fused_optimizers(self.resident, "resident")
             self._fused_optim = CombinedOptimizer(parts) if len(parts) > 1 else parts[0][1]
         return self._fused_optim
 
@@ -262,7 +207,7 @@ class ShardedLookaheadEmbeddingBagCollection(
             stores = self.cache.stores
             averaging = self.average_every is not None
             if averaging and plan.step > 0 and plan.step % int(self.average_every) == 0:  # type: ignore[arg-type]
-                self._average()
+                self._rank_sync().average()
             evict_mine: Dict[str, torch.Tensor] = {}  # the evicted rows this rank writes back
             for t, tp in mine.items():
                 if averaging:  # cDLRM: replicas agree only after averaging; rank 0's copy is written back
@@ -272,15 +217,15 @@ class ShardedLookaheadEmbeddingBagCollection(
             with writing_only(stores, evict_mine):
                 self.cache.apply_plan(sub, sub_staged, trusted=trusted)
             if not averaging:
-                self._refresh(lrpp)
-            self._lrpp = lrpp
+                self._rank_sync().refresh(lrpp)
+            self.step_state.lrpp = lrpp
             for k, v in lrpp.counters(self.delayed_sync).items():
                 self.sync_counters[k] = self.sync_counters.get(k, 0) + v
         else:
             self.cache.apply_plan(sub, sub_staged, trusted=trusted)
-        self._plan_pending = True
-        self._eval_flushed = False
-        self._dirty = True
+        self.step_state.planned = True
+        self.step_state.eval_flushed = False
+        self.step_state.dirty = True
 
     def pin_rows(self, plan: BatchPlan) -> None:
         """Load pinned rows (a :meth:`~torchrec_lookahead.hotcold.PinnedRows.pin_plan`) into the emptied caches:
@@ -291,8 +236,8 @@ class ShardedLookaheadEmbeddingBagCollection(
         if any(p.evict_ids.numel() for p in mine.values()):
             raise SetupError(f"the pin plan of step {plan.step} evicts rows; pin into an emptied cache")
         self.cache.apply_plan(BatchPlan(plan.step, mine))
-        self._eval_flushed = False
-        self._dirty = True
+        self.step_state.eval_flushed = False
+        self.step_state.dirty = True
 
     @property
     def collective_stores(self) -> bool:
@@ -324,18 +269,18 @@ class ShardedLookaheadEmbeddingBagCollection(
         if not barrier and self.collective_stores:
             # Row-sharded stores are written with collectives, which another rank (gone, or inside another
             # collective on this exception path) may never join: keep the last checkpoint instead of hanging.
-            if self._dirty:
+            if self.step_state.dirty:
                 log.warning(
                     "not flushing the lookahead cache to its row-sharded stores on this exit path (peers may be "
                     "gone); updates since the last checkpoint are lost"
                 )
             return
-        if self._lrpp is not None:
+        if self.step_state.lrpp is not None:
             stores = self.cache.stores
             if self.average_every is not None and barrier:
-                self._average()  # a collective: not on the exception path (barrier=False)
+                self._rank_sync().average()  # a collective: not on the exception path (barrier=False)
             held: Dict[str, torch.Tensor] = {}
-            for t, tp in self._lrpp.tables.items():
+            for t, tp in self.step_state.lrpp.tables.items():
                 slot_ids = self.cache.slot_ids(t)
                 writer = (
                     torch.zeros_like(slot_ids)
@@ -346,7 +291,7 @@ class ShardedLookaheadEmbeddingBagCollection(
                 held[t] = slot_ids[mine]
             with writing_only(stores, held):
                 self.cache.flush()
-        self._dirty = False
+        self.step_state.dirty = False
         if barrier:
             self._barrier()
 
@@ -354,175 +299,22 @@ class ShardedLookaheadEmbeddingBagCollection(
         """Empty the cache (after :meth:`flush`); the next plan stream starts from an empty cache."""
         self.land_delayed()
         self.cache.invalidate()
-        self._lrpp = None
+        self.step_state.lrpp = None
 
     # ------------------------------------------------------------------------------------------------ LRPP
-    def _average(self) -> None:
-        """cDLRM: average every cached row and its optimizer state over the ranks (replicas diverge between
-        averages because each rank applies only its own gradients)."""
-        parts = []
-        for t in sorted(self.cache.capacity):
-            occupied = (self.cache.slot_ids(t) >= 0).nonzero().flatten()
-            states = self.cache.cache_states(t)
-            tensors = [self.cache.cache_weights(t), *(states[k] for k in sorted(states))]
-            parts.append((occupied, tensors))
-        flat = [x[occ].reshape(-1) for occ, tensors in parts for x in tensors]
-        if not flat:
-            return
-        buf = torch.cat(flat)
-        dist.all_reduce(buf, group=self._pg)
-        buf /= self.world_size
-        off = 0
-        with torch.no_grad():
-            for occ, tensors in parts:
-                for x in tensors:
-                    n = occ.numel() * x.shape[1]
-                    x[occ] = buf[off : off + n].view(-1, x.shape[1])
-                    off += n
-        self.sync_counters["rows_averaged"] = self.sync_counters.get("rows_averaged", 0) + sum(
-            int(occ.numel()) for occ, _ in parts
-        )
-
-    def _refresh(self, lrpp: LRPPPlan) -> None:
-        """Give every rank the current value of the rows it reads but holds only as a stale replica: the
-        holder contributes the row (and its optimizer state), the others zeros, in one compacted all-reduce."""
-        parts: List[Tuple[str, torch.Tensor, torch.Tensor, List[str], int]] = []
-        total = 0
-        for t, tp in lrpp.tables.items():
-            n = int(tp.refresh_slots.numel())
-            if n == 0:
-                continue
-            states = self.cache.cache_states(t)
-            names = sorted(states)
-            width = self.cache.cache_weights(t).shape[1] + sum(states[k].shape[1] for k in names)
-            parts.append((t, tp.refresh_slots, tp.refresh_source, names, width))
-            total += n * width
-        if total == 0:
-            return
-        buf = torch.zeros(total, device=self.cache.device)
-        off = 0
-        for t, slots, source, names, _width in parts:
-            rows = torch.cat(
-                [self.cache.cache_weights(t)[slots], *(self.cache.cache_states(t)[k][slots] for k in names)],
-                1,
-            )
-            rows = torch.where((source == self.rank).unsqueeze(1), rows, torch.zeros_like(rows))
-            buf[off : off + rows.numel()] = rows.reshape(-1)
-            off += rows.numel()
-        dist.all_reduce(buf, group=self._pg)
-        off = 0
-        with torch.no_grad():
-            for t, slots, _, names, width in parts:
-                rows = buf[off : off + slots.numel() * width].view(-1, width)
-                off += rows.numel()
-                w = self.cache.cache_weights(t)
-                d = w.shape[1]
-                w[slots] = rows[:, :d]
-                col = d
-                for k in names:
-                    st = self.cache.cache_states(t)[k]
-                    st[slots] = rows[:, col : col + st.shape[1]]
-                    col += st.shape[1]
+    def _rank_sync(self) -> RankSync:
+        if self._sync is None:
+            raise SetupError("a one-rank collection has no multi-rank synchronisation")
+        return self._sync
 
     def land_delayed(self, timeout: Optional[float] = None) -> int:
-        """Wait for the pending delayed all-gathers and apply the optimizer to their rows, each with the
-        iteration count and learning rate of the step that computed its gradients (so the result is what the
-        update inside that step's backward would have been). Runs before anything reads or writes cached rows
-        again: the next :meth:`apply_plan`, :meth:`flush` (checkpoints, evaluation, the end of fit),
-        :meth:`invalidate`.
-
-        Args:
-            timeout: seconds to wait for the collectives (``None``: as long as the process group allows).
-                Used on the exception path, where a peer may be gone.
-
-        Returns:
-            Rows updated.
+        """Land the last backward's delayed exchanges (see :meth:`RankSync.land_delayed
+        <torchrec_lookahead.distributed._rank_sync.RankSync.land_delayed>`); 0 with one rank.
 
         Raises:
-            SetupError: a collective did not finish within ``timeout`` (its rows keep their value before
-                the step; the pending work is dropped).
+            SetupError: a collective did not finish within ``timeout``.
         """
-        pending, self._pending = self._pending, []
-        rows = 0
-        for p in pending:
-            try:
-                rows += p.land(None if timeout is None else datetime.timedelta(seconds=timeout))
-            except Exception as e:  # noqa: BLE001 - the collective's error type depends on the backend
-                raise SetupError(
-                    f"the delayed synchronisation of step {p.step} did not finish ({e}); "
-                    f"{p.rows} shared rows keep their value before that step"
-                ) from e
-        return rows
-
-    def _kernel_layout(self, g: int, kernel: Any) -> KernelLayout:
-        cache = self.cache
-        tables = sorted((t.local, n) for n, t in cache._tables.items() if t.group == g)
-        names = [n for _, n in tables]
-        missing = [n for n in names if n not in cache.capacity]
-        if missing:
-            raise SetupError(f"multi-rank caches train only cached tables in their kernels, not {missing}")
-        features = list(cache._group_features[g])
-        ftm = list(kernel.feature_table_map)
-        return KernelLayout(
-            features=features,
-            feature_table=ftm,
-            tables=names,
-            capacity=[int(cache.capacity[n]) for n in names],
-            dims=[int(kernel.dims[t]) for t in ftm],
-            mean=kernel.pooling == PoolingMode.MEAN,
-            weighted=self._is_weighted,
-            unpooled=kernel.pooling == PoolingMode.NONE,
-        )
-
-    def _make_backward_hook(self, g: int, kernel: Any) -> Any:
-        layout = self._kernel_layout(g, kernel)
-
-        def hook(
-            grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
-        ) -> None:
-            lrpp = self._lrpp
-            if lrpp is None:
-                raise SetupError("a multi-rank backward ran without the step's LRPP plan")
-            if self.average_every is not None:
-                # cDLRM: every rank applies its own gradients; the caches are averaged every few steps. The
-                # 1-element all-reduce keeps a collective in every backward (see the stager's argument).
-                dist.all_reduce(torch.zeros(1, device=grad.device), group=self._pg)
-                kernel.apply_batch(indices, offsets, weights, grad)
-                return
-            if lrpp.features is None:
-                raise SetupError(
-                    f"the LRPP plan of step {lrpp.step} carries no global batch: pass features= (the global batch "
-                    "remapped to slots) to LRPPTracker.step"
-                )
-            # TorchRec divides the gradients of sharded embeddings element-wise by the world size
-            # (comm_ops.GRADIENT_DIVISION, to match DDP's averaging of dense gradients): the cache does too.
-            if get_gradient_division():
-                grad = torch.div(grad, self.world_size)
-            plans = [lrpp.tables[t] for t in layout.tables]
-            empty = torch.zeros(0, dtype=torch.int64)
-            delayed = [tp.delayed_slots if self.delayed_sync else empty for tp in plans]
-            now, later, sent = exchange_batches(
-                layout,
-                lrpp.features,
-                grad,
-                self.rank,
-                self.world_size,
-                [tp.shared_slots for tp in plans],
-                delayed,
-                self._pg,
-                self._delayed_pg,
-                [lrpp.pinned.get(t, 0) for t in layout.tables],
-            )
-            kernel.apply_batch(now.indices, now.offsets, now.weights, now.grad)
-            self.sync_counters["grad_floats_sent"] = self.sync_counters.get("grad_floats_sent", 0) + sent
-            if later is not None:
-                self._pending.append(
-                    PendingExchange(
-                        lrpp.step, kernel, int(kernel.get_step()), kernel.get_learning_rate(), later
-                    )
-                )
-
-        return hook
+        return 0 if self._sync is None else self._sync.land_delayed(timeout)
 
     # ---------------------------------------------------------------------------------- ShardedModule API
     def create_context(self) -> NullShardedModuleContext:
@@ -555,16 +347,16 @@ class ShardedLookaheadEmbeddingBagCollection(
             outs.append(out.wait() if hasattr(out, "wait") else out)
         if cache_kjt is not None:
             if self.training:
-                if not self._plan_pending:
+                if not self.step_state.planned:
                     raise SetupError(
                         "A training forward reached the lookahead cache without a plan for the step: wrap the "
                         "DataModule in LookaheadDataModule and train with strategy='torchrec' (or call "
                         "apply_plan() and feed slot-remapped features yourself)"
                     )
-                self._plan_pending = False
+                self.step_state.planned = False
                 outs.append(self.cache(cache_kjt))
             else:
-                if self._plan_pending:
+                if self.step_state.planned:
                     raise SetupError(
                         "The lookahead cache received a planned (slot-remapped) training batch while it is in eval "
                         "mode; keep the model in training mode during fit (call model.train())"
@@ -609,9 +401,9 @@ class ShardedLookaheadEmbeddingBagCollection(
     @torch.no_grad()
     def _eval_lookup(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings of ids (not slots), read from the stores after one flush per evaluation."""
-        if not self._eval_flushed:
+        if not self.step_state.eval_flushed:
             self.flush()
-            self._eval_flushed = True
+            self.step_state.eval_flushed = True
         stores = self.cache.stores
         f2t = self.cache.feature_to_table
         configs = {c.name: c for c in self.cache.embedding_bag_configs()}
@@ -653,7 +445,7 @@ class ShardedLookaheadEmbeddingBagCollection(
     def train(self, mode: bool = True) -> ShardedLookaheadEmbeddingBagCollection:
         super().train(mode)
         if mode:
-            self._eval_flushed = False
+            self.step_state.eval_flushed = False
         return self
 
 

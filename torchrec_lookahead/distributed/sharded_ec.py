@@ -81,9 +81,9 @@ class ShardedLookaheadEmbeddingCollection(ShardedLookaheadEmbeddingBagCollection
     @torch.no_grad()
     def _eval_lookup(self, kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:  # type: ignore[override]
         """Per-id embeddings of ids (not slots), read from the stores after one flush per evaluation."""
-        if not self._eval_flushed:
+        if not self.step_state.eval_flushed:
             self.flush()
-            self._eval_flushed = True
+            self.step_state.eval_flushed = True
         stores = self.cache.stores
         f2t = self.cache.feature_to_table
         device = self.cache.device

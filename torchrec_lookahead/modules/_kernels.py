@@ -13,7 +13,7 @@ cache uses this kernel for Adam. It sums a row's gradients in FBGEMM's order (ba
 per id as FBGEMM's ``csr2csc`` computes it), but its optimizer arithmetic is PyTorch's element-wise ops, not
 FBGEMM's vectorised JIT kernels, so for SGD and Adagrad it agrees with FBGEMM only to rounding.
 
-Both kernels can hand their backward to a hook (:attr:`_CacheKernel.backward_hook`): with several ranks the
+Both kernels can hand their backward to a hook (:meth:`_CacheKernel.set_backward_hook`): with several ranks the
 LRPP cache builds, from the step's global batch, the batch whose backward updates exactly the rows this rank
 holds with exactly the gradients TorchRec's sharded kernel would accumulate, and runs it through
 :meth:`_CacheKernel.apply_batch` (see ``distributed/exact_sync.py``).
@@ -43,6 +43,10 @@ _TBE_BUFFERS = tuple(
 )
 
 
+BackwardHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], None]
+"""A kernel's backward handed elsewhere: (gradient of the output, indices, offsets, weights) -> None."""
+
+
 class _CacheKernel(abc.ABC):
     """Pooled lookup with a fused sparse optimizer over a group of tables."""
 
@@ -62,12 +66,14 @@ class _CacheKernel(abc.ABC):
         self.config = config
         self.device = device
         self.state_names: Tuple[str, ...] = tuple(config.state_names())
-        # Called in backward with (grad of the pooled output, indices, offsets, weights) instead of the kernel's
-        # own update; it must apply the optimizer itself (through apply_batch).
-        self.backward_hook: Optional[
-            Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], None]
-        ] = None
+        self.backward_hook: Optional[BackwardHook] = None  # see set_backward_hook
         self._placeholder = torch.zeros(1, device=device, requires_grad=True)
+
+    def set_backward_hook(self, hook: Optional[BackwardHook]) -> None:
+        """Hand this kernel's backward to ``hook``: called with (gradient of the output, indices, offsets,
+        weights) instead of the kernel's own update, it must apply the optimizer itself (through
+        :meth:`apply_batch`). ``None`` gives the backward back to the kernel."""
+        self.backward_hook = hook
 
     @abc.abstractmethod
     def pooled(

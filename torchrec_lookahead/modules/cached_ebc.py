@@ -23,17 +23,17 @@ tables): a dense optimizer must not see them. ``state_dict()`` flushes the cache
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead._checks import is_int
-from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError, SetupError
+from torchrec_lookahead.errors import ConfigError, DataError
 from torchrec_lookahead.modules._checkpoint import load_tables, save_tables
 from torchrec_lookahead.modules._kernels import _CacheKernel, make_kernel
 from torchrec_lookahead.modules._plans import (
@@ -44,6 +44,7 @@ from torchrec_lookahead.modules._plans import (
     move_rows,
     validate_plan,
 )
+from torchrec_lookahead.modules._values import check_configs, check_values
 from torchrec_lookahead.modules.config import CacheOptimizerConfig
 from torchrec_lookahead.modules.remap import refuse_variable_batch, remap_kjt
 from torchrec_lookahead.modules.staging import stage_rows
@@ -52,7 +53,23 @@ from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, table_ids
 from torchrec_lookahead.oracle.types import BatchPlan
 from torchrec_lookahead.store import EmbeddingStore, TensorStore, init_embedding_weights
 
-__all__ = ["CachedEmbeddingBagCollection"]
+__all__ = ["CachedEmbeddingBagCollection", "KernelGroup"]
+
+
+@dataclass(frozen=True)
+class KernelGroup:
+    """One kernel of a cached collection and what it holds: the tables sharing its pooling and dimension rule.
+
+    Attributes:
+        kernel: the lookup kernel (FBGEMM's TBE or the PyTorch one); its ``set_backward_hook`` hands its
+            backward elsewhere (the multi-rank exact exchange).
+        tables: the kernel's tables, in its order.
+        features: the kernel's features, in its order (``kernel.feature_table_map`` indexes ``tables``).
+    """
+
+    kernel: _CacheKernel
+    tables: Tuple[str, ...]
+    features: Tuple[str, ...]
 
 
 class CachedEmbeddingBagCollection(nn.Module):
@@ -111,7 +128,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._is_weighted = bool(is_weighted)
         self._configs = list(tables)
         stores = dict(stores or {})
-        self._check_configs(capacity, stores)
+        check_configs(
+            self._configs, capacity, stores, self._optimizer_config, self._device, self._check_table
+        )
         self._tables: Dict[str, _Table] = {}
         self._applied: Optional[AppliedPlan] = None  # the plan the next forward covers (see apply_plan)
         self._feature_names: List[str] = []
@@ -170,46 +189,6 @@ class CachedEmbeddingBagCollection(nn.Module):
         """Refuse a table config the collection's kernels cannot train."""
         if cfg.pooling not in (PoolingType.SUM, PoolingType.MEAN):
             raise ConfigError(f"table '{cfg.name}' has pooling {cfg.pooling}; use SUM or MEAN")
-
-    def _check_configs(self, capacity: Mapping[str, int], stores: Mapping[str, EmbeddingStore]) -> None:
-        if not self._configs:
-            raise ConfigError("tables must list at least one table config but got none")
-        names = [c.name for c in self._configs]
-        features = [f for c in self._configs for f in c.feature_names]
-        for kind, seen in (("table", names), ("feature", features)):
-            dups = sorted({x for x in seen if seen.count(x) > 1})
-            if dups:
-                raise ConfigError(f"{kind} names must be unique but {dups} repeat")
-        for name in list(capacity) + list(stores):
-            if name not in names:
-                raise ConfigError(f"unknown table '{name}' in capacity/stores; tables are {names}")
-        for name in stores:
-            if name not in capacity:
-                raise ConfigError(
-                    f"a store was given for table '{name}' but it has no capacity (it is resident)"
-                )
-        uses_fbgemm = self._optimizer_config.uses_fbgemm(self._device.type)
-        for c in self._configs:
-            if c.data_type != DataType.FP32:
-                raise ConfigError(f"table '{c.name}' has data_type {c.data_type}; only FP32 is supported")
-            self._check_table(c)
-            if uses_fbgemm and c.embedding_dim % 4 != 0:
-                raise ConfigError(
-                    f"table '{c.name}' has embedding_dim {c.embedding_dim}; FBGEMM needs a multiple of 4"
-                )
-            if c.name in capacity:
-                cap = capacity[c.name]
-                if not is_int(cap) or cap <= 0:
-                    raise ConfigError(f"capacity of table '{c.name}' must be a positive int but got {cap!r}")
-            if c.name in stores:
-                store = stores[c.name]
-                widths = self._optimizer_config.state_widths(c.embedding_dim)
-                found = (store.num_embeddings, store.embedding_dim, store.state_widths)
-                if found != (c.num_embeddings, c.embedding_dim, widths):
-                    raise ConfigError(
-                        f"store of table '{c.name}' has (num_embeddings, embedding_dim, state_widths) = {found} but "
-                        f"the table needs {(c.num_embeddings, c.embedding_dim, widths)}"
-                    )
 
     # ------------------------------------------------------------------------------------------------------
     # introspection
@@ -316,6 +295,14 @@ class CachedEmbeddingBagCollection(nn.Module):
             raise ConfigError(f"table '{table}' is resident; it has no slots")
         return t.slot_to_id.clone()
 
+    def kernel_groups(self) -> List[KernelGroup]:
+        """The collection's kernels with their tables and features, in kernel order."""
+        out = []
+        for g, kernel in enumerate(self._kernels):
+            tables = sorted((t.local, n) for n, t in self._tables.items() if t.group == g)
+            out.append(KernelGroup(kernel, tuple(n for _, n in tables), tuple(self._group_features[g])))
+        return out
+
     def cache_weights(self, table: str) -> torch.Tensor:
         """(rows, D) view of a table's device rows (cache slots, or the full table when resident)."""
         t = self._table(table)
@@ -398,7 +385,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         for g, kernel in enumerate(self._kernels):
             names = self._group_features[g]
             kjt = features if list(keys) == names else features.permute([keys.index(f) for f in names])
-            self._check_values(kjt, skip_cached=trusted)
+            check_values(self._tables, self._feature_to_table, kjt, skip_cached=trusted)
             weights = kjt.weights().float() if self._is_weighted else None
             out = kernel.lookup(
                 kjt.values().to(self._device, torch.int64),
@@ -407,69 +394,6 @@ class CachedEmbeddingBagCollection(nn.Module):
             )
             outputs.append((kjt, out))
         return outputs
-
-    def _resident_ids_in_range(self, kjt: KeyedJaggedTensor, values: torch.Tensor, bounds: List[int]) -> bool:
-        """Whether every id of a resident table's feature is in range, in one pass over the batch (cached
-        features hold a trusted plan's slots and are skipped). On the host a per-feature min/max with NumPy's
-        ``reduceat`` (single-threaded: torch's element-wise operators would run on every intra-op thread and wait
-        for a core busy with the lookahead threads); on a device one pass and one host sync."""
-        limits = [
-            -1 if t.slot_to_id is not None else t.rows
-            for t in (self._tables[self._feature_to_table[k]] for k in kjt.keys())
-        ]
-        if values.device.type == "cpu":
-            edges = np.asarray(bounds, dtype=np.int64)
-            nonempty = np.flatnonzero(edges[1:] > edges[:-1])  # reduceat needs increasing starts
-            lim = np.asarray(limits, dtype=np.int64)[nonempty]
-            if not (lim >= 0).any():
-                return True
-            arr = values[: bounds[-1]].numpy()
-            lo = np.minimum.reduceat(arr, edges[nonempty])[lim >= 0]
-            hi = np.maximum.reduceat(arr, edges[nonempty])[lim >= 0]
-            return bool((lo >= 0).all() and (hi < lim[lim >= 0]).all())
-        sizes = torch.tensor(kjt.length_per_key(), device=values.device)
-        used = values[: bounds[-1]]
-        upper = torch.tensor([(1 << 62) if x < 0 else x for x in limits], device=values.device)
-        upper = upper.repeat_interleave(sizes, output_size=used.numel())
-        return not bool(((used < 0) | (used >= upper)).any())
-
-    def _check_values(self, kjt: KeyedJaggedTensor, skip_cached: bool = False) -> None:
-        values = kjt.values()
-        bounds = kjt.offset_per_key()
-        if skip_cached and values.numel() and self._resident_ids_in_range(kjt, values, bounds):
-            return  # the per-feature loop below only runs to name the feature of an error
-        for i, key in enumerate(kjt.keys()):
-            lo, hi = bounds[i], bounds[i + 1]
-            if hi <= lo:
-                continue
-            t = self._tables[self._feature_to_table[key]]
-            if skip_cached and t.slot_to_id is not None:
-                continue
-            seg = values[lo:hi]
-            vmin, vmax = int(seg.min()), int(seg.max())
-            if t.slot_to_id is None:
-                if vmin < 0 or vmax >= t.rows:
-                    raise InvalidIdError(
-                        f"feature '{key}' of table '{t.config.name}' has id {vmin if vmin < 0 else vmax} outside "
-                        f"[0, {t.rows}); hash or clip ids into the table",
-                        table=t.config.name,
-                        id=vmin if vmin < 0 else vmax,
-                        num_rows=t.rows,
-                    )
-                continue
-            if vmin < 0 or vmax >= t.rows:
-                raise CapacityError(
-                    f"feature '{key}' of cached table '{t.config.name}' has slot {vmin if vmin < 0 else vmax} "
-                    f"outside [0, {t.rows}) (capacity {t.rows}); pass values remapped by the plan (remap())",
-                    table=t.config.name,
-                    needed=vmax + 1 if vmin >= 0 else None,
-                    available=t.rows,
-                )
-            if bool((t.slot_to_id.index_select(0, seg.to("cpu", torch.int64)) < 0).any()):
-                raise SetupError(
-                    f"feature '{key}' reads an empty slot of cached table '{t.config.name}'; apply the step's "
-                    "plan (apply_plan) before the forward"
-                )
 
     # ------------------------------------------------------------------------------------------------------
     # plans

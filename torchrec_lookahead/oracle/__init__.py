@@ -12,13 +12,15 @@ Example:
 """
 
 from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, table_ids
-from torchrec_lookahead.oracle.config import OracleConfig, Policy
+from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, LookaheadSettings, OracleConfig, Policy
 from torchrec_lookahead.oracle.oracle import LookaheadOracle, min_capacity, window_working_sets
 from torchrec_lookahead.oracle.types import BatchPlan, RankAnnotation, TablePlan
 
 __all__ = [
     "LookaheadOracle",
     "OracleConfig",
+    "LookaheadSettings",
+    "DEFAULT_HORIZON",
     "Policy",
     "BatchPlan",
     "TablePlan",

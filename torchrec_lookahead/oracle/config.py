@@ -1,4 +1,6 @@
-"""Configuration of the lookahead oracle: :class:`OracleConfig` and the :class:`Policy` enum.
+"""Configuration of the lookahead: how far and how it plans (:class:`LookaheadSettings`, one value read by
+the loader that plans and by the budget planner that sizes the caches), the oracle's whole configuration
+(:class:`OracleConfig`) and the :class:`Policy` enum.
 
 Example:
     >>> from torchrec_lookahead.oracle import OracleConfig, Policy
@@ -12,13 +14,30 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from torchrec_lookahead._checks import check_choice, check_int
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.oracle.batch_ids import UnknownFeatures
 
-__all__ = ["Policy", "OracleConfig", "MAX_RANKS"]
+__all__ = [
+    "Policy",
+    "OracleConfig",
+    "LookaheadSettings",
+    "MAX_RANKS",
+    "DEFAULT_HORIZON",
+    "DEFAULT_PREFETCH_DEPTH",
+]
+
+#: Batches the oracle reads ahead unless told otherwise: the loader plans this far and the budget planner sizes
+#: the caches for it (one default, so that both agree when neither is set).
+DEFAULT_HORIZON = 64
+
+#: Steps ahead the stager gathers a plan's rows unless told otherwise.
+DEFAULT_PREFETCH_DEPTH = 1
+
+#: Batches per window of the ``window`` policy unless told otherwise.
+DEFAULT_WINDOW = 8
 
 #: Largest ``num_ranks`` a reader bit mask in an int64 can hold.
 MAX_RANKS = 63
@@ -44,6 +63,81 @@ class Policy(str, enum.Enum):
     TTL = "ttl"
     WINDOW = "window"
     LRU = "lru"
+
+
+def check_lookahead(horizon: object, prefetch_depth: object) -> Tuple[int, int]:
+    """``(horizon, prefetch_depth)`` as ints, after the one rule every part of the lookahead applies.
+
+    Raises:
+        ConfigError: ``horizon < 1``, ``prefetch_depth < 0``, or ``horizon < prefetch_depth``.
+    """
+    h = check_int("horizon", horizon, 1, "set how many batches ahead the oracle reads, e.g. 64")
+    d = check_int("prefetch_depth", prefetch_depth, 0, "set 0, 1 or more")
+    if h < d:
+        raise ConfigError(
+            f"horizon must be >= prefetch_depth={d} but got horizon={h}; the oracle must see every batch the "
+            "stager prefetches: raise horizon or lower prefetch_depth"
+        )
+    return h, d
+
+
+@dataclass(frozen=True)
+class LookaheadSettings:
+    """How far and how the lookahead plans, validated once: the loader that plans
+    (:class:`~torchrec_lookahead.data.LookaheadDataModule`, ``LookaheadTrainPipeline``) and the budget planner
+    that sizes the caches (:class:`~torchrec_lookahead.distributed.planner.LookaheadPlanner`, the sharder's
+    ``planner_options``) read the same fields with the same defaults.
+
+    Args:
+        horizon: batches the oracle reads ahead (>= 1).
+        prefetch_depth: steps ahead the stager gathers a plan's rows (``0 <= prefetch_depth <= horizon``).
+        policy: a :class:`Policy` or its value.
+        window: batches per window of the ``window`` policy (``None``: the oracle's default).
+        ways: associativity of the ``window`` policy (``None``: the oracle's default).
+
+    Raises:
+        ConfigError: a value out of range or an unknown policy.
+
+    Example:
+        >>> s = LookaheadSettings(horizon=16, policy="window", window=8)
+        >>> s.policy is Policy.WINDOW, s.oracle_fields()
+        (True, {'horizon': 16, 'prefetch_depth': 1, 'policy': <Policy.WINDOW: 'window'>, 'window': 8})
+    """
+
+    horizon: int = DEFAULT_HORIZON
+    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
+    policy: Union[Policy, str] = Policy.BELADY
+    window: Optional[int] = None
+    ways: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        horizon, depth = check_lookahead(self.horizon, self.prefetch_depth)
+        object.__setattr__(self, "horizon", horizon)
+        object.__setattr__(self, "prefetch_depth", depth)
+        object.__setattr__(self, "policy", check_choice("policy", self.policy, Policy))
+        if self.window is not None:
+            object.__setattr__(
+                self, "window", check_int("window", self.window, 1, "set the cDLRM window length in batches")
+            )
+        if self.ways is not None:
+            object.__setattr__(
+                self, "ways", check_int("ways", self.ways, 1, "set the associativity of the window cache")
+            )
+
+    @property
+    def window_length(self) -> int:
+        """The ``window`` policy's window in batches (the oracle's default when ``window`` is unset)."""
+        return self.window if self.window is not None else DEFAULT_WINDOW
+
+    def oracle_fields(self) -> Dict[str, Any]:
+        """These settings as :class:`OracleConfig` arguments (``window`` and ``ways`` only when set)."""
+        out: Dict[str, Any] = {
+            "horizon": self.horizon,
+            "prefetch_depth": self.prefetch_depth,
+            "policy": self.policy,
+        }
+        out.update({k: v for k, v in (("window", self.window), ("ways", self.ways)) if v is not None})
+        return out
 
 
 def _next_prime_at_most(n: int) -> int:
@@ -87,12 +181,12 @@ class OracleConfig:
     """
 
     capacity: Mapping[str, int]
-    horizon: int = 200
-    prefetch_depth: int = 1
+    horizon: int = DEFAULT_HORIZON
+    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
     policy: Union[Policy, str] = Policy.BELADY
     num_embeddings: Optional[Mapping[str, int]] = None
     feature_to_table: Optional[Mapping[str, str]] = None
-    window: int = 8
+    window: int = DEFAULT_WINDOW
     ways: int = 8
     victim_rows: Optional[int] = None
     seed: int = 0
@@ -110,13 +204,7 @@ class OracleConfig:
         for table, rows in self.capacity.items():
             check_int(f"capacity[{table!r}]", rows, 1, "give every cached table a positive number of rows")
         self.policy = check_choice("policy", self.policy, Policy)
-        self.horizon = check_int("horizon", self.horizon, 0, "set a non-negative lookahead in batches")
-        self.prefetch_depth = check_int("prefetch_depth", self.prefetch_depth, 0, "set 0, 1 or more")
-        if self.horizon < self.prefetch_depth:
-            raise ConfigError(
-                f"horizon must be >= prefetch_depth={self.prefetch_depth} but got horizon={self.horizon}; "
-                "the oracle must see every batch the stager prefetches: raise horizon or lower prefetch_depth"
-            )
+        self.horizon, self.prefetch_depth = check_lookahead(self.horizon, self.prefetch_depth)
         if self.policy is Policy.TTL and self.horizon < self.prefetch_depth + 1:
             raise ConfigError(
                 f"horizon must be >= prefetch_depth + 1 = {self.prefetch_depth + 1} for policy 'ttl' but got "

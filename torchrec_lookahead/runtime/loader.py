@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional
 
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
@@ -47,8 +47,8 @@ from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle import (
     BatchPlan,
     LookaheadOracle,
+    LookaheadSettings,
     OracleConfig,
-    Policy,
     UnknownFeatures,
     table_ids,
 )
@@ -68,37 +68,9 @@ from torchrec_lookahead.runtime.session import CacheSession
 from torchrec_lookahead.runtime.types import PinnedPart
 from torchrec_lookahead.store.channels import STAGE_CHANNEL, collective_channel
 
-__all__ = ["LookaheadLoader", "lookahead_options"]
+__all__ = ["LookaheadLoader"]
 
 log = logging.getLogger(__name__)
-
-
-def lookahead_options(
-    horizon: int, prefetch_depth: int, policy: str, window: Optional[int], ways: Optional[int]
-) -> Tuple[Policy, Dict[str, Any]]:
-    """The policy and the extra :class:`~torchrec_lookahead.oracle.OracleConfig` fields of a lookahead loader's
-    options (:class:`~torchrec_lookahead.data.LookaheadDataModule`, ``LookaheadTrainPipeline``).
-
-    Raises:
-        ConfigError: ``horizon`` below 1, ``prefetch_depth`` outside ``[0, horizon]``, an unknown policy.
-
-    Example:
-        >>> lookahead_options(16, 1, "window", window=8, ways=None)
-        (<Policy.WINDOW: 'window'>, {'window': 8})
-    """
-    if horizon < 1:
-        raise ConfigError(f"Expected horizon >= 1 but got {horizon}")
-    if prefetch_depth < 0 or prefetch_depth > horizon:
-        raise ConfigError(
-            f"Expected 0 <= prefetch_depth <= horizon but got prefetch_depth={prefetch_depth}, "
-            f"horizon={horizon}; raise horizon or lower prefetch_depth"
-        )
-    try:
-        chosen = Policy(policy)
-    except ValueError:
-        raise ConfigError(f"Expected policy in {[p.value for p in Policy]} but got {policy!r}") from None
-    extra = {k: v for k, v in (("window", window), ("ways", ways)) if v is not None}
-    return chosen, extra
 
 
 class LookaheadLoader:
@@ -111,11 +83,9 @@ class LookaheadLoader:
             apply gate); every iteration starts a new plan stream (:meth:`CacheSession.new_stream
             <torchrec_lookahead.runtime.CacheSession.new_stream>`), except with ``pinned`` rows, whose
             loader starts it itself.
-        horizon: batches the oracle reads ahead.
-        prefetch_depth: steps ahead the rows are gathered.
-        policy: the oracle's policy.
+        settings: the oracle's horizon, prefetch depth and policy (the rows are gathered ``prefetch_depth`` steps
+            ahead); default :class:`~torchrec_lookahead.oracle.LookaheadSettings`'s defaults.
         queue_depth: planned batches kept ready (bounds memory and the oracle's lead).
-        oracle_kwargs: extra :class:`~torchrec_lookahead.oracle.OracleConfig` fields (``window``, ``ways``, ...).
         stop_timeout_s: with several ranks, how long a rank that stopped training waits for the others to join
             its planner thread's last id all-gather (and, over row-sharded stores, its stager's last row gather)
             before it gives up with a :class:`~torchrec_lookahead.errors.SetupError` (a peer failed or keeps
@@ -133,11 +103,8 @@ class LookaheadLoader:
         self,
         loader: Any,
         session: CacheSession,
-        horizon: int,
-        prefetch_depth: int,
-        policy: str,
+        settings: Optional[LookaheadSettings] = None,
         queue_depth: int = 8,
-        oracle_kwargs: Optional[Dict[str, Any]] = None,
         stop_timeout_s: float = 60.0,
         planner_nice: int = 19,
         pinned: Optional[PinnedPart] = None,
@@ -145,6 +112,7 @@ class LookaheadLoader:
     ) -> None:
         if not stop_timeout_s > 0:
             raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s}")
+        settings = settings if settings is not None else LookaheadSettings()
         _check_nice(planner_nice)
         self.planner_nice = int(planner_nice)
         self.loader = loader
@@ -155,21 +123,19 @@ class LookaheadLoader:
         self.batch_adapter = batch_adapter
         self._oracle_kwargs: Dict[str, Any] = dict(
             capacity=dict(target.capacity) if pinned is None else pinned.dynamic_capacity(),
-            horizon=horizon,
-            prefetch_depth=prefetch_depth,
-            policy=policy,
+            **settings.oracle_fields(),
             num_embeddings=dict(target.num_embeddings),
-            **(oracle_kwargs or {}),
         )
         if target.num_ranks > 1:
             self._oracle_kwargs["num_ranks"] = target.num_ranks
         # Validate the arguments here, in the training thread; the planner thread builds a fresh oracle per
         # iteration.
         OracleConfig(feature_to_table=dict(target.feature_to_table), **self._oracle_kwargs)
-        self.horizon = horizon
-        self.prefetch_depth = prefetch_depth
+        self.settings = settings
+        self.horizon = settings.horizon
+        self.prefetch_depth = prefetch_depth = settings.prefetch_depth
         #: the deepest disk prefetch of the stores: the planner runs at least that far ahead to hint its reads
-        self.disk_prefetch_depth = max((_disk_prefetch_depth(s) for s in target.stores.values()), default=0)
+        self.disk_prefetch_depth = max((s.disk_prefetch_depth for s in target.stores.values()), default=0)
         self.queue_depth = max(queue_depth, prefetch_depth + 2, self.disk_prefetch_depth + 2)
         self._yielded = 0
         self._resume_from = 0
@@ -232,7 +198,7 @@ class LookaheadLoader:
             >>> from torchrec_lookahead.store import TensorStore
             >>> store = TensorStore(100, 4, {}, name="t", seed=0)
             >>> session = CacheSession(CacheTarget({"t": 8}, {"f": "t"}, {"t": 100}, {"t": store}))
-            >>> LookaheadLoader([], session, horizon=4, prefetch_depth=1, policy="belady").stats().planned
+            >>> LookaheadLoader([], session).stats().planned
             0
         """
         return self._stats
@@ -435,8 +401,7 @@ class LookaheadLoader:
         for store in self.target.stores.values():
             if not store.collective:
                 continue
-            inner = getattr(store, "inner", store)
-            group = inner.channel_group(STAGE_CHANNEL) if hasattr(inner, "channel_group") else None
+            group = store.stage_group()
             world = dist.get_world_size(group)
             if world > 1:
                 return StageGathers(world, group, lambda: run.stopped, self.stop_timeout_s)
@@ -513,13 +478,3 @@ class LookaheadLoader:
         if "batches_yielded" not in state_dict:
             raise CheckpointError(f"Loader state {state_dict} has no 'batches_yielded'")
         self._resume_from = int(state_dict["batches_yielded"])
-
-
-def _disk_prefetch_depth(store: Any) -> int:
-    """The ``disk_prefetch_depth`` of a store or of the store it wraps (0 when none has one)."""
-    while store is not None:
-        depth = getattr(store, "disk_prefetch_depth", None)
-        if depth is not None:
-            return int(depth)
-        store = getattr(store, "inner", None) or getattr(store, "local", None)
-    return 0

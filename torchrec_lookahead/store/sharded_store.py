@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
-from torchrec_lookahead.store.channels import current_channel, current_wait
+from torchrec_lookahead.store.channels import STAGE_CHANNEL, current_channel, current_wait
 from torchrec_lookahead.store.types import EmbeddingStore, ShapedStore, StoreShape
 
 __all__ = ["RowShardedStore", "EmptyShardStore", "row_bounds"]
@@ -211,6 +211,14 @@ class RowShardedStore(ShapedStore):
     def local_rows(self) -> Tuple[int, int]:
         """``(lo, hi)``: the table rows of this rank's shard."""
         return self._lo, self._hi
+
+    @property
+    def disk_prefetch_depth(self) -> int:
+        return self._local.disk_prefetch_depth
+
+    def stage_group(self) -> Optional[dist.ProcessGroup]:
+        """The :data:`~torchrec_lookahead.store.channels.STAGE_CHANNEL` group."""
+        return self.channel_group(STAGE_CHANNEL)
 
     def channel_group(self, name: Optional[str]) -> Optional[dist.ProcessGroup]:
         """The process group the calls of channel ``name`` run on (``None``: the default group of

@@ -26,6 +26,7 @@ import functools
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from torchrec_lookahead.errors import DataError, InvalidIdError
 
@@ -60,6 +61,18 @@ class EmbeddingStore(abc.ABC):
         """Whether every data call (gather, scatter, write_back, load, full_*) is a collective of all ranks,
         which every rank must make in the same order (a row-sharded store); ``False`` for local stores."""
         return False
+
+    @property
+    def disk_prefetch_depth(self) -> int:
+        """Steps ahead of the gathered one this store reads the rows :meth:`plan_reads` announced (a disk
+        store under the lookahead host policy); the planner runs at least that far ahead. 0: it reads none
+        ahead."""
+        return 0
+
+    def stage_group(self) -> Optional[dist.ProcessGroup]:
+        """For a :attr:`collective` store, the process group its gathers for the stager run on (``None``: the
+        default group); ``None`` for a local store."""
+        return None
 
     @abc.abstractmethod
     def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:

@@ -55,7 +55,8 @@ from torchrec_lookahead.distributed.planner.working_set import (
 )
 from torchrec_lookahead.errors import CapacityError, ConfigError
 from torchrec_lookahead.modules.config import CacheOptimizerConfig
-from torchrec_lookahead.oracle import OracleConfig, Policy
+from torchrec_lookahead.oracle import LookaheadSettings, OracleConfig, Policy
+from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_DEPTH
 
 __all__ = ["LookaheadPlanner", "row_bytes"]
 
@@ -133,8 +134,8 @@ class LookaheadPlanner:
     def __init__(
         self,
         device_budget_bytes: int,
-        horizon: int = 200,
-        prefetch_depth: int = 1,
+        horizon: int = DEFAULT_HORIZON,
+        prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
         policy: Union[Policy, str] = Policy.BELADY,
         num_sample_batches: int = 50,
         warmup_batches: Optional[int] = None,
@@ -174,19 +175,16 @@ class LookaheadPlanner:
                 raise ConfigError(
                     f"oracle_options must not set {key!r}; it is a LookaheadPlanner argument or set by the planner"
                 )
-        # the oracle validates horizon, prefetch_depth, policy and its options
-        config = OracleConfig(
-            capacity={"_": 1},
-            horizon=horizon,
-            prefetch_depth=prefetch_depth,
-            policy=policy,
-            num_embeddings={"_": 1},
-            **self.oracle_options,
+        #: the horizon, prefetch depth and policy the caches are sized for (the loader's LookaheadSettings)
+        self.settings = LookaheadSettings(horizon, prefetch_depth, policy)
+        # the oracle validates its further options
+        OracleConfig(
+            capacity={"_": 1}, num_embeddings={"_": 1}, **self.settings.oracle_fields(), **self.oracle_options
         )
         self.device_budget_bytes: int = int(device_budget_bytes)
-        self.horizon: int = int(config.horizon)
-        self.prefetch_depth: int = int(config.prefetch_depth)
-        self.policy: Policy = Policy(config.policy)
+        self.horizon: int = self.settings.horizon
+        self.prefetch_depth: int = self.settings.prefetch_depth
+        self.policy: Policy = Policy(self.settings.policy)
         self.num_sample_batches: int = int(num_sample_batches)
         self.warmup_batches: Optional[int] = None if warmup_batches is None else int(warmup_batches)
         self.capacity_growth: float = float(capacity_growth)
