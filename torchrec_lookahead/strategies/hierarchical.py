@@ -28,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import enum
-import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -66,8 +65,6 @@ from torchrec_lookahead.strategies._tagger import CostModel, Tagging, tag
 from torchrec_lookahead.strategies.torchrec import TorchRecStrategy
 
 __all__ = ["HierarchicalStrategy", "Averaging", "Compression", "LayerPlacement"]
-
-log = logging.getLogger(__name__)
 
 _STATE_DIR = "hierarchical"
 
