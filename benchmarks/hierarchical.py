@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import machine, parser, table, torchrun_worker, write_json  # noqa: E402
 from torchrec_lookahead.models import DLRMModule  # noqa: E402
 from torchrec_lookahead.strategies._splits import (  # noqa: E402
-    Placement,
+    LayerPlacement,
     consecutive_pairs,  # noqa: E402
     dense_linears,
 )
@@ -154,7 +154,7 @@ def traffic(spec: Dict[str, Any], batch: int, sync_every: int) -> List[Dict[str,
         t = tag(model, lin, cm, refine=refine, copartition=copartition)
         costs = _costs(lin, t.placement, pairs if copartition else [], cm)
         crit = sum(c.group_bytes for c in costs.values())  # background averaging: off the critical path
-        splits = sum(p is not Placement.REPLICATE for p in t.placement.values())
+        splits = sum(p is not LayerPlacement.REPLICATE for p in t.placement.values())
         step_ms = 1e3 * sum(c.seconds(cm) for c in costs.values())
         rows.append({"variant": name, "critical_bytes": crit, "over_sync": crit / sync_bytes,
                      "split_layers": splits, "model_step_ms": step_ms})  # fmt: skip

@@ -4,14 +4,14 @@ import pytest
 from lightning.pytorch.utilities.model_summary import summarize
 
 from torchrec_lookahead.callbacks import EmbeddingModelSummary
-from torchrec_lookahead.callbacks.model_summary import _TableAwareSummary, embedding_tables
+from torchrec_lookahead.callbacks.model_summary import _TableAwareSummary, table_summaries
 from torchrec_lookahead.models import DLRMModule
 
 
 def test_unsharded_tables_are_counted_once():
     m = DLRMModule({"a": 30, "b": 5}, 2, embedding_dim=4, dense_arch_layer_sizes=[4])
     m.configure_model()
-    tables = embedding_tables(m)
+    tables = table_summaries(m)
     assert [(t.name, t.rows, t.dim) for t in tables] == [("t_a", 30, 4), ("t_b", 5, 4)]
     ours, lightnings = _TableAwareSummary(m, 1, tables), summarize(m, 1)
     assert ours.total_parameters == lightnings.total_parameters == sum(p.numel() for p in m.parameters())

@@ -289,7 +289,9 @@ def test_capacity_check_value_is_validated():
         CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), policy="ttl", capacity_check="epoch"
     )
     assert dm.policy is Policy.TTL and dm.capacity_check is CapacityCheck.EPOCH
-    with pytest.raises(ConfigError, match=r"policy must be one of 'belady', 'ttl', 'window', 'lru' but got 'fifo'"):
+    with pytest.raises(
+        ConfigError, match=r"policy must be one of 'belady', 'ttl', 'window', 'lru' but got 'fifo'"
+    ):
         LookaheadDataModule(CriteoSyntheticDataModule(num_embeddings=TINY_TABLES), policy="fifo")
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from torchrec_lookahead.strategies._splits import Placement, consecutive_pairs, dense_linears
+from torchrec_lookahead.strategies._splits import LayerPlacement, consecutive_pairs, dense_linears
 from torchrec_lookahead.strategies._tagger import CostModel, _costs, _total, layer_cost, tag
 
-C, R, P = Placement.COLWISE, Placement.ROWWISE, Placement.REPLICATE
+C, R, P = LayerPlacement.COLWISE, LayerPlacement.ROWWISE, LayerPlacement.REPLICATE
 
 
 def _mlp() -> nn.Module:

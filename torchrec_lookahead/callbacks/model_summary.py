@@ -27,7 +27,7 @@ from torchrec_lookahead.distributed import ShardedLookaheadEmbeddingBagCollectio
 __all__ = [
     "EmbeddingModelSummary",
     "TableSummary",
-    "embedding_tables",
+    "table_summaries",
     "table_report",
     "use_embedding_summary",
 ]
@@ -58,15 +58,15 @@ def _find(model: nn.Module, prefix: str, path: str) -> Optional[str]:
     return None
 
 
-def embedding_tables(model: nn.Module) -> List[TableSummary]:
+def table_summaries(model: nn.Module) -> List[TableSummary]:
     """Every embedding table of ``model``: those of each ``DistributedModelParallel``'s sharding plan (a cached
     table's rows in its host store, a device cache of ``capacity`` rows in front) and those of unsharded
     ``EmbeddingBagCollection`` / ``EmbeddingCollection`` modules.
 
     Example:
-        >>> from torchrec_lookahead.models import table_configs
-        >>> ebc = EmbeddingBagCollection(tables=table_configs({"a": 30, "b": 5}, 4))
-        >>> [(t.module, t.name, t.params, t.where) for t in embedding_tables(nn.Sequential(ebc))]
+        >>> from torchrec_lookahead.models import make_table_configs
+        >>> ebc = EmbeddingBagCollection(tables=make_table_configs({"a": 30, "b": 5}, 4))
+        >>> [(t.module, t.name, t.params, t.where) for t in table_summaries(nn.Sequential(ebc))]
         [('0', 't_a', 120, 'cpu, unsharded'), ('0', 't_b', 20, 'cpu, unsharded')]
     """
     out: List[TableSummary] = []
@@ -167,7 +167,7 @@ class EmbeddingModelSummary(ModelSummary):
 
     @override
     def _summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Summary:
-        self.tables = embedding_tables(pl_module)
+        self.tables = table_summaries(pl_module)
         return _TableAwareSummary(pl_module, self._max_depth, self.tables)
 
     def summarize(  # type: ignore[override]

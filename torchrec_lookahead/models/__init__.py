@@ -2,7 +2,7 @@
 sequence model over an ``EmbeddingCollection`` history (:class:`SequenceModule`), all
 :class:`TorchRecModule` subclasses, which the CLI and ``verify`` take."""
 
-from torchrec_lookahead.models.base import TorchRecModule, embedding_modules, table_configs
+from torchrec_lookahead.models.base import TorchRecModule, embedding_modules, make_table_configs
 from torchrec_lookahead.models.dcn import DCNModule
 from torchrec_lookahead.models.deepfm import DeepFMModule
 from torchrec_lookahead.models.dlrm import DLRMModule
@@ -15,5 +15,5 @@ __all__ = [
     "DeepFMModule",
     "SequenceModule",
     "embedding_modules",
-    "table_configs",
+    "make_table_configs",
 ]

@@ -29,17 +29,19 @@ from typing_extensions import override
 from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.optim import DenseOptimizerSpec, EmbeddingOptimizerSpec, StepOnceCombinedOptimizer
 
-__all__ = ["TorchRecModule", "embedding_modules", "require_positive", "table_configs"]
+__all__ = ["TorchRecModule", "embedding_modules", "require_positive", "make_table_configs"]
 
 
-def table_configs(num_embeddings_per_feature: Dict[str, int], embedding_dim: int) -> List[EmbeddingBagConfig]:
+def make_table_configs(
+    num_embeddings_per_feature: Dict[str, int], embedding_dim: int
+) -> List[EmbeddingBagConfig]:
     """One table per feature, named ``t_<feature>``.
 
     Raises:
         ConfigError: a table size below 1 or an empty mapping.
 
     Example:
-        >>> [t.name for t in table_configs({"a": 10, "b": 5}, 4)]
+        >>> [t.name for t in make_table_configs({"a": 10, "b": 5}, 4)]
         ['t_a', 't_b']
     """
     if not num_embeddings_per_feature:
@@ -83,7 +85,7 @@ def embedding_modules(model: nn.Module) -> List[nn.Module]:
     ``model``, in module order.
 
     Example:
-        >>> ebc = EmbeddingBagCollection(tables=table_configs({"a": 3}, 2))
+        >>> ebc = EmbeddingBagCollection(tables=make_table_configs({"a": 3}, 2))
         >>> embedding_modules(nn.Sequential(ebc)) == [ebc]
         True
     """
@@ -126,7 +128,7 @@ class TorchRecModule(pl.LightningModule, abc.ABC):
                 "(the CLI links it automatically)"
             )
         require_positive(num_dense_features=num_dense_features, embedding_dim=embedding_dim)
-        self.tables = table_configs(dict(num_embeddings_per_feature), embedding_dim)
+        self.tables = make_table_configs(dict(num_embeddings_per_feature), embedding_dim)
         self.num_dense_features = num_dense_features
         self.embedding_optimizer = embedding_optimizer or EmbeddingOptimizerSpec()
         self.dense_optimizer = dense_optimizer or DenseOptimizerSpec()

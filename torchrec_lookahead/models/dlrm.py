@@ -11,10 +11,10 @@ from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.models.base import TorchRecModule, table_configs
+from torchrec_lookahead.models.base import TorchRecModule, make_table_configs
 from torchrec_lookahead.optim import DenseOptimizerSpec, EmbeddingOptimizerSpec
 
-__all__ = ["DLRMModule", "table_configs"]
+__all__ = ["DLRMModule", "make_table_configs"]
 
 
 class DLRMModule(TorchRecModule):

@@ -21,8 +21,8 @@ from torchrec_lookahead.modules.config import (
     CacheOptimizerConfig,
     KernelChoice,
 )
-from torchrec_lookahead.modules.init import init_embedding_bag_tables_
 from torchrec_lookahead.modules.remap import remap_kjt, table_ids
+from torchrec_lookahead.modules.resident_init import init_embedding_bag_tables_
 from torchrec_lookahead.modules.staging import stage_rows
 from torchrec_lookahead.modules.types import StagedRows, StagedTable
 

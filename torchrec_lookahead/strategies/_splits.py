@@ -38,7 +38,7 @@ from torchrec_lookahead.errors import ConfigError, UnevenBatchError
 from torchrec_lookahead.strategies._compression import CompressedColwiseParallel
 
 __all__ = [
-    "Placement",
+    "LayerPlacement",
     "SplitLayer",
     "dense_linears",
     "resolve_placement",
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 
-class Placement(str, enum.Enum):
+class LayerPlacement(str, enum.Enum):
     """Where a dense linear layer's weight lives inside a group."""
 
     COLWISE = "colwise"
@@ -69,7 +69,7 @@ class SplitLayer:
     """
 
     path: str
-    placement: Placement
+    placement: LayerPlacement
     paired: bool = False
 
 
@@ -147,8 +147,8 @@ def resolve_placement(
         [('0', 'colwise', True), ('2', 'rowwise', True)]
     """
     linears = dict(linears if linears is not None else dense_linears(model))
-    valid = [p.value for p in Placement]
-    chosen: Dict[str, Placement] = {}
+    valid = [p.value for p in LayerPlacement]
+    chosen: Dict[str, LayerPlacement] = {}
     for path, value in placement.items():
         try:
             mod = model.get_submodule(path)
@@ -163,14 +163,14 @@ def resolve_placement(
                 f"{list(linears)}"
             )
         try:
-            chosen[path] = Placement(value.value if isinstance(value, enum.Enum) else value)
+            chosen[path] = LayerPlacement(value.value if isinstance(value, enum.Enum) else value)
         except ValueError:
             raise ConfigError(f"placement of {path!r} must be one of {valid} but got {value!r}") from None
     for path, p in chosen.items():
         lin = linears[path]
-        width = lin.out_features if p is Placement.COLWISE else lin.in_features
-        if p is not Placement.REPLICATE and width % group_size:
-            kind = "output" if p is Placement.COLWISE else "input"
+        width = lin.out_features if p is LayerPlacement.COLWISE else lin.in_features
+        if p is not LayerPlacement.REPLICATE and width % group_size:
+            kind = "output" if p is LayerPlacement.COLWISE else "input"
             raise ConfigError(
                 f"placement {p.value} of {path!r} splits its {width} {kind} features over group_size="
                 f"{group_size} ranks, which does not divide them; replicate the layer or choose a width that is "
@@ -179,10 +179,12 @@ def resolve_placement(
     pairs = {
         (a, b)
         for a, b in (consecutive_pairs(model, linears) if copartition else [])
-        if chosen.get(a) is Placement.COLWISE and chosen.get(b) is Placement.ROWWISE
+        if chosen.get(a) is LayerPlacement.COLWISE and chosen.get(b) is LayerPlacement.ROWWISE
     }
     paired = {x for pair in pairs for x in pair}
-    return [SplitLayer(path, p, path in paired) for path, p in chosen.items() if p is not Placement.REPLICATE]
+    return [
+        SplitLayer(path, p, path in paired) for path, p in chosen.items() if p is not LayerPlacement.REPLICATE
+    ]
 
 
 def split_plan(layers: List[SplitLayer], compression: str = "none") -> Dict[str, ParallelStyle]:
@@ -190,7 +192,7 @@ def split_plan(layers: List[SplitLayer], compression: str = "none") -> Dict[str,
     ``compression`` ``"bf16"`` or ``"int8"`` the column splits gather their rows compressed."""
     plan: Dict[str, ParallelStyle] = {}
     for s in layers:
-        if s.placement is Placement.COLWISE:
+        if s.placement is LayerPlacement.COLWISE:
             out = Shard(-1) if s.paired else Shard(0)
             if compression == "none":
                 plan[s.path] = ColwiseParallel(input_layouts=Shard(0), output_layouts=out)
@@ -270,5 +272,5 @@ def check_equal_rows(model: nn.Module, mesh: DeviceMesh, layers: List[SplitLayer
             )
 
     for s in layers:
-        if s.placement is Placement.COLWISE or not s.paired:
+        if s.placement is LayerPlacement.COLWISE or not s.paired:
             model.get_submodule(s.path).register_forward_pre_hook(partial(hook, s.path), prepend=True)

@@ -24,7 +24,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 from torch import nn
 
-from torchrec_lookahead.strategies._splits import Placement, consecutive_pairs
+from torchrec_lookahead.strategies._splits import LayerPlacement, consecutive_pairs
 
 __all__ = ["CostModel", "LayerCost", "Tagging", "tag"]
 
@@ -76,7 +76,7 @@ class LayerCost:
         return self.flops / cm.flops_per_s + self.group_bytes / cm.group_bytes_per_s + cross
 
 
-def layer_cost(lin: nn.Linear, placement: Placement, paired: bool, cm: CostModel) -> LayerCost:
+def layer_cost(lin: nn.Linear, placement: LayerPlacement, paired: bool, cm: CostModel) -> LayerCost:
     """Cost of one layer per rank and step (forward and backward).
 
     Replicated: the group's ring all-reduce of the weight gradient sends ``2 (g-1)/g`` of it. Split: every
@@ -88,21 +88,21 @@ def layer_cost(lin: nn.Linear, placement: Placement, paired: bool, cm: CostModel
 
     Example:
         >>> cm = CostModel(batch_size=8, group_size=2)
-        >>> layer_cost(nn.Linear(4, 8), Placement.REPLICATE, False, cm).group_bytes
+        >>> layer_cost(nn.Linear(4, 8), LayerPlacement.REPLICATE, False, cm).group_bytes
         160.0
     """
     g, b = cm.group_size, cm.batch_size
     n_in, n_out = lin.in_features, lin.out_features
     weights = n_in * n_out + (n_out if lin.bias is not None else 0)
     flops = 6.0 * b * n_in * n_out
-    if placement is Placement.REPLICATE:
+    if placement is LayerPlacement.REPLICATE:
         params = float(weights * _F32)
         group = 2.0 * (g - 1) / g * weights * cm.gradient_bytes
     else:
         params = float(weights * _F32) / g
         act = cm.activation_bytes
         moved = 0.0
-        if placement is Placement.COLWISE:
+        if placement is LayerPlacement.COLWISE:
             moved += (
                 (g - 1) * b * n_in * act
             )  # all-gather of the input rows / reduce-scatter of their gradient
@@ -125,7 +125,7 @@ def layer_cost(lin: nn.Linear, placement: Placement, paired: bool, cm: CostModel
 class Tagging:
     """The tagger's result: a placement per layer and its cost."""
 
-    placement: Dict[str, Placement]
+    placement: Dict[str, LayerPlacement]
     costs: Dict[str, LayerCost] = field(default_factory=dict)
     shapes: Dict[str, Tuple[int, int]] = field(default_factory=dict)
 
@@ -153,14 +153,14 @@ class Tagging:
 
 def _costs(
     linears: Mapping[str, nn.Linear],
-    placement: Mapping[str, Placement],
+    placement: Mapping[str, LayerPlacement],
     pairs: List[Tuple[str, str]],
     cm: CostModel,
 ) -> Dict[str, LayerCost]:
     paired = {
         x
         for a, b in pairs
-        if placement[a] is Placement.COLWISE and placement[b] is Placement.ROWWISE
+        if placement[a] is LayerPlacement.COLWISE and placement[b] is LayerPlacement.ROWWISE
         for x in (a, b)
     }
     return {p: layer_cost(linears[p], placement[p], p in paired, cm) for p in linears}
@@ -172,12 +172,12 @@ def _total(costs: Mapping[str, LayerCost], cm: CostModel) -> Optional[float]:
     return sum(c.seconds(cm) for c in costs.values())
 
 
-def _options(lin: nn.Linear, g: int) -> List[Placement]:
-    out = [Placement.REPLICATE]
+def _options(lin: nn.Linear, g: int) -> List[LayerPlacement]:
+    out = [LayerPlacement.REPLICATE]
     if lin.out_features % g == 0:
-        out.append(Placement.COLWISE)
+        out.append(LayerPlacement.COLWISE)
     if lin.in_features % g == 0:
-        out.append(Placement.ROWWISE)
+        out.append(LayerPlacement.ROWWISE)
     return out
 
 
@@ -185,24 +185,24 @@ def rule_pass(
     linears: Mapping[str, nn.Linear],
     pairs: List[Tuple[str, str]],
     cm: CostModel,
-    fixed: Mapping[str, Placement],
-) -> Dict[str, Placement]:
+    fixed: Mapping[str, LayerPlacement],
+) -> Dict[str, LayerPlacement]:
     """HT's rules (see the module docstring) over the co-partitionable ``pairs``; ``fixed`` layers keep their
     placement."""
     g = cm.group_size
-    out: Dict[str, Placement] = dict(fixed)
+    out: Dict[str, LayerPlacement] = dict(fixed)
     if g > 1:
         for a, b in pairs:
             la, lb = linears[a], linears[b]
             widens, narrows = la.out_features > la.in_features, lb.out_features < lb.in_features
             if widens and narrows and la.out_features % g == 0 and a not in out and b not in out:
-                out[a], out[b] = Placement.COLWISE, Placement.ROWWISE
+                out[a], out[b] = LayerPlacement.COLWISE, LayerPlacement.ROWWISE
     for path, lin in linears.items():
         if path in out:
             continue
-        opts = _options(lin, g) if g > 1 else [Placement.REPLICATE]
+        opts = _options(lin, g) if g > 1 else [LayerPlacement.REPLICATE]
         heavy = lin.in_features * lin.out_features > cm.batch_size * (lin.in_features + lin.out_features)
-        out[path] = opts[1] if heavy and len(opts) > 1 else Placement.REPLICATE
+        out[path] = opts[1] if heavy and len(opts) > 1 else LayerPlacement.REPLICATE
     return {p: out[p] for p in linears}
 
 
@@ -210,7 +210,7 @@ def tag(
     model: nn.Module,
     linears: Mapping[str, nn.Linear],
     cm: CostModel,
-    fixed: Optional[Mapping[str, Placement]] = None,
+    fixed: Optional[Mapping[str, LayerPlacement]] = None,
     refine: bool = True,
     copartition: bool = True,
 ) -> Tagging:
@@ -236,20 +236,20 @@ def tag(
     best = _total(_costs(linears, placement, pairs, cm), cm)
     g = cm.group_size
     while refine and g > 1:
-        moves: List[Dict[str, Placement]] = []
+        moves: List[Dict[str, LayerPlacement]] = []
         for path, lin in linears.items():
             if path not in fixed:
                 moves += [{path: o} for o in _options(lin, g) if o is not placement[path]]
         for a, b in pairs:  # a pair moves together, in or out of co-partitioning
             if a in fixed or b in fixed:
                 continue
-            if (placement[a], placement[b]) != (Placement.REPLICATE,) * 2:
-                moves.append({a: Placement.REPLICATE, b: Placement.REPLICATE})
+            if (placement[a], placement[b]) != (LayerPlacement.REPLICATE,) * 2:
+                moves.append({a: LayerPlacement.REPLICATE, b: LayerPlacement.REPLICATE})
             if linears[a].out_features % g == 0 and (placement[a], placement[b]) != (
-                Placement.COLWISE,
-                Placement.ROWWISE,
+                LayerPlacement.COLWISE,
+                LayerPlacement.ROWWISE,
             ):
-                moves.append({a: Placement.COLWISE, b: Placement.ROWWISE})
+                moves.append({a: LayerPlacement.COLWISE, b: LayerPlacement.ROWWISE})
         chosen, chosen_cost = None, best
         for move in moves:
             cost = _total(_costs(linears, {**placement, **move}, pairs, cm), cm)

@@ -28,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import enum
-import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -55,7 +54,7 @@ from torchrec_lookahead.strategies._averaging import Averaging, ReplicaAverager
 from torchrec_lookahead.strategies._compression import bf16_allreduce_hook
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
 from torchrec_lookahead.strategies._splits import (
-    Placement,
+    LayerPlacement,
     SplitLayer,
     apply_splits,
     dense_linears,
@@ -65,9 +64,7 @@ from torchrec_lookahead.strategies._splits import (
 from torchrec_lookahead.strategies._tagger import CostModel, Tagging, tag
 from torchrec_lookahead.strategies.torchrec import TorchRecStrategy
 
-__all__ = ["HierarchicalStrategy", "Averaging", "Compression", "Placement"]
-
-log = logging.getLogger(__name__)
+__all__ = ["HierarchicalStrategy", "Averaging", "Compression", "LayerPlacement"]
 
 _STATE_DIR = "hierarchical"
 
@@ -199,12 +196,12 @@ class HierarchicalStrategy(TorchRecStrategy):
             if placement not in ("auto", "replicate"):
                 raise ConfigError(
                     f"Expected placement to be 'auto', 'replicate' or a mapping from module path to one of "
-                    f"{[p.value for p in Placement]} but got {placement!r}"
+                    f"{[p.value for p in LayerPlacement]} but got {placement!r}"
                 )
-            self.placement: Union[str, Dict[str, Placement]] = placement
+            self.placement: Union[str, Dict[str, LayerPlacement]] = placement
         elif isinstance(placement, Mapping):
             self.placement = {
-                str(k): _enum(Placement, v, f"placement of {k!r}") for k, v in placement.items()
+                str(k): _enum(LayerPlacement, v, f"placement of {k!r}") for k, v in placement.items()
             }
         else:
             raise ConfigError(
@@ -320,7 +317,7 @@ class HierarchicalStrategy(TorchRecStrategy):
         result."""
         linears = dense_linears(model, skip=(EmbeddingBagCollection,))
         if self.placement == "replicate":
-            fixed: Dict[str, Placement] = {p: Placement.REPLICATE for p in linears}
+            fixed: Dict[str, LayerPlacement] = {p: LayerPlacement.REPLICATE for p in linears}
         else:
             fixed = dict(self.placement) if isinstance(self.placement, dict) else {}
         # The user's placement is checked first, so a bad path fails with its own message.
