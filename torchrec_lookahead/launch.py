@@ -18,7 +18,6 @@ import atexit
 import contextlib
 import os
 import sys
-import time
 import traceback
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence
@@ -165,10 +164,6 @@ def find_lookahead_error(error: BaseException) -> Optional[LookaheadError]:
     return None
 
 
-OTHER_RANK_REPORT_DELAY_S = 10.0
-"""How long a rank other than 0 waits before it reports its error (see :func:`short_lookahead_errors`)."""
-
-
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -181,10 +176,10 @@ def _rank() -> int:
 def short_lookahead_errors() -> Iterator[None]:
     """Report a :class:`~torchrec_lookahead.errors.LookaheadError` raised inside (also one jsonargparse buried in a
     "Does not validate against any of the Union subtypes" message) as one line, ``<Type>: <message>``, and exit
-    with status 1. Rank 0 reports at once; another rank waits ``OTHER_RANK_REPORT_DELAY_S`` first and prefixes its
-    rank, so an error every rank meets is printed once (the launcher ends the others when rank 0 exits) and an
-    error of one rank alone is not lost. Other exceptions pass unchanged; ``TORCHREC_LOOKAHEAD_TRACEBACK=1`` lets the
-    LookaheadError through too, with its traceback."""
+    with status 1. Every rank reports at once, rank 0 as is and another rank prefixed ``[rank N]``: no rank waits
+    for another, so an error of one rank alone is never lost, and an error every rank meets is printed by each
+    rank that reaches its report before the launcher ends it (at most once per rank). Other exceptions pass
+    unchanged; ``TORCHREC_LOOKAHEAD_TRACEBACK=1`` lets the LookaheadError through too, with its traceback."""
     try:
         yield
     except (KeyboardInterrupt, SystemExit):
@@ -194,13 +189,8 @@ def short_lookahead_errors() -> Iterator[None]:
         if error is None or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
         rank = _rank()
-        if rank == 0:
-            sys.stderr.write(f"{type(error).__name__}: {error}\n")
-        else:
-            # Most errors (a bad config value) fail every rank alike: rank 0 reports them and, once it exits, the
-            # launcher ends this rank during the wait. An error of this rank alone is still reported, after it.
-            time.sleep(OTHER_RANK_REPORT_DELAY_S)
-            sys.stderr.write(f"[rank {rank}] {type(error).__name__}: {error}\n")
+        line = f"{type(error).__name__}: {error}\n"
+        sys.stderr.write(line if rank == 0 else f"[rank {rank}] {line}")
         sys.stderr.flush()
         raise SystemExit(1) from None
 

@@ -54,7 +54,8 @@ def test_cache_monitor_logs_the_counters_deltas_through_lightning(tmp_path):
     assert m["cache/stager_wait_ms"] == pytest.approx(d_loader.stager_wait_s * 1e3 / 2)
     assert m["cache/batch_wait_ms"] == pytest.approx(d_loader.batch_wait_s * 1e3 / 2)
     counters = trainer.datamodule.loader.stats()
-    assert counters.planned >= 6 and counters.planner_cpu_s > 0 and counters.batch_wait_s >= 0
+    assert counters.planned >= 6 and counters.planner_cpu_s > 0
+    assert counters.batch_wait_s >= d_loader.batch_wait_s  # the run's total holds the waits of steps 4-5
     assert counters.staged + counters.gathered_here >= 5  # every step's rows were gathered somewhere
     # through Lightning: in callback_metrics, and in every logger (a CSV one here) at train/loss's steps
     assert trainer.callback_metrics["cache/hit_rate"].item() == pytest.approx(m["cache/hit_rate"])

@@ -2,6 +2,7 @@
 
 import ast
 import importlib
+import time
 from pathlib import Path
 
 import torchrec_lookahead
@@ -38,6 +39,10 @@ def test_the_cli_reexports_what_the_commands_share():
         assert getattr(cli, name) is getattr(launch, name), name
 
 
+def _no_wait(seconds: float) -> None:
+    raise AssertionError(f"a rank waited {seconds} s before reporting its error")
+
+
 def _report(monkeypatch, capsys, rank: str) -> str:
     import pytest
 
@@ -46,7 +51,7 @@ def _report(monkeypatch, capsys, rank: str) -> str:
 
     monkeypatch.setattr(launch, "_rank", lambda: int(rank))  # a process group of an earlier test may be up
     monkeypatch.delenv(launch.TRACEBACK_ENV, raising=False)
-    monkeypatch.setattr(launch, "OTHER_RANK_REPORT_DELAY_S", 0.0)
+    monkeypatch.setattr(time, "sleep", _no_wait)  # every rank reports at once: none waits for another
     with pytest.raises(SystemExit) as exit_info, launch.short_lookahead_errors():
         raise ValueError(
             f"Does not validate against any of the Union subtypes\n - {ConfigError('bad policy')}"
@@ -55,9 +60,10 @@ def _report(monkeypatch, capsys, rank: str) -> str:
     return capsys.readouterr().err
 
 
-def test_rank_zero_reports_at_once_and_another_rank_reports_its_own_error_prefixed(monkeypatch, capsys):
+def test_every_rank_reports_at_once_and_a_rank_other_than_zero_prefixes_its_rank(monkeypatch, capsys):
     from torchrec_lookahead.errors import ConfigError
 
     ConfigError("bad policy")  # recorded, as jsonargparse's Union check would have met it
     assert _report(monkeypatch, capsys, "0") == "ConfigError: bad policy\n"
     assert _report(monkeypatch, capsys, "1") == "[rank 1] ConfigError: bad policy\n"
+    assert _report(monkeypatch, capsys, "3") == "[rank 3] ConfigError: bad policy\n"

@@ -1,13 +1,17 @@
 """Two gloo ranks (spawned processes) running the lookahead loader's planner: the id all-gathers stop in
 lockstep whether the epoch ends, a rank's loader is ragged or empty, or a rank stops training early; over a
-row-sharded store, the stager's row gathers (collectives too) stop in lockstep as well."""
+row-sharded store, the stager's row gathers (collectives too) stop in lockstep as well.
+
+Where a scenario needs one rank to act after the other, a barrier on a group of their own orders them (no sleep),
+and the checks are about how each close ended (an error, or none), never how long it took: a wait that was
+abandoned at ``stop_timeout_s`` is a ``SetupError`` that says so. Where no timeout is expected, the timeout
+(``HANG_S``) only bounds a hang."""
 
 from __future__ import annotations
 
 import json
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -21,6 +25,7 @@ from ..conftest import free_port
 pytestmark = pytest.mark.distributed
 
 ROWS = 40
+HANG_S = 120.0  # stop_timeout_s where no wait may time out, and the bound of the waits for a thread's event
 
 
 def _batch(ids: List[int]) -> Any:
@@ -37,7 +42,7 @@ def _batches(rank: int, n: int, size: int = 2) -> List[Any]:
     return [_batch(torch.randint(0, ROWS, (size,), generator=g).tolist()) for _ in range(n)]
 
 
-def _loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 20.0) -> Any:
+def _loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = HANG_S) -> Any:
     from torchrec_lookahead.oracle import LookaheadSettings
     from torchrec_lookahead.runtime import CacheSession, CacheTarget, LookaheadLoader
     from torchrec_lookahead.store import TensorStore
@@ -48,7 +53,7 @@ def _loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 2
                            stop_timeout_s=stop_timeout_s)  # fmt: skip
 
 
-def _sharded_loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = 20.0) -> Any:
+def _sharded_loader(rank: int, batches: List[Any], group: Any, stop_timeout_s: float = HANG_S) -> Any:
     """The loader over a row-sharded store: each rank holds half of the rows, the stager's gathers are
     collectives on a group of their own."""
     from torchrec_lookahead.oracle import LookaheadSettings
@@ -90,13 +95,44 @@ def _consume(loader: Any, it: Any, n: int) -> int:
     return done
 
 
-def _wait_until(condition: Any, what: str, timeout_s: float = 120.0) -> None:
-    """Poll ``condition`` (no fixed sleep: a loaded machine only makes this slower, never wrong)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.01)
+def _wait_for(event: threading.Event, what: str) -> None:
+    """Wait until a background thread sets ``event`` (``HANG_S`` only bounds a hang)."""
+    if not event.wait(HANG_S):
+        raise AssertionError(f"no thread signalled, within {HANG_S:g} s, that {what}")
+
+
+def _close(loader: Any, out: Dict[str, Any], key: str = "close_error") -> None:
+    """Close ``loader``, recording its error (a wait abandoned at ``stop_timeout_s`` is a SetupError) in ``out``."""
+    try:
+        loader.close()
+    except Exception as e:
+        out[key] = f"{type(e).__name__}: {e}"
+
+
+def _stop_after_peer_stopping(rank: int, loader: Any, side: Any, out: Dict[str, Any]) -> None:
+    """Close ``loader`` on both ranks, rank 1 only once rank 0's loader is stopping: rank 0's first
+    ``LockstepGathers.stop`` (its background thread, while rank 0's close waits for it) meets rank 1 at a barrier
+    on ``side`` before it exchanges its stop, and rank 1 closes after that barrier."""
+    from torchrec_lookahead.distributed.lockstep import LockstepGathers
+
+    if rank == 1:
+        dist.barrier(group=side)
+        _close(loader, out)
+        return
+    stop, lock = LockstepGathers.stop, threading.Lock()
+
+    def stop_after_telling_the_peer(gathers: Any, *args: Any, **kwargs: Any) -> None:
+        with lock:
+            if "stopped_first" not in out:
+                out["stopped_first"] = True
+                dist.barrier(group=side)
+        stop(gathers, *args, **kwargs)
+
+    LockstepGathers.stop = stop_after_telling_the_peer  # type: ignore[method-assign]
+    try:
+        _close(loader, out)
+    finally:
+        LockstepGathers.stop = stop  # type: ignore[method-assign]
 
 
 def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
@@ -118,14 +154,11 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
         loader.close()
-    elif name == "stop":  # both stop after 3 of 40 batches, at different moments
+    elif name == "stop":  # both stop after 3 of 40 batches, rank 1 once rank 0 is stopping
         loader = _loader(rank, _batches(rank, 40), group)
         it = iter(loader)
         out["steps"] = _consume(loader, it, 3)
-        time.sleep(0.5 * rank)
-        t0 = time.monotonic()
-        loader.close()
-        out["close_s"] = time.monotonic() - t0
+        _stop_after_peer_stopping(rank, loader, side, out)
     elif name == "peer_stops":  # rank 1 stops after 2 batches, rank 0 keeps asking
         loader = _loader(rank, _batches(rank, 40), group)
         it = iter(loader)
@@ -150,21 +183,16 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
             loader = _loader(rank, _batches(rank, 40), group, stop_timeout_s=1.0)
             it = iter(loader)
             _consume(loader, it, 2)
-            _wait_until(blocked.is_set, "the planner waits in put() with a full queue")
+            _wait_for(blocked, "the planner waits in put() with a full queue")
         finally:
             _threads._Run.put = put  # type: ignore[method-assign]
         dist.barrier(group=side)  # both planners wait in put(), out of the gathers
-        t0 = time.monotonic()
         if rank == 1:
-            try:
-                loader.close()
-            except Exception as e:
-                out["error"] = f"{type(e).__name__}: {e}"
+            _close(loader, out, "error")
             dist.barrier(group=side)
         else:
             dist.barrier(group=side)  # rank 0's planner joins only once rank 1 gave up
-            loader.close()
-        out["close_s"] = time.monotonic() - t0
+            _close(loader, out)
     elif name == "sharded_equal":  # two epochs over a row-sharded store: rows as the unsharded table's
         loader = _sharded_loader(rank, _batches(rank, 6), group)
         out["steps"], out["diff"] = [], 0.0
@@ -176,13 +204,11 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
                 n += 1
             out["steps"].append(n)
         loader.close()
-    elif name == "sharded_stop":  # both stop after 3 of 40 batches, at different moments
+    elif name == "sharded_stop":  # both stop after 3 of 40 batches, rank 1 once rank 0 is stopping
         loader = _sharded_loader(rank, _batches(rank, 40), group)
-        out["steps"] = _consume(loader, iter(loader), 3)
-        time.sleep(0.5 * rank)
-        t0 = time.monotonic()
-        loader.close()
-        out["close_s"] = time.monotonic() - t0
+        it = iter(loader)  # held: an iterator collected before close() would stop the loader itself
+        out["steps"] = _consume(loader, it, 3)
+        _stop_after_peer_stopping(rank, loader, side, out)
     elif name == "stager_peer_stops":
         # Rank 0 starts step 2 (plan 1 applied on rank 0), so its stager goes on to gather plan 3's rows; rank 1
         # stops after step 1, before its stager reaches plan 3. Rank 0's stager must not be left inside a row
@@ -191,9 +217,8 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
         it = iter(loader)
         _consume(loader, it, 3 if rank == 0 else 2)
         dist.barrier(group=side)  # rank 0 has plan 2's rows (rank 1's stager joined their gather)
-        t0 = time.monotonic()
         if rank == 1:
-            loader.close()
+            _close(loader, out)
             dist.barrier(group=side)
         else:
             dist.barrier(group=side)  # rank 1 has stopped: plan 3's rows can no longer be gathered
@@ -203,8 +228,7 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
                 loader.staged_rows(b.plan, b.staged)
             except Exception as e:
                 out["error"] = f"{type(e).__name__}: {e}"
-            loader.close()
-        out["close_s"] = time.monotonic() - t0
+            _close(loader, out)
     elif name == "stager_peer_gone":
         # Rank 1's stager waits in the row gather of plan 2 for rank 0's, which never starts (rank 0 reads
         # batches without starting their steps); once rank 1 stopped, it gives up within its timeout.
@@ -224,28 +248,19 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
             it = iter(loader)
             if rank == 1:
                 _consume(loader, it, 2)
-                _wait_until(at_plan_2.is_set, "the stager waits in plan 2's row gather")
+                _wait_for(at_plan_2, "the stager waits in plan 2's row gather")
         finally:
             StageGathers.begin = begin  # type: ignore[method-assign]
         if rank == 1:
             dist.barrier(group=side)  # rank 0 has read its 6 batches
-            t0 = time.monotonic()
-            try:
-                loader.close()
-            except Exception as e:
-                out["error"] = f"{type(e).__name__}: {e}"
+            _close(loader, out, "error")
             dist.barrier(group=side)
         else:
             for _ in range(6):
                 next(it)
             dist.barrier(group=side)
             dist.barrier(group=side)  # close only once rank 1 gave up
-            t0 = time.monotonic()
-            try:
-                loader.close()
-            except Exception as e:
-                out["error"] = f"{type(e).__name__}: {e}"
-        out["close_s"] = time.monotonic() - t0
+            _close(loader, out, "error")
     elif name in ("scan", "scan_fails"):  # the capacity pre-scan: rank 1's loader fails at batch 3
         from torchrec_lookahead.runtime import scan_epoch
 
@@ -276,9 +291,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     results = {}
     side = dist.new_group(backend="gloo")
     for name in SCENARIOS:  # one pair of processes for all scenarios, a fresh planner group for each
-        t0 = time.monotonic()
         results[name] = _scenario(rank, name, dist.new_group(backend="gloo"), side)
-        results[name]["wall_s"] = time.monotonic() - t0
         dist.barrier()
     Path(outdir, f"{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -315,8 +328,10 @@ def test_a_ragged_or_empty_final_slice_is_a_data_error_on_every_rank(results, na
 def test_ranks_stopping_mid_epoch_end_their_gathers_together(results):
     a, b = results["stop"]
     assert a["steps"] == b["steps"] == 3
-    # rank 0 stopped first and waited for rank 1 to join the last all-gather, then both ended
-    assert a["close_s"] < 10 and b["close_s"] < 10
+    # rank 0 stopped first and waited for rank 1 to join the last all-gather, then both ended: neither close
+    # gave up waiting (that is a SetupError) or met another error
+    assert a.get("stopped_first") and "stopped_first" not in b
+    assert "close_error" not in a and "close_error" not in b, (a, b)
 
 
 def test_a_rank_asking_for_batches_after_its_peer_stopped_gets_a_setup_error(results):
@@ -328,7 +343,7 @@ def test_a_rank_asking_for_batches_after_its_peer_stopped_gets_a_setup_error(res
 def test_a_stopped_rank_whose_peer_never_joins_gives_up_within_its_timeout(results):
     a, b = results["peer_gone"]
     assert b["error"].startswith("SetupError") and "within 1 s" in b["error"], b
-    assert b["close_s"] < 5, b
+    assert "id all-gather of the lookahead planner" in b["error"] and "close_error" not in a, (a, b)
 
 
 def test_row_gathers_over_a_sharded_store_end_every_epoch_together_with_the_unsharded_rows(results):
@@ -340,8 +355,8 @@ def test_row_gathers_over_a_sharded_store_end_every_epoch_together_with_the_unsh
 def test_ranks_stopping_mid_epoch_end_their_row_gathers_together(results):
     a, b = results["sharded_stop"]
     assert a["steps"] == b["steps"] == 3
-    assert a["close_s"] < 10 and b["close_s"] < 10
-    assert "error" not in a and "error" not in b
+    assert a.get("stopped_first") and "stopped_first" not in b
+    assert "close_error" not in a and "close_error" not in b, (a, b)
 
 
 def test_a_stager_whose_peer_stopped_ends_its_row_gathers_with_a_setup_error(results):
@@ -349,14 +364,13 @@ def test_a_stager_whose_peer_stopped_ends_its_row_gathers_with_a_setup_error(res
     assert "error" not in b, b
     assert a["plan"] == 3 and a["error"].startswith("SetupError"), a
     assert "rank(s) [1] stopped gathering rows before plan 3" in a["error"], a
-    assert a["close_s"] < 5 and b["close_s"] < 5
+    assert "close_error" not in a and "close_error" not in b, (a, b)  # neither waited out stop_timeout_s
 
 
 def test_a_stopped_stager_whose_peer_never_joins_gives_up_within_its_timeout(results):
     a, b = results["stager_peer_gone"]
     assert b["error"].startswith("SetupError") and "row gather of the lookahead stager" in b["error"], b
     assert "within 1 s" in b["error"], b
-    assert b["close_s"] < 5, b
 
 
 def test_the_capacity_pre_scan_checks_the_global_batches_and_a_rank_failing_in_it_fails_every_rank(results):

@@ -40,13 +40,17 @@ def _stream(steps: int, seed: int = 0) -> List[torch.Tensor]:
     return out
 
 
-def _wait_idle(store: DiskStore) -> None:
-    """Until the background thread has read every step it may read now (a test's determinism)."""
-    for _ in range(2000):
-        with store._lock:
-            if store._next_prefetch() is None and store._written is None:
-                return
-        time.sleep(0.001)
+def _wait_idle(store: DiskStore, hang_s: float = 120.0) -> None:
+    """Until the background thread has read every step it may read now (a test's determinism): woken by the
+    store's condition when a read ends, and checking again every 10 ms (the thread may find nothing to read
+    without notifying). ``hang_s`` only bounds a hang; reaching it fails the test instead of going on."""
+    deadline = time.monotonic() + hang_s
+    with store._wake:
+        while not (store._next_prefetch() is None and store._written is None):
+            assert time.monotonic() < deadline, (
+                f"the store's background reads did not end within {hang_s:g} s"
+            )
+            store._wake.wait(timeout=0.01)
 
 
 @pytest.mark.parametrize("budget_rows", [1, 64, 400, N])
