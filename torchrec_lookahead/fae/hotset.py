@@ -186,7 +186,7 @@ class HotSet:
 
     def check_budget(self, config: Any) -> None:
         """Refuse a hot set calibrated for another budget or row size than ``config``
-        (a :class:`~torchrec_lookahead.hotcold.CalibrationConfig`).
+        (a :class:`~torchrec_lookahead.fae.CalibrationConfig`).
 
         Raises:
             ConfigError: the budget or the bytes per row differ.
