@@ -51,7 +51,7 @@ from torchrec_lookahead.data import (  # noqa: E402
     SyntheticCriteoConfig,
     TaobaoDataModule,
 )
-from torchrec_lookahead.hotcold import (  # noqa: E402
+from torchrec_lookahead.fae import (  # noqa: E402
     BatchKind,
     CalibrationConfig,
     HotColdDataModule,
@@ -177,7 +177,7 @@ def synthetic(scale: float, batches: int, batch_size: int, budgets_mib: List[flo
 
 
 def _drawn_indices(total: int, config: CalibrationConfig) -> List[int]:
-    from torchrec_lookahead.hotcold.sampling import _draw
+    from torchrec_lookahead.fae.sampling import _draw
 
     return _draw(total, config.sample_fraction, config.seed)
 
@@ -311,7 +311,7 @@ def train(
 
     import torchrec_lookahead.strategies  # noqa: F401
     from torchrec_lookahead.callbacks import HotColdScheduler
-    from torchrec_lookahead.hotcold import HotColdDataModule
+    from torchrec_lookahead.fae import HotColdDataModule
 
     def run(kind: str) -> Dict[str, float]:
         pl.seed_everything(0, verbose=False)

@@ -45,7 +45,7 @@ def _worker(out: str, steps: int, batch: int) -> None:
     from torchrec_lookahead.callbacks import HotColdScheduler
     from torchrec_lookahead.data import CriteoSyntheticDataModule, LookaheadDataModule
     from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
-    from torchrec_lookahead.hotcold import HotColdDataModule
+    from torchrec_lookahead.fae import HotColdDataModule
     from torchrec_lookahead.strategies import TorchRecStrategy
 
     cfg = yaml.safe_load((REPO / "configs" / "dlrm_lookahead.yaml").read_text())

@@ -144,7 +144,7 @@ def fae_run(
     from types import SimpleNamespace
 
     from torchrec_lookahead.callbacks import HotColdScheduler
-    from torchrec_lookahead.hotcold import HotColdDataModule
+    from torchrec_lookahead.fae import HotColdDataModule
 
     dim = int(cli.model.hparams.get("embedding_dim", 16))
     hot = HotColdDataModule(cli.datamodule, **fae_settings(), embedding_dim=dim)

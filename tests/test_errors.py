@@ -51,7 +51,7 @@ def test_facts_survive_pickling_and_unknown_facts_are_refused():
 
 
 def test_pinned_rows_errors_name_the_table_and_its_rows():
-    from torchrec_lookahead.hotcold.pinned import PinnedRows
+    from torchrec_lookahead.fae.pinned import PinnedRows
 
     with pytest.raises(CapacityError, match="pins 2 hot rows in a cache of 2 rows") as info:
         PinnedRows({"t": torch.tensor([3, 7])}, {"f": "t"}, {"t": 2}, {"t": 100})

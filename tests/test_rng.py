@@ -5,7 +5,7 @@ the resident fit sees: the library's set-up puts back what it draws (TorchRec's 
 builds, which depend on the plan), its threads draw nothing, and the wrapped loader's iterator (a
 ``DataLoader`` draws its base seed when it is created) starts on the training thread, where a resident loop
 starts it. The whole-epoch runs at the default job's size are in ``tests/distributed/test_exact_multirank.py``
-(2 ranks), ``tests/data/test_hotcold_lookahead*.py`` (FAE, 1 and 2 ranks) and
+(2 ranks), ``tests/fae/test_lookahead*.py`` (FAE, 1 and 2 ranks) and
 ``tests/distributed/test_disk_tier.py`` (1 rank, over disk stores).
 """
 

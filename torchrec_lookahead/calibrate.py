@@ -4,7 +4,7 @@ Reads the config's model and training data, samples the inputs, estimates hot-se
 Box, picks the threshold whose hot set fits ``hot_budget_bytes`` (the key may sit anywhere in the YAML; the
 calibrator's other keys, such as ``sample_fraction``, are read from the same mapping), marks the hot rows and
 prints the report. ``--save`` writes the hot set (default: the ``hot_set`` path of a
-:class:`~torchrec_lookahead.hotcold.HotColdDataModule` in the config); ``--json`` writes the figures
+:class:`~torchrec_lookahead.fae.HotColdDataModule` in the config); ``--json`` writes the figures
 (``threshold``, ``hot_budget_bytes``, ``hot_bytes``, ``hot_rows``, ``estimated_hot_rows``,
 ``hot_access_share``, ``hot_sample_share``, ``seconds``, ...).
 """
@@ -23,7 +23,7 @@ import yaml
 
 from torchrec_lookahead._checks import check_output_file
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.hotcold import (
+from torchrec_lookahead.fae import (
     CalibrationConfig,
     HotColdDataModule,
     HotSet,
@@ -102,7 +102,7 @@ def run_calibration(
     if holder is None:
         raise ConfigError(
             f"{config_path} has no hot_budget_bytes; add one (e.g. data.init_args.hot_budget_bytes: 268435456 under "
-            "a torchrec_lookahead.hotcold.HotColdDataModule)"
+            "a torchrec_lookahead.fae.HotColdDataModule)"
         )
     from torchrec_lookahead.launch import build_cli
 

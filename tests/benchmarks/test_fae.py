@@ -56,7 +56,7 @@ def test_fae_cache_comparison_quick_variant(tmp_path: Path) -> None:
     assert runs["resident"]["rows_fetched_per_sample"] == 0.0
     # FAE's caches hold the lookahead-only slots plus the pinned rows, which it fetches (once) on top of the cold
     # rows: on 12 batches that can exceed the lookahead-only traffic, so the ratio's value is not checked here
-    # (hot batches moving nothing is tested in tests/data/test_hotcold_lookahead.py).
+    # (hot batches moving nothing is tested in tests/fae/test_lookahead.py).
     assert runs["fae"]["device_cache_rows"] == runs["lookahead_same_memory"]["device_cache_rows"]
     assert runs["fae"]["device_cache_rows"] > runs["lookahead"]["device_cache_rows"]
     floor = figures["compulsory_rows_per_sample"]

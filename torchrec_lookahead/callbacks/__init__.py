@@ -1,10 +1,11 @@
-"""Lightning callbacks: cache statistics, FAE's hot/cold shuffle scheduler, the predictions of ``predict``, a
-model summary that counts embedding tables where they live."""
+"""Lightning callbacks: cache statistics, FAE's hot/cold shuffle scheduler (defined in
+:mod:`torchrec_lookahead.fae` with the rest of FAE), the predictions of ``predict``, a model summary that counts
+embedding tables where they live."""
 
 from torchrec_lookahead.callbacks.cache_monitor import TENSORBOARD_LAYOUT, CacheMonitor
-from torchrec_lookahead.callbacks.hotcold_scheduler import HotColdScheduler, RateRule
 from torchrec_lookahead.callbacks.model_summary import EmbeddingModelSummary, use_embedding_summary
 from torchrec_lookahead.callbacks.prediction_writer import PredictionWriter
+from torchrec_lookahead.fae.scheduler import HotColdScheduler, RateRule
 
 __all__ = [
     "CacheMonitor",

@@ -9,25 +9,23 @@ not slots.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
-from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
 from torchrec_lookahead.data.rank_split import split_for_ranks
 from torchrec_lookahead.data.wrapper import WrappedDataModule
-from torchrec_lookahead.errors import ConfigError, SetupError
-from torchrec_lookahead.hotcold.pinned import PinnedRows
+from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.oracle import LookaheadSettings, Policy
 from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_DEPTH
 from torchrec_lookahead.runtime import CacheHost, CacheSession, CapacityCheck, LookaheadLoader, scan_epoch
 from torchrec_lookahead.runtime._report import report_text, scan_progress
 from torchrec_lookahead.runtime._threads import _check_nice
 from torchrec_lookahead.runtime.adapter import BatchAdapter
+from torchrec_lookahead.runtime.types import PinnedLoaderOptions, PinnedPart, PinnedRowsSource
 
 __all__ = ["LookaheadDataModule"]
 
@@ -49,21 +47,6 @@ def check_cdlrm_schedule(policy: str, window: int, average_every: Optional[int])
             f"{window}), or cdlrm_average_every=1; otherwise rows evicted between averagings would lose the "
             "other ranks' updates"
         )
-
-
-class _ColdParts:
-    """Batches of ``loader`` without their pinned (hot) ids: what the oracle plans (for the capacity check)."""
-
-    def __init__(self, loader: Any, pinned: PinnedRows) -> None:
-        self.loader = loader
-        self.pinned = pinned
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Iterator[Batch]:
-        for b in self.loader:
-            yield Batch(b.dense_features, self.pinned.cold_part(b.sparse_features), b.labels)
 
 
 class LookaheadDataModule(WrappedDataModule):
@@ -173,8 +156,6 @@ class LookaheadDataModule(WrappedDataModule):
 
     @override
     def train_dataloader(self) -> Any:
-        from torchrec_lookahead.hotcold.datamodule import HotColdLoader  # hotcold/ imports data/'s wrapper
-
         inner = self.datamodule.train_dataloader()
         session = self._session()
         if session is None or not session.target.capacity:
@@ -183,8 +164,8 @@ class LookaheadDataModule(WrappedDataModule):
             )
             return inner
         target = session.target
-        if isinstance(inner, HotColdLoader):
-            return self._hotcold_loader(inner, session)
+        if isinstance(self.datamodule, PinnedRowsSource):
+            return self._pinned_loader(self.datamodule, inner, session)
         if self.trainer is not None:
             inner = split_for_ranks(self.trainer, inner)
         check_cdlrm_schedule(self.policy.value, self.settings.window_length, target.average_every)
@@ -195,7 +176,7 @@ class LookaheadDataModule(WrappedDataModule):
         return self.loader
 
     def _lookahead(
-        self, inner: Any, session: CacheSession, pinned: Optional[PinnedRows] = None
+        self, inner: Any, session: CacheSession, pinned: Optional[PinnedPart] = None
     ) -> LookaheadLoader:
         return LookaheadLoader(
             inner,
@@ -208,53 +189,15 @@ class LookaheadDataModule(WrappedDataModule):
             batch_adapter=self.batch_adapter,
         )
 
-    def _hotcold_loader(self, inner: Any, session: CacheSession) -> Any:
-        """FAE with pinned hot rows: hot batches read pinned slots, the oracle plans the cold batches alone."""
-        from torchrec_lookahead.data.hotcold_lookahead import ColdBatches, HotColdLookaheadLoader
-
-        target = session.target
-
-        if self.batch_adapter is not None:
-            raise ConfigError(
-                "Pinned hot rows (a HotColdDataModule inside a LookaheadDataModule) regroup TorchRec Batches; "
-                "drop batch_adapter, or yield TorchRec Batches from the wrapped DataModule"
-            )
-        if target.average_every is not None:
-            raise ConfigError(
-                "Pinned hot rows are kept identical on every rank by their exact gradient exchange; cDLRM's "
-                "periodic averaging (average_every) does not apply to them: drop average_every"
-            )
-        if self.policy is Policy.WINDOW:
-            raise ConfigError("Pinned hot rows need a fixed-slot policy (belady, ttl or lru), not 'window'")
-        hot_set = getattr(self.datamodule, "hot_set", None)
-        if hot_set is None:
-            raise SetupError("The hot/cold DataModule has no hot set; call its setup('fit') first")
-        pinned = PinnedRows(
-            {name: table.hot_ids for name, table in hot_set.tables.items()},
-            target.feature_to_table,
-            target.capacity,
-            target.num_embeddings,
-        )
-        report_text(
-            self.trainer,
-            "lookahead/pinned_rows",
-            "Pinned hot rows in the lookahead cache:\n  " + "\n  ".join(pinned.summary()),
-        )
-        if self.loader is not None:
+    def _pinned_loader(self, source: PinnedRowsSource, inner: Any, session: CacheSession) -> Any:
+        """Rows pinned in the caches (FAE's hot rows): the wrapped DataModule builds the loader on plan streams
+        of this DataModule's settings, after its previous loader is closed."""
+        if self.loader is not None:  # a reload: the previous loader's threads must not outlive it
             self.loader.close()
-        if self.capacity_check is CapacityCheck.EPOCH:
-            t0 = time.perf_counter()
-            dynamic = dataclasses.replace(target, capacity=pinned.dynamic_capacity())
-            cold = _ColdParts(ColdBatches(inner.stream), pinned)
-            with scan_progress(self.trainer, "Lookahead capacity check (cold batches)", None) as tick:
-                need = scan_epoch(cold, dynamic, self.prefetch_depth, on_batch=tick)
-            report_text(
-                self.trainer,
-                "lookahead/capacity_check",
-                f"Lookahead capacity check of the cold batches: {time.perf_counter() - t0:.1f} s; the largest "
-                f"windows need {need} dynamic cache rows",
-            )
-        self.loader = HotColdLookaheadLoader(inner, pinned, session, self._lookahead)
+        options = PinnedLoaderOptions(
+            self.policy, self.prefetch_depth, self.capacity_check, self.batch_adapter, self.trainer
+        )
+        self.loader = source.pinned_loader(inner, session, self._lookahead, options)
         return self.loader
 
     def _check_epoch(self, inner: Any, session: CacheSession) -> None:

@@ -1,7 +1,7 @@
 """``WrappedDataModule``: a DataModule that changes how another one's training batches are served.
 
 :class:`~torchrec_lookahead.data.LookaheadDataModule` (plans the cached tables ahead) and
-:class:`~torchrec_lookahead.hotcold.HotColdDataModule` (regroups samples into hot and cold mini-batches) both
+:class:`~torchrec_lookahead.fae.HotColdDataModule` (regroups samples into hot and cold mini-batches) both
 wrap a user's DataModule: everything but ``train_dataloader`` passes through to it, and the model's table
 sizes and dense width are read from it (the CLI links them).
 """

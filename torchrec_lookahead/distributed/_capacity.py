@@ -9,13 +9,15 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.distributed._optimizers import cache_optimizer_from_module
 from torchrec_lookahead.distributed._tables import table_configs
 from torchrec_lookahead.errors import CapacityError, ConfigError
 from torchrec_lookahead.modules import CacheOptimizerConfig
+from torchrec_lookahead.oracle import UnknownFeatures, table_ids
 
-__all__ = ["plan_capacity"]
+__all__ = ["plan_capacity", "cold_table_ids"]
 
 
 def plan_capacity(
@@ -34,7 +36,6 @@ def plan_capacity(
         CapacityError: the budget cannot hold the pinned rows and the smallest feasible caches.
     """
     from torchrec_lookahead.distributed.planner import LookaheadPlanner
-    from torchrec_lookahead.hotcold.pinned import cold_table_ids
 
     ebcs = [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     tables = [c for m in ebcs for c in table_configs(m)]
@@ -69,3 +70,35 @@ def plan_capacity(
     samples = (cold_table_ids(getattr(b, "sparse_features", b), f2t, hot) for b in sample_batches)
     plan = LookaheadPlanner(device_budget_bytes - pinned_bytes, **options).plan(dynamic, optimizer, samples)
     return {t: c + pinned_rows.get(t, 0) for t, c in plan.capacity.items()}, plan
+
+
+def cold_table_ids(
+    kjt: KeyedJaggedTensor, feature_to_table: Mapping[str, str], hot_ids: Mapping[str, torch.Tensor]
+) -> Dict[str, torch.Tensor]:
+    """Per table, the batch's cold ids renumbered among the table's cold rows (an id minus the hot ids below it):
+    what the dynamic part of a cache with pinned rows sees, as ids of a table of ``rows - P`` rows. The budget
+    planner sizes the dynamic caches from them.
+
+    Args:
+        kjt: the batch's sparse features.
+        feature_to_table: feature -> table for the tables to report.
+        hot_ids: table -> sorted hot ids (tables not listed have none).
+
+    Example:
+        >>> kjt = KeyedJaggedTensor(["f"], torch.tensor([0, 5, 2, 7]), lengths=torch.tensor([2, 2]))
+        >>> {t: v.tolist() for t, v in cold_table_ids(kjt, {"f": "t"}, {"t": torch.tensor([2, 5])}).items()}
+        {'t': [0, 5]}
+    """
+    out: Dict[str, torch.Tensor] = {}
+    for table, ids in table_ids(
+        kjt, feature_to_table, set(feature_to_table.values()), unknown=UnknownFeatures.IGNORE
+    ).items():
+        ids = ids.to("cpu", torch.int64)
+        hot = hot_ids.get(table)
+        if hot is None or not hot.numel():
+            out[table] = ids
+            continue
+        hot = hot.to(torch.int64)
+        cold = ids[~torch.isin(ids, hot)]
+        out[table] = cold - torch.searchsorted(hot, cold)
+    return out

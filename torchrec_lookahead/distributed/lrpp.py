@@ -108,7 +108,7 @@ class LRPPPlan:
             values remapped to slots: each rank's backward rebuilds TorchRec's gradient order from it
             (``distributed/exact_sync.py``).
         pinned: per cached table, the rows pinned in its first slots (FAE's hot rows,
-            :class:`~torchrec_lookahead.hotcold.PinnedRows`): every rank holds them, so every rank updates every
+            :class:`~torchrec_lookahead.fae.PinnedRows`): every rank holds them, so every rank updates every
             pinned row the global batch reads, from every bag that reads it.
     """
 

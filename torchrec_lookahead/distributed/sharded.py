@@ -228,7 +228,7 @@ class ShardedLookaheadEmbeddingBagCollection(
         self.step_state.dirty = True
 
     def pin_rows(self, plan: BatchPlan) -> None:
-        """Load pinned rows (a :meth:`~torchrec_lookahead.hotcold.PinnedRows.pin_plan`) into the emptied caches:
+        """Load pinned rows (a :meth:`~torchrec_lookahead.fae.PinnedRows.pin_plan`) into the emptied caches:
         every rank loads every pinned row of its cached tables; nothing is evicted or written back. With
         several ranks the stores' reads are collectives where the stores are row-sharded: every rank calls this
         at the same step (the first batch of a plan stream)."""

@@ -38,7 +38,7 @@ class LookaheadBatch(Batch):
             batch of pinned (hot) rows, which moves nothing.
         lrpp: with several ranks, the step's synchronisation plan.
         pin: a plan to apply before ``plan``, on an empty cache: it loads the pinned hot rows (first batch of
-            a plan stream with pinned rows, see :class:`~torchrec_lookahead.hotcold.PinnedRows`).
+            a plan stream with pinned rows, see :class:`~torchrec_lookahead.fae.PinnedRows`).
         source: the user's own batch this one was read from through ``adapter`` (``None`` for a TorchRec
             ``Batch``); the model trains on :meth:`user_batch`.
         adapter: the :class:`~torchrec_lookahead.data.BatchAdapter` that read ``source``.

@@ -93,7 +93,7 @@ class LookaheadLoader:
         planner_nice: nice value of the planner thread (Linux; 0 leaves it at the process's priority), see
             :class:`~torchrec_lookahead.data.LookaheadDataModule`.
         pinned: hot rows pinned in the first slots of the caches: the oracle plans the rest of each cache
-            (:meth:`~torchrec_lookahead.hotcold.PinnedRows.cold_part` of every batch) and its plans are lifted
+            (:meth:`~torchrec_lookahead.fae.PinnedRows.cold_part` of every batch) and its plans are lifted
             to the whole cache. The pinned rows themselves are loaded by whoever starts the plan stream.
         batch_adapter: reads the wrapped loader's batches when they are not TorchRec ``Batch`` es (see
             :class:`~torchrec_lookahead.data.BatchAdapter`); the model then trains on its own batch type.

@@ -1,21 +1,36 @@
 """The runtime's contracts with what plugs into it: rows pinned in the caches (FAE's hot rows,
-:class:`PinnedPart`)."""
+:class:`PinnedPart`) and the DataModule that pins them (:class:`PinnedRowsSource`, FAE's
+:class:`~torchrec_lookahead.fae.HotColdDataModule`), with what it is told of the lookahead loader
+(:class:`PinnedLoaderOptions`, a :data:`LookaheadFactory`).
+
+The strategy and :class:`~torchrec_lookahead.data.LookaheadDataModule` know a plug-in only through these: they
+ask ``isinstance(datamodule, PinnedRowsSource)`` and delegate, and import nothing of the plug-in.
+"""
 
 from __future__ import annotations
 
-from typing import Dict, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Protocol, runtime_checkable
 
+import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_lookahead.oracle import Policy
 from torchrec_lookahead.oracle.types import BatchPlan
+from torchrec_lookahead.runtime.adapter import BatchAdapter
+from torchrec_lookahead.runtime.capacity import CapacityCheck
 
-__all__ = ["PinnedPart"]
+if TYPE_CHECKING:
+    from torchrec_lookahead.runtime.loader import LookaheadLoader
+    from torchrec_lookahead.runtime.session import CacheSession
+
+__all__ = ["PinnedPart", "PinnedRowsSource", "PinnedLoaderOptions", "LookaheadFactory"]
 
 
 @runtime_checkable
 class PinnedPart(Protocol):
     """Rows pinned in the first slots of the caches for a whole plan stream (FAE's hot rows, implemented by
-    :class:`~torchrec_lookahead.hotcold.PinnedRows`): the oracle plans the rest of each cache, over the part of
+    :class:`~torchrec_lookahead.fae.PinnedRows`): the oracle plans the rest of each cache, over the part of
     each batch that reads no pinned row, and its plans are lifted to the whole cache."""
 
     @property
@@ -33,4 +48,66 @@ class PinnedPart(Protocol):
 
     def lift(self, plan: BatchPlan, kjt: KeyedJaggedTensor) -> BatchPlan:
         """``plan`` (over the dynamic slots, for ``cold_part(kjt)``) as a plan of the whole cache for ``kjt``."""
+        ...
+
+
+#: Builds the :class:`~torchrec_lookahead.runtime.LookaheadLoader` of a loader on a session, with rows pinned
+#: (the :class:`~torchrec_lookahead.data.LookaheadDataModule` passes its horizon, depth, policy and options).
+LookaheadFactory = Callable[[Any, "CacheSession", PinnedPart], "LookaheadLoader"]
+
+
+@dataclass(frozen=True)
+class PinnedLoaderOptions:
+    """What a :class:`PinnedRowsSource` is told of the lookahead loader it is asked for (the
+    :class:`~torchrec_lookahead.data.LookaheadDataModule`'s settings).
+
+    Attributes:
+        policy: the oracle's policy.
+        prefetch_depth: steps ahead the fetched rows are gathered (the capacity check's window).
+        capacity_check: whether the epoch is checked against the caches before training.
+        batch_adapter: how the wrapped DataModule's batches are read, if they are not TorchRec ``Batch`` es.
+        trainer: where set-up reports go (text on rank 0 and TensorBoard; ``None``: logging only).
+    """
+
+    policy: Policy
+    prefetch_depth: int
+    capacity_check: CapacityCheck
+    batch_adapter: Optional[BatchAdapter] = None
+    trainer: Optional[Any] = None
+
+
+@runtime_checkable
+class PinnedRowsSource(Protocol):
+    """A DataModule whose training batches read rows pinned in the caches (FAE's hot rows, implemented by
+    :class:`~torchrec_lookahead.fae.HotColdDataModule`).
+
+    The strategy sizes the caches from it while sharding (:meth:`pinned_hot_ids`, :meth:`cold_batches`);
+    :class:`~torchrec_lookahead.data.LookaheadDataModule` asks it for the training loader
+    (:meth:`pinned_loader`) when it wraps one.
+    """
+
+    def pinned_hot_ids(self) -> Dict[str, torch.Tensor]:
+        """Table -> sorted ids to pin, after calibrating or loading what decides them if not done yet (kept for
+        training): what the budget planner takes off the device budget."""
+        ...
+
+    def cold_batches(self) -> Iterable[Any]:
+        """The epoch's training batches that the dynamic (not pinned) part of the caches serves, in order, read
+        from a new training loader: what the budget planner sizes the dynamic caches from."""
+        ...
+
+    def pinned_loader(
+        self, inner: Any, session: CacheSession, lookahead: LookaheadFactory, options: PinnedLoaderOptions
+    ) -> Any:
+        """The training loader over ``inner`` (this DataModule's training loader) with its rows pinned in the
+        caches of ``session``; its plan streams are :class:`~torchrec_lookahead.runtime.LookaheadLoader` s built
+        by ``lookahead``.
+
+        Refuses the ``options`` it cannot serve, reports the pinned rows and, with ``capacity_check="epoch"``,
+        checks the epoch's batches against the dynamic caches before training.
+
+        Raises:
+            ConfigError: ``options`` (or the session's target) that pinned rows do not support.
+            CapacityError: the pinned rows, or a window of the epoch, do not fit the caches.
+        """
         ...

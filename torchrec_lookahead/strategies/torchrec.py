@@ -57,6 +57,7 @@ from torchrec_lookahead.modules import CachedEmbeddingBagCollection, init_embedd
 from torchrec_lookahead.runtime import CacheSession, LookaheadBatch
 from torchrec_lookahead.runtime._report import report_text, scan_progress
 from torchrec_lookahead.runtime.adapter import as_torchrec_batch
+from torchrec_lookahead.runtime.types import PinnedRowsSource
 from torchrec_lookahead.store.init import init_embedding_weights
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
 from torchrec_lookahead.strategies._signals import LockstepSignalConnector, use_lockstep_signals
@@ -273,11 +274,11 @@ class TorchRecStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         for s in lookahead:
             if s.device_budget_bytes is not None and not s.capacity:
-                hot = self._pinned_hot_ids()
+                pinning = self._pinned_rows_source()
+                # the hot set is loaded or calibrated here, before the caches are sized (it is kept for training)
+                hot = None if pinning is None else pinning.pinned_hot_ids()
                 with scan_progress(trainer, "Lookahead cache plan: sampling batches", None) as tick:
-                    plan_report = s.plan_capacity(
-                        module, self._sample_batches(tick, cold=hot is not None), pinned=hot
-                    )
+                    plan_report = s.plan_capacity(module, self._sample_batches(tick, pinning), pinned=hot)
                 report = f"Lookahead cache plan:\n{plan_report}"
                 if hot:
                     report += "\nPinned hot rows in those caches (capacity = pinned + planned): " + ", ".join(
@@ -351,25 +352,24 @@ class TorchRecStrategy(DDPStrategy):
         dm = getattr(trainer, "datamodule", None)
         return dm, getattr(dm, "datamodule", dm)
 
-    def _pinned_hot_ids(self) -> Optional[Dict[str, torch.Tensor]]:
-        """FAE's hot ids per table when the DataModule pins them in the caches (a ``HotColdDataModule`` inside a
-        ``LookaheadDataModule``), calibrating or loading the hot set now (it is kept for training)."""
+    def _pinned_rows_source(self) -> Optional[PinnedRowsSource]:
+        """The wrapped DataModule when it pins rows in the caches (FAE's hot rows: a ``HotColdDataModule`` inside
+        a ``LookaheadDataModule``), else ``None``."""
         from torchrec_lookahead.data.lookahead import LookaheadDataModule
-        from torchrec_lookahead.hotcold import HotColdDataModule
 
         dm, inner = self._datamodules()
-        if not (isinstance(dm, LookaheadDataModule) and isinstance(inner, HotColdDataModule)):
-            return None
-        if inner.hot_set is None:
-            inner.hot_set = inner.load_or_calibrate()
-        return {name: table.hot_ids for name, table in inner.hot_set.tables.items()}
+        if isinstance(dm, LookaheadDataModule) and isinstance(inner, PinnedRowsSource):
+            return inner
+        return None
 
     def _sample_batches(
-        self, on_batch: Callable[[], None] = lambda: None, cold: bool = False
+        self, on_batch: Callable[[], None] = lambda: None, pinning: Optional[PinnedRowsSource] = None
     ) -> Iterator[Any]:
         """Training batches of the (unwrapped) DataModule, for sizing caches; identical on every rank.
-        ``on_batch`` is called after each batch is read (a progress bar's tick). With ``cold`` (pinned hot rows),
-        the cold batches of its hot/cold stream: the dynamic caches see only them."""
+        ``on_batch`` is called after each batch is read (a progress bar's tick). With ``pinning`` (the
+        DataModule pins rows in the caches), its cold batches
+        (:meth:`~torchrec_lookahead.runtime.types.PinnedRowsSource.cold_batches`): the dynamic caches see only
+        them."""
         dm, inner = self._datamodules()
         adapter = getattr(dm, "batch_adapter", None)
         if inner is None:
@@ -377,11 +377,7 @@ class TorchRecStrategy(DDPStrategy):
                 "The lookahead sharder has a device budget but no DataModule to sample batches from; pass a "
                 "DataModule to the Trainer or give the sharder explicit capacities"
             )
-        loader = inner.train_dataloader()
-        if cold:
-            from torchrec_lookahead.data.hotcold_lookahead import ColdBatches
-
-            loader = ColdBatches(loader.stream)
+        loader = inner.train_dataloader() if pinning is None else pinning.cold_batches()
         for batch in loader:
             kjt = as_torchrec_batch(batch, adapter).sparse_features
             on_batch()

@@ -14,7 +14,7 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.data import CriteoSyntheticDataset, SyntheticCriteoConfig
 from torchrec_lookahead.errors import CheckpointError, ConfigError, DataError, InvalidIdError
-from torchrec_lookahead.hotcold import (
+from torchrec_lookahead.fae import (
     CalibrationConfig,
     HotSet,
     RandEmBox,
@@ -24,7 +24,7 @@ from torchrec_lookahead.hotcold import (
     exact_hot_rows,
     sample_batches,
 )
-from torchrec_lookahead.hotcold._stats import student_t_quantile
+from torchrec_lookahead.fae._stats import student_t_quantile
 
 SIZES = [3000, 20, 500, 7, 2, 9, 40, 11, 5, 3, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]
 

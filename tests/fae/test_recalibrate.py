@@ -18,7 +18,7 @@ import torch
 
 from torchrec_lookahead.data import CriteoSyntheticDataModule
 from torchrec_lookahead.errors import CheckpointError, ConfigError
-from torchrec_lookahead.hotcold import BatchKind, HotColdDataModule, calibrate
+from torchrec_lookahead.fae import BatchKind, HotColdDataModule, calibrate
 
 from ..conftest import tiny_data_args
 

@@ -12,9 +12,18 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torchrec import KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 
-from torchrec_lookahead.callbacks import HotColdScheduler, RateRule
+from torchrec_lookahead.data import CriteoSyntheticDataModule
 from torchrec_lookahead.errors import ConfigError, SetupError
-from torchrec_lookahead.hotcold import BatchKind, HotColdLoader, HotColdStream
+from torchrec_lookahead.fae import (
+    BatchKind,
+    HotColdDataModule,
+    HotColdLoader,
+    HotColdScheduler,
+    HotColdStream,
+    RateRule,
+)
+
+from ..conftest import tiny_data_args
 
 H, C = BatchKind.HOT, BatchKind.COLD
 
@@ -33,8 +42,10 @@ def _loader() -> HotColdLoader:
 
 
 def _trainer(loader: HotColdLoader) -> Any:
+    datamodule = HotColdDataModule(CriteoSyntheticDataModule(**tiny_data_args()), hot_budget_bytes=1 << 20)
+    datamodule.loader = loader  # what its train_dataloader() would have set
     return SimpleNamespace(
-        datamodule=SimpleNamespace(loader=loader),
+        datamodule=datamodule,
         current_epoch=0,
         sanity_checking=False,
         state=SimpleNamespace(fn=TrainerFn.FITTING),

@@ -20,10 +20,10 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.callbacks import HotColdScheduler
 from torchrec_lookahead.data import CriteoSyntheticDataModule, LookaheadDataModule
-from torchrec_lookahead.data.hotcold_lookahead import ColdBatches, HotColdLookaheadLoader
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
 from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError
-from torchrec_lookahead.hotcold import BatchKind, HotColdDataModule, HotColdStream, PinnedRows
+from torchrec_lookahead.fae import BatchKind, HotColdDataModule, HotColdStream, PinnedRows
+from torchrec_lookahead.fae.lookahead import ColdBatches, HotColdLookaheadLoader
 from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
 from torchrec_lookahead.strategies import TorchRecStrategy
 from torchrec_lookahead.verify import verify
@@ -81,7 +81,7 @@ def _source(n: int = 30, rows: int = 6) -> Any:
 def test_cold_batches_are_the_training_orders_whatever_the_interleaving() -> None:
     masks = {k: torch.tensor([True, True, True, False, False, False]) for k in "ab"}
     src = _source()
-    from torchrec_lookahead.hotcold.stream import count_hot_samples
+    from torchrec_lookahead.fae.stream import count_hot_samples
 
     num = count_hot_samples(src(), masks)
     for seed in range(3):
@@ -172,7 +172,7 @@ def test_fae_cached_equals_resident_on_the_same_stream(optimizer: str) -> None:
 
 
 def test_a_training_order_left_behind_the_shared_read_reads_on_its_own_and_stays_exact(monkeypatch) -> None:
-    import torchrec_lookahead.data.hotcold_lookahead as module
+    import torchrec_lookahead.fae.lookahead as module
 
     reads: List[Any] = []
 
@@ -213,7 +213,7 @@ def test_pinned_rows_with_cdlrm_averaging_are_refused_clearly() -> None:
     dm = LookaheadDataModule(HotColdDataModule(CriteoSyntheticDataModule(**tiny_data_args()), **FAE))
     target = CacheTarget(CAPACITY, {"cat_2": "t_cat_2"}, {"t_cat_2": 300}, {}, num_ranks=2, average_every=4)
     with pytest.raises(ConfigError, match="Pinned hot rows .* drop average_every"):
-        dm._hotcold_loader(None, CacheSession(target))
+        dm._pinned_loader(dm.datamodule, None, CacheSession(target))  # type: ignore[arg-type]
 
 
 def _budget_override(tmp_path: Path, budget: int) -> str:

@@ -16,7 +16,7 @@ from torchrec_lookahead.callbacks import HotColdScheduler, RateRule
 from torchrec_lookahead.cli import main as cli_main
 from torchrec_lookahead.data import CriteoSyntheticDataModule
 from torchrec_lookahead.errors import CheckpointError, ConfigError
-from torchrec_lookahead.hotcold import BatchKind, HotColdDataModule, HotSet
+from torchrec_lookahead.fae import BatchKind, HotColdDataModule, HotSet
 
 from ..conftest import REPO, tiny_data_args
 from ..helpers import _trainer, check_mid_epoch_resume, make_model
@@ -128,7 +128,7 @@ def _tiny_config(tmp_path: Path, **data: Any) -> str:
     cfg: Dict[str, Any] = yaml.safe_load((REPO / "configs" / "dlrm_tiny.yaml").read_text())
     inner = cfg["data"]
     cfg["data"] = {
-        "class_path": "torchrec_lookahead.hotcold.HotColdDataModule",
+        "class_path": "torchrec_lookahead.fae.HotColdDataModule",
         "init_args": {"datamodule": inner, **FAE, **data},
     }
     path = tmp_path / "fae.yaml"

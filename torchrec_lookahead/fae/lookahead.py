@@ -1,7 +1,7 @@
 """FAE inside the lookahead cache: hot batches read pinned rows, the oracle plans the cold stream only.
 
 :class:`HotColdLookaheadLoader` is what :class:`~torchrec_lookahead.data.LookaheadDataModule` serves when it
-wraps a :class:`~torchrec_lookahead.hotcold.HotColdDataModule` and the model has cached tables::
+wraps a :class:`~torchrec_lookahead.fae.HotColdDataModule` and the model has cached tables::
 
     training order  <- HotColdStream (the scheduler's requests choose hot or cold at run time)
       hot batch j   -> ids mapped to pinned slots (PinnedRows.hot_plan): no plan ahead, no staging, no store
@@ -20,25 +20,30 @@ twice fails with a typed error instead of training on the wrong plan.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import torch
 from torchrec.datasets.utils import Batch
 
-from torchrec_lookahead.data.shared_read import SharedRead
 from torchrec_lookahead.distributed.lockstep import IdGatherer
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, LRPPTablePlan, LRPPTracker, slice_samples
-from torchrec_lookahead.errors import CheckpointError, DataError, SetupError
-from torchrec_lookahead.hotcold.datamodule import HotColdLoader
-from torchrec_lookahead.hotcold.pinned import PinnedRows
-from torchrec_lookahead.hotcold.samples import Samples
-from torchrec_lookahead.hotcold.stream import BatchKind, HotColdStream
+from torchrec_lookahead.errors import CheckpointError, ConfigError, DataError, SetupError
+from torchrec_lookahead.fae.hotset import HotSet
+from torchrec_lookahead.fae.loader import HotColdLoader
+from torchrec_lookahead.fae.pinned import PinnedRows
+from torchrec_lookahead.fae.samples import Samples
+from torchrec_lookahead.fae.shared_read import SharedRead
+from torchrec_lookahead.fae.stream import BatchKind, HotColdStream
 from torchrec_lookahead.modules import remap_kjt
+from torchrec_lookahead.oracle import Policy
 from torchrec_lookahead.oracle.types import BatchPlan
-from torchrec_lookahead.runtime import CacheSession, LoaderStats, LookaheadBatch, LookaheadLoader
+from torchrec_lookahead.runtime import CacheSession, CapacityCheck, LoaderStats, LookaheadBatch, scan_epoch
+from torchrec_lookahead.runtime._report import report_text, scan_progress
+from torchrec_lookahead.runtime.types import LookaheadFactory, PinnedLoaderOptions
 
-__all__ = ["ColdBatches", "HotColdLookaheadLoader"]
+__all__ = ["ColdBatches", "HotColdLookaheadLoader", "pinned_lookahead_loader"]
 
 
 class ColdBatches:
@@ -118,7 +123,7 @@ def _same_batch(a: Batch, b: Batch) -> bool:
 class HotColdLookaheadLoader:
     """Training loader of FAE with pinned hot rows and a lookahead cache for the cold rows (module docstring).
 
-    It stands in for the :class:`~torchrec_lookahead.hotcold.HotColdLoader` it wraps: ``request``,
+    It stands in for the :class:`~torchrec_lookahead.fae.HotColdLoader` it wraps: ``request``,
     ``last_kind``, ``remaining`` and ``batches_per_epoch`` (the scheduler's interface), ``len`` and the
     mid-epoch state are that loader's.
 
@@ -136,7 +141,7 @@ class HotColdLookaheadLoader:
         hotcold: HotColdLoader,
         pinned: PinnedRows,
         session: CacheSession,
-        lookahead: Callable[[Any, CacheSession, PinnedRows], LookaheadLoader],
+        lookahead: LookaheadFactory,
     ) -> None:
         self.hotcold = hotcold
         self.pinned = pinned
@@ -230,7 +235,7 @@ class HotColdLookaheadLoader:
         return LRPPTracker(self.target.capacity, self.target.num_ranks, self.pinned.pinned_rows).writers()
 
     def share_bound(self) -> int:
-        """Source batches the shared read keeps at most (:class:`~torchrec_lookahead.data.shared_read.SharedRead`):
+        """Source batches the shared read keeps at most (:class:`~torchrec_lookahead.fae.shared_read.SharedRead`):
         the regrouping window plus the planner's lead (horizon and ready queue, in cold batches) in source
         batches, at the epoch's share of cold samples, and at most eight windows."""
         stream = self.hotcold.stream
@@ -274,3 +279,87 @@ class HotColdLookaheadLoader:
         finally:
             self.cold.close()
             self.cold_batches.source = None
+
+
+class _ColdParts:
+    """Batches of ``loader`` without their pinned (hot) ids: what the oracle plans (for the capacity check)."""
+
+    def __init__(self, loader: Any, pinned: PinnedRows) -> None:
+        self.loader = loader
+        self.pinned = pinned
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for b in self.loader:
+            yield Batch(b.dense_features, self.pinned.cold_part(b.sparse_features), b.labels)
+
+
+def pinned_lookahead_loader(
+    hotcold: HotColdLoader,
+    hot_set: Optional[HotSet],
+    session: CacheSession,
+    lookahead: LookaheadFactory,
+    options: PinnedLoaderOptions,
+) -> HotColdLookaheadLoader:
+    """FAE with pinned hot rows: hot batches read pinned slots, the oracle plans the cold batches alone.
+
+    What :meth:`HotColdDataModule.pinned_loader <torchrec_lookahead.fae.HotColdDataModule.pinned_loader>` gives a
+    :class:`~torchrec_lookahead.data.LookaheadDataModule`: refuses the options pinned rows do not support, pins
+    ``hot_set`` in the caches of ``session`` (reported to ``options.trainer``), checks the cold batches' windows
+    against the dynamic caches with ``capacity_check="epoch"``, and returns the loader.
+
+    Args:
+        hotcold: the hot/cold DataModule's training loader.
+        hot_set: its hot set.
+        session: the cached job's session.
+        lookahead: builds the :class:`~torchrec_lookahead.runtime.LookaheadLoader` of the cold batches.
+        options: the lookahead DataModule's options.
+
+    Raises:
+        ConfigError: a ``batch_adapter``, cDLRM averaging (``average_every``) or the ``window`` policy.
+        SetupError: no hot set.
+        CapacityError: a table's hot rows leave no dynamic slot, or a cold window does not fit the dynamic cache.
+    """
+    target = session.target
+
+    if options.batch_adapter is not None:
+        raise ConfigError(
+            "Pinned hot rows (a HotColdDataModule inside a LookaheadDataModule) regroup TorchRec Batches; "
+            "drop batch_adapter, or yield TorchRec Batches from the wrapped DataModule"
+        )
+    if target.average_every is not None:
+        raise ConfigError(
+            "Pinned hot rows are kept identical on every rank by their exact gradient exchange; cDLRM's "
+            "periodic averaging (average_every) does not apply to them: drop average_every"
+        )
+    if options.policy is Policy.WINDOW:
+        raise ConfigError("Pinned hot rows need a fixed-slot policy (belady, ttl or lru), not 'window'")
+    if hot_set is None:
+        raise SetupError("The hot/cold DataModule has no hot set; call its setup('fit') first")
+    pinned = PinnedRows(
+        {name: table.hot_ids for name, table in hot_set.tables.items()},
+        target.feature_to_table,
+        target.capacity,
+        target.num_embeddings,
+    )
+    trainer = options.trainer
+    report_text(
+        trainer,
+        "lookahead/pinned_rows",
+        "Pinned hot rows in the lookahead cache:\n  " + "\n  ".join(pinned.summary()),
+    )
+    if options.capacity_check is CapacityCheck.EPOCH:
+        t0 = time.perf_counter()
+        dynamic = replace(target, capacity=pinned.dynamic_capacity())
+        cold = _ColdParts(ColdBatches(hotcold.stream), pinned)
+        with scan_progress(trainer, "Lookahead capacity check (cold batches)", None) as tick:
+            need = scan_epoch(cold, dynamic, options.prefetch_depth, on_batch=tick)
+        report_text(
+            trainer,
+            "lookahead/capacity_check",
+            f"Lookahead capacity check of the cold batches: {time.perf_counter() - t0:.1f} s; the largest "
+            f"windows need {need} dynamic cache rows",
+        )
+    return HotColdLookaheadLoader(hotcold, pinned, session, lookahead)

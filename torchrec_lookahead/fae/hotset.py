@@ -23,7 +23,7 @@ _VERSION = 1
 
 
 def table_name(feature: str) -> str:
-    """The table of a feature, as :func:`~torchrec_lookahead.models.dlrm.table_configs` names it."""
+    """The table of a feature, as :func:`~torchrec_lookahead.models.dlrm.make_table_configs` names it."""
     return f"t_{feature}"
 
 
@@ -186,7 +186,7 @@ class HotSet:
 
     def check_budget(self, config: Any) -> None:
         """Refuse a hot set calibrated for another budget or row size than ``config``
-        (a :class:`~torchrec_lookahead.hotcold.CalibrationConfig`).
+        (a :class:`~torchrec_lookahead.fae.CalibrationConfig`).
 
         Raises:
             ConfigError: the budget or the bytes per row differ.

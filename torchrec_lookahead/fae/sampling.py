@@ -174,7 +174,7 @@ class SampledAccesses:
 
     def cold_per_sample(self, hot: Mapping[str, torch.Tensor]) -> Iterator[torch.Tensor]:
         """For each sampled batch, the number of non-hot ids of each sample (0 means the sample is hot)."""
-        from torchrec_lookahead.hotcold.samples import cold_ids_per_sample
+        from torchrec_lookahead.fae.samples import cold_ids_per_sample
 
         names = list(self.num_embeddings)
         for b in range(self.batches_read):

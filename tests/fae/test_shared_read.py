@@ -8,8 +8,8 @@ from typing import Iterator, List
 
 import pytest
 
-from torchrec_lookahead.data.shared_read import SharedRead
 from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.fae.shared_read import SharedRead
 
 
 class _Source:

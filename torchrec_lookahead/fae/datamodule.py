@@ -6,24 +6,27 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
-from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
 from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError, SetupError
-from torchrec_lookahead.hotcold.calibrator import calibrate, recalibrate_counts
-from torchrec_lookahead.hotcold.config import CalibrationConfig
-from torchrec_lookahead.hotcold.hotset import HotSet
-from torchrec_lookahead.hotcold.samples import Samples
-from torchrec_lookahead.hotcold.stream import BatchKind, HotColdStream, classify_epoch
+from torchrec_lookahead.fae.calibrator import calibrate, recalibrate_counts
+from torchrec_lookahead.fae.config import CalibrationConfig
+from torchrec_lookahead.fae.hotset import HotSet
+from torchrec_lookahead.fae.loader import HotColdLoader
+from torchrec_lookahead.fae.lookahead import ColdBatches, HotColdLookaheadLoader, pinned_lookahead_loader
+from torchrec_lookahead.fae.samples import Samples
+from torchrec_lookahead.fae.stream import HotColdStream, classify_epoch
+from torchrec_lookahead.runtime import CacheSession
+from torchrec_lookahead.runtime.types import LookaheadFactory, PinnedLoaderOptions
 
-__all__ = ["HotColdDataModule", "HotColdLoader", "calibration_source", "RECALIBRATE"]
+__all__ = ["HotColdDataModule", "calibration_source", "RECALIBRATE"]
 
 #: the values of ``HotColdDataModule(recalibrate=...)``: never (``None``) or between epochs
 RECALIBRATE = (None, "epoch")
@@ -62,76 +65,13 @@ def _gather(group: Optional[Any]) -> Any:
     return gather
 
 
-class HotColdLoader:
-    """The training loader of a :class:`HotColdDataModule`: all-hot and cold batches of a
-    :class:`~torchrec_lookahead.hotcold.stream.HotColdStream`, with ``len``, exact mid-epoch resume
-    (``state_dict``) and :meth:`request` for the scheduler.
-
-    Args:
-        stream: the regrouped stream.
-        on_epoch_end: called with the stream when the epoch's last batch is about to be handed out (every
-            sample read): ``recalibrate="epoch"`` computes the next epoch's hot set there, so that a checkpoint
-            taken after that batch holds it.
-    """
-
-    def __init__(
-        self, stream: HotColdStream, on_epoch_end: Optional[Callable[[HotColdStream], None]] = None
-    ) -> None:
-        self.stream = stream
-        self.on_epoch_end = on_epoch_end
-
-    def __len__(self) -> int:
-        return len(self.stream)
-
-    def kinds(
-        self, source: Optional[Callable[[], Iterator[Batch]]] = None
-    ) -> Iterator[tuple[BatchKind, Batch]]:
-        """The epoch's batches with their kinds (what :meth:`__iter__` yields, with the kind); ``source`` as in
-        :meth:`HotColdStream.iterate`."""
-        for kind, batch in self.stream.iterate(source):
-            if self.on_epoch_end is not None and self.stream.epoch_complete():
-                self.on_epoch_end(self.stream)
-            yield kind, batch
-
-    def __iter__(self) -> Iterator[Batch]:
-        for _, batch in self.kinds():
-            yield batch
-
-    def request(self, kind: Optional[BatchKind]) -> None:
-        """Serve ``kind`` next when the window allows (``None``: stream order)."""
-        self.stream.request(kind)
-
-    @property
-    def last_kind(self) -> Optional[BatchKind]:
-        """The kind of the batch handed out last."""
-        return self.stream.last_kind
-
-    def remaining(self) -> Dict[BatchKind, int]:
-        """Batches of each kind still to come this epoch."""
-        return self.stream.remaining()
-
-    def batches_per_epoch(self) -> Dict[BatchKind, int]:
-        """Hot and cold batches per epoch."""
-        return self.stream.batches_per_epoch()
-
-    def state_dict(self) -> Dict[str, int]:
-        if self.on_epoch_end is not None and self.stream.epoch_complete():
-            # The next hot set is known (the DataModule's state holds it): the next iteration is a new epoch
-            # under it, from its start; the counts of this epoch's hot set would not fit its batches.
-            return {"hot_served": 0, "cold_served": 0}
-        return self.stream.state_dict()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.stream.load_state_dict(state_dict)
-
-
 class HotColdDataModule(WrappedDataModule):
     """Wrap a DataModule of TorchRec batches so that training reads FAE's all-hot and cold mini-batches.
 
     In ``setup`` the hot set is loaded from ``hot_set`` when that file exists (and checked against the
     tables), otherwise calibrated on the training data (rank 0, then broadcast) and, with a ``hot_set`` path,
     saved there. Training batches are then regrouped by a
-    :class:`~torchrec_lookahead.hotcold.stream.HotColdStream`; validation and test batches pass through.
+    :class:`~torchrec_lookahead.fae.stream.HotColdStream`; validation and test batches pass through.
 
     Args:
         datamodule: any DataModule yielding :class:`~torchrec.datasets.utils.Batch` es.
@@ -150,7 +90,7 @@ class HotColdDataModule(WrappedDataModule):
         optimizer: embedding optimizer name (default: the model's).
         recalibrate: ``None`` (default): the hot set is fixed. ``"epoch"``: when an epoch's last batch is handed
             out, the hot set is recomputed from the exact access counts of that epoch's (global) samples with the
-            same budget and rules as the calibrator (:func:`~torchrec_lookahead.hotcold.calibrator.recalibrate_counts`)
+            same budget and rules as the calibrator (:func:`~torchrec_lookahead.fae.calibrator.recalibrate_counts`)
             and is in force from the next epoch on (rows promoted and demoted; with pinned hot rows the strategy's
             epoch-start flush writes every row back and the new hot rows are pinned). The loaders are then rebuilt
             every epoch (``reload_dataloaders_every_n_epochs`` is set to 1; another value is refused), and the hot
@@ -270,6 +210,34 @@ class HotColdDataModule(WrappedDataModule):
             raise SetupError("The hot set was not received from rank 0")
         rank_zero_info("\n" + received.report())
         return received
+
+    # The lookahead cache's plug-in (runtime.types.PinnedRowsSource): the hot rows pinned in the caches.
+    def pinned_hot_ids(self) -> Dict[str, torch.Tensor]:
+        """Table -> sorted hot ids, the rows the lookahead cache pins, after loading or calibrating the hot set
+        now if ``setup`` has not (it is kept for training): the strategy takes them off a device budget while
+        sharding."""
+        if self.hot_set is None:
+            self.hot_set = self.load_or_calibrate()
+        return {name: table.hot_ids for name, table in self.hot_set.tables.items()}
+
+    def cold_batches(self) -> ColdBatches:
+        """The epoch's cold batches in order, from a new training loader: what the dynamic part of a cache with
+        pinned hot rows serves, so the budget planner sizes it from them."""
+        return ColdBatches(self.train_dataloader().stream)
+
+    def pinned_loader(
+        self, inner: Any, session: CacheSession, lookahead: LookaheadFactory, options: PinnedLoaderOptions
+    ) -> HotColdLookaheadLoader:
+        """The training loader with the hot rows pinned in the caches of ``session`` and the cold batches planned
+        ahead (:func:`~torchrec_lookahead.fae.lookahead.pinned_lookahead_loader`); ``inner`` is this
+        DataModule's training loader.
+
+        Raises:
+            ConfigError: a ``batch_adapter``, cDLRM averaging or the ``window`` policy (pinned rows support none).
+            SetupError: no hot set yet (``setup("fit")`` not called).
+            CapacityError: the hot rows leave a cached table no dynamic slot, or a cold window does not fit.
+        """
+        return pinned_lookahead_loader(inner, self.hot_set, session, lookahead, options)
 
     @override
     def setup(self, stage: str) -> None:

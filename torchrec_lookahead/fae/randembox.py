@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchrec_lookahead.hotcold._stats import student_t_quantile
+from torchrec_lookahead.fae._stats import student_t_quantile
 
 __all__ = ["RandEmBox", "RowEstimate"]
 

@@ -44,7 +44,7 @@ from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, Inv
 from torchrec_lookahead.oracle import UnknownFeatures, table_ids
 from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
 
-__all__ = ["cold_table_ids", "PinnedRows"]
+__all__ = ["PinnedRows"]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -237,35 +237,3 @@ class PinnedRows:
         return [
             f"{t}: {self.pinned_rows[t]:,} pinned + {dyn[t]:,} dynamic slots" for t in sorted(self.capacity)
         ]
-
-
-def cold_table_ids(
-    kjt: KeyedJaggedTensor, feature_to_table: Mapping[str, str], hot_ids: Mapping[str, torch.Tensor]
-) -> Dict[str, torch.Tensor]:
-    """Per table, the batch's cold ids renumbered among the table's cold rows (an id minus the hot ids below it):
-    what the dynamic part of a cache with pinned rows sees, as ids of a table of ``rows - P`` rows. The budget
-    planner sizes the dynamic caches from them.
-
-    Args:
-        kjt: the batch's sparse features.
-        feature_to_table: feature -> table for the tables to report.
-        hot_ids: table -> sorted hot ids (tables not listed have none).
-
-    Example:
-        >>> kjt = KeyedJaggedTensor(["f"], torch.tensor([0, 5, 2, 7]), lengths=torch.tensor([2, 2]))
-        >>> {t: v.tolist() for t, v in cold_table_ids(kjt, {"f": "t"}, {"t": torch.tensor([2, 5])}).items()}
-        {'t': [0, 5]}
-    """
-    out: Dict[str, torch.Tensor] = {}
-    for table, ids in table_ids(
-        kjt, feature_to_table, set(feature_to_table.values()), unknown=UnknownFeatures.IGNORE
-    ).items():
-        ids = ids.to("cpu", torch.int64)
-        hot = hot_ids.get(table)
-        if hot is None or not hot.numel():
-            out[table] = ids
-            continue
-        hot = hot.to(torch.int64)
-        cold = ids[~torch.isin(ids, hot)]
-        out[table] = cold - torch.searchsorted(hot, cold)
-    return out

@@ -1,6 +1,6 @@
 """FAE's calibrator: sample the inputs, estimate hot-set sizes, choose the threshold, mark the hot rows.
 
-1. *Sparse-input sampler and embedding logger* (:mod:`~torchrec_lookahead.hotcold.sampling`): a seeded
+1. *Sparse-input sampler and embedding logger* (:mod:`~torchrec_lookahead.fae.sampling`): a seeded
    ``sample_fraction`` of the training batches and their per-row access counts.
 2. *Small tables*: tables whose weights are under ``small_table_bytes`` are wholly hot.
 3. *Statistical optimizer*: a threshold ``t`` (a share of each table's sampled accesses; FAE's equation 1,
@@ -29,10 +29,10 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import torch
 
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.hotcold.config import CalibrationConfig
-from torchrec_lookahead.hotcold.hotset import HotSet, HotTable, table_name
-from torchrec_lookahead.hotcold.randembox import RandEmBox
-from torchrec_lookahead.hotcold.sampling import SampledAccesses, sample_batches
+from torchrec_lookahead.fae.config import CalibrationConfig
+from torchrec_lookahead.fae.hotset import HotSet, HotTable, table_name
+from torchrec_lookahead.fae.randembox import RandEmBox
+from torchrec_lookahead.fae.sampling import SampledAccesses, sample_batches
 
 __all__ = ["calibrate", "calibrate_counts", "exact_hot_rows", "recalibrate_counts"]
 

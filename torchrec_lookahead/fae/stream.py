@@ -4,7 +4,7 @@ A sample is *hot* when every id of every feature (every value of a multi-hot bag
 reads source batches in order, splits each into its hot and cold samples, and queues them. Hot batch ``j`` is
 the ``j``-th run of ``batch_size`` hot samples in stream order, cold batch ``j`` the ``j``-th run of cold
 ones: the contents of each kind are fixed by the data alone, and only their interleaving is chosen at run
-time (by :meth:`HotColdStream.request`, which the :class:`~torchrec_lookahead.callbacks.HotColdScheduler`
+time (by :meth:`HotColdStream.request`, which the :class:`~torchrec_lookahead.fae.HotColdScheduler`
 drives). The queue is bounded: the stream reads ahead only while fewer than ``window`` source batches' worth
 of samples wait; when the requested kind cannot be completed within that bound, the other kind is served.
 At the end of the epoch the leftover hot and cold samples (fewer than a batch of each; the hot leftover is the
@@ -30,7 +30,7 @@ import torch
 from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.errors import CheckpointError, ConfigError, DataError
-from torchrec_lookahead.hotcold.samples import Samples
+from torchrec_lookahead.fae.samples import Samples
 
 __all__ = ["BatchKind", "HotColdStream", "count_hot_samples", "classify_epoch"]
 
@@ -107,7 +107,7 @@ class HotColdStream:
 
     Args:
         source: called once per epoch, returns an iterator over this rank's source batches.
-        masks: feature -> bool per row (hot or not), e.g. :meth:`~torchrec_lookahead.hotcold.HotSet.masks`.
+        masks: feature -> bool per row (hot or not), e.g. :meth:`~torchrec_lookahead.fae.HotSet.masks`.
         batch_size: rows per regrouped batch per rank.
         window: source batches of samples that may wait at most (>= 2).
         num_samples: samples per epoch (global) and hot ones, if known (gives ``len``).
@@ -233,7 +233,7 @@ class HotColdStream:
         self, source: Optional[Callable[[], Iterator[Batch]]] = None
     ) -> Iterator[tuple[BatchKind, Batch]]:
         """One epoch, as ``iter(stream)``, reading ``source`` (the same batches as the stream's own, e.g. a reader
-        of a :class:`~torchrec_lookahead.data.shared_read.SharedRead`) instead of the stream's ``source``."""
+        of a :class:`~torchrec_lookahead.fae.shared_read.SharedRead`) instead of the stream's ``source``."""
         try:
             yield from self._iter(source or self.source)
         except _GathersOver:

@@ -20,7 +20,7 @@ The rule (FAE, equation 7), precisely:
     long as the rest of the epoch), from the next run on, and the count restarts;
   - otherwise the rate is unchanged.
 
-The callback tells the :class:`~torchrec_lookahead.hotcold.HotColdDataModule`'s loader which kind to serve
+The callback tells the :class:`~torchrec_lookahead.fae.HotColdDataModule`'s loader which kind to serve
 next; the loader serves it when its bounded window allows (else the other kind, which the callback counts as
 what it is). It logs ``fae/rate``, ``fae/hot_batches``, ``fae/cold_batches``, ``fae/swaps`` and
 ``fae/hot_share`` through Lightning's logging, and its state resumes with a checkpoint.
@@ -37,9 +37,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from torchrec_lookahead.data.lookahead import LookaheadDataModule
 from torchrec_lookahead.errors import ConfigError, SetupError
-from torchrec_lookahead.hotcold.datamodule import HotColdLoader
-from torchrec_lookahead.hotcold.stream import BatchKind
+from torchrec_lookahead.fae.datamodule import HotColdDataModule
+from torchrec_lookahead.fae.loader import HotColdLoader
+from torchrec_lookahead.fae.lookahead import HotColdLookaheadLoader
+from torchrec_lookahead.fae.stream import BatchKind
 
 __all__ = ["HotColdScheduler", "RateRule"]
 
@@ -124,13 +127,14 @@ class HotColdScheduler(pl.Callback):
     @staticmethod
     def _loader(trainer: pl.Trainer) -> HotColdLoader:
         dm = getattr(trainer, "datamodule", None)
-        loader = getattr(dm, "loader", None)
-        loader = getattr(loader, "hotcold", loader)  # pinned hot rows: the lookahead loader wraps it
+        loader = dm.loader if isinstance(dm, (HotColdDataModule, LookaheadDataModule)) else None
+        if isinstance(loader, HotColdLookaheadLoader):  # pinned hot rows: the lookahead loader wraps it
+            loader = loader.hotcold
         if isinstance(loader, HotColdLoader):
             return loader
         raise SetupError(
             "HotColdScheduler needs the hot/cold training loader: wrap the DataModule in "
-            "torchrec_lookahead.hotcold.HotColdDataModule"
+            "torchrec_lookahead.fae.HotColdDataModule"
         )
 
     def run_length(self, kind: BatchKind, per_epoch: Dict[BatchKind, int]) -> int:

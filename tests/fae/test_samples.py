@@ -10,7 +10,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.errors import InvalidIdError
-from torchrec_lookahead.hotcold import Samples
+from torchrec_lookahead.fae import Samples
 
 ROWS = {"a": 7, "b": 50, "c": 3}
 

@@ -13,7 +13,7 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.data import CriteoSyntheticDataset, SyntheticCriteoConfig
 from torchrec_lookahead.errors import CheckpointError, ConfigError
-from torchrec_lookahead.hotcold import BatchKind, HotColdStream, Samples, count_hot_samples
+from torchrec_lookahead.fae import BatchKind, HotColdStream, Samples, count_hot_samples
 
 SIZES = [300, 20, 500, 7, 2, 9, 40, 11, 5, 3] + [2] * 16
 
