@@ -19,7 +19,7 @@ import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -30,11 +30,8 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.embedding import ShardedEmbeddingCollection
-from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders, get_module
+from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -50,65 +47,29 @@ from torchrec_lookahead.distributed import (
     with_default_sharders,
 )
 from torchrec_lookahead.distributed._tables import table_configs
-from torchrec_lookahead.distributed.lockstep import gather_global_kjt
 from torchrec_lookahead.distributed.topology import make_topology, sharding_planner
-from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
-from torchrec_lookahead.modules import CachedEmbeddingBagCollection, init_embedding_bag_tables_
+from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.runtime import CacheSession, LookaheadBatch
-from torchrec_lookahead.runtime._report import report_text, scan_progress
-from torchrec_lookahead.runtime.adapter import as_torchrec_batch
-from torchrec_lookahead.runtime.types import PinnedRowsSource
-from torchrec_lookahead.store.init import init_embedding_weights
+from torchrec_lookahead.strategies._checkpoint import (
+    META_FILE,
+    WORLD_SIZE_KEY,
+    load_sharded,
+    read_checkpoint_meta,
+)
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
+from torchrec_lookahead.strategies._sharding import (
+    DistributedModelParallelKeys,
+    check_cpu_fused_optimizers,
+    embedding_collections,
+    init_resident_tables,
+    model_attribute,
+)
 from torchrec_lookahead.strategies._signals import LockstepSignalConnector, use_lockstep_signals
+from torchrec_lookahead.strategies._sizing import size_caches
 
 __all__ = ["TorchRecStrategy"]
 
 log = logging.getLogger(__name__)
-
-_META_FILE = "meta.pt"
-_WORLD_SIZE_KEY = "torchrec_lookahead_world_size"
-
-
-# FBGEMM's fused CPU kernel implements only these optimizers (split_table_batched_embeddings_ops_training).
-_CPU_FUSED_OPTIMIZERS = ("SGD", "RowWiseAdagrad", "Adagrad")
-
-
-def _embedding_collections(module: nn.Module) -> List[nn.Module]:
-    """TorchRec's unsharded embedding collections inside ``module`` (itself included)."""
-    return [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
-
-
-def _check_cpu_fused_optimizers(module: nn.Module) -> None:
-    for m in module.modules():
-        if not isinstance(m, EmbeddingBagCollection):
-            continue
-        for name, p in m.named_parameters():
-            for cls in getattr(p, "_optimizer_classes", []):
-                if cls.__name__ not in _CPU_FUSED_OPTIMIZERS:
-                    raise ConfigError(
-                        f"Embedding optimizer {cls.__name__} on table parameter {name!r} is not available in "
-                        f"FBGEMM's fused kernel on CPU (it supports {list(_CPU_FUSED_OPTIMIZERS)}); use one of "
-                        "those, train on CUDA, or train the table through the lookahead cache, whose optimizer "
-                        "runs on any device"
-                    )
-
-
-class _DistributedModelParallel(DistributedModelParallel):
-    """TorchRec's ``DistributedModelParallel`` whose state-dict keys do not depend on whether DDP wraps its
-    dense part. TorchRec's ``state_dict(prefix=p)`` strips DDP's ``module.`` and then adds ``p`` to every key;
-    when nothing is left for DDP (every dense layer split across a hierarchical group) the keys already carry
-    ``p``, which came twice (``model.model.*``), so such a checkpoint did not load into a run with a replicated
-    layer (or into synchronous training). Loading needs no change: TorchRec's own load handles both layouts.
-    """
-
-    def state_dict(  # type: ignore[override]
-        self, destination: Optional[Dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False
-    ) -> Dict[str, Any]:
-        inner = get_module(self)
-        if isinstance(inner, nn.parallel.DistributedDataParallel):
-            return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        return inner.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)  # type: ignore[no-any-return]
 
 
 class TorchRecStrategy(DDPStrategy):
@@ -262,7 +223,7 @@ class TorchRecStrategy(DDPStrategy):
         if not dist.is_available() or not dist.is_initialized():
             raise SetupError("shard() needs an initialised process group; call it from the Trainer's set-up")
         if self.root_device.type == "cpu" and self._compute_kernel == "fused":
-            _check_cpu_fused_optimizers(module)
+            check_cpu_fused_optimizers(module)
         pg = dist.group.WORLD
         # the given sharders add to TorchRec's defaults: a module type none of them handles keeps its default
         sharders = (
@@ -272,28 +233,7 @@ class TorchRecStrategy(DDPStrategy):
         topology = make_topology(self.world_size, self.root_device.type, local_world_size=self.num_processes)
         lookahead = [s for s in sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)]
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        for s in lookahead:
-            if s.device_budget_bytes is not None and not s.capacity:
-                pinning = self._pinned_rows_source()
-                # the hot set is loaded or calibrated here, before the caches are sized (it is kept for training)
-                hot = None if pinning is None else pinning.pinned_hot_ids()
-                with scan_progress(trainer, "Lookahead cache plan: sampling batches", None) as tick:
-                    plan_report = s.plan_capacity(module, self._sample_batches(tick, pinning), pinned=hot)
-                report = f"Lookahead cache plan:\n{plan_report}"
-                if hot:
-                    report += "\nPinned hot rows in those caches (capacity = pinned + planned): " + ", ".join(
-                        f"{t} {int(hot[t].numel()):,} + {c - int(hot[t].numel()):,}"
-                        for t, c in sorted(s.capacity.items())
-                        if t in hot
-                    )
-                report_text(trainer, "lookahead/cache_plan", report)
-        cached: Dict[str, int] = {k: v for s in lookahead for k, v in s.capacity.items()}
-        if cached:
-            report_text(
-                trainer,
-                "lookahead/cache",
-                "Lookahead cache: " + ", ".join(f"{t} {c:,} rows" for t, c in sorted(cached.items())),
-            )
+        cached = size_caches(lookahead, module, trainer, self.world_size)
         for s in lookahead:
             if s.seed is None:
                 s.seed = self._init_seed or 0
@@ -318,7 +258,7 @@ class TorchRecStrategy(DDPStrategy):
             if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
             for c in table_configs(m)
         ]
-        dmp = _DistributedModelParallel(
+        dmp = DistributedModelParallelKeys(
             module,
             env=ShardingEnv.from_process_group(pg),  # type: ignore[arg-type]
             device=self.root_device,
@@ -328,16 +268,7 @@ class TorchRecStrategy(DDPStrategy):
         )
         check_all_sharded(dmp)
         if self._init_seed is not None:
-            # Only TorchRec's sharded collections (resident tables): the caches' stores start from the same
-            # values already, and their state_dict() would flush and touch every row.
-            resident = [c for c in tables if c.name not in cached]
-            for m in dmp.modules():
-                if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
-                    init_embedding_bag_tables_(m, resident, seed=self._init_seed)
-                elif isinstance(m, CachedEmbeddingBagCollection):  # resident tables in the cache's kernel
-                    for c in m.embedding_bag_configs():
-                        if c.name not in m.capacity:
-                            init_embedding_weights(m.cache_weights(c.name), c.name, self._init_seed)
+            init_resident_tables(dmp, [c for c in tables if c.name not in cached], self._init_seed)
         return dmp
 
     def data_parallel_wrapper(self) -> Optional[DataParallelWrapper]:
@@ -345,46 +276,6 @@ class TorchRecStrategy(DDPStrategy):
         TorchRec's default wrapper, with DDP's current buffer arguments (``DenseDataParallelWrapper``).
         Subclasses override it (the hierarchical strategy: DDP inside a group)."""
         return DenseDataParallelWrapper()
-
-    def _datamodules(self) -> Tuple[Any, Any]:
-        """The Trainer's DataModule and the one it wraps (the same when it wraps none)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        dm = getattr(trainer, "datamodule", None)
-        return dm, getattr(dm, "datamodule", dm)
-
-    def _pinned_rows_source(self) -> Optional[PinnedRowsSource]:
-        """The wrapped DataModule when it pins rows in the caches (FAE's hot rows: a ``HotColdDataModule`` inside
-        a ``LookaheadDataModule``), else ``None``."""
-        from torchrec_lookahead.data.lookahead import LookaheadDataModule
-
-        dm, inner = self._datamodules()
-        if isinstance(dm, LookaheadDataModule) and isinstance(inner, PinnedRowsSource):
-            return inner
-        return None
-
-    def _sample_batches(
-        self, on_batch: Callable[[], None] = lambda: None, pinning: Optional[PinnedRowsSource] = None
-    ) -> Iterator[Any]:
-        """Training batches of the (unwrapped) DataModule, for sizing caches; identical on every rank.
-        ``on_batch`` is called after each batch is read (a progress bar's tick). With ``pinning`` (the
-        DataModule pins rows in the caches), its cold batches
-        (:meth:`~torchrec_lookahead.runtime.types.PinnedRowsSource.cold_batches`): the dynamic caches see only
-        them."""
-        dm, inner = self._datamodules()
-        adapter = getattr(dm, "batch_adapter", None)
-        if inner is None:
-            raise ConfigError(
-                "The lookahead sharder has a device budget but no DataModule to sample batches from; pass a "
-                "DataModule to the Trainer or give the sharder explicit capacities"
-            )
-        loader = inner.train_dataloader() if pinning is None else pinning.cold_batches()
-        for batch in loader:
-            kjt = as_torchrec_batch(batch, adapter).sparse_features
-            on_batch()
-            if self.world_size > 1:  # caches are planned for the global batch: gather every rank's ids
-                yield gather_global_kjt(kjt, self.world_size, None)
-            else:
-                yield kjt
 
     # ---------------------------------------------------------------------------------------- the cache
     def cache_session(self) -> Optional[CacheSession]:
@@ -450,29 +341,8 @@ class TorchRecStrategy(DDPStrategy):
             super().on_exception(exception)
 
     def _model_name(self, lm: pl.LightningModule) -> str:
-        """The attribute of ``lm`` holding the model to shard: ``module_name``, or the one child holding TorchRec
-        embedding collections (or the ``DistributedModelParallel`` built at an earlier stage)."""
-        if self._module_name is not None:
-            return self._module_name
-        found = [
-            name
-            for name, child in lm.named_children()
-            if isinstance(child, DistributedModelParallel) or _embedding_collections(child)
-        ]
-        if len(found) == 1:
-            return found[0]
-        if not found:
-            raise ConfigError(
-                f"{type(lm).__name__} holds no TorchRec embedding collection (EmbeddingBagCollection or "
-                "EmbeddingCollection) in any of its modules, so strategy='torchrec' has nothing to shard and no table "
-                "to cache: build the TorchRec model in configure_model() (or __init__) as an attribute of the "
-                "LightningModule, or train without strategy='torchrec'"
-            )
-        raise ConfigError(
-            f"{type(lm).__name__} holds TorchRec embedding collections under several attributes {found}; "
-            "TorchRecStrategy shards one model: keep them under one nn.Module, or set "
-            f"TorchRecStrategy(module_name=...) to one of {found}"
-        )
+        """The attribute of ``lm`` holding the model to shard (:func:`model_attribute`)."""
+        return model_attribute(lm, self._module_name)
 
     def _shard_lightning_module(self) -> None:
         lm = self.lightning_module
@@ -490,7 +360,7 @@ class TorchRecStrategy(DDPStrategy):
                 f"attribute {name!r} (build it in configure_model()); set module_name to the "
                 "attribute holding the TorchRec model, or leave it unset to find it"
             )
-        if not _embedding_collections(module):
+        if not embedding_collections(module):
             raise ConfigError(
                 f"TorchRecStrategy(module_name={name!r}): {type(lm).__name__}.{name} holds no TorchRec embedding "
                 "collection (EmbeddingBagCollection or EmbeddingCollection); name the attribute that holds them, "
@@ -598,15 +468,15 @@ class TorchRecStrategy(DDPStrategy):
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             sharded[f"optimizer_{i}"] = opt_state
         dcp.save(sharded, checkpoint_id=path)
-        checkpoint[_WORLD_SIZE_KEY] = self.world_size
+        checkpoint[WORLD_SIZE_KEY] = self.world_size
         if self.is_global_zero:
-            torch.save(checkpoint, path / _META_FILE)
+            torch.save(checkpoint, path / META_FILE)
         self.barrier("torchrec_ckpt_saved")
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        meta = self._read_checkpoint_meta(path)
+        meta = read_checkpoint_meta(path, self.world_size)
         lm = self.lightning_module
         assert lm is not None
         target: Dict[str, Any] = {"state_dict": lm.state_dict()}
@@ -615,18 +485,7 @@ class TorchRecStrategy(DDPStrategy):
             if hasattr(opt, "init_state"):
                 opt.init_state()
             target[f"optimizer_{i}"] = opt.state_dict()
-        try:
-            dcp.load(target, checkpoint_id=path)
-        except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
-            failures = getattr(e, "failures", None) or {}
-            cause = next(iter(failures.values()), e)  # a CheckpointException holds each rank's own error
-            cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback)
-            first = (str(cause).strip().splitlines() or [""])[0]
-            raise CheckpointError(
-                f"checkpoint {path} could not be read ({type(cause).__name__}: {first[:300]}): its shard files are "
-                "damaged or incomplete (a truncated .distcp file?), or it was written for another model or "
-                "configuration; resume from an intact checkpoint of this configuration"
-            ) from e
+        load_sharded(target, path)
         state = target["state_dict"]
         for name, child in lm.named_children():
             prefix = f"{name}."
@@ -636,52 +495,6 @@ class TorchRecStrategy(DDPStrategy):
                 child.load_state_dict(sub, strict=lm.strict_loading)
         for i, opt in enumerate(optimizers):
             opt.load_state_dict(target[f"optimizer_{i}"])
-        return meta
-
-    def _read_checkpoint_meta(self, path: Path) -> Dict[str, Any]:
-        """The Lightning part of the checkpoint directory ``path``, after checking that the directory is whole
-        and was written by as many ranks as this run has.
-
-        Raises:
-            CheckpointError: the path does not exist, is a file (an exported checkpoint, read with
-                ``strategy='auto'``), is not a checkpoint of this strategy, lacks
-                torch.distributed.checkpoint's ``.metadata``, or was written by another number of ranks.
-        """
-        if not path.exists():
-            raise CheckpointError(
-                f"checkpoint {path} does not exist; check ckpt_path (under strategy='torchrec' a checkpoint is the "
-                "directory ModelCheckpoint wrote, e.g. <dirpath>/epoch=0-step=100.ckpt)"
-            )
-        if path.is_file():
-            raise CheckpointError(
-                f"{path} is a checkpoint file, not a directory written by TorchRecStrategy: an ordinary checkpoint "
-                "(of `export`, or of the resident model trained with strategy='auto') is read by the plain model; "
-                "run with --trainer.strategy=auto (in Python, Trainer(strategy='auto')) to evaluate or serve it"
-            )
-        if not (path / _META_FILE).is_file():
-            raise CheckpointError(
-                f"{path} is not a checkpoint written by TorchRecStrategy (no {_META_FILE} inside); checkpoints of "
-                "sharded models are directories written by torch.distributed.checkpoint on every rank"
-            )
-        if not (path / ".metadata").is_file():
-            raise CheckpointError(
-                f"checkpoint {path} is incomplete: torch.distributed.checkpoint's .metadata file is missing (the save "
-                "was interrupted, or files were lost in a copy); resume from another checkpoint"
-            )
-        try:
-            meta: Dict[str, Any] = torch.load(path / _META_FILE, weights_only=False)
-        except Exception as e:
-            raise CheckpointError(
-                f"checkpoint {path}: {_META_FILE} could not be read ({type(e).__name__}); the file is damaged, "
-                "resume from another checkpoint"
-            ) from e
-        saved = meta.pop(_WORLD_SIZE_KEY, None)
-        if saved is not None and int(saved) != self.world_size:
-            raise CheckpointError(
-                f"checkpoint {path} was written by {saved} ranks but this run has {self.world_size}: each rank's "
-                f"data position and cache state belong to a {saved}-rank job; resume it with {saved} ranks "
-                f"(torchrun --nproc_per_node=... and --trainer.devices so that they make {saved}), or start a new run"
-            )
         return meta
 
     @override

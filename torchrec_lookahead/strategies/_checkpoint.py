@@ -1,0 +1,88 @@
+"""Checkpoints of a sharded model: directories written by :mod:`torch.distributed.checkpoint` on every rank, with
+the Lightning part and the rank count in a small file beside them (:data:`META_FILE`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchrec_lookahead.errors import CheckpointError
+
+__all__ = ["META_FILE", "WORLD_SIZE_KEY", "load_sharded", "read_checkpoint_meta"]
+
+#: the Lightning part of a checkpoint directory (epoch, loops, callbacks), written by rank 0
+META_FILE = "meta.pt"
+#: the key of the rank count that wrote the checkpoint, in :data:`META_FILE`
+WORLD_SIZE_KEY = "torchrec_lookahead_world_size"
+
+
+def load_sharded(target: Dict[str, Any], path: Path) -> None:
+    """Read the distributed checkpoint ``path`` into ``target`` in place (torch.distributed.checkpoint, every rank).
+
+    Raises:
+        CheckpointError: its shard files are damaged or incomplete, or it belongs to another model or
+            configuration (the first line of the rank's own error is quoted).
+    """
+    try:
+        dcp.load(target, checkpoint_id=path)
+    except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
+        failures = getattr(e, "failures", None) or {}
+        cause = next(iter(failures.values()), e)  # a CheckpointException holds each rank's own error
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback)
+        first = (str(cause).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"checkpoint {path} could not be read ({type(cause).__name__}: {first[:300]}): its shard files are "
+            "damaged or incomplete (a truncated .distcp file?), or it was written for another model or "
+            "configuration; resume from an intact checkpoint of this configuration"
+        ) from e
+
+
+def read_checkpoint_meta(path: Path, world_size: int) -> Dict[str, Any]:
+    """The Lightning part of the checkpoint directory ``path``, after checking that the directory is whole
+    and was written by as many ranks as this run has.
+
+    Raises:
+        CheckpointError: the path does not exist, is a file (an exported checkpoint, read with
+            ``strategy='auto'``), is not a checkpoint of this strategy, lacks
+            torch.distributed.checkpoint's ``.metadata``, or was written by another number of ranks.
+    """
+    if not path.exists():
+        raise CheckpointError(
+            f"checkpoint {path} does not exist; check ckpt_path (under strategy='torchrec' a checkpoint is the "
+            "directory ModelCheckpoint wrote, e.g. <dirpath>/epoch=0-step=100.ckpt)"
+        )
+    if path.is_file():
+        raise CheckpointError(
+            f"{path} is a checkpoint file, not a directory written by TorchRecStrategy: an ordinary checkpoint "
+            "(of `export`, or of the resident model trained with strategy='auto') is read by the plain model; "
+            "run with --trainer.strategy=auto (in Python, Trainer(strategy='auto')) to evaluate or serve it"
+        )
+    if not (path / META_FILE).is_file():
+        raise CheckpointError(
+            f"{path} is not a checkpoint written by TorchRecStrategy (no {META_FILE} inside); checkpoints of "
+            "sharded models are directories written by torch.distributed.checkpoint on every rank"
+        )
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: torch.distributed.checkpoint's .metadata file is missing (the save "
+            "was interrupted, or files were lost in a copy); resume from another checkpoint"
+        )
+    try:
+        meta: Dict[str, Any] = torch.load(path / META_FILE, weights_only=False)
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {path}: {META_FILE} could not be read ({type(e).__name__}); the file is damaged, "
+            "resume from another checkpoint"
+        ) from e
+    saved = meta.pop(WORLD_SIZE_KEY, None)
+    if saved is not None and int(saved) != world_size:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {saved} ranks but this run has {world_size}: each rank's "
+            f"data position and cache state belong to a {saved}-rank job; resume it with {saved} ranks "
+            f"(torchrun --nproc_per_node=... and --trainer.devices so that they make {saved}), or start a new run"
+        )
+    return meta

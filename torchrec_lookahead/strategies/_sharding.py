@@ -1,0 +1,107 @@
+"""What the ``torchrec`` strategy checks and builds while sharding: the model to shard inside the LightningModule
+(:func:`model_attribute`), the optimizers FBGEMM's CPU kernel can fuse, and the ``DistributedModelParallel``
+whose state-dict keys do not depend on DDP."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import lightning.pytorch as pl
+from torch import nn
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.model_parallel import get_module
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.modules import CachedEmbeddingBagCollection, init_embedding_bag_tables_
+from torchrec_lookahead.store.init import init_embedding_weights
+
+__all__ = [
+    "embedding_collections",
+    "check_cpu_fused_optimizers",
+    "DistributedModelParallelKeys",
+    "model_attribute",
+]
+
+
+# FBGEMM's fused CPU kernel implements only these optimizers (split_table_batched_embeddings_ops_training).
+_CPU_FUSED_OPTIMIZERS = ("SGD", "RowWiseAdagrad", "Adagrad")
+
+
+def embedding_collections(module: nn.Module) -> List[nn.Module]:
+    """TorchRec's unsharded embedding collections inside ``module`` (itself included)."""
+    return [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
+
+
+def check_cpu_fused_optimizers(module: nn.Module) -> None:
+    for m in module.modules():
+        if not isinstance(m, EmbeddingBagCollection):
+            continue
+        for name, p in m.named_parameters():
+            for cls in getattr(p, "_optimizer_classes", []):
+                if cls.__name__ not in _CPU_FUSED_OPTIMIZERS:
+                    raise ConfigError(
+                        f"Embedding optimizer {cls.__name__} on table parameter {name!r} is not available in "
+                        f"FBGEMM's fused kernel on CPU (it supports {list(_CPU_FUSED_OPTIMIZERS)}); use one of "
+                        "those, train on CUDA, or train the table through the lookahead cache, whose optimizer "
+                        "runs on any device"
+                    )
+
+
+class DistributedModelParallelKeys(DistributedModelParallel):
+    """TorchRec's ``DistributedModelParallel`` whose state-dict keys do not depend on whether DDP wraps its
+    dense part. TorchRec's ``state_dict(prefix=p)`` strips DDP's ``module.`` and then adds ``p`` to every key;
+    when nothing is left for DDP (every dense layer split across a hierarchical group) the keys already carry
+    ``p``, which came twice (``model.model.*``), so such a checkpoint did not load into a run with a replicated
+    layer (or into synchronous training). Loading needs no change: TorchRec's own load handles both layouts.
+    """
+
+    def state_dict(  # type: ignore[override]
+        self, destination: Optional[Dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False
+    ) -> Dict[str, Any]:
+        inner = get_module(self)
+        if isinstance(inner, nn.parallel.DistributedDataParallel):
+            return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return inner.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)  # type: ignore[no-any-return]
+
+
+def model_attribute(lm: pl.LightningModule, module_name: Optional[str]) -> str:
+    """The attribute of ``lm`` holding the model to shard: ``module_name``, or the one child holding TorchRec
+    embedding collections (or the ``DistributedModelParallel`` built at an earlier stage)."""
+    if module_name is not None:
+        return module_name
+    found = [
+        name
+        for name, child in lm.named_children()
+        if isinstance(child, DistributedModelParallel) or embedding_collections(child)
+    ]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ConfigError(
+            f"{type(lm).__name__} holds no TorchRec embedding collection (EmbeddingBagCollection or "
+            "EmbeddingCollection) in any of its modules, so strategy='torchrec' has nothing to shard and no table "
+            "to cache: build the TorchRec model in configure_model() (or __init__) as an attribute of the "
+            "LightningModule, or train without strategy='torchrec'"
+        )
+    raise ConfigError(
+        f"{type(lm).__name__} holds TorchRec embedding collections under several attributes {found}; "
+        "TorchRecStrategy shards one model: keep them under one nn.Module, or set "
+        f"TorchRecStrategy(module_name=...) to one of {found}"
+    )
+
+
+def init_resident_tables(dmp: nn.Module, resident: List[Any], seed: int) -> None:
+    """Write the stores' deterministic initial values (:func:`~torchrec_lookahead.store.init_rows`) into the
+    ``resident`` tables of ``dmp``: TorchRec's sharded collections, and resident tables trained in a cache's
+    kernel. Not the cached tables: their stores start from those values already, and a cache's state_dict()
+    would flush and touch every row."""
+    for m in dmp.modules():
+        if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
+            init_embedding_bag_tables_(m, resident, seed=seed)
+        elif isinstance(m, CachedEmbeddingBagCollection):  # resident tables in the cache's kernel
+            for c in m.embedding_bag_configs():
+                if c.name not in m.capacity:
+                    init_embedding_weights(m.cache_weights(c.name), c.name, seed)
