@@ -53,9 +53,13 @@ from benchmarks._common import free_port, machine, median, parser, table, write_
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig  # noqa: E402
 from torchrec_lookahead.distributed.exact_sync import KernelLayout, exchange_batches  # noqa: E402
 from torchrec_lookahead.distributed.lrpp import LRPPTracker, slice_samples  # noqa: E402
-from torchrec_lookahead.modules import CacheOptimizerConfig, remap_kjt, table_ids  # noqa: E402
+from torchrec_lookahead.modules import CacheOptimizerConfig, remap_kjt  # noqa: E402
 from torchrec_lookahead.modules._kernels import make_kernel  # noqa: E402
-from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig  # noqa: E402
+from torchrec_lookahead.oracle import (  # noqa: E402
+    LookaheadOracle,
+    OracleConfig,
+    table_ids,  # noqa: E402
+)
 
 DIM = 16
 #: configs/dlrm_lookahead.yaml's cached tables, capacities doubled for 2 ranks

@@ -15,7 +15,7 @@ the same loop::
             except StopIteration:
                 break
 
-Behind ``progress``, the :class:`~torchrec_lookahead.data.LookaheadLoader` that the Lightning path uses reads
+Behind ``progress``, the :class:`~torchrec_lookahead.runtime.LookaheadLoader` that the Lightning path uses reads
 ``dataloader_iter`` in a background thread, runs the oracle ``horizon`` batches ahead and remaps the cached
 features' ids to cache slots; a second thread gathers the rows each plan fetches ``prefetch_depth`` steps ahead.
 Before each step the batch's plan is applied to the cached modules (exactly as ``strategy="torchrec"`` does,

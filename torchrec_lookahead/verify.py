@@ -143,7 +143,7 @@ def _inexact_notes(strategy: Any) -> List[str]:
 
     notes = []
     for m in strategy.cached_modules():
-        if getattr(m, "average_every", None) is not None:
+        if m.average_every is not None:
             notes.append(
                 f"cDLRM mode (cdlrm_average_every={m.average_every}) averages the ranks' caches instead of "
                 "summing gradients: approximate by design (see docs/design.md, cDLRM mode)"

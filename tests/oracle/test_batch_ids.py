@@ -11,7 +11,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.distributed.planner import batch_table_ids, min_capacities
 from torchrec_lookahead.errors import ConfigError, DataError
-from torchrec_lookahead.modules import table_ids as modules_table_ids
 from torchrec_lookahead.oracle import (
     LookaheadOracle,
     OracleConfig,
@@ -72,10 +71,9 @@ def test_refuses_non_integer_ids_naming_the_feature() -> None:
 
 
 def test_every_consumer_agrees() -> None:
-    """The modules' re-export, the planner's samples, the oracle and the capacity check see the same ids."""
+    """The planner's samples, the oracle and the capacity check see the same ids."""
     batch = kjt()
     expect = {"t0": [3, 9, 9, 5, 1], "t1": [4]}
-    assert modules_table_ids is table_ids
     assert as_lists(batch_table_ids(batch, {**F2T, "extra": "t2"})) == {**expect, "t2": [7, 8]}
     with pytest.raises(ConfigError, match="'extra' in sample batch 3"):
         batch_table_ids(batch, F2T, 3)

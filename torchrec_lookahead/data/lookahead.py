@@ -63,7 +63,7 @@ class LookaheadDataModule(WrappedDataModule):
         queue_depth: planned batches kept ready.
         window: batches per window of the ``window`` policy.
         ways: associativity of the ``window`` policy.
-        capacity_check: a :class:`~torchrec_lookahead.data.CapacityCheck` or its value. ``"epoch"``
+        capacity_check: a :class:`~torchrec_lookahead.runtime.CapacityCheck` or its value. ``"epoch"``
             (default): before training, read the epoch's sparse features once and
             raise :class:`~torchrec_lookahead.errors.CapacityError` / :class:`~torchrec_lookahead.errors.InvalidIdError`
             if any window does not fit its cache or an id is out of range (costs one pass over the training

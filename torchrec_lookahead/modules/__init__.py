@@ -7,7 +7,8 @@
 * :class:`AppliedPlan`: the plan a cache applied last, which its next forward covers.
 * :class:`CacheOptimizerConfig`: the fused sparse optimizer (also the resident baseline's ``fused_params``).
 * :class:`StagedRows` / :func:`stage_rows`: fetch rows gathered ahead of their step.
-* :func:`table_ids` / :func:`remap_kjt`: KJT ids per table for the oracle, slots for the cache.
+* :func:`remap_kjt`: a KJT's ids of cached tables as slots of the cache (the ids per table for the oracle:
+  :func:`torchrec_lookahead.oracle.table_ids`).
 * :func:`init_embedding_bag_tables_`: give a resident TorchRec model the stores' initial values.
 """
 
@@ -21,7 +22,7 @@ from torchrec_lookahead.modules.config import (
     CacheOptimizerConfig,
     KernelChoice,
 )
-from torchrec_lookahead.modules.remap import remap_kjt, table_ids
+from torchrec_lookahead.modules.remap import remap_kjt
 from torchrec_lookahead.modules.resident_init import init_embedding_bag_tables_
 from torchrec_lookahead.modules.staging import stage_rows
 from torchrec_lookahead.modules.types import StagedRows, StagedTable
@@ -38,7 +39,6 @@ __all__ = [
     "StagedRows",
     "StagedTable",
     "stage_rows",
-    "table_ids",
     "remap_kjt",
     "init_embedding_bag_tables_",
 ]

@@ -17,10 +17,9 @@ from typing import Collection, Dict, Mapping
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.errors import ConfigError, DataError
-from torchrec_lookahead.oracle.batch_ids import table_ids
 from torchrec_lookahead.oracle.types import BatchPlan
 
-__all__ = ["table_ids", "remap_kjt"]
+__all__ = ["remap_kjt"]
 
 
 def refuse_variable_batch(kjt: KeyedJaggedTensor) -> None:

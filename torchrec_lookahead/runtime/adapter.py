@@ -186,7 +186,7 @@ def replace_by_identity(obj: Any, old: Any, new: Any) -> Tuple[bool, Any]:
 
 def as_torchrec_batch(batch: Any, adapter: Optional[BatchAdapter]) -> Batch:
     """``batch`` as a TorchRec ``Batch``: itself when it is one, else read through ``adapter``, the result a
-    :class:`~torchrec_lookahead.data.LookaheadBatch` that remembers the user's batch (``source``).
+    :class:`~torchrec_lookahead.runtime.LookaheadBatch` that remembers the user's batch (``source``).
 
     Raises:
         DataError: ``batch`` is not a TorchRec ``Batch`` and there is no adapter (the message says what to

@@ -385,8 +385,8 @@ class LookaheadLoader:
                 plan=plan,
                 staged=fut,
                 lrpp=lrpp,
-                source=getattr(b, "source", None),
-                adapter=getattr(b, "adapter", None),
+                source=b.source if isinstance(b, LookaheadBatch) else None,
+                adapter=b.adapter if isinstance(b, LookaheadBatch) else None,
             )
             self._planned = plan.step
             now = time.thread_time()
