@@ -5,7 +5,7 @@ finds the main thread: a peer inside the cache's all-gather (or any other collec
 rank waits for good. The handler also makes a rank that receives it alone stop at the end of its step while its
 peers go on. :class:`LockstepSignalConnector` replaces the handler's work by a flag (and the forwarding of the
 signal to the processes Lightning launched), and the strategy agrees on the flags once per training step, at the
-start of the step, with one all-reduce on the training thread's process group (:meth:`agree`): every rank then
+start of the step, with one all-reduce of a host tensor on a gloo group (:meth:`agree`): every rank then
 ends after the same step (Lightning's ``SIGTERMException``), flushes its caches and exits, whichever of them the
 signal reached. With one process the flag stops training at once, and the lookahead pre-scans poll it
 (:func:`~torchrec_lookahead.runtime._report.scan_progress`).
@@ -40,6 +40,7 @@ class LockstepSignalConnector(_SignalConnector):
         super().__init__(trainer)
         #: this rank received SIGTERM (not yet agreed with the others)
         self.pending = False
+        self._flag_group: Optional[dist.ProcessGroup] = None
 
     @override
     def register_signal_handlers(self) -> None:
@@ -57,14 +58,23 @@ class LockstepSignalConnector(_SignalConnector):
         if self.trainer.world_size == 1:
             self.received_sigterm = True
 
+    def _group(self) -> Optional[dist.ProcessGroup]:
+        """The group the flags are agreed on: the default group when it is gloo, else a gloo group of every rank
+        (created at the first agreement, a point every rank reaches together), so that the flag stays a host
+        tensor and agreeing never waits for the device (under NCCL, ``item()`` of a device tensor would)."""
+        if self._flag_group is None:
+            default = dist.group.WORLD
+            self._flag_group = default if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return self._flag_group
+
     def agree(self) -> bool:
         """Whether some rank received SIGTERM; a collective of every rank's training thread (one all-reduce of
-        one number on the default group) that every rank calls at the same point of every step."""
+        one number, on the host, see :meth:`_group`) that every rank calls at the same point of every step."""
         if self.received_sigterm:
             return True
         if self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([int(self.pending)], device=self.trainer.strategy.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            flag = torch.tensor([int(self.pending)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group())
             if int(flag.item()):
                 self.received_sigterm = True
                 rank_zero_info(
