@@ -7,8 +7,10 @@ minimum where below it); the others are resident. A bounded number of steps is t
 after warm-up (JSON ``samples_per_s``), peak RSS (``peak_rss_gib``), store bytes (``store_gib``), the time
 to build and shard the model (``setup_s``, resident tables are initialised there) and the first steps
 (``first_steps_s``: the stores initialise their rows lazily, chunk by chunk, when a step first touches them).
-The epoch has 100,000 batches, of which only the trained ones are read: capacities are checked as the loader plans
-(``capacity_check="lookahead"``), not by a pre-scan of the epoch.
+The epoch has 100,000 batches, of which only the first few hundred are read: the capacities are sized on the
+batches trained and 100 more, the capacity pre-scan (part of ``setup_s``) reads those same batches
+(``capacity_check_batches``; its default time bound would stop it first on a slow machine) and the loader checks
+the others as it plans them. A pre-scan of the whole epoch would keep the first step away for many minutes.
 
 Manual modes (not run in CI), each in its own process so that peak RSS is its own:
 
@@ -95,16 +97,17 @@ def run(
     cli = build(overrides=overrides)
     dm = cli.datamodule
     bumped: Dict[str, int] = {}
+    probed = steps + warmup + 100  # the batches the capacities are sized on, and the pre-scan reads
     if capacity is None:
-        capacity, bumped = capacities(dm, fraction, min_cached_rows, batches=steps + warmup + 100)
+        capacity, bumped = capacities(dm, fraction, min_cached_rows, batches=probed)
     t_cap = time.perf_counter() - t0
     rows = table_rows(dm)
     clock = _StepClock(first=warmup)
     clock.t0 = time.perf_counter()
-    # the loader checks capacities as it plans: the default pre-scan would read the whole 100,000-batch epoch
-    # before the first step, of which only ``steps + warmup`` batches are trained
+    # the pre-scan stops where the capacities stopped being measured: a later window may need a few rows more,
+    # and is checked if the loader ever plans it
     res = train(cli, capacity, steps, warmup=warmup, store_dir=store_dir, callbacks=[clock],
-                lookahead_kwargs={"capacity_check": "lookahead"})  # fmt: skip
+                lookahead_kwargs={"capacity_check_batches": probed})  # fmt: skip
     mods = res["strategy"].cached_modules()
     stores = {n: s for m in mods for n, s in m.cache.stores.items()}
     out = {

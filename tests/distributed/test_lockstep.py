@@ -277,12 +277,40 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
             out["need"] = scan_epoch(batches, target, prefetch_depth=1, stop_timeout_s=20.0)
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
+    elif (
+        name == "scan_bounded"
+    ):  # rank 0 bounds the scan at 4 batches, rank 1 not at all: rank 0's bound holds
+        from torchrec_lookahead.runtime.scan import prescan
+
+        target = _loader(rank, [], group).target
+        scan = prescan(_batches(rank, 6), target, 1, 20.0, max_batches=4 if rank == 0 else None)
+        out.update(need=scan.need, batches=scan.batches, ended=scan.ended)
+    elif name == "scan_timed":
+        # Rank 0's clock moves one second per reading and its bound is 3.5 s: it stops after 3 batches. Rank 1
+        # has no bound and a real clock; it stops where rank 0's clock says so.
+        import itertools
+        from types import SimpleNamespace
+
+        import torchrec_lookahead.runtime.scan as scan_module
+
+        target = _loader(rank, [], group).target
+        real = scan_module.time
+        if rank == 0:
+            clock = itertools.count()
+            scan_module.time = SimpleNamespace(perf_counter=lambda: float(next(clock)))  # type: ignore[assignment]
+        try:
+            scan = scan_module.prescan(
+                _batches(rank, 6), target, 1, 20.0, max_seconds=3.5 if rank == 0 else None
+            )
+        finally:
+            scan_module.time = real  # type: ignore[assignment]
+        out.update(need=scan.need, batches=scan.batches, ended=scan.ended)
     out["alive"] = [t.name for t in threading.enumerate() if t.name.startswith("lookahead-")]
     return out
 
 
 SCENARIOS = ["equal", "ragged", "empty", "stop", "peer_stops", "peer_gone", "sharded_equal", "sharded_stop",
-             "stager_peer_stops", "stager_peer_gone", "scan", "scan_fails"]  # fmt: skip
+             "stager_peer_stops", "stager_peer_gone", "scan", "scan_fails", "scan_bounded", "scan_timed"]  # fmt: skip
 
 
 def _worker(rank: int, port: int, outdir: str) -> None:
@@ -381,3 +409,12 @@ def test_the_capacity_pre_scan_checks_the_global_batches_and_a_rank_failing_in_i
     assert (
         a["error"].startswith("SetupError") and "rank(s) [1] failed during the capacity check" in a["error"]
     )
+
+
+@pytest.mark.parametrize("name", ["scan_bounded", "scan_timed"])
+def test_ranks_stop_a_bounded_pre_scan_at_rank_0s_bound_together(results, name):
+    a, b = results[name]
+    assert "error" not in a and "error" not in b, (a, b)
+    want = 4 if name == "scan_bounded" else 3
+    assert a["batches"] == b["batches"] == want and not a["ended"] and not b["ended"], (a, b)
+    assert a["need"] == b["need"] and 2 < a["need"]["t"] <= 8, (a, b)  # windows of 2 global batches of 4 ids

@@ -9,7 +9,6 @@ not slots.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -21,10 +20,11 @@ from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.oracle import LookaheadSettings, Policy
 from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_DEPTH
-from torchrec_lookahead.runtime import CacheHost, CacheSession, CapacityCheck, LookaheadLoader, scan_epoch
+from torchrec_lookahead.runtime import CacheHost, CacheSession, CapacityCheck, LookaheadLoader, prescan
 from torchrec_lookahead.runtime._report import report_text, scan_progress
 from torchrec_lookahead.runtime._threads import _check_nice
 from torchrec_lookahead.runtime.adapter import BatchAdapter
+from torchrec_lookahead.runtime.capacity import DEFAULT_SCAN_SECONDS, check_scan_bounds
 from torchrec_lookahead.runtime.types import PinnedLoaderOptions, PinnedPart, PinnedRowsSource
 
 __all__ = ["LookaheadDataModule"]
@@ -64,13 +64,21 @@ class LookaheadDataModule(WrappedDataModule):
         window: batches per window of the ``window`` policy.
         ways: associativity of the ``window`` policy.
         capacity_check: a :class:`~torchrec_lookahead.runtime.CapacityCheck` or its value. ``"epoch"``
-            (default): before training, read the epoch's sparse features once and
+            (default): before training, read the epoch's sparse features, up to ``capacity_check_batches``
+            batches and ``capacity_check_seconds`` seconds, and
             raise :class:`~torchrec_lookahead.errors.CapacityError` / :class:`~torchrec_lookahead.errors.InvalidIdError`
-            if any window does not fit its cache or an id is out of range (costs one pass over the training
-            data; torch's, numpy's and Python's random states are restored, so a shuffling loader keeps its
-            order). ``"lookahead"``: no pre-scan; such errors surface when the oracle (``horizon`` batches ahead of
-            training) reaches the window, possibly mid-training, after a flush. Loaders without ``len()`` and
-            the ``window`` policy (set-associative: its own placement rules) are planned with ``"lookahead"``.
+            if a window read does not fit its cache or an id is out of range (torch's, numpy's and Python's
+            random states are restored, so a shuffling loader keeps its order); the windows beyond the bound
+            are checked as with ``"lookahead"``. ``"lookahead"``: no pre-scan; such errors surface when the
+            oracle (``horizon`` batches ahead of training) reaches the window, before it is trained but possibly
+            mid-epoch, after a flush. Loaders without ``len()`` and the ``window`` policy (set-associative: its
+            own placement rules) are planned with ``"lookahead"``.
+        capacity_check_batches: the most batches the ``"epoch"`` pre-scan reads (an int >= 1; ``None``, the
+            default: no bound in batches). With several ranks, rank 0's bound holds on every rank.
+        capacity_check_seconds: the pre-scan reads no further batch once this many seconds have passed (a number
+            > 0; default 20, so that a large epoch starts training within a minute; ``None``: no time bound,
+            the whole epoch unless ``capacity_check_batches``). With several ranks, rank 0's clock decides
+            for every rank.
         stop_timeout_s: with several ranks, how long a rank that stopped training waits for the others to join
             the planner's last id all-gather (and the stager's last row gather over row-sharded stores) before
             it gives up with a typed error (a peer failed).
@@ -103,6 +111,8 @@ class LookaheadDataModule(WrappedDataModule):
         window: Optional[int] = None,
         ways: Optional[int] = None,
         capacity_check: str = "epoch",
+        capacity_check_batches: Optional[int] = None,
+        capacity_check_seconds: Optional[float] = DEFAULT_SCAN_SECONDS,
         stop_timeout_s: float = 60.0,
         planner_nice: int = 19,
         batch_adapter: Optional[BatchAdapter] = None,
@@ -119,6 +129,10 @@ class LookaheadDataModule(WrappedDataModule):
         self.planner_nice = int(planner_nice)
         if capacity_check not in (CapacityCheck.EPOCH, CapacityCheck.LOOKAHEAD):
             raise ConfigError(f"Expected capacity_check 'epoch' or 'lookahead' but got {capacity_check!r}")
+        #: the most batches the ``"epoch"`` pre-scan reads, and its time bound in seconds (``None``: no bound)
+        self.capacity_check_batches, self.capacity_check_seconds = check_scan_bounds(
+            capacity_check_batches, capacity_check_seconds
+        )
         if not stop_timeout_s > 0:
             raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s}")
         self.stop_timeout_s = float(stop_timeout_s)
@@ -195,7 +209,13 @@ class LookaheadDataModule(WrappedDataModule):
         if self.loader is not None:  # a reload: the previous loader's threads must not outlive it
             self.loader.close()
         options = PinnedLoaderOptions(
-            self.policy, self.prefetch_depth, self.capacity_check, self.batch_adapter, self.trainer
+            self.policy,
+            self.prefetch_depth,
+            self.capacity_check,
+            self.batch_adapter,
+            self.trainer,
+            self.capacity_check_batches,
+            self.capacity_check_seconds,
         )
         self.loader = source.pinned_loader(inner, session, self._lookahead, options)
         return self.loader
@@ -214,15 +234,34 @@ class LookaheadDataModule(WrappedDataModule):
             )
             return
 
-        t0 = time.perf_counter()
-        with scan_progress(self.trainer, "Lookahead capacity check", len(inner)) as tick:
-            need = scan_epoch(
-                inner, target, self.prefetch_depth, self.stop_timeout_s, self.batch_adapter, on_batch=tick
+        total = len(inner)
+        bound = self.capacity_check_batches
+        with scan_progress(
+            self.trainer, "Lookahead capacity check", total if bound is None else min(total, bound)
+        ) as tick:
+            scan = prescan(
+                inner,
+                target,
+                self.prefetch_depth,
+                self.stop_timeout_s,
+                self.batch_adapter,
+                on_batch=tick,
+                max_batches=bound,
+                max_seconds=self.capacity_check_seconds,
             )
-        seconds = time.perf_counter() - t0
-        lines = [
-            f"Lookahead capacity check: {len(inner)} batches read ahead in {seconds:.1f} s; the largest windows "
-            "need, of each cached table's rows:"
-        ]
-        lines += [f"  {t}: {need[t]:,} of {target.capacity[t]:,} cache rows" for t in sorted(need)]
+        if scan.ended or scan.batches >= total:
+            head = f"Lookahead capacity check: {scan.batches:,} batches read ahead in {scan.seconds:.1f} s"
+        else:
+            by = (
+                f"capacity_check_batches={bound}"
+                if bound is not None and scan.batches >= bound
+                else f"capacity_check_seconds={self.capacity_check_seconds:g}"
+            )
+            head = (
+                f"Lookahead capacity check: {scan.batches:,} of the epoch's {total:,} batches read ahead in "
+                f"{scan.seconds:.1f} s (bound: {by}); the windows of the other {total - scan.batches:,} are "
+                f"checked as the oracle plans them, {self.horizon} batches ahead of training"
+            )
+        lines = [f"{head}; the largest windows read need, of each cached table's rows:"]
+        lines += [f"  {t}: {scan.need[t]:,} of {target.capacity[t]:,} cache rows" for t in sorted(scan.need)]
         report_text(self.trainer, "lookahead/capacity_check", "\n".join(lines))

@@ -39,7 +39,7 @@ from torchrec_lookahead.fae.stream import BatchKind, HotColdStream
 from torchrec_lookahead.modules import remap_kjt
 from torchrec_lookahead.oracle import Policy
 from torchrec_lookahead.oracle.types import BatchPlan
-from torchrec_lookahead.runtime import CacheSession, CapacityCheck, LoaderStats, LookaheadBatch, scan_epoch
+from torchrec_lookahead.runtime import CacheSession, CapacityCheck, LoaderStats, LookaheadBatch, prescan
 from torchrec_lookahead.runtime._report import report_text, scan_progress
 from torchrec_lookahead.runtime.types import LookaheadFactory, PinnedLoaderOptions
 
@@ -355,11 +355,23 @@ def pinned_lookahead_loader(
         dynamic = replace(target, capacity=pinned.dynamic_capacity())
         cold = _ColdParts(ColdBatches(hotcold.stream), pinned)
         with scan_progress(trainer, "Lookahead capacity check (cold batches)", None) as tick:
-            need = scan_epoch(cold, dynamic, options.prefetch_depth, on_batch=tick)
+            scan = prescan(
+                cold,
+                dynamic,
+                options.prefetch_depth,
+                on_batch=tick,
+                max_batches=options.capacity_check_batches,
+                max_seconds=options.capacity_check_seconds,
+            )
+        rest = (
+            ""
+            if scan.ended
+            else "; the windows of the later cold batches are checked as the oracle plans them"
+        )
         report_text(
             trainer,
             "lookahead/capacity_check",
-            f"Lookahead capacity check of the cold batches: {time.perf_counter() - t0:.1f} s; the largest "
-            f"windows need {need} dynamic cache rows",
+            f"Lookahead capacity check of the cold batches: {scan.batches:,} read ahead in "
+            f"{time.perf_counter() - t0:.1f} s{rest}; the largest windows read need {scan.need} dynamic cache rows",
         )
     return HotColdLookaheadLoader(hotcold, pinned, session, lookahead)

@@ -7,7 +7,7 @@ from torchrec_lookahead.runtime._threads import LoaderStats
 from torchrec_lookahead.runtime.batch import LookaheadBatch
 from torchrec_lookahead.runtime.capacity import CapacityCheck
 from torchrec_lookahead.runtime.loader import LookaheadLoader
-from torchrec_lookahead.runtime.scan import scan_epoch
+from torchrec_lookahead.runtime.scan import PreScan, prescan, scan_epoch
 from torchrec_lookahead.runtime.session import CacheHost, CacheSession
 from torchrec_lookahead.runtime.target import CacheTarget, cached_modules
 
@@ -21,4 +21,6 @@ __all__ = [
     "LoaderStats",
     "CapacityCheck",
     "scan_epoch",
+    "prescan",
+    "PreScan",
 ]

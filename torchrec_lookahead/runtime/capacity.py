@@ -2,23 +2,28 @@
 
 The oracle raises :class:`~torchrec_lookahead.errors.CapacityError` when a window (a batch and the next
 ``prefetch_depth``) needs more rows than a table's cache holds, but it plans only ``horizon`` batches ahead of
-training, so a window late in an epoch would surface mid-training. :func:`check_stream` scans the whole epoch
-first: the same per-window working sets, ids checked against the table sizes, and nothing planned or moved.
+training, so a window late in an epoch would surface mid-training. :func:`check_stream` scans a stream first:
+the same per-window working sets, ids checked against the table sizes, and nothing planned or moved. The
+pre-scan before training (:func:`~torchrec_lookahead.runtime.scan.prescan`) runs it over the epoch's first
+batches, up to a bound in batches or seconds, so that a large epoch is not read before the first step; the
+oracle still checks every window it plans, those beyond the bound included, before it is trained.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Dict, Iterable, Iterator, Mapping, Tuple
+import numbers
+from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 
-from torchrec_lookahead.errors import CapacityError, InvalidIdError
+from torchrec_lookahead._checks import check_int
+from torchrec_lookahead.errors import CapacityError, ConfigError, InvalidIdError
 from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, split_batch
 from torchrec_lookahead.oracle.oracle import window_working_sets
 from torchrec_lookahead.oracle.types import describe_window
 
-__all__ = ["CapacityCheck", "check_stream"]
+__all__ = ["CapacityCheck", "check_stream", "check_scan_bounds", "DEFAULT_SCAN_SECONDS"]
 
 
 class CapacityCheck(enum.StrEnum):
@@ -30,8 +35,35 @@ class CapacityCheck(enum.StrEnum):
         (True, True)
     """
 
-    EPOCH = "epoch"  #: before training, scan the epoch's sparse features once (:func:`check_stream`)
+    #: before training, scan the epoch's sparse features (:func:`check_stream`), up to a bound in batches or
+    #: seconds; the windows beyond it as the oracle plans them
+    EPOCH = "epoch"
     LOOKAHEAD = "lookahead"  #: only as the oracle plans, ``horizon`` batches ahead of training
+
+
+#: the default time bound of the ``"epoch"`` pre-scan (``LookaheadDataModule(capacity_check_seconds=...)``)
+DEFAULT_SCAN_SECONDS = 20.0
+
+
+def check_scan_bounds(batches: object, seconds: object) -> Tuple[Optional[int], Optional[float]]:
+    """The pre-scan's bounds ``(capacity_check_batches, capacity_check_seconds)`` as ``(int, float)``, each
+    possibly ``None`` (no such bound).
+
+    Raises:
+        ConfigError: ``batches`` is not an integer >= 1, or ``seconds`` not a number > 0 (``bool`` and NaN
+            refused).
+
+    Example:
+        >>> check_scan_bounds(1000, 30), check_scan_bounds(None, None)
+        ((1000, 30.0), (None, None))
+    """
+    fix = "pass None for no such bound, or capacity_check='lookahead' for no pre-scan"
+    n = None if batches is None else check_int("capacity_check_batches", batches, 1, fix)
+    if seconds is None:
+        return n, None
+    if not isinstance(seconds, numbers.Real) or isinstance(seconds, bool) or not float(seconds) > 0:
+        raise ConfigError(f"capacity_check_seconds must be a number > 0 but got {seconds!r}; {fix}")
+    return n, float(seconds)
 
 
 def check_stream(
@@ -94,9 +126,9 @@ def check_stream(
         short = {t: best[t] for t in sorted(first)}
         raise CapacityError(
             f"table {n!r}: {describe_window(lo, hi, prefetch_depth)} need{'s' if lo == hi else ''} {need} "
-            f"cache rows but capacity[{n!r}] is {int(capacity[n])}; the epoch's largest windows need {short} "
-            "rows: raise those capacities, lower prefetch_depth, or use smaller batches (found before training "
-            "by LookaheadDataModule(capacity_check='epoch'))",
+            f"cache rows but capacity[{n!r}] is {int(capacity[n])}; the scanned batches' largest windows need "
+            f"{short} rows: raise those capacities, lower prefetch_depth, or use smaller batches (found before "
+            "training by LookaheadDataModule(capacity_check='epoch'))",
             table=n,
             batch=hi,
             needed=need,

@@ -1,9 +1,12 @@
 """Reading a training loader's global sparse features, in the ranks' lockstep (:func:`global_batches`), and the
-capacity pre-scan of a whole epoch before training (:func:`scan_epoch`)."""
+capacity pre-scan before training of an epoch's first batches (:func:`prescan`) or of a whole epoch
+(:func:`scan_epoch`)."""
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Generator, Iterator, Optional, Protocol, Tuple, runtime_checkable
 
 from torchrec.datasets.utils import Batch
@@ -15,7 +18,7 @@ from torchrec_lookahead.runtime.adapter import BatchAdapter, as_torchrec_batch
 from torchrec_lookahead.runtime.capacity import check_stream
 from torchrec_lookahead.runtime.target import CacheTarget
 
-__all__ = ["global_batches", "scan_epoch", "LockstepLoader"]
+__all__ = ["global_batches", "scan_epoch", "prescan", "PreScan", "LockstepLoader"]
 
 log = logging.getLogger(__name__)
 
@@ -73,29 +76,100 @@ def scan_epoch(
     on_batch: Optional[Callable[[], None]] = None,
 ) -> Dict[str, int]:
     """Read one epoch of ``inner`` (a loader of TorchRec batches, or of others read through ``adapter``) and check
-    every window and id against the cache
-    before training (:func:`~torchrec_lookahead.runtime.capacity.check_stream`; with several ranks over the
-    global batches, gathered in lockstep). Random states, the loader's generators included, are restored.
-    ``on_batch`` is called after each batch is read (a progress bar's tick).
+    every window and id against the cache before training: :func:`prescan` without a bound.
 
     Returns:
         The largest window working set per cached table.
 
     Raises:
+        CapacityError, InvalidIdError, SetupError: see :func:`prescan`.
+    """
+    return prescan(inner, target, prefetch_depth, stop_timeout_s, adapter, on_batch).need
+
+
+@dataclass(frozen=True)
+class PreScan:
+    """What a capacity pre-scan (:func:`prescan`) read.
+
+    Attributes:
+        need: the largest window working set per cached table, over the batches read.
+        batches: batches read (with several ranks: global batches, the same on every rank).
+        ended: the loader ended: the whole epoch was read (``False``: the scan stopped at its bound).
+        seconds: the scan's wall time on this rank.
+    """
+
+    need: Dict[str, int]
+    batches: int
+    ended: bool
+    seconds: float
+
+
+def prescan(
+    inner: Any,
+    target: CacheTarget,
+    prefetch_depth: int,
+    stop_timeout_s: float = 60.0,
+    adapter: Optional[BatchAdapter] = None,
+    on_batch: Optional[Callable[[], None]] = None,
+    max_batches: Optional[int] = None,
+    max_seconds: Optional[float] = None,
+) -> PreScan:
+    """Read the first batches of an epoch of ``inner`` (a loader of TorchRec batches, or of others read through
+    ``adapter``) and check their windows and ids against the cache before training
+    (:func:`~torchrec_lookahead.runtime.capacity.check_stream`; with several ranks over the global batches,
+    gathered in lockstep). Random states, the loader's generators included, are restored.
+
+    The scan stops at the end of the epoch, or before reading batch ``max_batches``, or before reading the next
+    batch once ``max_seconds`` have passed (``None``: no such bound); the windows it did not reach are left to
+    the oracle, which checks each one as it plans it, ``horizon`` batches ahead of training. With several ranks
+    the bounds are rank 0's, and so is the decision that the time is up (exchanged before each batch through
+    the same lockstep gathers), so every rank stops at the same batch. ``on_batch`` is called after each batch
+    is read (a progress bar's tick).
+
+    Raises:
         CapacityError, InvalidIdError: see :func:`~torchrec_lookahead.runtime.capacity.check_stream`.
         SetupError: another rank failed during its scan.
     """
+    t0 = time.perf_counter()
+    read = 0
+    ended = False
+
+    def bounded(batches: Iterator[Tuple[Batch, Any]], gatherer: Optional[IdGatherer]) -> Iterator[Any]:
+        nonlocal read, ended
+        limit_batches, limit_seconds = max_batches, max_seconds
+        if gatherer is not None:  # rank 0's bounds, so that every rank stops at the same batch
+            agreed = gatherer.gather_object((max_batches, max_seconds))
+            if agreed is None:
+                return
+            limit_batches, limit_seconds = agreed[0]
+        while True:
+            over = limit_batches is not None and read >= limit_batches
+            if limit_seconds is not None:
+                over = over or time.perf_counter() - t0 >= limit_seconds
+                if gatherer is not None:  # the ranks' clocks differ: rank 0's decides for all
+                    decided = gatherer.gather_object(over)
+                    if decided is None:
+                        return
+                    over = bool(decided[0])
+            if over:
+                return
+            item = next(batches, None)
+            if item is None:
+                ended = True
+                return
+            read += 1
+            yield item[1]
 
     def sparse() -> Generator[Any, None, None]:
         if target.num_ranks == 1:
-            yield from (kjt for _, kjt in global_batches(inner, None, adapter=adapter))
+            yield from bounded(global_batches(inner, None, adapter=adapter), None)
             return
         # Every rank plans the global batch: the same lockstep gathers as the planner thread's. A rank that
         # fails (its loader raises, a check fails) tells the others, which then fail too instead of waiting.
         failed = False
         gatherer = IdGatherer(target.num_ranks, target.group, lambda: failed, stop_timeout_s)
         try:
-            yield from (kjt for _, kjt in global_batches(inner, gatherer, adapter=adapter))
+            yield from bounded(global_batches(inner, gatherer, adapter=adapter), gatherer)
         except BaseException:
             failed = True
             try:
@@ -131,4 +205,4 @@ def scan_epoch(
             )
     finally:
         stream.close()
-    return need
+    return PreScan(need, read, ended, time.perf_counter() - t0)

@@ -67,6 +67,8 @@ class PinnedLoaderOptions:
         capacity_check: whether the epoch is checked against the caches before training.
         batch_adapter: how the wrapped DataModule's batches are read, if they are not TorchRec ``Batch`` es.
         trainer: where set-up reports go (text on rank 0 and TensorBoard; ``None``: logging only).
+        capacity_check_batches: the pre-scan's bound in batches (``None``: none).
+        capacity_check_seconds: the pre-scan's bound in seconds (``None``: none).
     """
 
     policy: Policy
@@ -74,6 +76,8 @@ class PinnedLoaderOptions:
     capacity_check: CapacityCheck
     batch_adapter: Optional[BatchAdapter] = None
     trainer: Optional[Any] = None
+    capacity_check_batches: Optional[int] = None
+    capacity_check_seconds: Optional[float] = None
 
 
 @runtime_checkable
