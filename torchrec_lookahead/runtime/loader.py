@@ -22,6 +22,7 @@ the stores are collectives (a row-sharded store), the stager threads keep their 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -29,7 +30,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
@@ -37,21 +38,17 @@ from torchrec.datasets.utils import Batch
 from torchrec_lookahead.distributed.lrpp import (
     GatherStatus,
     IdGatherer,
-    LRPPTracker,
     StageGathers,
-    slice_samples,
 )
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
-from torchrec_lookahead.modules import remap_kjt, stage_rows
+from torchrec_lookahead.modules import stage_rows
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle import (
     BatchPlan,
-    LookaheadOracle,
     LookaheadSettings,
     OracleConfig,
-    UnknownFeatures,
-    table_ids,
 )
+from torchrec_lookahead.runtime._planning import StepPlanner
 from torchrec_lookahead.runtime._threads import (
     _END,
     ApplyProgress,
@@ -143,6 +140,7 @@ class LookaheadLoader:
         #: the no-stale-read rule: which plans' write-backs have landed (the stager waits on it)
         self.progress = ApplyProgress(target.num_ranks)
         self._planned = -1
+        self._planner_cpu = 0.0
         self._run: Optional[_Run] = None
         self._stop_error: Optional[BaseException] = None
         # the counters of stats(): each thread adds its own work (see _count)
@@ -316,84 +314,42 @@ class LookaheadLoader:
                     run.shutdown_failed(e)
 
     def _plan_stream(self, run: _Run, gatherer: Optional[IdGatherer]) -> None:
-        batches: queue.Queue[Batch] = queue.Queue()
-        multi = gatherer is not None
+        """Read the wrapped loader's batches (their global ids, gathered in lockstep with several ranks), plan
+        each with the oracle ``horizon`` batches ahead, and hand every planned batch to the stager and to the
+        training thread, in order; returns when the loader ends or the run stops."""
+        planner: Optional[StepPlanner] = None
+        self._planner_cpu = time.thread_time()  # the planner's CPU time is counted per batch handed out
+        read: Deque[Tuple[Batch, Any]] = collections.deque()  # read, not yet planned (the oracle's window)
+        source, self._source = self._source, None
+        for b, global_kjt in global_batches(
+            self.loader, gatherer, lambda: run.stopped, self.batch_adapter, source
+        ):
+            if planner is None:
+                planner = StepPlanner(self.target, self._oracle_kwargs, self.pinned)
+            read.append((b, global_kjt))
+            if not self._hand_out(run, planner, planner.feed(global_kjt), read):
+                return
+        if planner is not None:
+            self._hand_out(run, planner, planner.finish(), read)
 
-        def sparse() -> Iterator[Any]:
-            source, self._source = self._source, None
-            for b, global_kjt in global_batches(
-                self.loader, gatherer, lambda: run.stopped, self.batch_adapter, source
-            ):
-                batches.put(b)
-                yield global_kjt
-
-        stream = sparse()
-        first = next(stream, None)
-        if first is None:
-            return
-        # Features of tables the cache does not plan (other modules' features too) are ignored.
-        oracle = LookaheadOracle(
-            OracleConfig(
-                feature_to_table=dict(self.target.feature_to_table),
-                unknown_features=UnknownFeatures.IGNORE,
-                **self._oracle_kwargs,
-            )
-        )
-        cached = sorted(self.target.capacity)
-        f2t_cached = dict(self.target.feature_to_table)
-        tracker = (
-            LRPPTracker(
-                self.target.capacity,
-                self.target.num_ranks,
-                pinned=None if self.pinned is None else self.pinned.pinned_rows,
-            )
-            if multi
-            else None
-        )
-        globals_: queue.Queue[Any] = queue.Queue()
-
-        pinned = self.pinned
-
-        def record() -> Iterator[Any]:
-            for kjt in itertools.chain([first], stream):
-                globals_.put(kjt)
-                yield kjt if pinned is None else pinned.cold_part(kjt)
-
-        cpu = time.thread_time()
-        for plan in oracle.plan_stream(record()):
-            b = batches.get()
-            global_kjt = globals_.get()
-            if pinned is not None:
-                plan = pinned.lift(plan, global_kjt)
-            for name, table_plan in plan.tables.items():  # the disk stores read these rows ahead
-                store = self.target.stores.get(name)
-                if store is not None and table_plan.fetch_ids.numel():
-                    store.plan_reads(plan.step, table_plan.fetch_ids)
+    def _hand_out(
+        self, run: _Run, planner: StepPlanner, plans: List[BatchPlan], read: Deque[Tuple[Batch, Any]]
+    ) -> bool:
+        """Hand out the batches of ``plans`` (the oldest of ``read``): each plan to the stager, each batch to the
+        training thread. ``False`` once the run stopped."""
+        for plan in plans:
+            b, global_kjt = read.popleft()
+            plan = planner.whole_plan(plan, global_kjt)
             fut: Future[StagedRows] = Future()
             run.to_stage.put((plan, fut))
-            kjt = remap_kjt(global_kjt, plan, f2t_cached, cached)
-            lrpp = None
-            if tracker is not None:
-                ids = table_ids(global_kjt, f2t_cached, cached, unknown=UnknownFeatures.IGNORE)
-                lrpp = tracker.step(plan, ids, features=kjt)
-                stride = b.sparse_features.stride()
-                kjt = slice_samples(kjt, self.target.rank * stride, (self.target.rank + 1) * stride)
-            item = LookaheadBatch(
-                b.dense_features,
-                kjt,
-                b.labels,
-                plan=plan,
-                staged=fut,
-                lrpp=lrpp,
-                source=b.source if isinstance(b, LookaheadBatch) else None,
-                adapter=b.adapter if isinstance(b, LookaheadBatch) else None,
-            )
+            item = planner.batch(plan, b, global_kjt, fut)
             self._planned = plan.step
-            now = time.thread_time()
-            self._count(LoaderStats(planner_cpu_s=now - cpu, planned=1))
-            cpu = now
+            now = time.thread_time()  # reading, gathering, planning and remapping since the last batch
+            self._count(LoaderStats(planner_cpu_s=now - self._planner_cpu, planned=1))
+            self._planner_cpu = now
             if not run.put(item):
-                return
+                return False
+        return True
 
     def _stage_gathers(self, run: _Run) -> Optional[StageGathers]:
         """Lockstep for the stager's gathers when they are collectives (a row-sharded store over several ranks):

@@ -1,0 +1,97 @@
+"""The planner thread's work on one batch (:class:`StepPlanner`): the oracle's plan (lifted over pinned rows),
+the stores' read hints, the ids remapped to cache slots and, with several ranks, the step's LRPP plan and this
+rank's slice of the global batch. :meth:`LookaheadLoader._plan_stream
+<torchrec_lookahead.runtime.LookaheadLoader>` drives it, one batch read and planned after the other.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Dict, List, Optional
+
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lookahead.distributed.lrpp import LRPPTracker, slice_samples
+from torchrec_lookahead.modules import remap_kjt
+from torchrec_lookahead.modules.types import StagedRows
+from torchrec_lookahead.oracle import BatchPlan, LookaheadOracle, OracleConfig, UnknownFeatures, table_ids
+from torchrec_lookahead.runtime.batch import LookaheadBatch
+from torchrec_lookahead.runtime.target import CacheTarget
+from torchrec_lookahead.runtime.types import PinnedPart
+
+__all__ = ["StepPlanner"]
+
+
+class StepPlanner:
+    """One plan stream's oracle, LRPP tracker and the work done on each of its batches.
+
+    Args:
+        target: the cached tables.
+        oracle_fields: the :class:`~torchrec_lookahead.oracle.OracleConfig` arguments (capacity, horizon,
+            policy, ...); features of tables the cache does not plan are ignored.
+        pinned: rows pinned in the caches for the whole stream (the oracle plans the rest).
+    """
+
+    def __init__(
+        self, target: CacheTarget, oracle_fields: Dict[str, Any], pinned: Optional[PinnedPart]
+    ) -> None:
+        self.target = target
+        self.pinned = pinned
+        self.oracle = LookaheadOracle(
+            OracleConfig(
+                feature_to_table=dict(target.feature_to_table),
+                unknown_features=UnknownFeatures.IGNORE,
+                **oracle_fields,
+            )
+        )
+        self._cached = sorted(target.capacity)
+        self._f2t = dict(target.feature_to_table)
+        self._tracker: Optional[LRPPTracker] = None
+        if target.num_ranks > 1:
+            self._tracker = LRPPTracker(
+                target.capacity, target.num_ranks, pinned=None if pinned is None else pinned.pinned_rows
+            )
+
+    def feed(self, global_kjt: KeyedJaggedTensor) -> List[BatchPlan]:
+        """Give the oracle the next batch (its part outside the pinned rows); returns the plans now ready."""
+        return self.oracle.feed(global_kjt if self.pinned is None else self.pinned.cold_part(global_kjt))
+
+    def finish(self) -> List[BatchPlan]:
+        """The stream ended: the plans of the batches still in the oracle's window."""
+        return self.oracle.finish()
+
+    def whole_plan(self, plan: BatchPlan, global_kjt: KeyedJaggedTensor) -> BatchPlan:
+        """``plan`` as a plan of the whole cache (lifted over the pinned rows), with every store told which rows
+        the step gathers (a disk store reads them ahead)."""
+        if self.pinned is not None:
+            plan = self.pinned.lift(plan, global_kjt)
+        for name, table_plan in plan.tables.items():
+            store = self.target.stores.get(name)
+            if store is not None and table_plan.fetch_ids.numel():
+                store.plan_reads(plan.step, table_plan.fetch_ids)
+        return plan
+
+    def batch(
+        self, plan: BatchPlan, b: Batch, global_kjt: KeyedJaggedTensor, staged: Future[StagedRows]
+    ) -> LookaheadBatch:
+        """Batch ``b`` planned: its cached ids remapped to slots by ``plan`` (with several ranks, from the global
+        batch, with the step's LRPP plan, then this rank's slice), with the future of its staged rows."""
+        kjt = remap_kjt(global_kjt, plan, self._f2t, self._cached)
+        lrpp = None
+        if self._tracker is not None:
+            ids = table_ids(global_kjt, self._f2t, self._cached, unknown=UnknownFeatures.IGNORE)
+            lrpp = self._tracker.step(plan, ids, features=kjt)
+            stride = b.sparse_features.stride()
+            kjt = slice_samples(kjt, self.target.rank * stride, (self.target.rank + 1) * stride)
+        adapted = isinstance(b, LookaheadBatch)
+        return LookaheadBatch(
+            b.dense_features,
+            kjt,
+            b.labels,
+            plan=plan,
+            staged=staged,
+            lrpp=lrpp,
+            source=b.source if adapted else None,
+            adapter=b.adapter if adapted else None,
+        )
