@@ -25,7 +25,12 @@ from torchrec_lookahead.runtime._report import report_text, scan_progress
 from torchrec_lookahead.runtime._threads import _check_nice
 from torchrec_lookahead.runtime.adapter import BatchAdapter
 from torchrec_lookahead.runtime.capacity import DEFAULT_SCAN_SECONDS, check_scan_bounds
-from torchrec_lookahead.runtime.types import PinnedLoaderOptions, PinnedPart, PinnedRowsSource
+from torchrec_lookahead.runtime.types import (
+    CachedTrainingLoader,
+    PinnedLoaderOptions,
+    PinnedPart,
+    PinnedRowsSource,
+)
 
 __all__ = ["LookaheadDataModule"]
 
@@ -140,7 +145,8 @@ class LookaheadDataModule(WrappedDataModule):
         self.settings = LookaheadSettings(horizon, prefetch_depth, policy, window, ways)
         self.queue_depth = queue_depth
         self.capacity_check = CapacityCheck(capacity_check)
-        self.loader: Optional[Any] = None  # a LookaheadLoader, or a HotColdLookaheadLoader around one
+        #: the training loader: a LookaheadLoader, or FAE's loader of pinned rows around one
+        self.loader: Optional[CachedTrainingLoader] = None
 
     @property
     def horizon(self) -> int:

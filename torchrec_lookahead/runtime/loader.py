@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
@@ -430,7 +430,7 @@ class LookaheadLoader:
         """Batches handed out in the current epoch (the oracle restarts from an empty cache on resume)."""
         return {"batches_yielded": self._yielded}
 
-    def load_state_dict(self, state_dict: Dict[str, int]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if "batches_yielded" not in state_dict:
             raise CheckpointError(f"Loader state {state_dict} has no 'batches_yielded'")
         self._resume_from = int(state_dict["batches_yielded"])

@@ -10,7 +10,18 @@ ask ``isinstance(datamodule, PinnedRowsSource)`` and delegate, and import nothin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Protocol, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    Mapping,
+    Optional,
+    Protocol,
+    runtime_checkable,
+)
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -21,10 +32,18 @@ from torchrec_lookahead.runtime.adapter import BatchAdapter
 from torchrec_lookahead.runtime.capacity import CapacityCheck
 
 if TYPE_CHECKING:
+    from torchrec_lookahead.runtime._threads import LoaderStats
+    from torchrec_lookahead.runtime.batch import LookaheadBatch
     from torchrec_lookahead.runtime.loader import LookaheadLoader
     from torchrec_lookahead.runtime.session import CacheSession
 
-__all__ = ["PinnedPart", "PinnedRowsSource", "PinnedLoaderOptions", "LookaheadFactory"]
+__all__ = [
+    "PinnedPart",
+    "PinnedRowsSource",
+    "PinnedLoaderOptions",
+    "LookaheadFactory",
+    "CachedTrainingLoader",
+]
 
 
 @runtime_checkable
@@ -81,6 +100,38 @@ class PinnedLoaderOptions:
 
 
 @runtime_checkable
+class CachedTrainingLoader(Protocol):
+    """The training loader a :class:`~torchrec_lookahead.data.LookaheadDataModule` serves, plain
+    (:class:`~torchrec_lookahead.runtime.LookaheadLoader`) or with pinned rows (FAE's
+    :class:`~torchrec_lookahead.fae.HotColdLookaheadLoader`): an epoch of planned batches, its length, its
+    counters, its mid-epoch state, and a way to stop its threads."""
+
+    def __iter__(self) -> Iterator[LookaheadBatch]:
+        """An epoch of planned batches."""
+        ...
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        ...
+
+    def stats(self) -> LoaderStats:
+        """The counters of the loader's threads."""
+        ...
+
+    def state_dict(self) -> Dict[str, int]:
+        """The position in the current epoch."""
+        ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume at ``state_dict``'s position at the next iteration."""
+        ...
+
+    def close(self) -> None:
+        """Stop the background threads of the current iteration."""
+        ...
+
+
+@runtime_checkable
 class PinnedRowsSource(Protocol):
     """A DataModule whose training batches read rows pinned in the caches (FAE's hot rows, implemented by
     :class:`~torchrec_lookahead.fae.HotColdDataModule`).
@@ -102,7 +153,7 @@ class PinnedRowsSource(Protocol):
 
     def pinned_loader(
         self, inner: Any, session: CacheSession, lookahead: LookaheadFactory, options: PinnedLoaderOptions
-    ) -> Any:
+    ) -> CachedTrainingLoader:
         """The training loader over ``inner`` (this DataModule's training loader) with its rows pinned in the
         caches of ``session``; its plan streams are :class:`~torchrec_lookahead.runtime.LookaheadLoader` s built
         by ``lookahead``.
