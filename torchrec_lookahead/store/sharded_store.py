@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
 from torchrec_lookahead.store.channels import STAGE_CHANNEL, current_channel, current_wait
-from torchrec_lookahead.store.types import EmbeddingStore, ShapedStore, StoreShape
+from torchrec_lookahead.store.types import EmbeddingStore, ShapedStore, StoreShape, check_load
 
 __all__ = ["RowShardedStore", "EmptyShardStore", "row_bounds"]
 
@@ -418,24 +418,7 @@ class RowShardedStore(ShapedStore):
         Raises:
             DataError: a shape or a state name does not match; nothing is written.
         """
-        states, num, dim = dict(states or {}), self.num_embeddings, self.embedding_dim
-        widths = self._shape.state_widths
-        unknown = set(states) - set(widths)
-        if unknown:
-            raise DataError(
-                f"load into table '{self.name}' got unknown states {sorted(unknown)}; expected {sorted(widths)}"
-            )
-        if tuple(weights.shape) != (num, dim):
-            raise DataError(
-                f"load into table '{self.name}' expects weights of shape ({num}, {dim}) but "
-                f"got {tuple(weights.shape)}"
-            )
-        for key, val in states.items():
-            if val.shape[0] != num:
-                raise DataError(
-                    f"load into table '{self.name}' expects state '{key}' with {num} rows but got "
-                    f"{tuple(val.shape)}"
-                )
+        states = check_load(self._shape, weights, states)
         lo, hi = self._lo, self._hi
         self._local.load(weights[lo:hi], {k: v[lo:hi] for k, v in states.items()})
 
