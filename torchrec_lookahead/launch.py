@@ -57,11 +57,13 @@ class LookaheadCLI(LightningCLI):
         )
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        """Lightning's Trainer, its model summary counting embedding tables where they live."""
-        from torchrec_lookahead.callbacks import use_embedding_summary
+        """Lightning's Trainer, its model summary counting embedding tables where they live, its progress bar
+        keeping the epoch's length after a mid-epoch resume."""
+        from torchrec_lookahead.callbacks import use_embedding_summary, use_resuming_progress_bar
 
         trainer = super().instantiate_trainer(**kwargs)
         use_embedding_summary(trainer)
+        use_resuming_progress_bar(trainer)
         return trainer
 
     def _summary(self) -> None:
