@@ -69,9 +69,9 @@ def check_lookahead(horizon: object, prefetch_depth: object) -> Tuple[int, int]:
     """``(horizon, prefetch_depth)`` as ints, after the one rule every part of the lookahead applies.
 
     Raises:
-        ConfigError: ``horizon < 1``, ``prefetch_depth < 0``, or ``horizon < prefetch_depth``.
+        ConfigError: ``prefetch_depth < 0`` or ``horizon < prefetch_depth``.
     """
-    h = check_int("horizon", horizon, 1, "set how many batches ahead the oracle reads, e.g. 64")
+    h = check_int("horizon", horizon, 0, "set how many batches ahead the oracle reads, e.g. 64")
     d = check_int("prefetch_depth", prefetch_depth, 0, "set 0, 1 or more")
     if h < d:
         raise ConfigError(
@@ -89,7 +89,7 @@ class LookaheadSettings:
     ``planner_options``) read the same fields with the same defaults.
 
     Args:
-        horizon: batches the oracle reads ahead (>= 1).
+        horizon: batches the oracle reads ahead (``>= prefetch_depth``).
         prefetch_depth: steps ahead the stager gathers a plan's rows (``0 <= prefetch_depth <= horizon``).
         policy: a :class:`Policy` or its value.
         window: batches per window of the ``window`` policy (``None``: the oracle's default).
