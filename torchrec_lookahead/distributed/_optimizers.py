@@ -68,8 +68,14 @@ _FUSABLE_SHARDINGS = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value
 # clipping, stochastic rounding, output dtype, ...) changes what TorchRec's kernel computes.
 _FUSABLE_OPTIMIZER_KEYS = {"optimizer", "learning_rate", "lr", "eps", "beta1", "beta2", "weight_decay"}
 # Per-table plan settings TorchRec's fused kernel honours and the cache's kernel does not.
-_PLAN_EXTRAS = ("cache_params", "enforce_hbm", "stochastic_rounding", "bounds_check_mode", "output_dtype",
-                "key_value_params")  # fmt: skip
+_PLAN_EXTRAS = (
+    "cache_params",
+    "enforce_hbm",
+    "stochastic_rounding",
+    "bounds_check_mode",
+    "output_dtype",
+    "key_value_params",
+)
 
 
 def _table_optimizer(module: EmbeddingBagCollection, name: str, fused_params: Dict[str, Any]) -> Any:

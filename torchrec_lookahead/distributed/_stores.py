@@ -165,9 +165,18 @@ class HostStores:
                 needed=1,
                 available=0,
             )
-        return DiskStore(path, hi - lo, cfg.embedding_dim, widths, name=cfg.name, seed=self.options.seed,
-                         host_budget_bytes=host_budget, row_offset=lo, table_rows=cfg.num_embeddings,
-                         **self.options.disk_options)  # fmt: skip
+        return DiskStore(
+            path,
+            hi - lo,
+            cfg.embedding_dim,
+            widths,
+            name=cfg.name,
+            seed=self.options.seed,
+            host_budget_bytes=host_budget,
+            row_offset=lo,
+            table_rows=cfg.num_embeddings,
+            **self.options.disk_options,
+        )
 
     def _shared_stores(
         self, cfgs: List[Any], optimizer: CacheOptimizerConfig, env: ShardingEnv
@@ -208,8 +217,14 @@ class HostStores:
         for c in cfgs:
             path = os.path.join(directory, f"{c.name}.bin")
             if env.rank == 0:
-                store = MmapStore(path, c.num_embeddings, c.embedding_dim, optimizer.state_widths(c.embedding_dim),
-                                  name=c.name, seed=self.options.seed)  # fmt: skip
+                store = MmapStore(
+                    path,
+                    c.num_embeddings,
+                    c.embedding_dim,
+                    optimizer.state_widths(c.embedding_dim),
+                    name=c.name,
+                    seed=self.options.seed,
+                )
                 stores[c.name] = WriterFilteredStore(_initialised(store))
         dist.barrier(group=pg)
         if env.rank != 0:
@@ -251,12 +266,27 @@ class HostStores:
                 path = os.path.join(directory, f"{c.name}.rows")
                 locals_[c.name] = self._disk_store(path, c, optimizer, budgets[c.name], (lo, hi))
             elif directory is not None:
-                store = MmapStore(os.path.join(directory, f"{c.name}.bin"), hi - lo, c.embedding_dim, widths,
-                                  name=c.name, seed=seed, row_offset=lo, table_rows=c.num_embeddings)  # fmt: skip
+                store = MmapStore(
+                    os.path.join(directory, f"{c.name}.bin"),
+                    hi - lo,
+                    c.embedding_dim,
+                    widths,
+                    name=c.name,
+                    seed=seed,
+                    row_offset=lo,
+                    table_rows=c.num_embeddings,
+                )
                 locals_[c.name] = _initialised(store) if shared else store
             elif not shared:
-                locals_[c.name] = TensorStore(hi - lo, c.embedding_dim, widths, name=c.name, seed=seed,
-                                              row_offset=lo, table_rows=c.num_embeddings)  # fmt: skip
+                locals_[c.name] = TensorStore(
+                    hi - lo,
+                    c.embedding_dim,
+                    widths,
+                    name=c.name,
+                    seed=seed,
+                    row_offset=lo,
+                    table_rows=c.num_embeddings,
+                )
         if env.world_size > num_shards:  # some shard has several servers (the same on every rank)
             paths: List[Any] = [None] * env.world_size
             dist.all_gather_object(paths, directory, group=pg)

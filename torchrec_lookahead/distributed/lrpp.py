@@ -125,8 +125,13 @@ class LRPPPlan:
         refresh = sum(int(t.refresh_slots.numel()) for t in self.tables.values())
         read = sum(t.rows_read for t in self.tables.values())
         delayed = sum(int(t.delayed_slots.numel()) for t in self.tables.values()) if delayed_sync else 0
-        return {"rows_synced_critical": shared - delayed + refresh, "rows_synced_delayed": delayed,
-                "rows_refreshed": refresh, "rows_grad_synced": shared, "rows_skipped": read - shared}  # fmt: skip
+        return {
+            "rows_synced_critical": shared - delayed + refresh,
+            "rows_synced_delayed": delayed,
+            "rows_refreshed": refresh,
+            "rows_grad_synced": shared,
+            "rows_skipped": read - shared,
+        }
 
 
 _E = torch.zeros(0, dtype=torch.int64)

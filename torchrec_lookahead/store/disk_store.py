@@ -170,10 +170,18 @@ class DiskStore(LookaheadReads, _RowStore):
         )
         self._lock = threading.Lock()  # the host tier and the file, one call at a time
         self._counts = dict.fromkeys(
-            ("host_hits", "rows_read", "rows_written", "blocks_created", "unit_reads", "unit_writes",
-             "rows_prefetched", "prefetch_discarded"),
+            (
+                "host_hits",
+                "rows_read",
+                "rows_written",
+                "blocks_created",
+                "unit_reads",
+                "unit_writes",
+                "rows_prefetched",
+                "prefetch_discarded",
+            ),
             0,
-        )  # fmt: skip
+        )
         self._policy = host_policy
         self._depth = int(disk_prefetch_depth)
         # lookahead: the rows each planned step gathers (sorted distinct ids), from the gathered step on

@@ -335,12 +335,26 @@ class RowShardedStore(ShapedStore):
         recv_counts = matrix[:, self._rank].tolist()
         send_counts = counts.tolist()
         recv = torch.empty(sum(recv_counts), dtype=torch.int64)
-        self._run(f"ids of table '{self.name}'", dist.all_to_all_single, recv, send, recv_counts, send_counts,
-                  group=group)  # fmt: skip
+        self._run(
+            f"ids of table '{self.name}'",
+            dist.all_to_all_single,
+            recv,
+            send,
+            recv_counts,
+            send_counts,
+            group=group,
+        )
         served = self._local_rows(recv - self._lo) if recv.numel() else torch.zeros(0, width)
         back = torch.empty(ids.numel(), width)
-        self._run(f"rows of table '{self.name}'", dist.all_to_all_single, back, served.contiguous(), send_counts,
-                  recv_counts, group=group)  # fmt: skip
+        self._run(
+            f"rows of table '{self.name}'",
+            dist.all_to_all_single,
+            back,
+            served.contiguous(),
+            send_counts,
+            recv_counts,
+            group=group,
+        )
         rows = torch.empty_like(back)
         rows[order] = back
         return self._split(rows)
@@ -382,8 +396,15 @@ class RowShardedStore(ShapedStore):
         payload = torch.cat([ids[order].view(torch.float32).view(-1, 2), packed[order]], 1).contiguous()
         recv_counts = matrix[:, self._rank].tolist()
         recv = torch.empty(sum(recv_counts), payload.shape[1])
-        self._run(f"rows of table '{self.name}'", dist.all_to_all_single, recv, payload, recv_counts,
-                  counts.tolist(), group=group)  # fmt: skip
+        self._run(
+            f"rows of table '{self.name}'",
+            dist.all_to_all_single,
+            recv,
+            payload,
+            recv_counts,
+            counts.tolist(),
+            group=group,
+        )
         if recv.numel():
             got_ids = recv[:, :2].reshape(-1).view(torch.int64)  # reshape: contiguous even for one row
             w, s = self._split(recv[:, 2:])
