@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import numbers
 import os
-from typing import Type, TypeVar
+from typing import Type, TypeVar, cast
 
 from torchrec_lookahead.errors import ConfigError
 
@@ -36,9 +36,9 @@ def check_int(name: str, value: object, minimum: int, fix: str) -> int:
         ConfigError: ``value`` is not an integer (:func:`is_int`) or is below ``minimum``; the message names
             ``name``, the value and ``fix``.
     """
-    if not is_int(value) or int(value) < minimum:  # type: ignore[call-overload]
+    if not is_int(value) or int(cast(numbers.Integral, value)) < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum} but got {value!r}; {fix}")
-    return int(value)  # type: ignore[call-overload]
+    return int(cast(numbers.Integral, value))
 
 
 def check_choice(name: str, value: object, choices: Type[E]) -> E:

@@ -205,8 +205,9 @@ class ShardedLookaheadEmbeddingBagCollection(
             # The previous step's delayed rows land before this plan evicts, refreshes or loads anything.
             self.land_delayed()
             stores = self.cache.stores
-            averaging = self.average_every is not None
-            if averaging and plan.step > 0 and plan.step % int(self.average_every) == 0:  # type: ignore[arg-type]
+            every = self.average_every
+            averaging = every is not None
+            if every is not None and plan.step > 0 and plan.step % every == 0:
                 self._rank_sync().average()
             evict_mine: Dict[str, torch.Tensor] = {}  # the evicted rows this rank writes back
             for t, tp in mine.items():
