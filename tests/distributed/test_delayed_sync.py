@@ -28,9 +28,8 @@ from torchrec_lookahead.modules import (
     CachedEmbeddingBagCollection,
     CacheOptimizerConfig,
     remap_kjt,
-    table_ids,
 )
-from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, table_ids
 
 from ..conftest import free_port
 
