@@ -31,6 +31,9 @@ def test_fae_benchmark_quick_variant(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert 0.0 <= figures["estimate_max_rel_error"] and figures["calibration_speedup"] > 0
     assert figures["details"]["synthetic"]["budgets"][0]["hot_rows"] > 0
+    # the box is measured on at least 8 sampled batches (here all 8 of 4,096), FAE's fixed box beside it
+    assert figures["details"]["synthetic"]["accuracy_sampled_samples"] == 8 * 4096
+    assert 0.0 <= figures["fixed_box_estimate_max_rel_error"]
 
 
 @pytest.mark.slow

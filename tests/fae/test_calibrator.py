@@ -136,6 +136,58 @@ def test_rand_em_box_small_table_is_exact() -> None:
         assert e.exact and e.upper == e.lower == exact_hot_rows(counts, c)
 
 
+def _rare_hot_rows(n_rows: int = 2_000_000, hot: int = 1000) -> torch.Tensor:
+    """Counts of a large table where few rows are hot: 30,000 rows seen once, ``hot`` rows seen 20 times, at
+    random places."""
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(n_rows, dtype=torch.int64)
+    counts[torch.randperm(n_rows, generator=g)[:30_000]] = 1
+    counts[torch.randperm(n_rows, generator=g)[:hot]] = 20
+    return counts
+
+
+def test_rand_em_box_grows_where_hot_rows_are_rare() -> None:
+    """1,000 hot rows in 1,953 chunks: FAE's 35 chunks see about 18 of them and miss the count by a third; the box
+    grown along the same block order (the calibrator's defaults) is within 10 %, and its first 35 chunks are
+    FAE's."""
+    counts = _rare_hot_rows()
+    truth = exact_hot_rows(counts, 20)
+    cfg = CalibrationConfig(hot_budget_bytes=1)
+    fixed = RandEmBox(counts, 35, 1024, 0.999, torch.Generator().manual_seed(1))
+    grown = RandEmBox(
+        counts, 35, 1024, 0.999, torch.Generator().manual_seed(1), cfg.box_tolerance, cfg.box_max_share
+    )
+    f, e = fixed.estimate(20), grown.estimate(20)
+    assert abs(f.estimate - truth) / truth > 0.3 and f.chunks == 35  # the control: FAE's box is far off
+    assert abs(e.estimate - truth) / truth < 0.1 and e.lower <= truth <= e.upper
+    assert e.chunks == math.ceil(0.25 * (counts.numel() // 1024))  # grew to the cap: 25 % of the chunks
+    assert torch.equal(grown.chunk_hits(20, 35), fixed.chunk_hits(20))
+    # where the hot rows are many, the first chunks are enough: no growth
+    assert grown.estimate(1).chunks < e.chunks
+    # an estimate depends on its cutoff only, not on which estimates came first
+    again = RandEmBox(counts, 35, 1024, 0.999, torch.Generator().manual_seed(1), 0.1, 0.25)
+    assert again.estimate(20) == e and again.estimate(1) == grown.estimate(1)
+
+
+def test_rand_em_box_grown_over_every_chunk_counts_exactly() -> None:
+    counts = _rare_hot_rows(100_000, 50)  # 97 whole chunks and 672 rows past them
+    box = RandEmBox(counts, 35, 1024, 0.999, torch.Generator().manual_seed(3), 1e-9, 1.0)
+    assert box.estimate(0).upper == counts.numel()  # every chunk alike: no growth needed
+    for c in (1, 20, 21):
+        e = box.estimate(c)
+        assert e.exact and e.chunks == 97 and e.lower == e.upper == exact_hot_rows(counts, c)
+
+
+def test_bad_box_growth_settings() -> None:
+    assert _cfg(box_tolerance=None).box_tolerance is None
+    for bad in (0, -0.1, True, "0.1"):
+        with pytest.raises(ConfigError, match="box_tolerance"):
+            _cfg(box_tolerance=bad)
+    for bad in (0, 1.5, -1, True, None):
+        with pytest.raises(ConfigError, match="box_max_share"):
+            _cfg(box_max_share=bad)
+
+
 def test_calibrate_fits_budget_and_marks_exactly() -> None:
     ds = _dataset()
     cfg = _cfg(

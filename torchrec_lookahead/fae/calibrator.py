@@ -10,8 +10,8 @@
    of a row with its optimizer state, plus the small tables, fits ``hot_budget_bytes``.
 4. *Exact marking*: one pass over the sampled counts marks the rows at or above each table's cutoff. In the
    rare case that the marked set exceeds the budget (the bound missed, at 1 - confidence odds) the threshold
-   is raised, by bisection on the exact counts, until it fits. (The bound misses mostly at high cutoffs,
-   where hot rows are so rare that the 35 chunks may hold none of them.)
+   is raised, by bisection on the exact counts, until it fits. (The box draws more chunks where hot rows are
+   rare, up to ``box_max_share`` of a table, so that the bound misses mostly where even those hold few.)
 5. *Expected shares*: the share of accesses and of samples that the hot set will serve is estimated
    leave-one-out: a sampled access counts as hot when its row would be hot without that access (``k - 1 >=
    H``), a sample when all its ids are. Counting in-sample instead would call every sample hot at a low
@@ -82,7 +82,15 @@ def calibrate_counts(
     accesses = {f: sampled.accesses(f) for f in features}
     g = torch.Generator().manual_seed(config.seed + 1)
     boxes = {
-        f: RandEmBox(sampled.counts[f], config.num_chunks, config.chunk_rows, config.confidence, g)
+        f: RandEmBox(
+            sampled.counts[f],
+            config.num_chunks,
+            config.chunk_rows,
+            config.confidence,
+            g,
+            config.box_tolerance,
+            config.box_max_share,
+        )
         for f in large
     }
     lo = 0.5 / max([accesses[f] for f in large] + [1])
