@@ -37,6 +37,8 @@ _KEYS = {
     "sample_fraction": "sample_fraction",
     "num_chunks": "num_chunks",
     "chunk_rows": "chunk_rows",
+    "box_tolerance": "box_tolerance",
+    "box_max_share": "box_max_share",
     "confidence": "confidence",
     "small_table_bytes": "small_table_bytes",
     "calibration_seed": "seed",

@@ -162,3 +162,11 @@ def test_calibrate_command_needs_a_budget(tmp_path: Path, capsys: pytest.Capture
     err = capsys.readouterr().err.strip()
     assert err.startswith("ConfigError: ") and "hot_budget_bytes" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_boxs_growth_is_set_on_the_datamodule_and_checked_there() -> None:
+    inner = CriteoSyntheticDataModule(batch_size=64, num_train_batches=4, scale=0.0005)
+    dm = HotColdDataModule(inner, hot_budget_bytes=1 << 20, box_tolerance=None, box_max_share=0.5)
+    assert dm.calibration["box_tolerance"] is None and dm.calibration["box_max_share"] == 0.5
+    with pytest.raises(ConfigError, match="box_tolerance"):
+        HotColdDataModule(inner, hot_budget_bytes=1 << 20, box_tolerance=-0.1)

@@ -81,8 +81,11 @@ class HotColdDataModule(WrappedDataModule):
             training batch).
         window: source batches of samples that may wait to be regrouped (memory bound, >= 2).
         sample_fraction: calibration sample (FAE: 5 %).
-        num_chunks: Rand-Em Box chunks per table.
+        num_chunks: Rand-Em Box chunks per table (FAE's box; the box grows from there, see ``box_tolerance``).
         chunk_rows: rows per chunk.
+        box_tolerance: the box draws more chunks while its estimate's interval is wider than this share of the
+            estimate (``None``: FAE's fixed box).
+        box_max_share: the most chunks the box grows to, as a share of a table's chunks.
         confidence: t-interval confidence.
         small_table_bytes: tables smaller than this are wholly hot.
         calibration_seed: seed of the sample and the chunks.
@@ -116,6 +119,8 @@ class HotColdDataModule(WrappedDataModule):
         sample_fraction: float = 0.05,
         num_chunks: int = 35,
         chunk_rows: int = 1024,
+        box_tolerance: Optional[float] = 0.1,
+        box_max_share: float = 0.25,
         confidence: float = 0.999,
         small_table_bytes: int = 1 << 20,
         calibration_seed: int = 0,
@@ -137,6 +142,8 @@ class HotColdDataModule(WrappedDataModule):
             sample_fraction=sample_fraction,
             num_chunks=num_chunks,
             chunk_rows=chunk_rows,
+            box_tolerance=box_tolerance,
+            box_max_share=box_max_share,
             confidence=confidence,
             small_table_bytes=small_table_bytes,
             seed=calibration_seed,
