@@ -73,7 +73,7 @@ class _Profile(pl.Callback):
 
 def _profiled_threads() -> Tuple[Dict[str, cProfile.Profile], Any]:
     """Profile the lookahead loader's oracle and stager threads; returns the profiles and an undo function."""
-    from torchrec_lookahead.data import lookahead_loader as la
+    from torchrec_lookahead.runtime import loader as la
 
     profiles: Dict[str, cProfile.Profile] = {}
     orig = {"_plan": la.LookaheadLoader._plan, "_stage": la.LookaheadLoader._stage}
