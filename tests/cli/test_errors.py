@@ -95,7 +95,7 @@ def test_under_torchrun_each_rank_prints_the_error_at_most_once_and_ranks_other_
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=clean_env())
     assert out.returncode != 0
     # every rank reports at once; torchrun may end one before it does, so each rank's line is there at most once
-    lines = [line for line in out.stderr.splitlines() if "ConfigError: Expected policy" in line]
+    lines = [line for line in out.stderr.splitlines() if "ConfigError: policy must be one of" in line]
     assert 1 <= len(lines) <= 2, out.stderr[-3000:]
     assert sorted(line.split("ConfigError: ")[0] for line in lines) in (
         ["", "[rank 1] "],
