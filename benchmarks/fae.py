@@ -59,7 +59,6 @@ from torchrec_lookahead.fae import (  # noqa: E402
     CalibrationConfig,
     HotColdDataModule,
     HotSet,
-    RandEmBox,
     SampledAccesses,
     Samples,
     calibrate,
@@ -68,6 +67,7 @@ from torchrec_lookahead.fae import (  # noqa: E402
     exact_hot_rows,
     sample_batches,
 )
+from torchrec_lookahead.fae.calibrator import rand_em_boxes  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 MIB = 1 << 20
@@ -112,19 +112,7 @@ def box_accuracy(
     large = [
         f for f, n in sampled.num_embeddings.items() if n * config.weight_bytes >= config.small_table_bytes
     ]
-    g = torch.Generator().manual_seed(config.seed + 1)
-    boxes = {
-        f: RandEmBox(
-            sampled.counts[f],
-            config.num_chunks,
-            config.chunk_rows,
-            config.confidence,
-            g,
-            config.box_tolerance,
-            config.box_max_share,
-        )
-        for f in large
-    }
+    boxes = rand_em_boxes(sampled, config, large)
     rows = []
     for c in cutoffs:
         exact = sum(exact_hot_rows(sampled.counts[f], c) for f in large)

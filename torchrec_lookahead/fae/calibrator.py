@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from dataclasses import asdict
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
@@ -34,7 +34,7 @@ from torchrec_lookahead.fae.hotset import HotSet, HotTable, table_name
 from torchrec_lookahead.fae.randembox import RandEmBox
 from torchrec_lookahead.fae.sampling import SampledAccesses, sample_batches
 
-__all__ = ["calibrate", "calibrate_counts", "exact_hot_rows", "recalibrate_counts"]
+__all__ = ["calibrate", "calibrate_counts", "exact_hot_rows", "rand_em_boxes", "recalibrate_counts"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,26 @@ log = logging.getLogger(__name__)
 def exact_hot_rows(counts: torch.Tensor, cutoff: int) -> int:
     """Rows with ``count >= cutoff``, by a full scan (the reference the Rand-Em Box is measured against)."""
     return int((counts >= cutoff).sum())
+
+
+def rand_em_boxes(
+    sampled: SampledAccesses, config: CalibrationConfig, features: List[str]
+) -> Dict[str, RandEmBox]:
+    """The Rand-Em Box of each of ``features`` over its sampled counts, with ``config``'s chunks, confidence and
+    growth, drawn in that order from one generator seeded by ``config.seed`` (the calibrator's boxes)."""
+    g = torch.Generator().manual_seed(config.seed + 1)
+    return {
+        f: RandEmBox(
+            sampled.counts[f],
+            config.num_chunks,
+            config.chunk_rows,
+            config.confidence,
+            g,
+            config.box_tolerance,
+            config.box_max_share,
+        )
+        for f in features
+    }
 
 
 def _bisect(fits: Callable[[float], bool], lo: float, hi: float, steps: int) -> float:
@@ -80,19 +100,7 @@ def calibrate_counts(
         )
     large = [f for f in features if not small[f]]
     accesses = {f: sampled.accesses(f) for f in features}
-    g = torch.Generator().manual_seed(config.seed + 1)
-    boxes = {
-        f: RandEmBox(
-            sampled.counts[f],
-            config.num_chunks,
-            config.chunk_rows,
-            config.confidence,
-            g,
-            config.box_tolerance,
-            config.box_max_share,
-        )
-        for f in large
-    }
+    boxes = rand_em_boxes(sampled, config, large)
     lo = 0.5 / max([accesses[f] for f in large] + [1])
     hi = 1.0 + 1e-9  # above any count: no large row is hot
 
