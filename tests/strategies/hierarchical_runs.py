@@ -114,6 +114,10 @@ def main(out: str, runs: str) -> None:
         dist.all_gather_object(gathered, state)
         if dist.get_rank() == 0:
             torch.save(gathered, Path(out) / f"{spec['name']}.pt")
+    # Every rank ends its process groups together: left to the interpreter's exit, a gloo group's worker threads
+    # could be destroyed unjoined ("terminate called without an active exception", seen once on a loaded machine).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _world() -> int:
