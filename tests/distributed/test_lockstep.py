@@ -305,12 +305,29 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
         finally:
             scan_module.time = real  # type: ignore[assignment]
         out.update(need=scan.need, batches=scan.batches, ended=scan.ended)
+    elif name == "scan_signalled":
+        # Rank 1 receives SIGTERM once it has read 2 batches (no bound, no clock): both ranks stop before batch 3.
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        from torchrec_lookahead.runtime.scan import prescan
+
+        target = _loader(rank, [], group).target
+        read: List[int] = []
+        try:
+            prescan(
+                _batches(rank, 6), target, 1, 20.0, on_batch=lambda: read.append(1),
+                signalled=lambda: rank == 1 and len(read) >= 2,
+            )  # fmt: skip
+            out["error"] = "no SIGTERMException"
+        except SIGTERMException:
+            out["batches"] = len(read)
     out["alive"] = [t.name for t in threading.enumerate() if t.name.startswith("lookahead-")]
     return out
 
 
 SCENARIOS = ["equal", "ragged", "empty", "stop", "peer_stops", "peer_gone", "sharded_equal", "sharded_stop",
-             "stager_peer_stops", "stager_peer_gone", "scan", "scan_fails", "scan_bounded", "scan_timed"]  # fmt: skip
+             "stager_peer_stops", "stager_peer_gone", "scan", "scan_fails", "scan_bounded", "scan_timed",
+             "scan_signalled"]  # fmt: skip
 
 
 def _worker(rank: int, port: int, outdir: str) -> None:
@@ -418,3 +435,9 @@ def test_ranks_stop_a_bounded_pre_scan_at_rank_0s_bound_together(results, name):
     want = 4 if name == "scan_bounded" else 3
     assert a["batches"] == b["batches"] == want and not a["ended"] and not b["ended"], (a, b)
     assert a["need"] == b["need"] and 2 < a["need"]["t"] <= 8, (a, b)  # windows of 2 global batches of 4 ids
+
+
+def test_sigterm_on_one_rank_stops_every_rank_s_pre_scan_before_the_same_batch(results):
+    a, b = results["scan_signalled"]
+    assert "error" not in a and "error" not in b, (a, b)
+    assert a["batches"] == b["batches"] == 2, (a, b)  # of 6: the signal did not wait for the scan's end

@@ -21,7 +21,7 @@ from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.oracle import LookaheadSettings, Policy
 from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_DEPTH
 from torchrec_lookahead.runtime import CacheHost, CacheSession, CapacityCheck, LookaheadLoader, prescan
-from torchrec_lookahead.runtime._report import report_text, scan_progress
+from torchrec_lookahead.runtime._report import report_text, scan_progress, sigterm_pending
 from torchrec_lookahead.runtime._threads import _check_nice
 from torchrec_lookahead.runtime.adapter import BatchAdapter
 from torchrec_lookahead.runtime.capacity import DEFAULT_SCAN_SECONDS, check_scan_bounds
@@ -254,6 +254,7 @@ class LookaheadDataModule(WrappedDataModule):
                 on_batch=tick,
                 max_batches=bound,
                 max_seconds=self.capacity_check_seconds,
+                signalled=sigterm_pending(self.trainer),
             )
         if scan.ended or scan.batches >= total:
             head = f"Lookahead capacity check: {scan.batches:,} batches read ahead in {scan.seconds:.1f} s"

@@ -40,7 +40,7 @@ from torchrec_lookahead.modules import remap_kjt
 from torchrec_lookahead.oracle import Policy
 from torchrec_lookahead.oracle.types import BatchPlan
 from torchrec_lookahead.runtime import CacheSession, CapacityCheck, LoaderStats, LookaheadBatch, prescan
-from torchrec_lookahead.runtime._report import report_text, scan_progress
+from torchrec_lookahead.runtime._report import report_text, scan_progress, sigterm_pending
 from torchrec_lookahead.runtime.types import LookaheadFactory, PinnedLoaderOptions
 
 __all__ = ["ColdBatches", "HotColdLookaheadLoader", "pinned_lookahead_loader"]
@@ -362,6 +362,7 @@ def pinned_lookahead_loader(
                 on_batch=tick,
                 max_batches=options.capacity_check_batches,
                 max_seconds=options.capacity_check_seconds,
+                signalled=sigterm_pending(trainer),
             )
         rest = (
             ""

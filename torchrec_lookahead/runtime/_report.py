@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-__all__ = ["report_text", "scan_progress", "ScanTicker"]
+__all__ = ["report_text", "scan_progress", "sigterm_pending", "ScanTicker"]
 
 ScanTicker = Callable[[], None]
 """Called once per batch read by a pre-scan."""
@@ -77,8 +77,8 @@ def scan_progress(trainer: Any, description: str, total: Optional[int]) -> Itera
 
 def _stop_if_terminated(trainer: Any) -> None:
     """End a pre-scan of one process that received SIGTERM (a scan of a large dataset takes minutes). With
-    several ranks the scan goes on (its collectives pair up only if every rank scans to the end) and the ranks
-    stop together at the first training step (``TorchRecStrategy``).
+    several ranks the scan shares the signal through its lockstep gathers instead (:func:`sigterm_pending`), so
+    that every rank stops at the same batch.
 
     Raises:
         SIGTERMException: Lightning's, as its loops raise it.
@@ -89,3 +89,21 @@ def _stop_if_terminated(trainer: Any) -> None:
         and getattr(trainer, "received_sigterm", False)
     ):
         raise SIGTERMException()
+
+
+def sigterm_pending(trainer: Any) -> Callable[[], bool]:
+    """A test of whether this rank received SIGTERM, agreed with its peers or not yet (the ``pending`` flag of
+    the strategy's :class:`~torchrec_lookahead.strategies._signals.LockstepSignalConnector`). A multi-rank
+    pre-scan shares it through its lockstep gathers (:func:`~torchrec_lookahead.runtime.scan.prescan`), so that
+    every rank stops at the same batch.
+
+    Example:
+        >>> sigterm_pending(None)()
+        False
+    """
+
+    def pending() -> bool:
+        connector = getattr(trainer, "_signal_connector", None)
+        return bool(getattr(connector, "pending", False) or getattr(connector, "received_sigterm", False))
+
+    return pending

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Generator, Iterator, Optional, Protocol, Tuple, runtime_checkable
 
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead._rng import preserved_rng
@@ -113,6 +115,7 @@ def prescan(
     on_batch: Optional[Callable[[], None]] = None,
     max_batches: Optional[int] = None,
     max_seconds: Optional[float] = None,
+    signalled: Callable[[], bool] = lambda: False,
 ) -> PreScan:
     """Read the first batches of an epoch of ``inner`` (a loader of TorchRec batches, or of others read through
     ``adapter``) and check their windows and ids against the cache before training
@@ -124,18 +127,23 @@ def prescan(
     the oracle, which checks each one as it plans it, ``horizon`` batches ahead of training. With several ranks
     the bounds are rank 0's, and so is the decision that the time is up (exchanged before each batch through
     the same lockstep gathers), so every rank stops at the same batch. ``on_batch`` is called after each batch
-    is read (a progress bar's tick).
+    is read (a progress bar's tick). ``signalled`` tells whether this rank received SIGTERM
+    (:func:`~torchrec_lookahead.runtime._report.sigterm_pending`): with several ranks it is exchanged before each
+    batch with the time decision, and once some rank has it every rank ends the scan before the same batch and
+    raises Lightning's ``SIGTERMException`` (one process stops through ``on_batch`` instead).
 
     Raises:
         CapacityError, InvalidIdError: see :func:`~torchrec_lookahead.runtime.capacity.check_stream`.
         SetupError: another rank failed during its scan.
+        SIGTERMException: some rank received SIGTERM during the scan (several ranks).
     """
     t0 = time.perf_counter()
     read = 0
     ended = False
+    terminated = False
 
     def bounded(batches: Iterator[Tuple[Batch, Any]], gatherer: Optional[IdGatherer]) -> Iterator[Any]:
-        nonlocal read, ended
+        nonlocal read, ended, terminated
         limit_batches, limit_seconds = max_batches, max_seconds
         if gatherer is not None:  # rank 0's bounds, so that every rank stops at the same batch
             agreed = gatherer.gather_object((max_batches, max_seconds))
@@ -146,12 +154,13 @@ def prescan(
             over = limit_batches is not None and read >= limit_batches
             if limit_seconds is not None:
                 over = over or time.perf_counter() - t0 >= limit_seconds
-                if gatherer is not None:  # the ranks' clocks differ: rank 0's decides for all
-                    decided = gatherer.gather_object(over)
-                    if decided is None:
-                        return
-                    over = bool(decided[0])
-            if over:
+            if gatherer is not None:  # the ranks' clocks differ: rank 0's decides for all; any rank's signal
+                decided = gatherer.gather_object((over, signalled()))
+                if decided is None:
+                    return
+                over = bool(decided[0][0])
+                terminated = any(bool(d[1]) for d in decided)
+            if over or terminated:
                 return
             item = next(batches, None)
             if item is None:
@@ -205,4 +214,7 @@ def prescan(
             )
     finally:
         stream.close()
+    if terminated:
+        rank_zero_info(f"SIGTERM: every rank stops in the capacity pre-scan, before batch {read}")
+        raise SIGTERMException()
     return PreScan(need, read, ended, time.perf_counter() - t0)

@@ -67,9 +67,11 @@ class LockstepSignalConnector(_SignalConnector):
             self._flag_group = default if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         return self._flag_group
 
-    def agree(self) -> bool:
+    def agree(self, validating: bool = False) -> bool:
         """Whether some rank received SIGTERM; a collective of every rank's training thread (one all-reduce of
-        one number, on the host, see :meth:`_group`) that every rank calls at the same point of every step."""
+        one number, on the host, see :meth:`_group`) that every rank calls at the same point of every training
+        step and, so that a long validation does not keep a signalled run going, of every validation step
+        (``validating``: Lightning's evaluation loop then stops after the batch)."""
         if self.received_sigterm:
             return True
         if self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
@@ -77,9 +79,12 @@ class LockstepSignalConnector(_SignalConnector):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group())
             if int(flag.item()):
                 self.received_sigterm = True
-                rank_zero_info(
-                    f"SIGTERM: every rank stops after step {self.trainer.global_step + 1} (the caches are flushed)"
+                where = (
+                    f"in the validation after step {self.trainer.global_step}"
+                    if validating
+                    else f"after step {self.trainer.global_step + 1}"
                 )
+                rank_zero_info(f"SIGTERM: every rank stops {where} (the caches are flushed)")
         return self.received_sigterm
 
 

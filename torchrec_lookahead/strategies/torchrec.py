@@ -316,15 +316,26 @@ class TorchRecStrategy(DDPStrategy):
             )  # a batch read through a BatchAdapter goes back to the model's own type
         return super().batch_to_device(batch, device, dataloader_idx)
 
+    def _agree_on_sigterm(self, validating: bool) -> None:
+        lm = self.lightning_module
+        trainer = lm._trainer if lm is not None else None
+        if trainer is not None and isinstance(trainer._signal_connector, LockstepSignalConnector):
+            trainer._signal_connector.agree(validating)
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Agree on SIGTERM (one all-reduce of one number per step, see ``strategies/_signals.py``): when some rank
         received it, every rank ends after this step."""
-        lm = self.lightning_module
-        trainer = lm._trainer if lm is not None else None
-        if trainer is not None and isinstance(trainer._signal_connector, LockstepSignalConnector):
-            trainer._signal_connector.agree()
+        self._agree_on_sigterm(validating=False)
         super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Agree on SIGTERM before each validation batch too: when some rank received it, every rank ends the
+        validation after this batch (Lightning's evaluation loop raises ``SIGTERMException``), instead of going
+        on to its end and stopping at the next training step."""
+        self._agree_on_sigterm(validating=True)
+        return super().validation_step(*args, **kwargs)
 
     @override
     def on_train_end(self) -> None:

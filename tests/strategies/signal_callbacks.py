@@ -1,0 +1,39 @@
+"""A callback the SIGTERM tests load into a CLI run (``--trainer.callbacks+=``): it sends SIGTERM to rank 0's own
+process in the middle of a validation, as ``timeout`` or ``kill`` would, and prints every validation batch it
+sees, so that the test can tell where each rank stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import lightning.pytorch as pl
+
+
+class SignalDuringValidation(pl.Callback):
+    """On rank 0, send SIGTERM to this process before validation batch ``at_batch`` of the first validation after
+    ``after_step`` training steps; print ``validation <rank> <step> <batch>`` for every validation batch."""
+
+    def __init__(self, after_step: int = 8, at_batch: int = 3) -> None:
+        self.after_step = after_step
+        self.at_batch = at_batch
+        self.sent = False
+
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        print(f"validation {trainer.global_rank} {trainer.global_step} {batch_idx}", flush=True)
+        if (
+            trainer.global_rank == 0
+            and not self.sent
+            and trainer.global_step >= self.after_step
+            and batch_idx == self.at_batch
+        ):
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
