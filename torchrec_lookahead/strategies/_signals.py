@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info
 from typing_extensions import override
 
@@ -89,9 +90,22 @@ class LockstepSignalConnector(_SignalConnector):
 
 
 def use_lockstep_signals(trainer: pl.Trainer) -> LockstepSignalConnector:
-    """Give ``trainer`` a :class:`LockstepSignalConnector` (before it registers its signal handlers)."""
+    """Give ``trainer`` a :class:`LockstepSignalConnector` (before it registers its signal handlers).
+
+    Lightning's training loop also broadcasts rank 0's SIGTERM flag at the start of every step (a collective on
+    the default group; under NCCL a device tensor read back, a host-device synchronisation per step). With the
+    connector the flag is already the same on every rank (:meth:`LockstepSignalConnector.agree`), so that
+    broadcast becomes the local check it amounts to."""
     connector = trainer._signal_connector
     if not isinstance(connector, LockstepSignalConnector):
         connector = LockstepSignalConnector(trainer)
         trainer._signal_connector = connector
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(loop, "_broadcast_sigterm_tensor"):
+
+        def local_check() -> None:
+            if connector.received_sigterm:
+                raise SIGTERMException()
+
+        loop._broadcast_sigterm_tensor = local_check  # type: ignore[method-assign]
     return connector
