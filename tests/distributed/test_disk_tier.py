@@ -193,3 +193,59 @@ def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(
     assert any(".cache.embedding_bags." in k for k in a) and a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_fae_pinned_rows_over_disk_stores_equal_resident_training(
+    tmp_path: Path, disk_stores: List[DiskStore]
+) -> None:
+    """FAE's hot rows pinned in the device caches, the cold rows behind a host tier of a few hundred rows."""
+    from torchrec_lookahead.verify import verify
+
+    capacity = "{t_cat_2: 200, t_cat_11: 160, t_cat_15: 150}"  # configs/dlrm_tiny_fae_lookahead.yaml's
+    result = verify(
+        "configs/dlrm_tiny_fae_lookahead.yaml", steps=24, overrides=[disk_sharder(tmp_path, 3000, capacity)]
+    )
+    assert result["passed"] and result["max_abs_weight_diff"] == result["max_abs_loss_diff"] == 0.0, result
+    assert len(disk_stores) == 3 and sum(s.stats()["rows_read"] for s in disk_stores) > 0
+
+
+@pytest.mark.slow
+def test_embedding_collection_over_disk_stores_equals_resident_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk_stores: List[DiskStore]
+) -> None:
+    """The sequence model: its EmbeddingCollection's table is cached over a disk store too."""
+    from torchrec_lookahead.verify import verify
+
+    from ..conftest import REPO
+    from ..helpers import small_sequence_config
+
+    options = (
+        f"capacity: {{t_movie: 400, t_user: 40}}, store: disk, store_dir: {tmp_path}, host_budget_bytes: 4000"
+    )
+    small = small_sequence_config(tmp_path, options=options)
+    monkeypatch.chdir(REPO)
+    out = verify([str(REPO / "configs" / "movielens_sequence_lookahead.yaml"), str(small)], steps=12)  # type: ignore[arg-type]
+    assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["steps"] == 12, out
+    assert {s.name for s in disk_stores} >= {"t_movie"}, [s.name for s in disk_stores]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_trained_over_disk_stores_exports_the_tables_the_files_hold(tmp_path: Path) -> None:
+    from torchrec_lookahead.export import export_checkpoint
+    from torchrec_lookahead.launch import build_cli
+
+    cli = build_cli(["--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.max_steps=6",
+                     "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}",
+                     disk_sharder(tmp_path / "stores", 1500)])  # fmt: skip
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    cli.trainer.save_checkpoint(tmp_path / "run.ckpt")
+    stores = {n: s for m in cli.trainer.strategy.cached_modules() for n, s in m.cache.stores.items()}
+    assert {type(s) for s in stores.values()} == {DiskStore}
+    summary = export_checkpoint(tmp_path / "run.ckpt", tmp_path / "served.ckpt")
+    assert summary["embedding_tables"] == 26
+    served = torch.load(tmp_path / "served.ckpt", weights_only=False)["state_dict"]
+    for name, store in stores.items():
+        key = next(k for k in served if k.endswith(f"embedding_bags.{name}.weight"))
+        rows, _ = store.gather(torch.arange(store.num_embeddings))
+        assert torch.equal(served[key], rows), name
