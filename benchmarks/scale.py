@@ -16,12 +16,17 @@ Manual modes (not run in CI), each in its own process so that peak RSS is its ow
 
 * ``--terabyte --store-dir DIR``: Criteo-Terabyte-shaped tables (the TorchRec NVT / MLPerf DLRM-DCNv2
   sizes, 204,184,588 rows, single-hot) in memory-mapped stores under DIR (about 14 GB of files at dim 16);
+  with ``--store disk --embedding-dim 64 --host-budget-gib 8``, the issue's tables larger than this machine's
+  memory (about 53 GB of rows and row-wise Adagrad state) in disk stores under a host tier of 8 GiB, then the
+  Kaggle-sized job with its tables in RAM, the anchor (JSON ``terabyte_over_kaggle_ram_samples_per_s``, rows
+  read from disk per step, peak RSS of each, reset between them);
 * ``--mmap-vs-ram --store-dir DIR``: the Kaggle-sized job with in-RAM stores and with memory-mapped stores,
   same capacities, alternated (``--rounds``): the relative throughput of the memory-mapped store on a size
   that fits RAM (JSON ``mmap_over_ram_samples_per_s``).
 
     python benchmarks/scale.py [--quick] [--json PATH] [--steps N] [--fraction 0.01] [--scale 1.0]
     python benchmarks/scale.py --terabyte --store-dir /big/disk/stores [--steps N]
+    python benchmarks/scale.py --terabyte --store disk --embedding-dim 64 --host-budget-gib 8 --store-dir DIR
     python benchmarks/scale.py --mmap-vs-ram --store-dir /big/disk/stores [--steps N] [--rounds 2]
 """
 
@@ -31,6 +36,7 @@ import gc
 import os
 import shutil
 import sys
+import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
@@ -91,6 +97,7 @@ def run(
     warmup: int,
     store_dir: Optional[str] = None,
     capacity: Optional[Dict[str, int]] = None,
+    sharder_kwargs: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Train the default job with ``overrides`` through the cache; figures of the run."""
     t0 = time.perf_counter()
@@ -106,8 +113,9 @@ def run(
     clock.t0 = time.perf_counter()
     # the pre-scan stops where the capacities stopped being measured: a later window may need a few rows more,
     # and is checked if the loader ever plans it
+    _reset_peak_rss()
     res = train(cli, capacity, steps, warmup=warmup, store_dir=store_dir, callbacks=[clock],
-                lookahead_kwargs={"capacity_check_batches": probed})  # fmt: skip
+                lookahead_kwargs={"capacity_check_batches": probed}, sharder_kwargs=sharder_kwargs)  # fmt: skip
     mods = res["strategy"].cached_modules()
     stores = {n: s for m in mods for n, s in m.cache.stores.items()}
     out = {
@@ -118,7 +126,8 @@ def run(
         "bumped": bumped,
         "capacity": capacity,
         "store_gib": sum(int(s.nbytes) for s in stores.values()) / GIB,
-        "store_type": type(next(iter(stores.values()))).__name__ if stores else None,
+        "store_type": type(_inner(next(iter(stores.values())))).__name__ if stores else None,
+        "rows_read_from_disk_per_step": _rows_read(stores.values()) / (steps + warmup + 1),
         "samples_per_s": res["samples_per_s"],
         "step_ms": res["step_ms"],
         "capacity_probe_s": t_cap,
@@ -134,6 +143,26 @@ def run(
     del res, mods, stores, cli
     gc.collect()
     return out
+
+
+def _inner(store: Any) -> Any:
+    return getattr(store, "inner", store)  # a store wrapped for the run (e.g. writes filtered per rank)
+
+
+def _rows_read(stores: Any) -> int:
+    """Rows the run's disk stores read from their files (0 without disk stores)."""
+    from torchrec_lookahead.store import DiskStore
+
+    return sum(int(_inner(s).stats()["rows_read"]) for s in stores if isinstance(_inner(s), DiskStore))
+
+
+def _reset_peak_rss() -> None:
+    """Let ``VmHWM`` start again from the current RSS (Linux ``clear_refs``), so each run's peak is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def _report(r: Dict[str, Any]) -> None:
@@ -157,28 +186,47 @@ def main() -> None:
     p.add_argument("--min-cached-rows", type=int, default=50_000, help="cache the tables with more rows")
     p.add_argument("--batch-size", type=int, default=2048)
     p.add_argument(
-        "--scale", type=float, default=1.0, help="Kaggle table sizes x this (the smoke test's tiny run)"
+        "--scale",
+        type=float,
+        default=1.0,
+        help="table sizes x this (Kaggle's, and --terabyte's: smoke tests)",
     )
     p.add_argument(
         "--terabyte", action="store_true", help="Criteo-Terabyte-shaped tables in memory-mapped stores"
     )
-    p.add_argument("--store-dir", default=None, help="directory of the memory-mapped stores (--terabyte)")
+    p.add_argument(
+        "--store-dir", default=None, help="directory of the store files (default: a temporary one)"
+    )
     p.add_argument("--mmap-vs-ram", action="store_true", help="Kaggle sizes: in-RAM vs memory-mapped stores")
     p.add_argument("--rounds", type=int, default=2, help="(in-RAM, mmap) rounds of --mmap-vs-ram")
     p.add_argument("--keep-stores", action="store_true", help="do not delete the store files afterwards")
+    p.add_argument("--store", choices=["mmap", "disk"], default="mmap", help="the stores of --terabyte")
+    p.add_argument(
+        "--embedding-dim", type=int, default=None, help="embedding dim (default: the config's, 16)"
+    )
+    p.add_argument("--host-budget-gib", type=float, default=8.0, help="host tier of --store disk, GiB")
     args = p.parse_args()
     quiet()
     steps = args.steps or (30 if args.quick else 200)
     base = ["--data.init_args.num_train_batches=100000", f"--data.init_args.batch_size={args.batch_size}"]
     figures: Dict[str, Any] = {}
     results: List[Dict[str, Any]] = []
+    made_dir: Optional[str] = None
 
     if args.terabyte or args.mmap_vs_ram:
-        if not args.store_dir:
-            p.error("--terabyte and --mmap-vs-ram need --store-dir DIR (--terabyte: about 14 GB of files)")
+        if not args.store_dir:  # a temporary directory, deleted at the end (unless --keep-stores)
+            args.store_dir = made_dir = tempfile.mkdtemp(prefix="scale_stores_")
+            print(f"store files under {args.store_dir}", flush=True)
+    if args.embedding_dim is not None:  # DLRM's bottom MLP ends at the embedding dim
+        d = args.embedding_dim
+        base += [
+            f"--model.init_args.embedding_dim={d}",
+            f"--model.init_args.dense_arch_layer_sizes=[{4 * d},{d}]",
+        ]
     if args.terabyte:
         tb_dir = os.path.join(args.store_dir, "terabyte")
-        sizes = "[" + ",".join(str(n) for n in TERABYTE_ROWS) + "]"
+        sizes = "[" + ",".join(str(max(1, int(n * args.scale))) for n in TERABYTE_ROWS) + "]"
+        disk = args.store == "disk"
         tb = run(
             [*base, f"--data.init_args.num_embeddings={sizes}"],
             args.fraction,
@@ -186,8 +234,11 @@ def main() -> None:
             steps,
             args.warmup,
             store_dir=tb_dir,
+            sharder_kwargs={"store": "disk", "host_budget_bytes": int(args.host_budget_gib * GIB)}
+            if disk
+            else None,
         )
-        results.append({"job": "terabyte, mmap", **tb})
+        results.append({"job": f"terabyte, {args.store}", **tb})
         _report(results[-1])
         if not args.keep_stores:
             shutil.rmtree(tb_dir, ignore_errors=True)
@@ -197,6 +248,16 @@ def main() -> None:
             "store_gib": tb["store_gib"],
             "terabyte": tb,
         }
+        if disk:  # the anchor: the Kaggle-sized job, its tables in RAM, same model
+            kaggle = [*base, f"--data.init_args.scale={args.scale}"]
+            kg = run(kaggle, args.fraction, args.min_cached_rows, steps, args.warmup)
+            results.append({"job": "kaggle, ram", **kg})
+            _report(results[-1])
+            figures.update(
+                kaggle_ram=kg,
+                host_budget_gib=args.host_budget_gib,
+                terabyte_over_kaggle_ram_samples_per_s=tb["samples_per_s"] / kg["samples_per_s"],
+            )
     elif args.mmap_vs_ram:
         # in-RAM vs memory-mapped stores on the Kaggle sizes (fit in RAM), same capacities, alternated
         kaggle = [*base, f"--data.init_args.scale={args.scale}"]
@@ -248,6 +309,13 @@ def main() -> None:
     cols += ["peak_rss_gib"]
     print()
     print(table(results, cols))
+    if made_dir is not None and not args.keep_stores:
+        shutil.rmtree(made_dir, ignore_errors=True)
+    if "terabyte_over_kaggle_ram_samples_per_s" in figures:
+        print(
+            "Terabyte-sized on disk / Kaggle-sized in RAM samples/s: "
+            f"{figures['terabyte_over_kaggle_ram_samples_per_s']:.3f}"
+        )
     if "mmap_over_ram_samples_per_s" in figures:
         print(
             f"memory-mapped / in-RAM samples/s (Kaggle sizes): {figures['mmap_over_ram_samples_per_s']:.3f}"

@@ -184,16 +184,28 @@ def check_memory(f: Dict[str, Any]) -> None:
     assert 0 < p["planned_device_bytes"] <= p["budget"]
 
 
-def check_scale(f: Dict[str, Any]) -> None:
+def _check_scale_run(f: Dict[str, Any], store: str) -> None:
     assert f["steps"] == 3 and f["warmup"] == 1 and f["batch_size"] == 256
     cap = f["capacity"]
     assert f["cached_tables"] == len(cap) > 0 and f["cache_rows"] == sum(cap.values())
     assert 0 < f["cache_rows"] <= f["cached_rows"] <= f["rows"]
     assert all(f["bumped"][t] < cap[t] for t in f["bumped"])
-    assert f["store_type"] == "TensorStore" and positive(f["store_gib"])
+    assert f["store_type"] == store and positive(f["store_gib"])
     assert close(f["samples_per_s"] * f["step_ms"] / 1e3, f["batch_size"])
     assert len(f["first_steps_s"]) == f["warmup"] and all(positive(x) for x in f["first_steps_s"])
     assert f["peak_rss_gib"] >= f["rss_gib"] > 0 and positive(f["setup_s"]) and positive(f["fit_s"])
+    # the disk tier reads rows (at least each cached row a step fetches, once); in RAM nothing is read
+    assert (f["rows_read_from_disk_per_step"] > 0) == (store == "DiskStore")
+
+
+def check_scale(f: Dict[str, Any]) -> None:
+    """The Terabyte-shaped tables (scaled down) on disk stores, then the Kaggle-shaped job in RAM."""
+    tb, kg = f["terabyte"], f["kaggle_ram"]
+    _check_scale_run(tb, "DiskStore")
+    _check_scale_run(kg, "TensorStore")
+    assert tb["rows"] > kg["rows"]  # Terabyte's tables are larger than Kaggle's at any one scale
+    assert close(f["terabyte_over_kaggle_ram_samples_per_s"], tb["samples_per_s"] / kg["samples_per_s"])
+    assert f["samples_per_s"] == tb["samples_per_s"] and f["host_budget_gib"] == 0.002
 
 
 RUNS = ("sync", "flat_easgd", "flat_mean", "ht_2x2", "ht_2x2_mean", "ht_2x2_split")
@@ -310,8 +322,9 @@ SMOKE: Dict[str, Smoke] = {
         check_cache_overhead,
     ),
     "scale": Smoke(
-        ["--quick", "--scale", "0.001", "--steps", "3", "--warmup", "1", "--batch-size", "256"]
-        + ["--min-cached-rows", "1000"],
+        ["--quick", "--scale", "0.0005", "--steps", "3", "--warmup", "1", "--batch-size", "256"]
+        + ["--min-cached-rows", "1000", "--terabyte", "--store", "disk", "--embedding-dim", "8"]
+        + ["--host-budget-gib", "0.002"],
         check_scale,
     ),
     "disk_tier": Smoke(["--scale", "0.001", "--steps", "2", "--warmup", "1"], check_disk_tier),
