@@ -1,6 +1,6 @@
-"""Cached vs resident vs naive host-embedding training of the default DLRM on one CUDA GPU.
+"""Cached vs resident vs TorchRec's UVM cache vs naive host-embedding training of the default DLRM on one CUDA GPU.
 
-Not run by CI (it needs a GPU; docs/benchmarks.md has the set-up and the figures). Four ways to train the same
+Not run by CI (it needs a GPU; docs/benchmarks.md has the set-up and the figures). Seven ways to train the same
 model (``configs/dlrm_synthetic.yaml``: 26 Criteo-shaped tables, dim 16, batch 2,048, row-wise Adagrad
 embeddings, Adagrad dense) on ``--device`` (default ``cuda``), alternated in one process:
 
@@ -14,18 +14,33 @@ embeddings, Adagrad dense) on ``--device`` (default ``cuda``), alternated in one
   capacity is ``cached``'s plus its hot rows), the lookahead oracle planning the cold batches;
 * ``host``: the naive way to train tables that do not fit: every table on the CPU (``EmbeddingBagCollection``
   on CPU, Adagrad on CPU), the pooled embeddings copied to the GPU each step and their gradients back; dense
-  layers on the GPU. A plain PyTorch loop (no Lightning).
+  layers on the GPU. A plain PyTorch loop (no Lightning);
+* ``uvm_lru``, ``uvm_lfu``: TorchRec's own answer, the anchor: the tables ``cached`` caches in host memory with
+  FBGEMM's HBM cache (``FUSED_UVM_CACHING``, LRU with ``PrefetchTrainPipelineSparseDist`` one batch ahead; LFU
+  with ``TrainPipelineSparseDist``, FBGEMM's prefetch pipeline being LRU-only), its cache holding the bytes of
+  ``cached``'s (load factors in ``benchmarks/_uvm.py``, which explains the byte accounting); a plain TorchRec
+  loop under ``DistributedModelParallel``, batches read by a background thread. CUDA only: with ``--device cpu``
+  they are recorded as skipped with the reason, and the CPU-checkable part (byte-equal load factors, TorchRec's
+  plan with the ``fused_uvm_caching`` kernel) is in the JSON (``uvm_plan``).
 
 Figures: median step time and samples/s of each, and the ratios cached / resident, cached / resident with
-background loading, FAE / resident and host / resident (JSON ``cached_over_resident``,
+background loading, FAE / resident, host / resident and cached / UVM (JSON ``cached_over_resident``,
 ``cached_over_resident_background_loading``, ``fae_over_resident``, ``host_over_resident``,
-``*_samples_per_s``). Add ``--scale 1.0`` for the Kaggle-sized tables (33.8 M rows; the host baseline then
-moves the dense gradient of every table each step, which is why it is naive).
+``cached_over_uvm_lru``, ``cached_over_uvm_lfu``, ``*_samples_per_s``). Per run (JSON ``runs``): rows and bytes
+moved host -> device and device -> host per step (``cached`` and ``fae``: the cache's rows fetched and written
+back, with their optimizer state; UVM: FBGEMM's cache statistics), the hit rate (1 - rows moved in / distinct
+rows a step reads from the cached tables), and on CUDA the floor those bytes imply at the host <-> device
+bandwidth measured in the same process (``link``: a pinned 256 MiB buffer copied each way) and the step time
+over that floor; ``rows_moved_cached_over_uvm_lru`` / ``_lfu`` compare the rows moved in. Add ``--scale 1.0``
+for the Kaggle-sized tables (33.8 M rows; the host baseline then moves the dense gradient of every table each
+step, which is why it is naive). ``--fraction 0.01 0.05`` adds the cached and UVM runs at each further fraction
+(named ``cached_5pct``, ``uvm_lru_5pct``, ...); ``--runs`` picks the kinds.
 
 ``--device cpu`` runs the same code paths on the CPU (a smoke test of the script where there is no GPU);
-``--dry-run`` only computes and prints the cache capacities (no training).
+``--dry-run`` only computes and prints the cache capacities and the UVM anchor's plan (no training).
 
-    python benchmarks/gpu.py [--quick] [--json PATH] [--device cuda|cpu] [--scale 0.01] [--dry-run]
+    python benchmarks/gpu.py [--quick] [--json PATH] [--device cuda|cpu] [--scale 0.01] [--fraction F [F ...]]
+                             [--runs KIND [KIND ...]] [--dry-run]
 """
 
 from __future__ import annotations
@@ -34,7 +49,7 @@ import gc
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -44,6 +59,7 @@ from benchmarks._common import (  # noqa: E402
     CONFIG,
     batch_size,
     build,
+    cache_counters,
     capacities,
     fae_settings,
     machine,
@@ -55,6 +71,23 @@ from benchmarks._common import (  # noqa: E402
     train,
     write_json,
 )
+from benchmarks._uvm import (  # noqa: E402
+    NEEDS_CUDA,
+    UVM_KINDS,
+    algorithm_of,
+    anchor_plan,
+    distinct_rows,
+    link_bandwidth,
+    our_row_bytes,
+    our_traffic,
+    per_step,
+    uvm_run,
+)
+
+#: every kind of run, in the order a round runs them (rotated per round)
+KINDS = ("resident", "resident_bg", "cached", "fae", "host", *UVM_KINDS)
+#: the kinds run once per ``--fraction`` (the others depend on no cache size, or on the first: ``fae``)
+PER_FRACTION = ("cached", *UVM_KINDS)
 
 
 class _ToDevice(nn.Module):
@@ -137,7 +170,13 @@ class _Sync:
 
 
 def fae_run(
-    cli: Any, capacity: Dict[str, int], steps: int, warmup: int, device: torch.device, accelerator: str
+    cli: Any,
+    capacity: Dict[str, int],
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    accelerator: str,
+    callbacks: Sequence[Any] = (),
 ) -> Dict[str, Any]:
     """The cached job with FAE: the config's DataModule regrouped into hot and cold batches (hot set calibrated
     with configs/dlrm_fae.yaml's budget and sample), its hot rows pinned on top of ``capacity``."""
@@ -156,9 +195,101 @@ def fae_run(
         pinned,
         steps,
         warmup=warmup,
-        callbacks=[HotColdScheduler(), _Sync.make(device)],
+        callbacks=[HotColdScheduler(), _Sync.make(device), *callbacks],
         accelerator=accelerator,
     )
+
+
+class _CacheWindow:
+    """Lightning callback factory: the lookahead caches' counters (``cache_counters``, summed over the cached
+    tables) at the end of step ``warmup`` and of the last step, as :class:`~benchmarks._common.StepTimer` times
+    the steps after ``warmup``."""
+
+    @staticmethod
+    def make(warmup: int) -> Any:
+        import lightning.pytorch as pl
+
+        class CacheWindow(pl.Callback):
+            def __init__(self) -> None:
+                self.first: Optional[Tuple[int, Dict[str, int]]] = None
+                self.last: Optional[Tuple[int, Dict[str, int]]] = None
+
+            def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+                if trainer.global_step < warmup:
+                    return
+                snap = (int(trainer.global_step), cache_counters(trainer.strategy))
+                if self.first is None:
+                    self.first = snap
+                self.last = snap
+
+            def delta(self) -> Tuple[int, Dict[str, int]]:
+                """Steps between the two snapshots and the counters' differences."""
+                if self.first is None or self.last is None:
+                    return 0, {}
+                (s0, a), (s1, b) = self.first, self.last
+                return s1 - s0, {k: b.get(k, 0) - a.get(k, 0) for k in b}
+
+        return CacheWindow()
+
+
+def _suffix(fraction: float, first: float) -> str:
+    """The run-name suffix of a cache fraction: none for the first ``--fraction``, else ``_5pct`` (0.05),
+    ``_1_5pct`` (0.015).
+
+    >>> _suffix(0.05, 0.01), _suffix(0.015, 0.01), _suffix(0.01, 0.01)
+    ('_5pct', '_1_5pct', '')
+    """
+    return "" if fraction == first else "_" + f"{fraction * 100:g}".replace(".", "_") + "pct"
+
+
+def _summarize(
+    figures: Dict[str, Any],
+    times: Dict[str, List[float]],
+    traffic: Dict[str, List[Dict[str, Any]]],
+    uvm_info: Dict[str, Dict[str, Any]],
+    skipped: Dict[str, str],
+    batch: int,
+    distinct_per_step: Optional[float],
+    bandwidth: Optional[Dict[str, float]],
+) -> Dict[str, float]:
+    """Add to ``figures`` the medians, samples/s and ratios of the runs done so far, and per run (``runs``) its
+    traffic figures (:func:`~benchmarks._uvm.per_step`), the step time over its bandwidth floor and a UVM run's
+    FBGEMM facts; returns the median step times (ms)."""
+    med = {k: median(v) * 1e3 for k, v in times.items() if v}
+    figures.update({f"{k}_step_ms": v for k, v in med.items()})
+    figures.update({f"{k}_samples_per_s": batch / v * 1e3 for k, v in med.items()})
+    for key, (a, b) in {
+        "cached_over_resident": ("cached", "resident"),
+        "cached_over_resident_background_loading": ("cached", "resident_bg"),
+        "fae_over_resident": ("fae", "resident"),
+        "host_over_resident": ("host", "resident"),
+    }.items():
+        if a in med and b in med:
+            figures[key] = med[a] / med[b]
+    per_run: Dict[str, Any] = {name: {"skipped": reason} for name, reason in skipped.items()}
+    for name, step_ms in med.items():
+        rec: Dict[str, Any] = {"step_ms": step_ms, "samples_per_s": batch / step_ms * 1e3}
+        if traffic[name]:
+            rec.update(per_step(traffic[name], distinct_per_step, bandwidth))
+            rec["step_over_floor"] = step_ms / rec["floor_ms"] if rec.get("floor_ms") else None
+        rec.update(uvm_info.get(name, {}))
+        per_run[name] = rec
+    figures["runs"] = per_run
+    for name in per_run:
+        if not name.startswith("cached"):
+            continue
+        sfx = name[len("cached") :]
+        ours = per_run[name]
+        for algorithm in ("lru", "lfu"):
+            theirs = per_run.get(f"uvm_{algorithm}{sfx}", {})
+            if "step_ms" not in ours or "step_ms" not in theirs:
+                continue
+            figures[f"cached{sfx}_over_uvm_{algorithm}{sfx}"] = ours["step_ms"] / theirs["step_ms"]
+            a, b = ours.get("rows_h2d_per_step"), theirs.get("rows_h2d_per_step")
+            figures[f"rows_moved_cached{sfx}_over_uvm_{algorithm}{sfx}"] = (
+                a / b if a is not None and b else None
+            )
+    return med
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -168,17 +299,26 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument(
         "--scale", type=float, default=None, help="table sizes = Kaggle sizes x scale (config: 0.01)"
     )
-    p.add_argument("--fraction", type=float, default=0.05, help="cache rows / rows of each cached table")
+    p.add_argument(
+        "--fraction",
+        type=float,
+        nargs="+",
+        default=[0.05],
+        help="cache rows / rows of each cached table; each further value adds cached and UVM runs at it",
+    )
     p.add_argument("--min-cached-rows", type=int, default=5000)
+    p.add_argument("--runs", nargs="+", choices=KINDS, default=list(KINDS), help="the kinds to run (all)")
     p.add_argument(
         "--rounds",
         type=int,
         default=None,
-        help="rounds of (resident, resident_bg, cached, fae, host), rotated",
+        help="rounds of every run, in an order rotated per round",
     )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--dry-run", action="store_true", help="only compute and print the capacities")
+    p.add_argument(
+        "--dry-run", action="store_true", help="only compute and print the capacities and UVM plan"
+    )
     args = p.parse_args(argv)
     quiet()
     rounds = args.rounds or (1 if args.quick else 3)
@@ -194,70 +334,122 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "build of torch with fbgemm-gpu and torchrec (docs/benchmarks.md), or pass --device cpu to run the "
             "same code paths on the CPU, or --dry-run to only plan the capacities."
         )
+    if device.type == "cuda" and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
 
+    fractions = list(dict.fromkeys(args.fraction))
+    first = fractions[0]
     probe = build(args.config, overrides)
-    capacity, bumped = capacities(probe.datamodule, args.fraction, args.min_cached_rows)
+    caps: Dict[float, Dict[str, int]] = {}
+    bumps: Dict[float, Dict[str, int]] = {}
+    for f in fractions:
+        caps[f], bumps[f] = capacities(probe.datamodule, f, args.min_cached_rows)
+    capacity, bumped = caps[first], bumps[first]
     rows = table_rows(probe.datamodule)
     print(
         f"device {device}; {len(capacity)} cached tables ({sum(rows[t] for t in capacity):,} of "
         f"{sum(rows.values()):,} rows), cache {sum(capacity.values()):,} rows; bumped: {bumped or 'none'}"
     )
     figures: Dict[str, Any] = {"device": str(device), "capacity": capacity, "bumped_from": bumped}
+    figures["fractions"] = {
+        f"fraction{_suffix(f, first)}": {"fraction": f, "capacity": caps[f], "bumped_from": bumps[f]}
+        for f in fractions
+    }
+    uvm_wanted = [k for k in args.runs if k in UVM_KINDS]
+    if uvm_wanted:
+        # the anchor's byte accounting and TorchRec's plan for it: what the CPU can check of the UVM runs
+        for f in fractions:
+            plan = anchor_plan(probe.model, probe.datamodule, caps[f])
+            figures[f"uvm_plan{_suffix(f, first)}"] = plan
+            print(
+                f"UVM anchor at {f:g}: FBGEMM cache {plan['fbgemm_cache_slots']:,} rows x "
+                f"{plan['row_bytes_fbgemm']} B for our {sum(caps[f].values()):,} rows x {plan['row_bytes_ours']} B"
+            )
     if args.dry_run:
         write_json(args.json, figures)
         return figures
     accelerator = "gpu" if device.type == "cuda" else "cpu"
-    kinds = ("resident", "resident_bg", "cached", "fae", "host")
-    times: Dict[str, List[float]] = {k: [] for k in kinds}
+    # (run name, kind, fraction), in KINDS order, the further fractions' runs last
+    runs = [(k, k, first) for k in KINDS if k in args.runs]
+    runs += [(k + _suffix(f, first), k, f) for f in fractions[1:] for k in PER_FRACTION if k in args.runs]
+    skipped = {name: NEEDS_CUDA for name, kind, _ in runs if kind in UVM_KINDS and device.type != "cuda"}
+    runs = [r for r in runs if r[0] not in skipped]
+    cached_tables = sorted(capacity)
+    # distinct rows the timed batches read from the cached tables (the same batches in every run)
+    distinct = distinct_rows(probe.datamodule, cached_tables, steps + args.warmup + 2)[args.warmup + 1 :]
+    distinct_per_step = sum(distinct) / len(distinct) if distinct else None
+    bandwidth: Optional[Dict[str, float]] = None
+    if device.type == "cuda":
+        bandwidth = link_bandwidth(device)
+        figures["link"] = bandwidth
+        print(
+            f"host -> device {bandwidth['h2d_gb_s']:.1f} GB/s, device -> host {bandwidth['d2h_gb_s']:.1f} GB/s "
+            "(pinned 256 MiB copies)"
+        )
+    else:
+        figures["link"] = {"skipped": "no host <-> device link on the CPU"}
+    lm = probe.model
+    ours_row = our_row_bytes(int(lm.tables[0].embedding_dim), lm.embedding_optimizer.name)
+    times: Dict[str, List[float]] = {name: [] for name, _, _ in runs}
+    traffic: Dict[str, List[Dict[str, Any]]] = {name: [] for name, _, _ in runs}
+    uvm_info: Dict[str, Dict[str, Any]] = {}
     out_rows: List[Dict[str, Any]] = []
+    batch = batch_size(probe.datamodule)
+    figures.update(rounds=rounds, steps_per_run=steps, distinct_rows_per_step=distinct_per_step)
     for r in range(rounds):
-        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:  # rotated: load falls on each alike
+        order = runs[r % len(runs) :] + runs[: r % len(runs)]  # rotated: load falls on each alike
+        for name, kind, f in order:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             cli = build(args.config, overrides)
+            window = _CacheWindow.make(args.warmup) if kind in ("cached", "fae") else None
             if kind == "host":
                 res = host_embedding_run(cli, device, steps, args.warmup)
             elif kind == "fae":
-                res = fae_run(cli, capacity, steps, args.warmup, device, accelerator)
+                res = fae_run(cli, caps[f], steps, args.warmup, device, accelerator, callbacks=[window])
+            elif kind in UVM_KINDS:
+                res = uvm_run(cli, caps[f], algorithm_of(kind), steps, args.warmup, device)
+                traffic[name].append(res["traffic"])
+                uvm_info[name] = {k: v for k, v in res.items() if k not in ("times", "traffic")}
             else:
                 res = train(
                     cli,
-                    capacity if kind == "cached" else None,
+                    caps[f] if kind == "cached" else None,
                     steps,
                     warmup=args.warmup,
-                    callbacks=[_Sync.make(device)],
+                    callbacks=[_Sync.make(device), *([window] if window is not None else [])],
                     accelerator=accelerator,
                     background_loading=kind == "resident_bg",
                 )
-            times[kind] += res["times"]
-            row = {"round": r, "kind": kind, "step_ms": res["step_ms"], "samples/s": res["samples_per_s"]}
+            if window is not None:
+                window_steps, counted = window.delta()
+                traffic[name].append(our_traffic(counted, window_steps, ours_row))
+            times[name] += res["times"]
+            moved = per_step(traffic[name][-1:], distinct_per_step, bandwidth) if traffic[name] else {}
+            row = {
+                "round": r,
+                "kind": name,
+                "step_ms": res["step_ms"],
+                "samples/s": res["samples_per_s"],
+                "rows in/step": "" if moved.get("rows_h2d_per_step") is None else moved["rows_h2d_per_step"],
+                "hit rate": "" if moved.get("hit_rate") is None else moved["hit_rate"],
+            }
             out_rows.append(row)
             print(table([row]).splitlines()[-1], flush=True)
             del res, cli
-    batch = batch_size(build(args.config, overrides).datamodule)
-    med = {k: median(v) * 1e3 for k, v in times.items()}
-    figures.update(
-        {
-            **{f"{k}_step_ms": v for k, v in med.items()},
-            **{f"{k}_samples_per_s": batch / v * 1e3 for k, v in med.items()},
-            "cached_over_resident": med["cached"] / med["resident"],
-            "cached_over_resident_background_loading": med["cached"] / med["resident_bg"],
-            "fae_over_resident": med["fae"] / med["resident"],
-            "host_over_resident": med["host"] / med["resident"],
-            "rounds": rounds,
-            "steps_per_run": steps,
-        }
-    )
+            # a run cut short (a time limit) keeps the runs it finished
+            _summarize(figures, times, traffic, uvm_info, skipped, batch, distinct_per_step, bandwidth)
+            write_json(args.json, {**figures, "complete": False})
+    med = _summarize(figures, times, traffic, uvm_info, skipped, batch, distinct_per_step, bandwidth)
+    figures["complete"] = True
     print()
     print(table(out_rows))
-    print(
-        f"\nmedian step: resident {med['resident']:.2f} ms (background loading {med['resident_bg']:.2f} ms), "
-        f"cached {med['cached']:.2f} ms, FAE {med['fae']:.2f} ms, host {med['host']:.2f} ms; cached / resident "
-        f"{figures['cached_over_resident']:.3f} (/ background loading "
-        f"{figures['cached_over_resident_background_loading']:.3f}), host / resident "
-        f"{figures['host_over_resident']:.3f}  on {machine()['cuda'] or machine()['cpu']}"
-    )
+    summary = ", ".join(f"{k} {v:.2f} ms" for k, v in med.items())
+    ratios = ", ".join(f"{k} {v:.3f}" for k, v in figures.items() if "_over_" in k and isinstance(v, float))
+    print(f"\nmedian step: {summary}; {ratios}  on {machine()['cuda'] or machine()['cpu']}")
+    for name, reason in skipped.items():
+        print(f"{name}: skipped ({reason})")
     write_json(args.json, figures)
     return figures
 

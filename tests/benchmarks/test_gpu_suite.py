@@ -46,5 +46,12 @@ def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
         assert saved["parts"][part]["max_abs_weight_diff"] == 0.0
     assert [r["max_dw"] for r in saved["parts"]["two_ranks"]["runs"]["pipeline_gloo"]["ranks"]] == [0.0, 0.0]
     assert saved["parts"]["bench_default"]["figures"]["cached_step_ms"] > 0
-    assert saved["parts"]["bench_kaggle"]["figures"]["capacity"]
+    # the UVM anchor needs CUDA: skipped with the reason, its plan checked; the summary picks the runs up
+    summary = saved["parts"]["bench_default"]["summary"]
+    assert summary["complete"] and summary["step_ms"]["cached"] > 0
+    assert "needs CUDA" in summary["runs"]["uvm_lru"]["skipped"]
+    assert summary["runs"]["cached"]["hit_rate"] >= 0
+    kaggle = saved["parts"]["bench_kaggle"]["figures"]
+    assert kaggle["capacity"] and kaggle["uvm_plan"]["fbgemm_cache_slots"] > 0
+    assert kaggle["uvm_plan_5pct"]["fbgemm_cache_slots"] > kaggle["uvm_plan"]["fbgemm_cache_slots"]
     assert (tmp_path / "gpu_suite.log").stat().st_size > 0
