@@ -129,7 +129,8 @@ def counted(data: Iterable[Any], pulled: List[int]) -> Iterator[Any]:
 
 def train(cached: bool, epochs: int = 1, horizon: int = 8, **kw: Any) -> Dict[str, Any]:
     """Train the tiny DLRM ``epochs`` times over this rank's part of the stream (:func:`build`); returns the
-    per-step losses, :func:`whole_weights` and, per step, the batches read from the stream by then."""
+    per-step losses, :func:`whole_weights`, per step the batches read from the stream by then, and the cached
+    collections' synchronisation counters."""
     dmp, pipeline, data = build(cached, **kw, **({"horizon": horizon} if cached else {}))
     losses: List[float] = []
     pulled, read = [0], []
@@ -143,7 +144,11 @@ def train(cached: bool, epochs: int = 1, horizon: int = 8, **kw: Any) -> Dict[st
             losses.append(float(loss))
             read.append(pulled[0])
         pipeline.reset()  # TorchRec's way to start the next stream
-    return {"losses": losses, "weights": whole_weights(dmp), "read": read}
+    sync: Dict[str, int] = {}
+    for m in pipeline.session.modules if isinstance(pipeline, LookaheadTrainPipeline) else []:
+        for k, v in m.sync_counters.items():
+            sync[k] = sync.get(k, 0) + v
+    return {"losses": losses, "weights": whole_weights(dmp), "read": read, "sync": sync}
 
 
 def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> Dict[str, Any]:
@@ -164,6 +169,7 @@ def main(out: str) -> None:
     resident = train(cached=False, device=device)
     cached = train(cached=True, device=device)
     result = compare(cached, resident)
+    result["sync"] = cached["sync"]
     result["all_keys"] = sorted(resident["weights"])
     result["device"] = str(device)
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))

@@ -81,6 +81,9 @@ def test_two_ranks_cached_pipeline_equals_torchrec_resident_pipeline(tmp_path):
     compared = set()
     for r in results:
         assert r["steps"] == 12 and r["losses_equal"] and r["max_dw"] == 0.0, r
+        # every backward's exchange used the index the planner thread built with the step's LRPP plan
+        sync = r["sync"]
+        assert sync["grad_floats_sent"] > 0 and "exchanges_indexed_in_backward" not in sync, sync
         compared |= set(r["keys"])
     # every table (each whole on the rank holding it) and every dense layer compared on some rank
     assert compared == set(results[0]["all_keys"]) | set(results[1]["all_keys"])

@@ -17,7 +17,14 @@ import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.distributed.comm_ops import get_gradient_division
 
-from torchrec_lookahead.distributed.exact_sync import KernelLayout, PendingExchange, exchange_batches
+from torchrec_lookahead.distributed.exact_sync import (
+    ExchangeIndex,
+    ExchangeSpec,
+    KernelLayout,
+    PendingExchange,
+    exchange,
+    exchange_index,
+)
 from torchrec_lookahead.distributed.lrpp import LRPPPlan
 from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection
@@ -208,8 +215,48 @@ class RankSync:
             unpooled=kernel.pooling == PoolingMode.NONE,
         )
 
+    def exchange_specs(self) -> List[ExchangeSpec]:
+        """The collection's kernels whose exact exchange the planner thread indexes ahead
+        (:meth:`LRPPPlan.with_exchanges <torchrec_lookahead.distributed.lrpp.LRPPPlan.with_exchanges>`); none in
+        cDLRM mode, which exchanges no gradients."""
+        if self.average_every is not None:
+            return []
+        return [ExchangeSpec(self._layout(g), self.delayed_sync) for g in self.cache.kernel_groups()]
+
+    def _exchange_index(self, spec: ExchangeSpec, lrpp: LRPPPlan) -> ExchangeIndex:
+        """The step's exchange index of the kernel of ``spec``: the one the planner built with the LRPP plan, or
+        (a plan made elsewhere, e.g. by hand or for a hot batch) built here, counted in
+        ``exchanges_indexed_in_backward``."""
+        names = tuple(spec.layout.tables)
+        index = lrpp.exchange.get(names)
+        if index is not None:
+            if index.spec != spec or index.rank != self.rank or index.world_size != self.world_size:
+                raise SetupError(
+                    f"the exchange index of step {lrpp.step} for tables {list(names)} was built for another "
+                    "kernel layout, rank or world size"
+                )
+            return index
+        if lrpp.features is None:
+            raise SetupError(
+                f"the LRPP plan of step {lrpp.step} carries no global batch: pass features= (the global batch "
+                "remapped to slots) to LRPPTracker.step"
+            )
+        plans = [lrpp.tables[t] for t in names]
+        self.counters["exchanges_indexed_in_backward"] = (
+            self.counters.get("exchanges_indexed_in_backward", 0) + 1
+        )
+        return exchange_index(
+            spec,
+            lrpp.features,
+            self.rank,
+            self.world_size,
+            [tp.shared_slots for tp in plans],
+            [tp.delayed_slots for tp in plans],
+            [lrpp.pinned.get(t, 0) for t in names],
+        )
+
     def backward_hook(self, group: KernelGroup) -> BackwardHook:
-        layout = self._layout(group)
+        spec = ExchangeSpec(self._layout(group), self.delayed_sync)
         kernel = group.kernel
 
         def hook(
@@ -224,30 +271,12 @@ class RankSync:
                 dist.all_reduce(torch.zeros(1, device=grad.device), group=self.group)
                 kernel.apply_batch(indices, offsets, weights, grad)
                 return
-            if lrpp.features is None:
-                raise SetupError(
-                    f"the LRPP plan of step {lrpp.step} carries no global batch: pass features= (the global batch "
-                    "remapped to slots) to LRPPTracker.step"
-                )
+            index = self._exchange_index(spec, lrpp)
             # TorchRec divides the gradients of sharded embeddings element-wise by the world size
             # (comm_ops.GRADIENT_DIVISION, to match DDP's averaging of dense gradients): the cache does too.
             if get_gradient_division():
                 grad = torch.div(grad, self.world_size)
-            plans = [lrpp.tables[t] for t in layout.tables]
-            empty = torch.zeros(0, dtype=torch.int64)
-            delayed = [tp.delayed_slots if self.delayed_sync else empty for tp in plans]
-            now, later, sent = exchange_batches(
-                layout,
-                lrpp.features,
-                grad,
-                self.rank,
-                self.world_size,
-                [tp.shared_slots for tp in plans],
-                delayed,
-                self.group,
-                self.delayed_group,
-                [lrpp.pinned.get(t, 0) for t in layout.tables],
-            )
+            now, later, sent = exchange(index, grad, self.group, self.delayed_group)
             kernel.apply_batch(now.indices, now.offsets, now.weights, now.grad)
             self.counters["grad_floats_sent"] = self.counters.get("grad_floats_sent", 0) + sent
             if later is not None:

@@ -20,6 +20,13 @@ updated identically by each of their readers.
 With delayed synchronisation, the shared rows no rank reads at the next step are left out of this backward:
 their bags' gradients travel in a second all-gather in the background, and their update (a second exchange
 batch with the step's iteration and learning rate) lands before the next plan is applied.
+
+Everything but the gradient is known once the step is planned, so the work is split in two.
+:func:`exchange_index` (the planner thread, beside the step's LRPP plan) builds an :class:`ExchangeIndex`: which
+rows are shared, delayed or pinned, which bags (or ids) each rank sends, where received gradients go, and the
+exchange batches' indices, offsets and weights. :func:`exchange` (the backward hook, on the training thread)
+then packs this rank's gradient by the precomputed positions, all-gathers it, places what it received and
+returns the batches.
 """
 
 from __future__ import annotations
@@ -35,7 +42,18 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.errors import SetupError
 
-__all__ = ["KernelLayout", "ExchangeBatch", "DelayedExchange", "PendingExchange", "exchange_batches"]
+__all__ = [
+    "KernelLayout",
+    "ExchangeSpec",
+    "GatherIndex",
+    "ExchangeIndex",
+    "ExchangeBatch",
+    "DelayedExchange",
+    "PendingExchange",
+    "exchange_index",
+    "exchange",
+    "exchange_batches",
+]
 
 
 @dataclass(frozen=True)
@@ -172,34 +190,45 @@ class _Global:
         return out
 
 
-def _needed_bags(g: _Global, select: np.ndarray, world_size: int) -> List[List[np.ndarray]]:
-    """Per rank, per feature: the rank's local bag indices (sorted) holding an id selected by ``select``."""
-    bags = np.unique(g.bag[select[g.kslot]])
+def _bag_floats(
+    g: _Global, layout: KernelLayout, select: np.ndarray, world_size: int
+) -> Tuple[List[int], List[np.ndarray]]:
+    """The gradient floats of the bags holding a row selected by ``select`` (per kernel slot): per rank, how many,
+    and their positions in the flattened full gradient (global bags, ``layout.width`` columns), in the order the
+    rank sends them: feature after feature, bag after bag (ascending), each bag's feature columns in order."""
+    bags = np.unique(g.bag[select[g.kslot]])  # sorted: feature-major, then global bag (rank, local bag)
     feature = bags // g.bags
     within = bags % g.bags
     rank = within // max(g.local, 1)
-    local = within - rank * g.local
-    nf = g.lengths.size // g.bags if g.bags else 0
-    return [[local[(rank == q) & (feature == f)] for f in range(nf)] for q in range(world_size)]
+    order = np.argsort(rank, kind="stable")  # rank-major, the (feature, bag) order kept within a rank
+    feature, within, rank = feature[order], within[order], rank[order]
+    dims = np.asarray(layout.dims, dtype=np.int64)[feature]
+    first = within * layout.width + np.asarray(layout.columns, dtype=np.int64)[feature]
+    # each bag's run of dims[i] consecutive positions, from first[i]
+    runs = np.cumsum(dims) - dims
+    pos = np.repeat(first - runs, dims) + np.arange(int(dims.sum()), dtype=np.int64)
+    sizes = [int(dims[rank == q].sum()) for q in range(world_size)]
+    bounds = np.cumsum([0, *sizes])
+    return sizes, [pos[bounds[q] : bounds[q + 1]] for q in range(world_size)]
 
 
-def _pack(grad: torch.Tensor, layout: KernelLayout, bags: List[np.ndarray]) -> torch.Tensor:
-    """This rank's gradient columns of each feature for the given local bags, flattened feature by feature."""
-    cols = layout.columns
-    parts = [
-        grad[torch.from_numpy(b), cols[f] : cols[f] + layout.dims[f]].reshape(-1)
-        for f, b in enumerate(bags)
-        if b.size
-    ]
-    return torch.cat(parts) if parts else grad.new_zeros(0)
+def _needed_ids(g: _Global, select: np.ndarray, world_size: int) -> List[np.ndarray]:
+    """Per rank, the positions in the global batch of the rank's ids selected by ``select`` (unpooled)."""
+    hit = select[g.kslot]
+    return [np.flatnonzero(hit & (g.rank == q)) for q in range(world_size)]
 
 
-def _sizes(layout: KernelLayout, needed: List[List[np.ndarray]]) -> List[int]:
-    return [sum(int(b.size) * layout.dims[f] for f, b in enumerate(per_rank)) for per_rank in needed]
+def _flat(rows: np.ndarray, width: int, first: int, count: int) -> np.ndarray:
+    """Positions in a flattened (rows, ``width``) tensor of columns ``[first, first + count)`` of ``rows``, row
+    after row."""
+    return (rows[:, None] * width + (first + np.arange(count, dtype=np.int64))).reshape(-1)
+
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 def _all_gather(
-    send: torch.Tensor, sizes: List[int], group: Optional[dist.ProcessGroup], async_op: bool
+    send: torch.Tensor, sizes: Sequence[int], group: Optional[dist.ProcessGroup], async_op: bool
 ) -> Tuple[Any, List[torch.Tensor]]:
     """All-gather of unequal flat buffers (padded to the largest, at least one element)."""
     width = max(max(sizes), 1)
@@ -210,114 +239,272 @@ def _all_gather(
     return work, recv
 
 
-def _needed_ids(g: _Global, select: np.ndarray, world_size: int) -> List[np.ndarray]:
-    """Per rank, the positions in the global batch of the rank's ids selected by ``select`` (unpooled)."""
-    hit = select[g.kslot]
-    return [np.flatnonzero(hit & (g.rank == q)) for q in range(world_size)]
+def _width(layout: KernelLayout) -> int:
+    """Columns of a kernel's output gradient: its features' dimensions (pooled), one id's (unpooled)."""
+    if layout.unpooled:
+        return layout.dims[0] if layout.dims else 0
+    return layout.width
 
 
-def _build_ids(
-    g: _Global,
-    keep: np.ndarray,
-    grad: torch.Tensor,
-    rank: int,
-    needed: List[np.ndarray],
-    recv: List[torch.Tensor],
-) -> ExchangeBatch:
-    """The unpooled exchange batch: every global id selected by ``keep``, with its output gradient (this
-    rank's own, or received), in the global batch's order."""
-    dim = grad.shape[1]
-    full = grad.new_zeros(g.values.size, dim)
-    full[torch.from_numpy(np.flatnonzero(g.rank == rank))] = grad
-    for q, pos in enumerate(needed):
-        if q != rank and pos.size:
-            full[torch.from_numpy(pos)] = recv[q][: pos.size * dim].view(-1, dim)
-    lengths = np.bincount(g.bag[keep], minlength=g.lengths.size)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return ExchangeBatch(
-        indices=torch.from_numpy(np.ascontiguousarray(g.values[keep])).to(grad.device),
-        offsets=torch.from_numpy(offsets).to(grad.device),
-        weights=None,
-        grad=full[torch.from_numpy(np.flatnonzero(keep))],
-    )
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
 
 
-class _Exchange:
-    """What one kernel's exchange sends and builds: bags' gradient columns (pooled kernels) or ids' gradient
-    rows (unpooled ones)."""
+@dataclass(frozen=True)
+class ExchangeSpec:
+    """What the planner thread needs of one kernel to index its exchange ahead of the backward
+    (:func:`exchange_index`).
 
-    def __init__(
-        self, g: _Global, layout: KernelLayout, grad: torch.Tensor, rank: int, world_size: int
-    ) -> None:
-        self.g, self.layout, self.rank, self.world_size = g, layout, rank, world_size
-        own = np.flatnonzero(g.rank == rank)
-        self._own = own
-        expected = own.size if layout.unpooled else g.local
-        if g.local * world_size != g.bags or grad.shape[0] != expected:
+    Attributes:
+        layout: the kernel's features and tables.
+        delayed_sync: the shared rows no rank reads at the next step go to a delayed exchange.
+    """
+
+    layout: KernelLayout
+    delayed_sync: bool
+
+
+@dataclass(frozen=True, eq=False)
+class GatherIndex:
+    """One all-gather of an exchange and the batch built from it, without the gradient: which floats of its
+    gradient this rank sends, where the floats it receives go, and the batch's kernel inputs.
+
+    Attributes:
+        sizes: floats each rank sends (the all-gather pads them to the largest).
+        send: positions, in this rank's flattened output gradient, of the floats it sends, in order.
+        place: per rank, positions in the flattened full gradient of the floats received from it (empty for
+            this rank).
+        select: rows of the full gradient the batch keeps (an unpooled kernel's ids); ``None``: every row
+            (a pooled kernel's global bags).
+        indices: the batch's slot ids (int64), in the kernel's concatenated capacity's tables.
+        offsets: the batch's bag offsets (int64), ``F * bags + 1`` of them.
+        weights: per id, its float32 scale (weights, or MEAN pooling's ``1 / L``); ``None``: none.
+    """
+
+    sizes: Tuple[int, ...]
+    send: torch.Tensor
+    place: Tuple[torch.Tensor, ...]
+    select: Optional[torch.Tensor]
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    weights: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class ExchangeIndex:
+    """Everything of one kernel's exchange at one step that depends on the ids alone (the global batch
+    remapped to slots, the layout, the shared, delayed and pinned slots, the rank and the world size), built
+    ahead of the backward by :func:`exchange_index`; :func:`exchange` then only moves the gradient.
+
+    Attributes:
+        spec: the kernel it was built for.
+        rank: this rank; world_size: W.
+        bags: the global batch's bags per feature; local: per rank.
+        grad_rows: rows of this rank's output gradient (its local bags, or its ids for an unpooled kernel).
+        full_rows: rows of the full gradient the batches are built on (the global bags, or the global ids).
+        own: rows of the full gradient that hold this rank's own gradient, in its order (an unpooled kernel's);
+            ``None``: the rows ``[rank * local, (rank + 1) * local)`` (a pooled kernel's local bags).
+        now: the critical exchange (applied in the backward).
+        late: the delayed exchange (``None`` when no shared row is delayed).
+        late_rows: rows of this rank the delayed batch updates.
+    """
+
+    spec: ExchangeSpec
+    rank: int
+    world_size: int
+    bags: int
+    local: int
+    grad_rows: int
+    full_rows: int
+    own: Optional[torch.Tensor]
+    now: GatherIndex
+    late: Optional[GatherIndex]
+    late_rows: int
+
+    @property
+    def width(self) -> int:
+        """Columns of the output gradient."""
+        return _width(self.spec.layout)
+
+    def check(self, grad: torch.Tensor) -> None:
+        """Raises ``SetupError`` unless ``grad`` is this rank's output gradient of the indexed batch."""
+        if self.local * self.world_size != self.bags:
             raise SetupError(
-                f"the global batch has {g.bags} bags per feature, not {world_size} ranks x {g.local} local bags "
-                f"matching the output gradient's {grad.shape[0]} rows"
+                f"the global batch has {self.bags} bags per feature, not {self.world_size} ranks x {self.local} "
+                "local bags"
+            )
+        if tuple(grad.shape) != (self.grad_rows, self.width):
+            raise SetupError(
+                f"the output gradient has shape {tuple(grad.shape)} but rank {self.rank}'s part of the step's "
+                f"global batch needs ({self.grad_rows}, {self.width})"
             )
 
-    def needed(self, select: np.ndarray) -> List[Any]:
-        if self.layout.unpooled:
-            return _needed_ids(self.g, select, self.world_size)
-        return _needed_bags(self.g, select, self.world_size)
+    def batch(self, part: GatherIndex, grad: torch.Tensor, recv: Sequence[torch.Tensor]) -> ExchangeBatch:
+        """The exchange batch of ``part``: this rank's gradient and the received floats placed in the global
+        batch's rows, with ``part``'s kernel inputs."""
+        device = grad.device
+        full = grad.new_zeros(self.full_rows, self.width)
+        if self.own is None:
+            full[self.rank * self.local : (self.rank + 1) * self.local] = grad
+        else:
+            full[_on(self.own, device)] = grad
+        flat = full.view(-1)
+        for q, pos in enumerate(part.place):
+            n = int(pos.numel())
+            if q != self.rank and n:
+                flat.index_copy_(0, _on(pos, device), recv[q][:n])
+        return ExchangeBatch(
+            indices=_on(part.indices, device),
+            offsets=_on(part.offsets, device),
+            weights=None if part.weights is None else _on(part.weights, device),
+            grad=full if part.select is None else full[_on(part.select, device)],
+        )
 
-    def sizes(self, needed: List[Any]) -> List[int]:
-        if self.layout.unpooled:
-            return [int(pos.size) * self.layout.dims[0] for pos in needed]
-        return _sizes(self.layout, needed)
 
-    def pack(self, grad: torch.Tensor, mine: Any) -> torch.Tensor:
-        if self.layout.unpooled:
-            return grad[torch.from_numpy(np.searchsorted(self._own, mine))].reshape(-1)
-        return _pack(grad, self.layout, mine)
-
-    def build(
-        self, keep: np.ndarray, grad: torch.Tensor, needed: List[Any], recv: List[torch.Tensor]
-    ) -> ExchangeBatch:
-        if self.layout.unpooled:
-            return _build_ids(self.g, keep, grad, self.rank, needed, recv)
-        return _build(self.g, self.layout, keep, grad, self.rank, needed, recv)
-
-
-def _build(
+def _gather_index(
     g: _Global,
     layout: KernelLayout,
+    select: np.ndarray,
     keep: np.ndarray,
-    grad: torch.Tensor,
     rank: int,
-    needed: List[List[np.ndarray]],
-    recv: List[torch.Tensor],
-) -> ExchangeBatch:
-    """The exchange batch keeping the ids selected by ``keep`` (per id of the global batch)."""
-    cols = layout.columns
-    full = grad.new_zeros(g.bags, layout.width)
-    full[rank * g.local : (rank + 1) * g.local] = grad
-    for q, per_rank in enumerate(needed):
-        if q == rank:
-            continue
-        off = 0
-        for f, b in enumerate(per_rank):
-            if not b.size:
-                continue
-            d = layout.dims[f]
-            n = int(b.size) * d
-            rows = torch.from_numpy(b + q * g.local)
-            full[rows, cols[f] : cols[f] + d] = recv[q][off : off + n].view(-1, d)
-            off += n
+    world_size: int,
+    own_ids: np.ndarray,
+    width: int,
+) -> GatherIndex:
+    """The all-gather of the bags (or ids) holding a row selected by ``select`` (per kernel slot), and the batch
+    keeping the global batch's ids selected by ``keep`` (per id)."""
+    if layout.unpooled:  # whole gradient rows of ids; this rank's rows are its ids in global order
+        needed = _needed_ids(g, select, world_size)
+        sizes = [int(pos.size) * width for pos in needed]
+        send = _flat(np.searchsorted(own_ids, needed[rank]).astype(np.int64), width, 0, width)
+        floats = [_flat(pos, width, 0, width) for pos in needed]
+        selected: Optional[torch.Tensor] = torch.from_numpy(np.flatnonzero(keep).astype(np.int64))
+        weights = None
+    else:  # feature columns of bags; this rank's rows are its local bags
+        sizes, floats = _bag_floats(g, layout, select, world_size)
+        send = floats[rank] - rank * g.local * width
+        selected = None
+        weights = None if g.scale is None else torch.from_numpy(np.ascontiguousarray(g.scale[keep]))
+    place = tuple(torch.from_numpy(_NONE if q == rank else pos) for q, pos in enumerate(floats))
     # The bags are the global bags of every feature; only the kernel's layout (F * bags bags) differs from a
     # local batch. Rows a bag reads that this rank does not hold are left out of it.
     lengths = np.bincount(g.bag[keep], minlength=g.lengths.size)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    weights = None if g.scale is None else torch.from_numpy(np.ascontiguousarray(g.scale[keep]))
-    return ExchangeBatch(
-        indices=torch.from_numpy(np.ascontiguousarray(g.values[keep])).to(grad.device),
-        offsets=torch.from_numpy(offsets).to(grad.device),
-        weights=None if weights is None else weights.to(grad.device),
-        grad=full,
+    return GatherIndex(
+        sizes=tuple(sizes),
+        send=torch.from_numpy(np.ascontiguousarray(send, dtype=np.int64)),
+        place=place,
+        select=selected,
+        indices=torch.from_numpy(np.ascontiguousarray(g.values[keep])),
+        offsets=torch.from_numpy(offsets),
+        weights=weights,
     )
+
+
+def exchange_index(
+    spec: ExchangeSpec,
+    global_kjt: KeyedJaggedTensor,
+    rank: int,
+    world_size: int,
+    shared: Sequence[torch.Tensor],
+    delayed: Sequence[torch.Tensor],
+    pinned: Optional[Sequence[int]] = None,
+) -> ExchangeIndex:
+    """The id part of one kernel's exchange at one step (see the module docstring): built on the planner thread
+    when the step's LRPP plan is made, so that the backward only moves gradients (:func:`exchange`).
+
+    Args:
+        spec: the kernel's layout and whether its delayed rows are split off.
+        global_kjt: the step's global batch, cached features remapped to slots (every rank's bags in rank
+            order).
+        rank: this rank; world_size: W.
+        shared: per local table, the sorted slots read by several ranks.
+        delayed: per local table, the shared slots whose update is delayed (ignored without
+            ``spec.delayed_sync``).
+        pinned: per local table, rows pinned in its first slots (FAE's hot rows): every rank holds them, so they
+            count as shared by every rank wherever the global batch reads them (never delayed).
+
+    Raises:
+        SetupError: a feature of the kernel is missing from the global batch.
+    """
+    layout = spec.layout
+    g = _Global(layout, global_kjt, world_size)
+    own_ids = np.flatnonzero(g.rank == rank)
+    width = _width(layout)
+    mine = np.zeros(int(g.base[-1]), dtype=bool)
+    mine[g.kslot[g.rank == rank]] = True
+    everyone = np.zeros_like(mine)
+    for t, n in enumerate(pinned or ()):
+        everyone[g.base[t] : g.base[t] + int(n)] = True
+    mine |= everyone
+    late = (g.mask(delayed) if spec.delayed_sync else np.zeros_like(mine)) & ~everyone
+    now_shared = (g.mask(shared) | everyone) & ~late
+    keep_now = mine[g.kslot] & ~late[g.kslot]
+    now = _gather_index(g, layout, now_shared, keep_now, rank, world_size, own_ids, width)
+    later, late_rows = None, 0
+    if late.any():
+        keep_late = mine[g.kslot] & late[g.kslot]
+        later = _gather_index(g, layout, late, keep_late, rank, world_size, own_ids, width)
+        late_rows = int(np.count_nonzero(mine & late))
+    unpooled = layout.unpooled
+    return ExchangeIndex(
+        spec=spec,
+        rank=rank,
+        world_size=world_size,
+        bags=g.bags,
+        local=g.local,
+        grad_rows=int(own_ids.size) if unpooled else g.local,
+        full_rows=int(g.values.size) if unpooled else g.bags,
+        own=torch.from_numpy(own_ids.astype(np.int64)) if unpooled else None,
+        now=now,
+        late=later,
+        late_rows=late_rows,
+    )
+
+
+def exchange(
+    index: ExchangeIndex,
+    grad: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    delayed_group: Optional[dist.ProcessGroup],
+) -> Tuple[ExchangeBatch, Optional[DelayedExchange], int]:
+    """This step's exchange batch for one kernel, and the delayed part, from its precomputed ``index``: the
+    backward's part of the exchange, which moves only the gradient (packs this rank's floats, all-gathers them,
+    places the received ones).
+
+    A collective of every rank of ``group`` (one all-gather, also when no row is shared), plus, when some
+    shared row is delayed, an asynchronous all-gather on ``delayed_group``.
+
+    Args:
+        index: the kernel's exchange at this step (:func:`exchange_index`).
+        grad: this rank's gradient of the kernel's pooled output, (local bags, layout.width), or of its
+            unpooled output, (local ids, D), already divided as TorchRec divides it.
+        group: the critical-path process group; delayed_group: the background one.
+
+    Returns:
+        (the batch to apply now, the delayed part or ``None``, floats sent by this rank).
+
+    Raises:
+        SetupError: ``grad`` is not this rank's gradient of the indexed batch.
+    """
+    index.check(grad)
+    flat = grad.reshape(-1)
+    now = index.now
+    _, recv = _all_gather(flat[_on(now.send, grad.device)], now.sizes, group, async_op=False)
+    batch = index.batch(now, grad, recv)
+    sent = now.sizes[index.rank]
+    later = None
+    late = index.late
+    if late is not None:
+        work, recv_late = _all_gather(flat[_on(late.send, grad.device)], late.sizes, delayed_group, True)
+        saved = grad.clone()  # the autograd engine may reuse the gradient buffer
+
+        def build(received: List[torch.Tensor]) -> ExchangeBatch:
+            return index.batch(late, saved, received)
+
+        later = DelayedExchange(work, recv_late, build, index.late_rows)
+        sent += late.sizes[index.rank]
+    return batch, later, sent
 
 
 def exchange_batches(
@@ -332,54 +519,16 @@ def exchange_batches(
     delayed_group: Optional[dist.ProcessGroup],
     pinned: Optional[Sequence[int]] = None,
 ) -> Tuple[ExchangeBatch, Optional[DelayedExchange], int]:
-    """This step's exchange batch for one kernel (see the module docstring), and the delayed part.
-
-    A collective of every rank of ``group`` (one all-gather, also when no row is shared), plus, when some
-    shared row is delayed, an asynchronous all-gather on ``delayed_group``.
+    """:func:`exchange_index` then :func:`exchange`, in one call (the index built where it is called).
 
     Args:
         layout: the kernel's features and tables.
-        global_kjt: the step's global batch, cached features remapped to slots (every rank's bags in rank
-            order).
-        grad: this rank's gradient of the kernel's pooled output, (local bags, layout.width), or of its
-            unpooled output, (local ids, D), already divided as TorchRec divides it.
-        rank: this rank; world_size: W.
-        shared: per local table, the sorted slots read by several ranks.
+        global_kjt, rank, world_size, shared, pinned: as :func:`exchange_index`.
+        grad, group, delayed_group: as :func:`exchange`.
         delayed: per local table, the shared slots whose update is delayed (empty without delayed sync).
-        group: the critical-path process group; delayed_group: the background one.
-        pinned: per local table, rows pinned in its first slots (FAE's hot rows): every rank holds them, so they
-            count as shared by every rank wherever the global batch reads them (never delayed).
 
     Returns:
         (the batch to apply now, the delayed part or ``None``, floats sent by this rank).
     """
-    g = _Global(layout, global_kjt, world_size)
-    ex = _Exchange(g, layout, grad, rank, world_size)
-    mine = np.zeros(int(g.base[-1]), dtype=bool)
-    mine[g.kslot[g.rank == rank]] = True
-    everyone = np.zeros_like(mine)
-    for t, n in enumerate(pinned or ()):
-        everyone[g.base[t] : g.base[t] + int(n)] = True
-    mine |= everyone
-    late = g.mask(delayed) & ~everyone
-    now_shared = (g.mask(shared) | everyone) & ~late
-    needed = ex.needed(now_shared)
-    sizes = ex.sizes(needed)
-    _, recv = _all_gather(ex.pack(grad, needed[rank]), sizes, group, async_op=False)
-    keep_now = mine[g.kslot] & ~late[g.kslot]
-    now = ex.build(keep_now, grad, needed, recv)
-    sent = sizes[rank]
-    later = None
-    if late.any():
-        needed_late = ex.needed(late)
-        sizes_late = ex.sizes(needed_late)
-        work, recv_late = _all_gather(ex.pack(grad, needed_late[rank]), sizes_late, delayed_group, True)
-        keep_late = mine[g.kslot] & late[g.kslot]
-        saved = grad.clone()  # the autograd engine may reuse the gradient buffer
-
-        def build(received: List[torch.Tensor]) -> ExchangeBatch:
-            return ex.build(keep_late, saved, needed_late, received)
-
-        later = DelayedExchange(work, recv_late, build, int(np.count_nonzero(mine & late)))
-        sent += sizes_late[rank]
-    return now, later, sent
+    index = exchange_index(ExchangeSpec(layout, True), global_kjt, rank, world_size, shared, delayed, pinned)
+    return exchange(index, grad, group, delayed_group)

@@ -22,14 +22,15 @@ The lockstep gathers of the loader's background threads (:class:`IdGatherer`, :c
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_lookahead.distributed.exact_sync import ExchangeIndex, ExchangeSpec, exchange_index
 from torchrec_lookahead.distributed.lockstep import (
     GatherStatus,
     IdGatherer,
@@ -110,12 +111,44 @@ class LRPPPlan:
         pinned: per cached table, the rows pinned in its first slots (FAE's hot rows,
             :class:`~torchrec_lookahead.fae.PinnedRows`): every rank holds them, so every rank updates every
             pinned row the global batch reads, from every bag that reads it.
+        exchange: per cache kernel (keyed by its tables, in its order), the id part of its backward's exchange
+            on this rank, built ahead by :meth:`with_exchanges` (the planner thread); a kernel without one
+            builds it in its backward.
     """
 
     step: int
     tables: Dict[str, LRPPTablePlan] = field(default_factory=dict)
     features: Optional[KeyedJaggedTensor] = None
     pinned: Dict[str, int] = field(default_factory=dict)
+    exchange: Dict[Tuple[str, ...], ExchangeIndex] = field(default_factory=dict)
+
+    def with_exchanges(self, specs: Sequence[ExchangeSpec], rank: int, world_size: int) -> LRPPPlan:
+        """This plan with the exchange index of every kernel of ``specs`` on ``rank``
+        (:func:`~torchrec_lookahead.distributed.exact_sync.exchange_index`), built from :attr:`features` and the
+        tables' shared, delayed and pinned slots, so that the backward only moves gradients. Kernels whose
+        tables the plan does not cover are left out; without :attr:`features` the plan is returned as is.
+
+        Raises:
+            SetupError: a kernel's feature is missing from :attr:`features`.
+        """
+        if self.features is None or not specs:
+            return self
+        out = dict(self.exchange)
+        for spec in specs:
+            names = tuple(spec.layout.tables)
+            if not all(t in self.tables for t in names):
+                continue
+            plans = [self.tables[t] for t in names]
+            out[names] = exchange_index(
+                spec,
+                self.features,
+                rank,
+                world_size,
+                [tp.shared_slots for tp in plans],
+                [tp.delayed_slots for tp in plans],
+                [self.pinned.get(t, 0) for t in names],
+            )
+        return replace(self, exchange=out)
 
     def counters(self, delayed_sync: bool = False) -> Dict[str, int]:
         """Rows synchronised on the critical path (refreshed, or gradient all-reduced inside the backward),

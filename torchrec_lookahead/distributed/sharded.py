@@ -37,6 +37,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead.distributed._rank_sync import RankSync, StepState
+from torchrec_lookahead.distributed.exact_sync import ExchangeSpec
 from torchrec_lookahead.distributed.fused_optimizer import CacheFusedOptimizer, fused_optimizers
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore, writing_only
 from torchrec_lookahead.errors import ConfigError, InvalidIdError, SetupError
@@ -307,6 +308,11 @@ class ShardedLookaheadEmbeddingBagCollection(
         if self._sync is None:
             raise SetupError("a one-rank collection has no multi-rank synchronisation")
         return self._sync
+
+    def exchange_specs(self) -> List[ExchangeSpec]:
+        """The cache kernels whose exact gradient exchange the planner thread indexes ahead, with each step's
+        LRPP plan (several ranks, exact LRPP; none with one rank or in cDLRM mode)."""
+        return [] if self._sync is None else self._sync.exchange_specs()
 
     def land_delayed(self, timeout: Optional[float] = None) -> int:
         """Land the last backward's delayed exchanges (see :meth:`RankSync.land_delayed

@@ -1,6 +1,7 @@
 """The planner thread's work on one batch (:class:`StepPlanner`): the oracle's plan (lifted over pinned rows),
-the stores' read hints, the ids remapped to cache slots and, with several ranks, the step's LRPP plan and this
-rank's slice of the global batch. :meth:`LookaheadLoader._plan_stream
+the stores' read hints, the ids remapped to cache slots and, with several ranks, the step's LRPP plan (with the
+id part of each kernel's backward exchange, :meth:`~torchrec_lookahead.distributed.lrpp.LRPPPlan.with_exchanges`)
+and this rank's slice of the global batch. :meth:`LookaheadLoader._plan_stream
 <torchrec_lookahead.runtime.LookaheadLoader>` drives it, one batch read and planned after the other.
 """
 
@@ -76,12 +77,16 @@ class StepPlanner:
         self, plan: BatchPlan, b: Batch, global_kjt: KeyedJaggedTensor, staged: Future[StagedRows]
     ) -> LookaheadBatch:
         """Batch ``b`` planned: its cached ids remapped to slots by ``plan`` (with several ranks, from the global
-        batch, with the step's LRPP plan, then this rank's slice), with the future of its staged rows."""
+        batch, with the step's LRPP plan and its exchange indices, then this rank's slice), with the future of
+        its staged rows."""
         kjt = remap_kjt(global_kjt, plan, self._f2t, self._cached)
         lrpp = None
         if self._tracker is not None:
             ids = table_ids(global_kjt, self._f2t, self._cached, unknown=UnknownFeatures.IGNORE)
-            lrpp = self._tracker.step(plan, ids, features=kjt)
+            # the id part of the backward's gradient exchange too, here rather than on the training thread
+            lrpp = self._tracker.step(plan, ids, features=kjt).with_exchanges(
+                self.target.exchanges, self.target.rank, self.target.num_ranks
+            )
             stride = b.sparse_features.stride()
             kjt = slice_samples(kjt, self.target.rank * stride, (self.target.rank + 1) * stride)
         adapted = isinstance(b, LookaheadBatch)

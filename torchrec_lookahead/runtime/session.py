@@ -8,7 +8,9 @@ planning loader (:class:`~torchrec_lookahead.runtime.LookaheadLoader`, which att
 top-down; nothing below calls back up::
 
     planner thread   LookaheadLoader._plan: batch t + h read, gathered (W ranks), planned by the oracle,
-                     ids remapped to slots, LRPP plan, stores told which rows step t + h reads
+                     ids remapped to slots, LRPP plan with each cache kernel's exchange index (which bags or
+                     ids' gradients go where, the exchange batches' indices), stores told which rows step
+                     t + h reads
     stager thread    LookaheadLoader._stage: rows of plan t gathered once plan t - depth - 1 is applied
     training thread  strategy.batch_to_device (or the pipeline's _wait_for_batch) -> CacheSession.apply(t):
                        1. pinned rows (FAE, first batch of a plan stream)     module.pin_rows
@@ -18,8 +20,9 @@ top-down; nothing below calls back up::
                           (W ranks: step t - 1's delayed rows land, replicas refresh, the backward's plan armed)
                        5. the gate records plan t applied                     loader.progress.applied
                      -> forward (the module consumes its one-forward plan)
-                     -> backward (the cache kernel's backward hook: the module's exact gradient exchange,
-                        the optimizer in backward, rows no rank reads at t + 1 all-reduced in the background)
+                     -> backward (the cache kernel's backward hook: the exact gradient exchange, which only
+                        packs, all-gathers and places gradients by the plan's exchange index, the optimizer in
+                        backward, rows no rank reads at t + 1 all-gathered in the background)
                      -> end of step (those delayed rows land at apply(t + 1) or at flush)
 
 :meth:`new_stream` (flush, then empty the caches) starts every plan stream: the planning loader calls it when

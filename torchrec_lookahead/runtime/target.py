@@ -11,11 +11,12 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from torchrec_lookahead.distributed.exact_sync import ExchangeSpec
 from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.store.types import EmbeddingStore
@@ -42,6 +43,8 @@ class CacheTarget:
         rank: this rank.
         group: process group on which the planner thread gathers the other ranks' ids.
         average_every: cDLRM mode's averaging period λ (``None``: exact LRPP).
+        exchanges: with several ranks, the cache kernels whose exact gradient exchange the planner indexes
+            ahead with each step's LRPP plan (their layouts, as values); none: each backward indexes its own.
     """
 
     capacity: Mapping[str, int]
@@ -52,6 +55,7 @@ class CacheTarget:
     rank: int = 0
     group: Optional[dist.ProcessGroup] = None
     average_every: Optional[int] = None
+    exchanges: Tuple[ExchangeSpec, ...] = ()
 
     @classmethod
     def from_modules(
@@ -70,6 +74,7 @@ class CacheTarget:
         f2t: Dict[str, str] = {}
         rows: Dict[str, int] = {}
         stores: Dict[str, EmbeddingStore] = {}
+        exchanges: List[ExchangeSpec] = []
         for m in modules:
             cache = m.cache
             clash = sorted(set(capacity) & set(cache.capacity))
@@ -87,6 +92,7 @@ class CacheTarget:
             rows.update(
                 {c.name: c.num_embeddings for c in cache.embedding_bag_configs() if c.name in cache.capacity}
             )
+            exchanges += m.exchange_specs()
         return cls(
             capacity=capacity,
             feature_to_table=f2t,
@@ -96,4 +102,5 @@ class CacheTarget:
             rank=rank,
             group=group,
             average_every=next((m.average_every for m in modules if m.average_every is not None), None),
+            exchanges=tuple(exchanges),
         )
