@@ -238,4 +238,5 @@ def test_collective_is_a_property_of_every_store_and_wrappers_report_their_store
 
     local = TensorStore(4, 2, name="t")
     assert local.collective is False and WriterFilteredStore(local).collective is False
+    assert local.host_window is None and WriterFilteredStore(local).host_window is None  # no host tier
     assert RowShardedStore.collective.fget(None) is True  # type: ignore[attr-defined]

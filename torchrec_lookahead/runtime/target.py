@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.store.types import EmbeddingStore
+from torchrec_lookahead.store.types import EmbeddingStore, HostWindow
 
 __all__ = ["CacheTarget", "cached_modules"]
 
@@ -42,6 +42,9 @@ class CacheTarget:
         rank: this rank.
         group: process group on which the planner thread gathers the other ranks' ids.
         average_every: cDLRM mode's averaging period λ (``None``: exact LRPP).
+        host_windows: per cached table whose store has a bounded host tier (a disk store), what one window of
+            steps must fit in (:class:`~torchrec_lookahead.store.types.HostWindow`); ``None`` (default): those
+            the stores report.
     """
 
     capacity: Mapping[str, int]
@@ -52,6 +55,12 @@ class CacheTarget:
     rank: int = 0
     group: Optional[dist.ProcessGroup] = None
     average_every: Optional[int] = None
+    host_windows: Optional[Mapping[str, HostWindow]] = None
+
+    def __post_init__(self) -> None:
+        if self.host_windows is None:
+            windows = {t: s.host_window for t, s in self.stores.items() if t in self.capacity}
+            object.__setattr__(self, "host_windows", {t: w for t, w in windows.items() if w is not None})
 
     @classmethod
     def from_modules(
