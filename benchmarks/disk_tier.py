@@ -6,6 +6,10 @@
   least recently used with reads one batch ahead (``host_policy: lru``);
 * ``disk_25_lookahead``, ``disk_10_lookahead``: the same memory planned from the lookahead
   (``host_policy: lookahead``, rows read ``--disk-prefetch-depth`` steps ahead);
+
+  each table's host tier is its share of the percentage, raised where below the rows of ``--disk-prefetch-depth``
+  + 1 batches (the lookahead policy's host window; the capacity check refuses less), for both policies alike;
+  a run reports the tables raised in ``host_budget_raised``;
 * ``mmap``: in memory-mapped files (``store: mmap``), the page cache deciding what stays in memory.
 
 The device cache is 1 % of each cached table (tables over ``--min-cached-rows`` rows), bumped to the oracle's
@@ -49,7 +53,10 @@ from benchmarks._common import (  # noqa: E402
     train,
     write_json,
 )
+from torchrec_lookahead.oracle import OracleConfig, min_capacity  # noqa: E402
 from torchrec_lookahead.store import DiskStore  # noqa: E402
+
+ROW_BYTES = (16 + 1) * 4  # a row of the job's tables: 16 floats and row-wise Adagrad's state
 
 
 def random_read_rate(directory: str, threads: int, reads: int = 4000) -> float:
@@ -89,15 +96,30 @@ def job(args: Any) -> Any:
     )
 
 
-def run(name: str, args: Any, capacity: Dict[str, int], store_bytes: int, base: str) -> Dict[str, Any]:
+def host_windows(cli: Any, capacity: Dict[str, int], depth: int) -> Dict[str, int]:
+    """The rows of each cached table's largest host window (a batch and the next ``depth``) over the job's
+    batches: the least its host tier may hold."""
+    f2t = {f: f"t_{f}" for f in cli.datamodule.num_embeddings_per_feature}
+    cli.datamodule.setup("fit")
+    stream = (b.sparse_features for b in cli.datamodule.train_dataloader())
+    return min_capacity(stream, depth, OracleConfig(capacity=capacity, feature_to_table=f2t))
+
+
+def run(
+    name: str, args: Any, capacity: Dict[str, int], rows: Dict[str, int], windows: Dict[str, int], base: str
+) -> Dict[str, Any]:
     """One training run with the cached tables in ``name``'s store; its figures."""
     cli = job(args)
     directory = tempfile.mkdtemp(prefix=f"{name}_", dir=base)
     kwargs: Dict[str, Any] = {}
     budget: Optional[int] = None
+    raised: List[str] = []
     if name.startswith("disk"):
-        budget = store_bytes * int(name.split("_")[1]) // 100
-        kwargs = {"store": "disk", "host_budget_bytes": budget}
+        share = {t: rows[t] * ROW_BYTES * int(name.split("_")[1]) // 100 for t in capacity}
+        budgets = {t: max(share[t], windows[t] * ROW_BYTES) for t in capacity}
+        raised = sorted(t for t in capacity if budgets[t] > share[t])
+        budget = sum(budgets.values())
+        kwargs = {"store": "disk", "host_budget_bytes": budgets}
         if name.endswith("_lookahead"):
             kwargs["disk_options"] = {
                 "host_policy": "lookahead",
@@ -132,6 +154,7 @@ def run(name: str, args: Any, capacity: Dict[str, int], store_bytes: int, base: 
         "prefetch_discarded_per_step": discarded / steps if name.startswith("disk") else None,
         "host_hits_per_step": hits / steps if name.startswith("disk") else None,
         "host_budget_mib": budget / 2**20 if budget else None,
+        "host_budget_raised": raised,
         "peak_rss_gib": peak / 2**30,
         "rss_growth_gib": (peak - rss0) / 2**30,
     }
@@ -164,11 +187,12 @@ def main() -> None:
         cli = job(args)
         capacity, _ = capacities(cli.datamodule, 0.01, min_cached)
         rows = {f"t_{f}": int(n) for f, n in cli.datamodule.num_embeddings_per_feature.items()}
-        store_bytes = sum(rows[t] for t in capacity) * (16 + 1) * 4
+        store_bytes = sum(rows[t] for t in capacity) * ROW_BYTES
         bsz = batch_size(cli.datamodule)
+        windows = host_windows(cli, capacity, args.disk_prefetch_depth)
         del cli
         runs: List[Dict[str, Any]] = [
-            run(n, args, capacity, store_bytes, base)
+            run(n, args, capacity, rows, windows, base)
             for n in ("ram", "disk_25", "disk_10", "disk_25_lookahead", "disk_10_lookahead", "mmap")
         ]
     finally:

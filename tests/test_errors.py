@@ -16,7 +16,7 @@ def test_the_oracle_capacity_error_names_table_batch_needed_and_available():
     oracle.feed({"a": torch.tensor([0, 1, 2])})
     with pytest.raises(CapacityError, match=r"need 6 cache rows but capacity\['a'\] is 5") as info:
         oracle.feed({"a": torch.tensor([3, 4, 5])})
-    assert info.value.facts == {"table": "a", "batch": 1, "needed": 6, "available": 5}
+    assert info.value.facts == {"table": "a", "batch": 1, "needed": 6, "available": 5, "tier": "device"}
 
 
 def test_ttl_and_epoch_scan_capacity_errors_carry_the_same_facts():
@@ -27,7 +27,7 @@ def test_ttl_and_epoch_scan_capacity_errors_carry_the_same_facts():
     assert (info.value.table, info.value.batch, info.value.needed, info.value.available) == ("a", 1, 4, 3)
     with pytest.raises(CapacityError) as info:
         check_stream(stream, {"a": 3}, {"a": "a"}, {"a": 10}, 0)
-    assert info.value.facts == {"table": "a", "batch": 2, "needed": 4, "available": 3}
+    assert info.value.facts == {"table": "a", "batch": 2, "needed": 4, "available": 3, "tier": "device"}
 
 
 def test_invalid_id_errors_name_table_batch_id_and_rows():
@@ -42,7 +42,7 @@ def test_invalid_id_errors_name_table_batch_id_and_rows():
 
 
 def test_facts_survive_pickling_and_unknown_facts_are_refused():
-    e = CapacityError("too small", table="t", batch=2, needed=9, available=8)
+    e = CapacityError("too small", table="t", batch=2, needed=9, available=8, tier="host")
     back = pickle.loads(pickle.dumps(e))
     assert type(back) is CapacityError and str(back) == "too small" and back.facts == e.facts
     assert ConfigError("plain").facts == {}
@@ -55,7 +55,7 @@ def test_pinned_rows_errors_name_the_table_and_its_rows():
 
     with pytest.raises(CapacityError, match="pins 2 hot rows in a cache of 2 rows") as info:
         PinnedRows({"t": torch.tensor([3, 7])}, {"f": "t"}, {"t": 2}, {"t": 100})
-    assert info.value.facts == {"table": "t", "batch": None, "needed": 3, "available": 2}
+    assert info.value.facts == {"table": "t", "batch": None, "needed": 3, "available": 2, "tier": "device"}
     with pytest.raises(InvalidIdError, match="hot id 300") as info:
         PinnedRows({"t": torch.tensor([300])}, {"f": "t"}, {"t": 5}, {"t": 100})
     assert info.value.facts == {"table": "t", "batch": None, "id": 300, "num_rows": 100}

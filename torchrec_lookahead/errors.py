@@ -97,13 +97,15 @@ class InvalidIdError(DataError):
 
 
 class CapacityError(LookaheadError, ValueError):
-    """A cache capacity is below the working set of one prefetch window."""
+    """A cache capacity is below the working set of one prefetch window: the device cache's (``tier="device"``),
+    or the host tier's of a disk store (``tier="host"``)."""
 
-    FACTS = ("table", "batch", "needed", "available")
+    FACTS = ("table", "batch", "needed", "available", "tier")
     table: Optional[str] = None  #: the table whose cache is too small
     batch: Optional[int] = None  #: the (last) batch of the window that does not fit
     needed: Optional[int] = None  #: rows the window needs
     available: Optional[int] = None  #: rows the cache can give it (its capacity, or the evictable rows)
+    tier: str = "device"  #: the tier too small: ``"device"`` (the cache) or ``"host"`` (a disk store's)
 
 
 class SetupError(LookaheadError, RuntimeError):

@@ -271,9 +271,12 @@ def check_disk_tier(f: Dict[str, Any]) -> None:
     assert close(
         f["mmap_over_ram_samples_per_s"], runs["mmap"]["samples_per_s"] / runs["ram"]["samples_per_s"]
     )
-    b25, b10 = runs["disk_25"]["host_budget_mib"], runs["disk_10"]["host_budget_mib"]
-    assert positive(b10) and close(b10 / b25, 0.4, rel=0.01)  # 10 % and 25 % of the same table bytes
-    assert close(b25 * 2**20, 0.25 * f["cached_store_bytes"], rel=0.01)
+    for pct in (25, 10):  # the percentage of the table bytes, raised for tables below one host window
+        r = runs[f"disk_{pct}"]
+        share = pct / 100 * f["cached_store_bytes"]
+        assert r["host_budget_mib"] * 2**20 >= share * 0.99, r
+        if not r["host_budget_raised"]:
+            assert close(r["host_budget_mib"] * 2**20, share, rel=0.01), r
     for name in disk:
         r = runs[name]
         assert positive(r["rows_read_per_step"]) and positive(r["units_read_per_step"])

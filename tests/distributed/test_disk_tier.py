@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Tuple
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
 from torchrec_lookahead.errors import CapacityError, ConfigError
 from torchrec_lookahead.store import DiskStore
+
+from ..conftest import TINY_TABLES, tiny_data_args
+from ..helpers import fit_cached
 
 TINY_CAPACITY = "{t_cat_2: 140, t_cat_11: 120, t_cat_15: 110}"
 
@@ -71,6 +75,85 @@ def test_host_budget_is_split_by_table_bytes_and_a_share_below_one_row_is_refuse
         tiny.cache_stores(cfgs, opt, _one_rank())
 
 
+ROW_BYTES = 36  # embedding_dim 8 and row-wise Adagrad's one state column, float32
+DISK_DATA = {"num_embeddings": [4000 if i == 2 else n for i, n in enumerate(TINY_TABLES)], "batch_size": 256}
+
+
+def _host_need(depth: int) -> Tuple[int, int]:
+    """Naive reference: the most distinct ids of table ``t_cat_2`` any window of the epoch (a batch and the
+    ``depth`` before it) reads, and the last batch of the first window that reads that many."""
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
+
+    dm = CriteoSyntheticDataModule(**tiny_data_args(**DISK_DATA))
+    dm.setup("fit")
+    batches = [set(b.sparse_features["cat_2"].values().tolist()) for b in dm.train_dataloader()]
+    needs = [len(set().union(*batches[max(i - depth, 0) : i + 1])) for i in range(len(batches))]
+    return max(needs), needs.index(max(needs))
+
+
+class _Steps(pl.Callback):
+    """The training steps started."""
+
+    def __init__(self) -> None:
+        self.started: List[int] = []
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        self.started.append(trainer.global_step)
+
+
+def _fit_over_disk(path: Path, budget_rows: int, steps: _Steps, disk: Any = None, **lookahead: Any) -> Any:
+    sharder = {
+        "store": "disk",
+        "store_dir": str(path / "stores"),
+        "host_budget_bytes": budget_rows * ROW_BYTES,
+    }
+    if disk:
+        sharder["disk_options"] = disk
+    return fit_cached(path, 12, capacity={"t_cat_2": 600}, data=DISK_DATA, sharder_kw=sharder,
+                      lookahead_kw=lookahead, callbacks=[steps])  # fmt: skip
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_a_host_budget_below_one_window_is_refused_before_training_and_one_at_it_trains(
+    tmp_path: Path, depth: int
+) -> None:
+    """One step's rows under the LRU host policy, a step's and the next ``disk_prefetch_depth`` steps' under the
+    lookahead policy: one row fewer is refused by the pre-scan before the first step, naming the host tier, the
+    table, the window and the rows; exactly that many trains."""
+    need, batch = _host_need(depth)
+    disk = {"host_policy": "lookahead", "disk_prefetch_depth": depth} if depth else None
+    steps = _Steps()
+    with pytest.raises(CapacityError, match="rows in the host tier of its disk store but it holds") as info:
+        _fit_over_disk(tmp_path / "short", need - 1, steps, disk)
+    facts = {"table": "t_cat_2", "batch": batch, "needed": need, "available": need - 1, "tier": "host"}
+    assert info.value.facts == facts and steps.started == []
+    assert 100 < need < 4000 // 4
+    steps = _Steps()
+    trainer, _ = _fit_over_disk(tmp_path / "exact", need, steps, disk)
+    assert trainer.global_step == 12 and steps.started == list(range(12))
+
+
+def test_a_host_window_beyond_a_bounded_pre_scan_is_refused_by_the_planner_before_it_is_trained(
+    tmp_path: Path,
+) -> None:
+    """The pre-scan reads one batch (which fits); the planner thread checks every window as it reads the
+    batches, ``horizon`` batches ahead of training, and refuses the first that does not fit before any step."""
+    first, _ = _host_need(0)
+    need, _ = _host_need(2)
+    disk = {"host_policy": "lookahead", "disk_prefetch_depth": 2}
+    steps = _Steps()
+    with pytest.raises(CapacityError, match="disk_prefetch_depth=2") as info:
+        _fit_over_disk(tmp_path, need - 1, steps, disk, capacity_check_batches=1)
+    assert (info.value.tier, info.value.needed, info.value.available) == ("host", need, need - 1)
+    assert steps.started == []  # the window's batches are within the oracle's horizon of the first step
+    assert first < need - 1
+    for check in ({"capacity_check": "lookahead"}, {"capacity_check_batches": 1}):
+        with pytest.raises(CapacityError, match="host tier") as info:
+            _fit_over_disk(tmp_path / "lead", first, _Steps(), disk, **check)
+        # every batch alone fits (the pre-scan's one batch too); batches 0..1 together do not
+        assert info.value.batch == 1 and info.value.available == first
+
+
 def _one_rank() -> Any:
     from torchrec.distributed.types import ShardingEnv
 
@@ -97,7 +180,8 @@ def test_tiny_job_over_disk_stores_equals_resident_training(
 ) -> None:
     from torchrec_lookahead.verify import verify
 
-    result = verify("configs/dlrm_tiny_lookahead.yaml", steps=24, overrides=[disk_sharder(tmp_path, 3000)])
+    # 6,552 bytes: the smallest budget whose shares hold one step's rows of each table (t_cat_15's 42 of 150)
+    result = verify("configs/dlrm_tiny_lookahead.yaml", steps=24, overrides=[disk_sharder(tmp_path, 6552)])
     assert result["passed"] and result["max_abs_weight_diff"] == result["max_abs_loss_diff"] == 0.0, result
     assert len(disk_stores) == 3
     for store in disk_stores:
@@ -114,8 +198,9 @@ def test_tiny_job_over_lookahead_host_tiers_equals_resident_training(
     from torchrec_lookahead.verify import verify
 
     extra = ", disk_options: {host_policy: lookahead, disk_prefetch_depth: 4}"
+    # 14,976 bytes: the smallest budget whose shares hold five steps' rows (t_cat_15's 96 of 150)
     result = verify(
-        "configs/dlrm_tiny_lookahead.yaml", steps=24, overrides=[disk_sharder(tmp_path, 3000, extra=extra)]
+        "configs/dlrm_tiny_lookahead.yaml", steps=24, overrides=[disk_sharder(tmp_path, 14976, extra=extra)]
     )
     assert result["passed"] and result["max_abs_weight_diff"] == result["max_abs_loss_diff"] == 0.0, result
     assert len(disk_stores) == 3 and all(s.host_policy == "lookahead" for s in disk_stores)
@@ -135,14 +220,15 @@ def test_bad_host_policy_is_refused() -> None:
 def test_default_job_whole_epoch_over_a_minimal_host_tier_equals_resident_training(
     tmp_path: Path, disk_stores: List[DiskStore]
 ) -> None:
-    """The default job (332 K cached rows, 17.9 K device rows) over disk stores whose host tier holds 1 MB
-    (about 15 K rows, 4.5 % of the tables): a whole epoch, bit for bit. With dropout on the bottom MLP: this is
+    """The default job (332 K cached rows, 17.9 K device rows) over disk stores whose host tier holds 1.02 MB
+    (about 15 K rows, 4.5 % of the tables; the smallest round budget whose shares hold one step's rows of each
+    table, t_cat_3's 986): a whole epoch, bit for bit. With dropout on the bottom MLP: this is
     also the one-rank whole-epoch check of a model that draws from the global random stream
     (``tests/test_rng.py``), sharing the epoch's work."""
     from torchrec_lookahead.verify import verify
 
     capacity = "{t_cat_2: 5100, t_cat_3: 2200, t_cat_11: 4200, t_cat_15: 2800, t_cat_20: 3600}"
-    overrides = [disk_sharder(tmp_path, 1_000_000, capacity), "--model.init_args.dropout=0.1"]
+    overrides = [disk_sharder(tmp_path, 1_020_000, capacity), "--model.init_args.dropout=0.1"]
     result = verify("configs/dlrm_lookahead.yaml", steps=300, overrides=overrides)
     assert result["passed"] and result["steps"] == 300, result
     assert result["max_abs_weight_diff"] == result["max_abs_loss_diff"] == 0.0, result
@@ -155,8 +241,9 @@ def test_default_job_whole_epoch_over_a_minimal_host_tier_equals_resident_traini
 def test_two_ranks_over_disk_stores_equal_torchrec_resident_training(tmp_path: Path) -> None:
     from ..strategies.test_torchrun import torchrun
 
+    # 5,304 bytes per rank: the smallest whose shares hold one global step's rows on each shard (t_cat_15's 34)
     out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-                   "--steps", "24", disk_sharder(tmp_path, 1500))  # fmt: skip
+                   "--steps", "24", disk_sharder(tmp_path, 5304))  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["passed"] and result["max_abs_weight_diff"] == 0.0, result
@@ -179,7 +266,7 @@ def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(
     def run(name: str, *extra: str) -> Any:
         ckpt = [*_ckpt_args(tmp_path / f"{name}_ckpt", 4), "--trainer.callbacks.save_last=true"]
         return torchrun(ranks, *common, f"--trainer.default_root_dir={tmp_path}/{name}", *ckpt,
-                        disk_sharder(tmp_path / f"{name}_stores", 1500), *extra,
+                        disk_sharder(tmp_path / f"{name}_stores", 6552), *extra,
                         launcher=[f"--master_port={free_port()}", "--max-restarts=1"], timeout=300)  # fmt: skip
 
     full = run("a")
@@ -199,12 +286,13 @@ def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(
 def test_fae_pinned_rows_over_disk_stores_equal_resident_training(
     tmp_path: Path, disk_stores: List[DiskStore]
 ) -> None:
-    """FAE's hot rows pinned in the device caches, the cold rows behind a host tier of a few hundred rows."""
+    """FAE's hot rows pinned in the device caches, the cold rows behind a host tier of a few dozen rows (3,588
+    bytes: the smallest whose shares hold one step's cold rows, t_cat_15's 23)."""
     from torchrec_lookahead.verify import verify
 
     capacity = "{t_cat_2: 200, t_cat_11: 160, t_cat_15: 150}"  # configs/dlrm_tiny_fae_lookahead.yaml's
     result = verify(
-        "configs/dlrm_tiny_fae_lookahead.yaml", steps=24, overrides=[disk_sharder(tmp_path, 3000, capacity)]
+        "configs/dlrm_tiny_fae_lookahead.yaml", steps=24, overrides=[disk_sharder(tmp_path, 3588, capacity)]
     )
     assert result["passed"] and result["max_abs_weight_diff"] == result["max_abs_loss_diff"] == 0.0, result
     assert len(disk_stores) == 3 and sum(s.stats()["rows_read"] for s in disk_stores) > 0
@@ -237,7 +325,7 @@ def test_a_checkpoint_trained_over_disk_stores_exports_the_tables_the_files_hold
 
     cli = build_cli(["--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.max_steps=6",
                      "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}",
-                     disk_sharder(tmp_path / "stores", 1500)])  # fmt: skip
+                     disk_sharder(tmp_path / "stores", 6552)])  # fmt: skip
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     cli.trainer.save_checkpoint(tmp_path / "run.ckpt")
     stores = {n: s for m in cli.trainer.strategy.cached_modules() for n, s in m.cache.stores.items()}

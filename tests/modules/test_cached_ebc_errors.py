@@ -82,11 +82,11 @@ BAD_PLANS = {
 
 #: the facts a range error carries (errors of other kinds carry none)
 RANGE_FACTS = {
-    "slot_at_capacity": {"table": "t0", "batch": 1, "needed": 5, "available": 4},
-    "negative_slot": {"table": "t0", "batch": 1, "needed": None, "available": 4},
+    "slot_at_capacity": {"table": "t0", "batch": 1, "needed": 5, "available": 4, "tier": "device"},
+    "negative_slot": {"table": "t0", "batch": 1, "needed": None, "available": 4, "tier": "device"},
     "id_out_of_range": {"table": "t0", "batch": 1, "id": 200, "num_rows": 200},
     "negative_id": {"table": "t0", "batch": 1, "id": -3, "num_rows": 200},
-    "second_table_bad": {"table": "t1", "batch": 1, "needed": 3, "available": 2},
+    "second_table_bad": {"table": "t1", "batch": 1, "needed": 3, "available": 2, "tier": "device"},
 }
 
 
@@ -127,7 +127,13 @@ def test_forward_refuses_bad_values() -> None:
     assert bad_id.value.facts == {"table": "t2", "batch": None, "id": 30, "num_rows": 30}
     with pytest.raises(CapacityError, match="t0") as bad_slot:
         ebc(kjt(4, 0, 0))  # slot >= capacity
-    assert bad_slot.value.facts == {"table": "t0", "batch": None, "needed": 5, "available": 4}
+    assert bad_slot.value.facts == {
+        "table": "t0",
+        "batch": None,
+        "needed": 5,
+        "available": 4,
+        "tier": "device",
+    }
     with pytest.raises(SetupError, match="empty slot"):
         ebc(kjt(3, 0, 0))
     with pytest.raises(DataError, match="missing"):

@@ -213,6 +213,37 @@ def _hosts(rank: int, world: int, groups: Dict[str, Any], directory: str) -> Non
     assert bool((s["momentum1"] == 1).all())
 
 
+def _host_windows(rank: int, world: int, groups: Dict[str, Any], directory: str) -> None:
+    """Each rank's disk shard has a host tier of its own size; every rank learns every shard's."""
+    from torchrec_lookahead.runtime._host_windows import HostWindowCheck
+    from torchrec_lookahead.store import DiskStore
+
+    n = 1000
+    bounds = row_bounds(n, world)
+    lo, hi = bounds[rank : rank + 2]
+    local = DiskStore(os.path.join(directory, f"t{rank}.rows"), hi - lo, D, WIDTHS, name="t", seed=3,
+                      host_budget_bytes=(10 + rank) * 20, row_offset=lo, table_rows=n, host_policy="lookahead",
+                      disk_prefetch_depth=2)  # fmt: skip
+    store = RowShardedStore(local, n, bounds, list(range(world)), group=groups["default"])
+    window = store.host_window
+    assert window is not None and local.host_window.rows == (10 + rank,)
+    assert (window.depth, window.bounds, window.rows, window.policy) == (
+        2,
+        (0, 500, 1000),
+        (10, 11),
+        "lookahead",
+    )
+    check = HostWindowCheck({"t": window})  # the same on every rank: every rank refuses the same window
+    assert check.push({"t": torch.arange(495, 506).numpy()}) == []  # 5 and 6 rows
+    (short,) = check.push({"t": torch.arange(600, 606).numpy()})
+    assert (short.shard, short.needed, short.available, short.hi) == (1, 12, 11, 1)
+    plain = RowShardedStore(
+        _shard("u", n, world, rank), n, bounds, list(range(world)), group=groups["default"]
+    )
+    assert plain.host_window is None
+    local.close()
+
+
 # ------------------------------------------------------------------------------------------------- tests
 def test_row_sharded_store_equals_the_unsharded_store():
     _spawn(_round_trip)
@@ -224,6 +255,10 @@ def test_refused_calls_raise_typed_errors_on_every_rank_and_write_nothing():
 
 def test_stager_gathers_and_training_writes_run_concurrently_on_separate_groups():
     _spawn(_concurrent)
+
+
+def test_every_rank_knows_every_shard_s_host_tier(tmp_path):
+    _spawn(_host_windows, 2, str(tmp_path))
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -48,6 +48,47 @@ def test_initial_values_do_not_depend_on_chunking() -> None:
         torch.empty(100, D), "t", seed=1, num_embeddings=N, row_offset=INIT_BLOCK_ROWS - 50
     )
     assert torch.equal(shard, whole[INIT_BLOCK_ROWS - 50 : INIT_BLOCK_ROWS + 50])
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 2 * INIT_BLOCK_ROWS, 65536])
+@pytest.mark.parametrize("row_offset", [0, 5000])
+def test_rows_do_not_depend_on_the_block_size_or_the_order_of_first_touch(
+    chunk_rows: Optional[int], row_offset: int
+) -> None:
+    """A store initialised block by block in a random order, gathers and writes interleaved, holds the rows of one
+    initialised whole in 65,536-row chunks (the former default) and of the whole table's init_rows, bit for bit;
+    a gather initialises only the blocks its ids fall in (the whole table's blocks, for a shard)."""
+    n, table_rows = 3 * 65536 + 123, 3 * 65536 + 123 + row_offset + 777
+    kwargs = dict(name="t", seed=5, row_offset=row_offset, table_rows=table_rows)
+    before = TensorStore(n, D, WIDTHS, chunk_rows=65536, **kwargs)  # type: ignore[arg-type]
+    expected = before.full_weights().clone()
+    assert torch.equal(expected, init_rows(5, "t", row_offset, row_offset + n, D, table_rows))
+    sized = {} if chunk_rows is None else {"chunk_rows": chunk_rows}
+    store = TensorStore(n, D, WIDTHS, **sized, **kwargs)  # type: ignore[arg-type]
+    block = chunk_rows or INIT_BLOCK_ROWS
+    gen = torch.Generator().manual_seed(row_offset + block)
+    order = torch.randperm(n, generator=gen)
+    first = order[:5]  # a gather initialises the whole table's blocks its ids fall in, and no other
+    store.gather(first)
+    assert int(store._flags.sum()) == torch.unique((first + row_offset) // block).numel()
+    for k, ids in enumerate(order[:6000].split(600)):
+        w, s = store.gather(ids)
+        assert torch.equal(w, expected[ids]) and all(float(v.abs().sum()) == 0.0 for v in s.values())
+        written = ids[:10]
+        zeros = {key: torch.zeros(10, width) for key, width in WIDTHS.items()}
+        store.scatter(written, torch.full((10, D), float(k)), zeros)
+        expected[written] = float(k)
+    assert torch.equal(store.full_weights(), expected)
+    loaded = TensorStore(n, D, WIDTHS, **sized, **kwargs)  # type: ignore[arg-type]
+    loaded.load(expected)
+    assert torch.equal(loaded.full_weights(), expected) and bool(loaded._flags.all())
+
+
+def test_a_tensor_store_initialises_one_generator_block_at_a_time_by_default() -> None:
+    store = TensorStore(100_000, D, WIDTHS, name="t", seed=5)
+    store.gather(torch.tensor([70_000]))
+    assert store._chunk_rows == INIT_BLOCK_ROWS and int(store._flags.sum()) == 1
+    assert torch.equal(store.full_weights(), init_rows(5, "t", 0, 100_000, D, 100_000))
 
 
 def test_gather_initial_rows_and_zero_state(store: EmbeddingStore) -> None:
@@ -238,4 +279,5 @@ def test_collective_is_a_property_of_every_store_and_wrappers_report_their_store
 
     local = TensorStore(4, 2, name="t")
     assert local.collective is False and WriterFilteredStore(local).collective is False
+    assert local.host_window is None and WriterFilteredStore(local).host_window is None  # no host tier
     assert RowShardedStore.collective.fget(None) is True  # type: ignore[attr-defined]

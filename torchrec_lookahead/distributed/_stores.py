@@ -164,6 +164,7 @@ class HostStores:
                 table=cfg.name,
                 needed=1,
                 available=0,
+                tier="host",
             )
         return DiskStore(
             path,

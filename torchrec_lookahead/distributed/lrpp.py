@@ -40,7 +40,7 @@ from torchrec_lookahead.distributed.lockstep import (
 )
 from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.oracle.types import BatchPlan, RankAnnotation
-from torchrec_lookahead.store.types import EmbeddingStore
+from torchrec_lookahead.store.types import EmbeddingStore, HostWindow
 
 __all__ = [
     "LRPPTablePlan",
@@ -339,6 +339,10 @@ class WriterFilteredStore(EmbeddingStore):
     @property
     def disk_prefetch_depth(self) -> int:
         return self.inner.disk_prefetch_depth
+
+    @property
+    def host_window(self) -> Optional[HostWindow]:
+        return self.inner.host_window
 
     def stage_group(self) -> Optional[dist.ProcessGroup]:
         return self.inner.stage_group()

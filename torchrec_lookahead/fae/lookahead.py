@@ -40,6 +40,7 @@ from torchrec_lookahead.modules import remap_kjt
 from torchrec_lookahead.oracle import Policy
 from torchrec_lookahead.oracle.types import BatchPlan
 from torchrec_lookahead.runtime import CacheSession, CapacityCheck, LoaderStats, LookaheadBatch, prescan
+from torchrec_lookahead.runtime._host_windows import cold_host_windows
 from torchrec_lookahead.runtime._report import report_text, scan_progress, sigterm_pending
 from torchrec_lookahead.runtime.types import LookaheadFactory, PinnedLoaderOptions
 
@@ -352,7 +353,8 @@ def pinned_lookahead_loader(
     )
     if options.capacity_check is CapacityCheck.EPOCH:
         t0 = time.perf_counter()
-        dynamic = replace(target, capacity=pinned.dynamic_capacity())
+        windows = cold_host_windows(target.host_windows, pinned.hot_ids)  # the cold batches' ids
+        dynamic = replace(target, capacity=pinned.dynamic_capacity(), host_windows=windows)
         cold = _ColdParts(ColdBatches(hotcold.stream), pinned)
         with scan_progress(trainer, "Lookahead capacity check (cold batches)", None) as tick:
             scan = prescan(

@@ -17,6 +17,7 @@ from torchrec_lookahead.distributed.lrpp import LRPPTracker, slice_samples
 from torchrec_lookahead.modules import remap_kjt
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle import BatchPlan, LookaheadOracle, OracleConfig, UnknownFeatures, table_ids
+from torchrec_lookahead.runtime._host_windows import HostWindowCheck, cold_host_windows
 from torchrec_lookahead.runtime.batch import LookaheadBatch
 from torchrec_lookahead.runtime.target import CacheTarget
 from torchrec_lookahead.runtime.types import PinnedPart
@@ -48,6 +49,10 @@ class StepPlanner:
         )
         self._cached = sorted(target.capacity)
         self._f2t = dict(target.feature_to_table)
+        windows = dict(target.host_windows or {})
+        if pinned is not None:  # the oracle and the check see each batch's cold part, its ids renumbered
+            windows = cold_host_windows(windows, pinned.hot_ids)
+        self._host = HostWindowCheck(windows)
         self._tracker: Optional[LRPPTracker] = None
         if target.num_ranks > 1:
             self._tracker = LRPPTracker(
@@ -55,8 +60,20 @@ class StepPlanner:
             )
 
     def feed(self, global_kjt: KeyedJaggedTensor) -> List[BatchPlan]:
-        """Give the oracle the next batch (its part outside the pinned rows); returns the plans now ready."""
-        return self.oracle.feed(global_kjt if self.pinned is None else self.pinned.cold_part(global_kjt))
+        """Give the oracle the next batch (its part outside the pinned rows); returns the plans now ready.
+
+        Raises:
+            CapacityError: a window ending at this batch does not fit a device cache (the oracle's check) or the
+                host tier of a disk store (``tier="host"``), ``horizon`` batches before it is trained.
+        """
+        kjt = global_kjt if self.pinned is None else self.pinned.cold_part(global_kjt)
+        plans = self.oracle.feed(kjt)  # checks the ids and the device caches first
+        if self._host:
+            ids = table_ids(kjt, self._f2t, self._host.tables, unknown=UnknownFeatures.IGNORE)
+            short = self._host.push({t: v.numpy() for t, v in ids.items()})
+            if short:
+                raise short[0].error()
+        return plans
 
     def finish(self) -> List[BatchPlan]:
         """The stream ended: the plans of the batches still in the oracle's window."""

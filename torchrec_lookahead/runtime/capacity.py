@@ -7,6 +7,12 @@ the same per-window working sets, ids checked against the table sizes, and nothi
 pre-scan before training (:func:`~torchrec_lookahead.runtime.scan.prescan`) runs it over the epoch's first
 batches, up to a bound in batches or seconds, so that a large epoch is not read before the first step; the
 oracle still checks every window it plans, those beyond the bound included, before it is trained.
+
+Tables in disk stores have a second bound: the host tier between the disk and the device cache must hold the
+rows of one window of its own (:class:`~torchrec_lookahead.store.types.HostWindow`: one step's rows, or with the
+lookahead host policy a step's and the next ``disk_prefetch_depth`` steps'). :func:`check_stream` checks it
+after the device caches, and the planner thread checks it for every batch it reads, those beyond the pre-scan's
+bound included.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from torchrec_lookahead.errors import CapacityError, ConfigError, InvalidIdError
 from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, split_batch
 from torchrec_lookahead.oracle.oracle import window_working_sets
 from torchrec_lookahead.oracle.types import describe_window
+from torchrec_lookahead.runtime._host_windows import HostShortfall, HostWindowCheck
+from torchrec_lookahead.store.types import HostWindow
 
 __all__ = ["CapacityCheck", "check_stream", "check_scan_bounds", "DEFAULT_SCAN_SECONDS"]
 
@@ -72,6 +80,7 @@ def check_stream(
     feature_to_table: Mapping[str, str],
     num_embeddings: Mapping[str, int],
     prefetch_depth: int,
+    host_windows: Optional[Mapping[str, HostWindow]] = None,
 ) -> Dict[str, int]:
     """Scan a stream of sparse features (KJTs or mappings) and fail at the first window a cache cannot hold.
 
@@ -81,13 +90,17 @@ def check_stream(
         feature_to_table: feature -> table for the cached tables' features (other features are ignored).
         num_embeddings: rows per cached table (ids must be in ``[0, rows)``).
         prefetch_depth: P: a window is a batch and the next P batches.
+        host_windows: per cached table in a disk store, what its host tier must hold at once (a batch and the
+            next ``depth`` batches' rows on each shard, :class:`~torchrec_lookahead.store.types.HostWindow`);
+            checked after the device caches.
 
     Returns:
         The largest window working set per table (the smallest capacity that would do).
 
     Raises:
         CapacityError: a window needs more rows than a table's capacity (names the first such window, the
-            rows it needs and the rows available, and the largest window of each short table).
+            rows it needs and the rows available, and the largest window of each short table); else a window
+            needs more rows on a shard than its host tier holds (``tier="host"``, the same facts).
         InvalidIdError: an id is negative or not below the table's size (names the table and the batch).
 
     Example:
@@ -99,6 +112,8 @@ def check_stream(
     names = sorted(capacity)
     best = {n: 0 for n in names}
     first: Dict[str, Tuple[int, int, int]] = {}
+    host = HostWindowCheck({t: w for t, w in (host_windows or {}).items() if t in capacity})
+    host_first: Dict[str, HostShortfall] = {}
 
     def table_ids() -> Iterator[Dict[str, np.ndarray]]:
         for batch in batches:
@@ -120,6 +135,9 @@ def check_stream(
             best[n] = max(best[n], need)
             if need > int(capacity[n]) and n not in first:
                 first[n] = (max(step - prefetch_depth, 0), step, need)
+        if host:
+            for found in host.push({n: sets[n][0] for n in host.tables}):
+                host_first.setdefault(found.table, found)
     if first:
         n = sorted(first)[0]
         lo, hi, need = first[n]
@@ -134,4 +152,7 @@ def check_stream(
             needed=need,
             available=int(capacity[n]),
         )
+    if host_first:
+        largest = host.largest
+        raise host_first[sorted(host_first)[0]].error({t: largest[t] for t in sorted(host_first)})
     return best

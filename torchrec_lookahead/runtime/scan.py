@@ -211,6 +211,7 @@ def prescan(
                 target.feature_to_table,
                 target.num_embeddings,
                 prefetch_depth,
+                target.host_windows,
             )
     finally:
         stream.close()

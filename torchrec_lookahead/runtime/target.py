@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torchrec_lookahead.distributed.exact_sync import ExchangeSpec
 from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.store.types import EmbeddingStore
+from torchrec_lookahead.store.types import EmbeddingStore, HostWindow
 
 __all__ = ["CacheTarget", "cached_modules"]
 
@@ -45,6 +45,9 @@ class CacheTarget:
         average_every: cDLRM mode's averaging period λ (``None``: exact LRPP).
         exchanges: with several ranks, the cache kernels whose exact gradient exchange the planner indexes
             ahead with each step's LRPP plan (their layouts, as values); none: each backward indexes its own.
+        host_windows: per cached table whose store has a bounded host tier (a disk store), what one window of
+            steps must fit in (:class:`~torchrec_lookahead.store.types.HostWindow`); ``None`` (default): those
+            the stores report.
     """
 
     capacity: Mapping[str, int]
@@ -56,6 +59,12 @@ class CacheTarget:
     group: Optional[dist.ProcessGroup] = None
     average_every: Optional[int] = None
     exchanges: Tuple[ExchangeSpec, ...] = ()
+    host_windows: Optional[Mapping[str, HostWindow]] = None
+
+    def __post_init__(self) -> None:
+        if self.host_windows is None:
+            windows = {t: s.host_window for t, s in self.stores.items() if t in self.capacity}
+            object.__setattr__(self, "host_windows", {t: w for t, w in windows.items() if w is not None})
 
     @classmethod
     def from_modules(

@@ -57,6 +57,11 @@ class PinnedPart(Protocol):
         """Pinned rows (the first slots) per cached table."""
         ...
 
+    @property
+    def hot_ids(self) -> Dict[str, torch.Tensor]:
+        """The pinned rows' sorted ids per cached table (:meth:`cold_part` renumbers the others below them)."""
+        ...
+
     def dynamic_capacity(self) -> Dict[str, int]:
         """Cache slots per table left to the oracle."""
         ...

@@ -13,7 +13,8 @@
 The collective plumbing of :class:`RowShardedStore` (``STAGE_CHANNEL``, ``collective_channel``, ``current_wait``,
 ``CollectiveWait``) lives in :mod:`torchrec_lookahead.store.channels`, ``EmptyShardStore`` in
 :mod:`torchrec_lookahead.store.sharded_store`, the shape value every store answers its shape properties from
-(``StoreShape``) in :mod:`torchrec_lookahead.store.types`, and the initialisation block size
+(``StoreShape``) and what a bounded host tier must hold at once (``HostWindow``) in
+:mod:`torchrec_lookahead.store.types`, and the initialisation block size
 ``INIT_BLOCK_ROWS`` in :mod:`torchrec_lookahead.store.init`.
 
 Example:

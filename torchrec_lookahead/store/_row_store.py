@@ -30,7 +30,10 @@ def _check_sizes(name: str, num_embeddings: int, embedding_dim: int, state_width
 class _RowStore(ShapedStore):
     """Store over a (N, D + S) float32 tensor whose chunks of ``chunk_rows`` rows are initialised lazily.
 
-    Subclasses provide the tensor (RAM or memory-mapped) and the per-chunk "initialised" flags.
+    Subclasses provide the tensor (RAM or memory-mapped) and the per-chunk "initialised" flags. Chunks start at
+    local row 0, or with ``aligned`` (a store whose flags are not kept in a file) at the whole table's multiples
+    of ``chunk_rows``, so that a row shard whose ``row_offset`` is not one initialises each of
+    :func:`~torchrec_lookahead.store.init_rows`' generator blocks once, not in two chunks that each draw it.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class _RowStore(ShapedStore):
         chunk_rows: int,
         row_offset: int = 0,
         table_rows: Optional[int] = None,
+        aligned: bool = False,
     ) -> None:
         widths = dict(state_widths or {})
         _check_sizes(name, num_embeddings, embedding_dim, widths)
@@ -63,7 +67,8 @@ class _RowStore(ShapedStore):
         self._row_offset = int(row_offset)
         self._table_rows = total
         self._chunk_rows = int(chunk_rows)
-        self._num_chunks = -(-self.num_embeddings // self._chunk_rows)
+        self._phase = self._row_offset % self._chunk_rows if aligned else 0  # rows of chunk 0 before row 0
+        self._num_chunks = -(-(self.num_embeddings + self._phase) // self._chunk_rows)
         self._init_lock = threading.Lock()
         self._all_init = False
 
@@ -93,9 +98,13 @@ class _RowStore(ShapedStore):
         return self._table_rows
 
     # -- lazy initialisation -------------------------------------------------------------------------------
+    def _chunk_range(self, chunk: int) -> Tuple[int, int]:
+        """Local rows ``[lo, hi)`` of ``chunk``."""
+        lo = chunk * self._chunk_rows - self._phase
+        return max(lo, 0), min(lo + self._chunk_rows, self.num_embeddings)
+
     def _init_chunk(self, chunk: int) -> None:
-        lo = chunk * self._chunk_rows
-        hi = min(lo + self._chunk_rows, self.num_embeddings)
+        lo, hi = self._chunk_range(chunk)
         rows = self._rows()
         off = self._row_offset
         rows[lo:hi, : self.embedding_dim] = init_rows(
@@ -111,7 +120,7 @@ class _RowStore(ShapedStore):
         if ids is None:
             chunks = torch.arange(self._num_chunks)
         else:
-            chunk_of = ids.numpy() // self._chunk_rows
+            chunk_of = (ids.numpy() + self._phase) // self._chunk_rows
             if flags.numpy()[chunk_of].all():  # the usual case, without a sort
                 return
             chunks = torch.from_numpy(np.unique(chunk_of))
@@ -213,8 +222,7 @@ class _RowStore(ShapedStore):
         rows = self._rows()
         with torch.no_grad():
             for chunk in range(self._num_chunks):
-                lo = chunk * self._chunk_rows
-                hi = min(lo + self._chunk_rows, self.num_embeddings)
+                lo, hi = self._chunk_range(chunk)
                 rows[lo:hi, : self.embedding_dim] = weights[lo:hi].to(device="cpu", dtype=torch.float32)
                 for key, (a, b) in self._shape.columns.items():
                     if key in states:

@@ -43,7 +43,7 @@ from torchrec_lookahead.store._disk_lookahead import NEVER, LookaheadReads
 from torchrec_lookahead.store._host_tier import HostTier
 from torchrec_lookahead.store._row_store import _RowStore
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
-from torchrec_lookahead.store.types import check_load
+from torchrec_lookahead.store.types import HostWindow, check_load
 
 __all__ = ["DiskStore", "DEFAULT_HOST_BUDGET_BYTES", "HOST_POLICIES", "check_host_policy"]
 
@@ -262,6 +262,16 @@ class DiskStore(LookaheadReads, _RowStore):
     def disk_prefetch_depth(self) -> int:
         """Steps ahead of the gathered one the planned rows are read into the host tier (lookahead policy)."""
         return self._depth
+
+    @property
+    def host_window(self) -> HostWindow:
+        """What one window of steps must fit in: one step's rows under ``"lru"``, the gathered step's and the next
+        ``disk_prefetch_depth`` steps' under ``"lookahead"`` (see
+        :class:`~torchrec_lookahead.store.types.HostWindow`)."""
+        depth = self._depth if self._policy == "lookahead" else 0
+        return HostWindow(
+            depth, (0, self.num_embeddings), (self._tier.capacity,), self._policy, self._shape.row_bytes
+        )
 
     @property
     def direct_io(self) -> bool:

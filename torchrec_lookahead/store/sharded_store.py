@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
 from torchrec_lookahead.store.channels import STAGE_CHANNEL, current_channel, current_wait
-from torchrec_lookahead.store.types import EmbeddingStore, ShapedStore, StoreShape, check_load
+from torchrec_lookahead.store.types import EmbeddingStore, HostWindow, ShapedStore, StoreShape, check_load
 
 __all__ = ["RowShardedStore", "EmptyShardStore", "row_bounds"]
 
@@ -137,17 +137,19 @@ class RowShardedStore(ShapedStore):
             sorted(local.state_widths.items()),
             self._bounds,
             self._shard_of_rank,
+            local.host_window,  # each shard's own: not compared
         )
         found: List[Any] = [None] * self._world
         dist.all_gather_object(found, desc, group=group)
         problems = [f"rank {r}: {d[0]}" for r, d in enumerate(found) if d[0]]
         if problems:
             raise ConfigError(f"sharded store of table '{local.name}': " + "; ".join(problems))
-        if any(d[1:] != found[0][1:] for d in found):
+        if any(d[1:-1] != found[0][1:-1] for d in found):
             raise ConfigError(
                 f"ranks describe the sharded store of table '{local.name}' differently: "
-                + "; ".join(f"rank {r}: {d[1:]}" for r, d in enumerate(found))
+                + "; ".join(f"rank {r}: {d[1:-1]}" for r, d in enumerate(found))
             )
+        self._host_window = self._shards_window([d[-1] for d in found])
         shard = self._shard_of_rank[self._rank]
         self._shard = shard
         self._lo, self._hi = self._bounds[shard], self._bounds[shard + 1]
@@ -160,6 +162,20 @@ class RowShardedStore(ShapedStore):
         route = [self._rank if self._rank in srv else srv[self._rank % len(srv)] for srv in servers]
         self._route = torch.tensor(route, dtype=torch.int64)
         self._upper = torch.tensor(self._bounds[1:], dtype=torch.int64)
+
+    def _shards_window(self, local_windows: List[Optional[HostWindow]]) -> Optional[HostWindow]:
+        """The table's host window from each rank's local one (the same on every rank): a shard's rows are its
+        first server's host tier's, or the shard's own row count where it has no bounded tier."""
+        if all(w is None for w in local_windows):
+            return None
+        rows = []
+        for k in range(len(self._bounds) - 1):
+            w = local_windows[self._shard_of_rank.index(k)]
+            rows.append(self._bounds[k + 1] - self._bounds[k] if w is None else w.rows[0])
+        known = [w for w in local_windows if w is not None]
+        return HostWindow(
+            max(w.depth for w in known), tuple(self._bounds), tuple(rows), known[0].policy, known[0].row_bytes
+        )
 
     def _check_local(self) -> str:
         b, roles = self._bounds, self._shard_of_rank
@@ -215,6 +231,12 @@ class RowShardedStore(ShapedStore):
     @property
     def disk_prefetch_depth(self) -> int:
         return self._local.disk_prefetch_depth
+
+    @property
+    def host_window(self) -> Optional[HostWindow]:
+        """Every shard's host tier (exchanged at construction, so the same on every rank): each rank checks
+        every shard, and a window that does not fit is refused on every rank alike."""
+        return self._host_window
 
     def stage_group(self) -> Optional[dist.ProcessGroup]:
         """The :data:`~torchrec_lookahead.store.channels.STAGE_CHANNEL` group."""

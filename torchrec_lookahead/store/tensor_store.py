@@ -7,6 +7,7 @@ from typing import Mapping, Optional
 import torch
 
 from torchrec_lookahead.store._row_store import _RowStore
+from torchrec_lookahead.store.init import INIT_BLOCK_ROWS
 
 __all__ = ["TensorStore"]
 
@@ -14,8 +15,11 @@ __all__ = ["TensorStore"]
 class TensorStore(_RowStore):
     """A table and its per-row optimizer state in one host tensor.
 
-    Chunks are initialised on first touch, so creating a large store is cheap; the memory itself is allocated
-    up front (uninitialised, ``torch.empty``).
+    Rows are initialised on first touch, a block of
+    :data:`~torchrec_lookahead.store.init.INIT_BLOCK_ROWS` (8,192) rows at a time (one generator block of
+    :func:`~torchrec_lookahead.store.init_rows`, as a :class:`~torchrec_lookahead.store.DiskStore`'s blocks), so
+    creating a large store is cheap and a step initialises the blocks its ids touch; the memory itself is
+    allocated up front (uninitialised, ``torch.empty``: a page takes memory once a block on it is written).
 
     Args:
         num_embeddings: rows of the table.
@@ -24,11 +28,13 @@ class TensorStore(_RowStore):
         name: table name (seeds the initial values; appears in errors).
         seed: global seed of the initial values.
         chunk_rows: rows initialised at a time; a multiple of
-            :data:`~torchrec_lookahead.store.init.INIT_BLOCK_ROWS`.
+            :data:`~torchrec_lookahead.store.init.INIT_BLOCK_ROWS` (default: one such block). The initial values
+            do not depend on it.
         pin_memory: allocate in pinned memory (faster host-to-device copies; needs CUDA).
         row_offset: for a row shard of a larger table (see
             :class:`~torchrec_lookahead.store.RowShardedStore`): the table row held by local row 0. Ids stay local
-            (``0 <= id < num_embeddings``); only the initial values follow the whole table's rows.
+            (``0 <= id < num_embeddings``); only the initial values follow the whole table's rows, and the blocks
+            initialised at a time are the whole table's.
         table_rows: rows of the whole table when the store is a shard (default ``num_embeddings``).
 
     Raises:
@@ -53,13 +59,21 @@ class TensorStore(_RowStore):
         *,
         name: str = "table",
         seed: int = 0,
-        chunk_rows: int = 65536,
+        chunk_rows: int = INIT_BLOCK_ROWS,
         pin_memory: bool = False,
         row_offset: int = 0,
         table_rows: Optional[int] = None,
     ) -> None:
         super().__init__(
-            name, num_embeddings, embedding_dim, state_widths, seed, chunk_rows, row_offset, table_rows
+            name,
+            num_embeddings,
+            embedding_dim,
+            state_widths,
+            seed,
+            chunk_rows,
+            row_offset,
+            table_rows,
+            aligned=True,
         )
         self._data = torch.empty(
             self.num_embeddings, self.row_width, dtype=torch.float32, pin_memory=pin_memory

@@ -25,12 +25,86 @@ import dataclasses
 import functools
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchrec_lookahead.errors import DataError, InvalidIdError
+from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
 
-__all__ = ["EmbeddingStore", "StoreShape", "ShapedStore", "check_load"]
+__all__ = ["EmbeddingStore", "HostWindow", "StoreShape", "ShapedStore", "check_load"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostWindow:
+    """What the bounded host tier of a store (a :class:`~torchrec_lookahead.store.DiskStore`, or the shards of a
+    row-sharded one) must hold at once: the rows of one window of steps, a batch and the next ``depth``.
+
+    Every row a step fetches into the device cache passes through the host tier, and the first window of a plan
+    stream (an empty device cache) fetches every distinct id it reads; under the lookahead host policy the rows
+    of the gathered step and of the ``disk_prefetch_depth`` steps after it are read into the tier together. So a
+    shard whose host tier holds fewer rows than a window's distinct ids on that shard reads its rows from disk
+    on the step's critical path (a gather larger than the tier bypasses it; the background reads skip the
+    window). The capacity checks (:func:`~torchrec_lookahead.runtime.capacity.check_stream` before training, the
+    planner thread as it reads batches ahead) refuse such a window with a
+    :class:`~torchrec_lookahead.errors.CapacityError` naming the host tier.
+
+    Attributes:
+        depth: a window is a batch and the next ``depth`` (0 under ``host_policy="lru"``: one step's rows;
+            ``disk_prefetch_depth`` under ``"lookahead"``).
+        bounds: ``S + 1`` increasing shard boundaries in the table's ids, from 0 to the table's rows (``(0, N)``
+            for a store of one shard).
+        rows: the host tier's rows of each shard (a shard without a bounded tier: its own row count, which no
+            window exceeds).
+        policy: the host policy (``"lru"`` or ``"lookahead"``), for messages.
+        row_bytes: bytes of one row in the host tier (with its optimizer state), for messages (0: unknown).
+
+    Example:
+        >>> import numpy as np
+        >>> w = HostWindow(depth=2, bounds=(0, 50, 100), rows=(10, 12), policy="lookahead")
+        >>> w.shard_of(np.array([3, 49, 50, 99])).tolist(), w.without_rows(np.array([1, 60])).bounds
+        ([0, 0, 1, 1], (0, 49, 98))
+    """
+
+    depth: int
+    bounds: Tuple[int, ...]
+    rows: Tuple[int, ...]
+    policy: str = "lru"
+    row_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        b = self.bounds
+        if (
+            self.depth < 0
+            or len(b) < 2
+            or b[0] != 0
+            or any(x > y for x, y in zip(b, b[1:]))
+            or len(self.rows) != len(b) - 1
+            or any(r < 0 for r in self.rows)
+        ):
+            raise ConfigError(
+                f"a host window needs depth >= 0, increasing bounds from 0 and one row count >= 0 per shard but "
+                f"got depth={self.depth}, bounds={b}, rows={self.rows}"
+            )
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the table (the last bound)."""
+        return self.bounds[-1]
+
+    def shard_of(self, ids: np.ndarray) -> np.ndarray:
+        """The shard of each id (ids in ``[0, num_rows)``)."""
+        if len(self.bounds) == 2:
+            return np.zeros(ids.shape, dtype=np.int64)
+        return np.searchsorted(np.asarray(self.bounds[1:-1], dtype=np.int64), ids, side="right")
+
+    def without_rows(self, removed: np.ndarray) -> HostWindow:
+        """This window over the ids of the table without the sorted distinct ``removed`` rows (pinned hot rows
+        never pass through the host tier while a stream trains; the others are renumbered ``id - removed ids
+        below it``, as the oracle sees them)."""
+        if removed.size == 0:
+            return self
+        below = np.searchsorted(removed, np.asarray(self.bounds, dtype=np.int64))
+        return dataclasses.replace(self, bounds=tuple(int(b - n) for b, n in zip(self.bounds, below)))
 
 
 class EmbeddingStore(abc.ABC):
@@ -68,6 +142,13 @@ class EmbeddingStore(abc.ABC):
         store under the lookahead host policy); the planner runs at least that far ahead. 0: it reads none
         ahead."""
         return 0
+
+    @property
+    def host_window(self) -> Optional[HostWindow]:
+        """What one window of steps must fit in, for a store whose rows pass through a bounded host tier (a
+        :class:`~torchrec_lookahead.store.DiskStore`, or a row-sharded store over them); ``None`` (this default):
+        no bounded tier."""
+        return None
 
     def stage_group(self) -> Optional[dist.ProcessGroup]:
         """For a :attr:`collective` store, the process group its gathers for the stager run on (``None``: the
