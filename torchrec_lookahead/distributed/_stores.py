@@ -267,27 +267,11 @@ class HostStores:
                 path = os.path.join(directory, f"{c.name}.rows")
                 locals_[c.name] = self._disk_store(path, c, optimizer, budgets[c.name], (lo, hi))
             elif directory is not None:
-                store = MmapStore(
-                    os.path.join(directory, f"{c.name}.bin"),
-                    hi - lo,
-                    c.embedding_dim,
-                    widths,
-                    name=c.name,
-                    seed=seed,
-                    row_offset=lo,
-                    table_rows=c.num_embeddings,
-                )
+                path = os.path.join(directory, f"{c.name}.bin")
+                store = MmapStore(path, hi - lo, c.embedding_dim, widths, **_shard_of(c, seed, lo))
                 locals_[c.name] = _initialised(store) if shared else store
             elif not shared:
-                locals_[c.name] = TensorStore(
-                    hi - lo,
-                    c.embedding_dim,
-                    widths,
-                    name=c.name,
-                    seed=seed,
-                    row_offset=lo,
-                    table_rows=c.num_embeddings,
-                )
+                locals_[c.name] = TensorStore(hi - lo, c.embedding_dim, widths, **_shard_of(c, seed, lo))
         if env.world_size > num_shards:  # some shard has several servers (the same on every rank)
             paths: List[Any] = [None] * env.world_size
             dist.all_gather_object(paths, directory, group=pg)
@@ -367,3 +351,8 @@ def store_kind(
             )
         check_host_policy(opts.get("host_policy", "lru"), opts.get("disk_prefetch_depth", 0))
     return kind
+
+
+def _shard_of(config: Any, seed: int, row_offset: int) -> Dict[str, Any]:
+    """The keyword arguments that place a row shard's store in its table (name, seed, first row, table rows)."""
+    return {"name": config.name, "seed": seed, "row_offset": row_offset, "table_rows": config.num_embeddings}
