@@ -4,15 +4,23 @@ the Lightning part and the rank count in a small file beside them (:data:`META_F
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrec_lookahead.errors import CheckpointError
+from torchrec_lookahead.store import EmbeddingStore
 
-__all__ = ["META_FILE", "WORLD_SIZE_KEY", "load_sharded", "read_checkpoint_meta"]
+__all__ = [
+    "META_FILE",
+    "WORLD_SIZE_KEY",
+    "checkpoint_memory_shortfall",
+    "load_sharded",
+    "memory_available",
+    "read_checkpoint_meta",
+]
 
 #: the Lightning part of a checkpoint directory (epoch, loops, callbacks), written by rank 0
 META_FILE = "meta.pt"
@@ -86,3 +94,57 @@ def read_checkpoint_meta(path: Path, world_size: int) -> Dict[str, Any]:
             f"(torchrun --nproc_per_node=... and --trainer.devices so that they make {saved}), or start a new run"
         )
     return meta
+
+
+def memory_available() -> Optional[int]:
+    """The bytes this machine can still give processes without swapping (``MemAvailable`` of ``/proc/meminfo``;
+    ``None`` where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
+
+
+def checkpoint_memory_shortfall(
+    stores: Sequence[EmbeddingStore], processes: int = 1, available: Optional[int] = None
+) -> Optional[str]:
+    """Why a checkpoint of the cached tables in ``stores`` cannot be held in this machine's memory, or ``None``.
+
+    A checkpoint holds every cached table in full, as a resident model's state dict does: saving copies each
+    table and its optimizer state out of its store (a disk store reads its files), and resuming reads each table
+    into such a copy before loading it into the store; each of the node's ``processes`` ranks holds the whole
+    tables. The estimate is the tables' bytes plus the largest table's once more (the checkpoint reader's
+    buffer), per process, against ``available`` (default :func:`memory_available`).
+
+    Example:
+        >>> from torchrec_lookahead.store import TensorStore
+        >>> store = TensorStore(1000, 16, {"momentum1": 1}, name="t")
+        >>> checkpoint_memory_shortfall([store], available=10**9) is None
+        True
+        >>> print(checkpoint_memory_shortfall([store], available=10**5))  # doctest: +ELLIPSIS
+        checkpoints hold the cached tables in full: 0.13 MiB per rank (t 0.0648 MiB), 0.0954 MiB available for 1 ...
+    """
+    available = memory_available() if available is None else available
+    if available is None or not stores:
+        return None
+    sizes = sorted(((s.nbytes, s.name) for s in stores), reverse=True)
+    need = (sum(n for n, _ in sizes) + sizes[0][0]) * max(1, processes)
+    if need <= available:
+        return None
+    largest = ", ".join(f"{name} {_size(n)}" for n, name in sizes[:3])
+    return (
+        f"checkpoints hold the cached tables in full: {_size(need // max(1, processes))} per rank ({largest}"
+        f"{', ...' if len(sizes) > 3 else ''}), {_size(available)} available for "
+        f"{max(1, processes)} rank(s) on this machine (a checkpoint that keeps the store files instead is not "
+        "built yet); give the machine more memory, run fewer ranks on it, or train without checkpoints "
+        "(--trainer.enable_checkpointing=false; Trainer(enable_checkpointing=False)), knowing that nothing of "
+        "the run is kept"
+    )

@@ -48,11 +48,12 @@ from torchrec_lookahead.distributed import (
 )
 from torchrec_lookahead.distributed._tables import table_configs
 from torchrec_lookahead.distributed.topology import make_topology, sharding_planner
-from torchrec_lookahead.errors import ConfigError, SetupError
+from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.runtime import CacheSession, LookaheadBatch
 from torchrec_lookahead.strategies._checkpoint import (
     META_FILE,
     WORLD_SIZE_KEY,
+    checkpoint_memory_shortfall,
     load_sharded,
     read_checkpoint_meta,
 )
@@ -391,6 +392,19 @@ class TorchRecStrategy(DDPStrategy):
             # Collective with several ranks (the planner's id group): every rank builds it here.
             self._session = CacheSession.for_model(lm)
 
+    def _check_checkpoint_memory(self, trainer: pl.Trainer) -> None:
+        """Refuse, before training, a run whose checkpoints (saved, or resumed from) cannot be held in memory:
+        a checkpoint holds every cached table in full (tables on disk larger than memory), and running out of
+        memory at the first checkpoint would lose the run. Every rank raises together."""
+        if self._session is None or not (trainer.checkpoint_callbacks or trainer.ckpt_path is not None):
+            return
+        stores = list(self._session.target.stores.values())
+        short = checkpoint_memory_shortfall(stores, processes=len(self.parallel_devices or [None]))
+        if not self.reduce_boolean_decision(short is None, all=True):
+            raise CheckpointError(
+                short or "another rank cannot hold a checkpoint of the cached tables in memory"
+            )
+
     @override
     def model_to_device(self) -> None:
         lm = self.lightning_module
@@ -411,6 +425,7 @@ class TorchRecStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self._shard_lightning_module()
         self._ensure_session()
+        self._check_checkpoint_memory(trainer)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
