@@ -250,7 +250,10 @@ def quiet() -> None:
     import logging
     import warnings
 
+    from torchrec_lookahead._quiet import quiet_known_messages
+
     warnings.filterwarnings("ignore")
+    quiet_known_messages()  # the log records the CLI hides too (torch's is_fx_tracing notice)
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchrec", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger().setLevel(logging.ERROR)
