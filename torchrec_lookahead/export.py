@@ -93,7 +93,7 @@ def _load_whole(ckpt: Path) -> Dict[str, Any]:
                 first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
                 raise CheckpointError(f"cannot read the checkpoint {ckpt}: {first}") from e
         full = dict(torch.load(meta, weights_only=False))
-        full["state_dict"] = data["state_dict"]
+        full["state_dict"] = _tables_from_files(ckpt, data["state_dict"])
         return full
     if ckpt.is_file():
         try:
@@ -107,6 +107,42 @@ def _load_whole(ckpt: Path) -> Dict[str, Any]:
             )
         return dict(loaded)
     raise CheckpointError(f"no checkpoint at {ckpt}")
+
+
+def _tables_from_files(ckpt: Path, state: Mapping[str, Any]) -> Dict[str, Any]:
+    """``state`` with every table the checkpoint keeps in copies of its disk store files (a
+    ``<collection>.<table>.store_files`` entry: its row count) read back in full from every rank's copies
+    (``stores/rank<r>/<key>/``)."""
+    from torchrec_lookahead.modules._checkpoint import FILES_KEY
+    from torchrec_lookahead.store import DiskStore
+    from torchrec_lookahead.strategies._checkpoint import STORE_FILES_DIR
+
+    out = dict(state)
+    for key in [k for k in state if k.endswith("." + FILES_KEY)]:
+        prefix, rows = key[: -len(FILES_KEY)], int(out.pop(key))
+        table = ".".join(prefix.split(".")[-3:-1])  # <collection>.<table name>: the copies' sub-directory
+        columns: Dict[str, torch.Tensor] = {}
+        covered = 0
+        for path in sorted(ckpt.glob(f"{STORE_FILES_DIR}/rank*/{table}/*.rows")):
+            try:
+                store = DiskStore.open(path, host_budget_bytes=1 << 20)
+            except Exception as e:  # noqa: BLE001 - a damaged copy: ConfigError, SetupError, StoreError
+                raise CheckpointError(f"cannot read {path}, a copy of a disk store in {ckpt}: {e}") from e
+            try:
+                lo, hi = store.row_offset, store.row_offset + store.num_embeddings
+                for name, value in {"weight": store.full_weights(), **store.full_states()}.items():
+                    column = columns.setdefault(name, torch.empty(rows, value.shape[1]))
+                    column[lo:hi] = value
+                covered += hi - lo
+            finally:
+                store.close()
+        if covered != rows:
+            raise CheckpointError(
+                f"{ckpt}: the copies of table {table}'s disk store files hold {covered:,} of its {rows:,} rows "
+                f"(under {STORE_FILES_DIR}/rank*/{table}/); the checkpoint is incomplete"
+            )
+        out.update({prefix + name: value for name, value in columns.items()})
+    return out
 
 
 def export_checkpoint(ckpt: Path, out: Path, config: Optional[Sequence[str]] = None) -> Dict[str, Any]:

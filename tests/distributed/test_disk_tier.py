@@ -258,7 +258,7 @@ def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(
     """A rank is SIGKILLed after step 6 of 12 (the last checkpoint at step 4); torchrun restarts the job, which
     resumes over fresh disk stores from the checkpoint and ends with the uninterrupted run's weights, bit for bit."""
     from ..conftest import free_port
-    from ..strategies.test_torchrun import _ckpt_args, _full_state, torchrun
+    from ..strategies.test_torchrun import _ckpt_args, torchrun
 
     common = ["fit", "--config", "configs/dlrm_tiny_lookahead.yaml", f"--trainer.devices={ranks}",
               "--trainer.limit_val_batches=0", "--trainer.max_steps=12", "--ckpt_path=last"]  # fmt: skip
@@ -275,11 +275,32 @@ def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(
                  f"--trainer.callbacks.rank={ranks - 1}")  # fmt: skip
     assert killed.returncode == 0, killed.stderr[-4000:]
     assert "Restored all states from the checkpoint" in killed.stdout + killed.stderr
-    a = _full_state(tmp_path / "a_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
-    b = _full_state(tmp_path / "b_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
-    assert any(".cache.embedding_bags." in k for k in a) and a.keys() == b.keys()
+    ends = [tmp_path / f"{r}_ckpt" / "epoch=0-step=12.ckpt" for r in "ab"]
+    # the checkpoints keep the disk-stored tables as copies of every rank's files, not as tensors
+    for end in ends:
+        assert [k.split(".cache.")[1] for k in _stored_keys(end, "t_cat_2")] == [
+            "embedding_bags.t_cat_2.store_files"
+        ]
+        assert len(list(end.glob("stores/rank*/embedding_bags.t_cat_2/*.rows"))) == ranks
+    a, b = (_whole_tables(e) for e in ends)
+    assert any(".cache.embedding_bags." in k and k.endswith(".weight") for k in a) and a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def _stored_keys(ckpt: Path, table: str) -> List[str]:
+    """The keys the distributed checkpoint ``ckpt`` holds for ``table``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    return [k for k in keys if f"embedding_bags.{table}." in k]
+
+
+def _whole_tables(ckpt: Path) -> Any:
+    """Every tensor of ``ckpt``'s state dict, disk-stored tables read from the copies of their files."""
+    from torchrec_lookahead.export import _load_whole
+
+    return {k: v for k, v in _load_whole(ckpt)["state_dict"].items() if isinstance(v, torch.Tensor)}
 
 
 @pytest.mark.slow

@@ -254,3 +254,68 @@ def test_records_of_any_width(tmp_path: Path, dim: int, widths: dict) -> None:
     _equal(disk, ref)
     assert torch.equal(disk.gather(torch.arange(9000))[0], ref.gather(torch.arange(9000))[0])
     disk.close()
+
+
+def _write(store: Any, ids: torch.Tensor, value: float) -> None:
+    n = ids.numel()
+    store.scatter(
+        ids, torch.full((n, D), value), {"momentum1": torch.full((n, D), value), "momentum2": torch.ones(n)}
+    )
+
+
+def test_a_copy_of_the_files_restores_the_store_as_it_was(tmp_path: Path) -> None:
+    """save_files copies the host tier's dirty rows and the created blocks (one of the three here: the others
+    stay holes in the copy); load_files brings back exactly that state, uncreated blocks created again with the
+    same values on first read."""
+    disk = _disk(tmp_path / "run" / "t.rows", budget_rows=50, preallocate=False)
+    ref = TensorStore(N, D, WIDTHS, name="t", seed=5)
+    ids = torch.arange(100, 180)  # block 0 only; more rows than the host tier: some written through
+    for store in (disk, ref):
+        store.gather(ids)
+        _write(store, ids, 2.0)
+    disk.save_files(str(tmp_path / "ckpt"))
+    copy = tmp_path / "ckpt" / disk.file_name()
+    assert copy.is_file() and not (tmp_path / "ckpt" / (disk.file_name() + ".partial")).exists()
+    block_bytes = os.path.getsize(copy) // 4  # about a block's share of the file (3 blocks, header and flags)
+    assert (
+        os.stat(copy).st_blocks * 512 < 2 * block_bytes
+    )  # a sparse copy: the two untouched blocks are holes
+    _write(disk, torch.tensor([5, 9000, 19999]), 7.0)  # after the checkpoint: touches blocks 1 and 2 too
+    disk.flush()
+    disk.load_files(str(tmp_path / "ckpt"))
+    _equal(disk, ref)
+    assert disk.gather(torch.tensor([9000]))[0].tolist() == ref.gather(torch.tensor([9000]))[0].tolist()
+    disk.close()
+
+
+def test_a_copy_of_another_table_is_refused_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = _disk(tmp_path / "t.rows", preallocate=False)
+    _write(disk, torch.tensor([1, 2]), 3.0)
+    other = DiskStore(tmp_path / "u" / "t.rows", N, D, WIDTHS, name="t", seed=6, host_budget_bytes=ROW_BYTES,
+                      preallocate=False)  # fmt: skip
+    other.save_files(str(tmp_path / "other_ckpt"))
+    other.close()
+    with pytest.raises(ConfigError, match="seed: copy 6, store 5"):
+        disk.load_files(str(tmp_path / "other_ckpt"))
+    with pytest.raises(ConfigError, match="no disk store"):
+        disk.load_files(str(tmp_path / "missing"))
+    assert disk.gather(torch.tensor([1]))[0].tolist() == [[3.0] * D]
+    disk.save_files(str(tmp_path / "ckpt"))
+    copy = tmp_path / "ckpt" / disk.file_name()
+    with open(copy, "r+b") as f:  # truncated
+        f.truncate(os.path.getsize(copy) - 4096)
+    with pytest.raises(ConfigError, match="is truncated"):
+        disk.load_files(str(tmp_path / "ckpt"))
+
+    def full(fd: int, data: object, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)  # the disk of the checkpoint fills up while copying
+    with pytest.raises(StoreError, match="failed \\(No space left on device; .* bytes free there\\)"):
+        disk.save_files(str(tmp_path / "full"))
+    assert list((tmp_path / "full").iterdir()) == []  # no partial copy left
+    monkeypatch.undo()
+    assert disk.gather(torch.tensor([1]))[0].tolist() == [[3.0] * D]
+    disk.close()

@@ -262,7 +262,7 @@ class HostStores:
             lo, hi = bounds[c.name]
             widths = optimizer.state_widths(c.embedding_dim)
             if hi == lo:  # fewer rows than shards: this shard is empty, no id is ever routed to it
-                locals_[c.name] = EmptyShardStore(c.name, c.embedding_dim, widths)
+                locals_[c.name] = EmptyShardStore(c.name, c.embedding_dim, widths, keeps_files=disk)
             elif disk and directory is not None:
                 path = os.path.join(directory, f"{c.name}.rows")
                 locals_[c.name] = self._disk_store(path, c, optimizer, budgets[c.name], (lo, hi))

@@ -396,6 +396,16 @@ class WriterFilteredStore(EmbeddingStore):
     def flush(self) -> None:
         self.inner.flush()
 
+    @property
+    def keeps_files(self) -> bool:
+        return self.inner.keeps_files
+
+    def save_files(self, directory: str) -> None:
+        self.inner.save_files(directory)
+
+    def load_files(self, directory: str) -> None:
+        self.inner.load_files(directory)
+
 
 @contextmanager
 def writing_only(stores: Mapping[str, EmbeddingStore], ids: Mapping[str, torch.Tensor]) -> Iterator[None]:

@@ -6,6 +6,10 @@ resident ``EmbeddingBagCollection`` with a fused optimizer, so a checkpoint move
 resident model. A cached table's rows come from (and go to) its store; the caller flushes the cache before
 saving and empties it after loading.
 
+Under :func:`store_files` (a checkpoint of :class:`~torchrec_lookahead.strategies.TorchRecStrategy`), a table
+in a disk store, which may be larger than memory, is instead one ``embedding_bags.<table>.store_files`` entry
+(its row count): the checkpoint keeps copies of its store files, made and read one block at a time.
+
 Example:
     >>> import torch
     >>> from torchrec import EmbeddingBagConfig
@@ -18,15 +22,70 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+import contextlib
+import os
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from torchrec_lookahead.errors import CheckpointError
 from torchrec_lookahead.modules._kernels import _CacheKernel
 from torchrec_lookahead.modules._plans import _Table
 from torchrec_lookahead.modules.config import CacheOptimizerConfig
+from torchrec_lookahead.store import EmbeddingStore
 
-__all__ = ["save_tables", "load_tables"]
+__all__ = ["FILES_KEY", "StoreFiles", "store_files", "save_tables", "load_tables"]
+
+#: the key (after ``<collection>.<table>.``) that stands for a table a checkpoint keeps in copies of its store
+#: files: its value is the table's row count
+FILES_KEY = "store_files"
+
+
+class StoreFiles:
+    """The cached tables a checkpoint keeps as copies of their store files (:attr:`EmbeddingStore.keeps_files`:
+    disk stores, whose tables may be larger than memory), collected while a state dict is built under
+    :func:`store_files`; the caller copies them into (:meth:`save`) or out of (:meth:`load`) its checkpoint."""
+
+    def __init__(self) -> None:
+        self.stores: Dict[str, EmbeddingStore] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.stores)
+
+    def add(self, table: str, store: EmbeddingStore) -> None:
+        """Collect ``store``, the store of ``table`` (``<collection>.<table name>``: its sub-directory)."""
+        if self.stores.get(table, store) is not store:
+            raise CheckpointError(
+                f"two cached tables are named '{table}': a checkpoint keeps disk stores' files by table name; "
+                "give the tables distinct names"
+            )
+        self.stores[table] = store
+
+    def save(self, directory: str) -> None:
+        """Copy every table's files on this rank into ``directory`` (one sub-directory per table)."""
+        for key, store in self.stores.items():
+            store.save_files(os.path.join(directory, key))
+
+    def load(self, directory: str) -> None:
+        """Load every table's files on this rank from the copies :meth:`save` made in ``directory``."""
+        for key, store in self.stores.items():
+            store.load_files(os.path.join(directory, key))
+
+
+_collecting: Optional[StoreFiles] = None
+
+
+@contextlib.contextmanager
+def store_files() -> Iterator[StoreFiles]:
+    """While active, cached collections' state dicts stand for each table kept in files by a ``store_files``
+    entry (``FILES_KEY``, its row count) instead of its full tensors, and collect its store in the yielded
+    :class:`StoreFiles` (a checkpoint's state dict: nothing of the table is copied into memory)."""
+    global _collecting
+    previous, _collecting = _collecting, StoreFiles()
+    try:
+        yield _collecting
+    finally:
+        _collecting = previous
 
 
 def save_tables(
@@ -41,7 +100,10 @@ def save_tables(
     EmbeddingCollection)."""
     for name, t in tables.items():
         key = f"{prefix}{collection}.{name}."
-        if t.store is not None:
+        if t.store is not None and _collecting is not None and t.store.keeps_files:
+            destination[key + FILES_KEY] = torch.tensor(t.config.num_embeddings, dtype=torch.int64)
+            _collecting.add(f"{collection}.{name}", t.store)
+        elif t.store is not None:
             destination[key + "weight"] = t.store.full_weights()
             for s, v in t.store.full_states().items():
                 destination[key + s] = v
@@ -72,13 +134,30 @@ def load_tables(
         Whether anything was loaded (``False`` when a shape was wrong: nothing is written then).
     """
     expected: Dict[str, Tuple[int, ...]] = {}
+    in_files: List[str] = []  # tables the checkpoint keeps in copies of their store files
+    errors = len(error_msgs)
     for name, t in tables.items():
         dim, n = t.config.embedding_dim, t.config.num_embeddings
-        expected[f"{prefix}{collection}.{name}.weight"] = (n, dim)
+        key = f"{prefix}{collection}.{name}."
+        if key + FILES_KEY in state_dict:
+            in_files.append(name)
+            expected[key + FILES_KEY] = ()
+            if _collecting is None or t.store is None or not t.store.keeps_files:
+                error_msgs.append(
+                    f"{key}{FILES_KEY}: the checkpoint keeps table '{name}' in copies of its disk store files, "
+                    "which only a model whose table is in a disk store (store: disk) loads, through "
+                    "TorchRecStrategy's checkpoint (ckpt_path=...); `export` turns such a checkpoint into full tables"
+                )
+            elif int(state_dict[key + FILES_KEY]) != n:
+                error_msgs.append(
+                    f"{key}{FILES_KEY}: the checkpoint's table '{name}' has {int(state_dict[key + FILES_KEY])} rows, "
+                    f"this model's {n}"
+                )
+            continue
+        expected[key + "weight"] = (n, dim)
         for s, w in optimizer.state_widths(dim).items():
-            expected[f"{prefix}{collection}.{name}.{s}"] = (n, w)
+            expected[f"{key}{s}"] = (n, w)
     expected[prefix + "optimizer_step"] = ()
-    errors = len(error_msgs)
     for key, shape in expected.items():
         if key not in state_dict:
             missing_keys.append(key)
@@ -96,7 +175,9 @@ def load_tables(
     with torch.no_grad():
         for name, t in tables.items():
             key = f"{prefix}{collection}.{name}."
-            if key + "weight" not in state_dict:
+            if (
+                name in in_files or key + "weight" not in state_dict
+            ):  # the caller loads the files (StoreFiles)
                 continue
             widths = optimizer.state_widths(t.config.embedding_dim)
             states = {s: state_dict[key + s] for s in widths if key + s in state_dict}

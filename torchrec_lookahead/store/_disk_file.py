@@ -228,11 +228,7 @@ class DiskFile:
             raise SetupError(f"cannot create disk store '{self.path}' ({e.strerror})") from None
 
     def _free_bytes(self) -> int:
-        try:
-            st = os.statvfs(os.path.dirname(os.path.abspath(self.path)))
-            return int(st.f_bavail * st.f_frsize)
-        except OSError:
-            return -1
+        return _free_bytes(self.path)
 
     # -- positional I/O --------------------------------------------------------------------------------------
     def _read_exact(self, view: memoryview, offset: int) -> None:
@@ -334,6 +330,100 @@ class DiskFile:
                 f"writing the block flags of '{self.path}' failed ({e.strerror})", path=self.path
             ) from None
 
+    # -- copies (checkpoints) ----------------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block on disk."""
+        return self.units_per_block * self.unit_bytes
+
+    def snapshot(self, dst: str) -> None:
+        """Copy this file to ``dst``, durably: the header, the block flags and the blocks on disk (the others stay
+        holes), one block at a time (the caller has written the host tier's dirty rows). Written under a temporary
+        name and renamed, so ``dst`` is whole or absent.
+
+        Raises:
+            StoreError: ``dst`` cannot be written (the disk is full: the free bytes are named).
+        """
+        tmp = dst + ".partial"
+        buf = aligned_buffer(max(self.data_offset, self.block_bytes))
+        view = memoryview(buf)
+        out = -1
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.ftruncate(out, self.size)
+            self._read_exact(view[:PAGE], 0)  # the header
+            _pwrite_all(out, view[:PAGE], 0)
+            _pwrite_all(out, memoryview(self._flags_buf), PAGE)  # the flags of the blocks copied below
+            for block in np.flatnonzero(self.flags).tolist():
+                offset = self.data_offset + block * self.block_bytes
+                self._read_exact(view[: self.block_bytes], offset)
+                _pwrite_all(out, view[: self.block_bytes], offset)
+                os.posix_fadvise(out, offset, self.block_bytes, os.POSIX_FADV_DONTNEED)
+            os.fsync(out)
+            os.close(out)
+            out = -1
+            os.replace(tmp, dst)
+            _fsync_dir(os.path.dirname(os.path.abspath(dst)))
+        except OSError as e:
+            if out >= 0:
+                os.close(out)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            free = _free_bytes(dst)
+            raise StoreError(
+                f"copying disk store '{self.path}' to '{dst}' failed ({e.strerror}; {free:,} bytes free there): the "
+                "store itself is unchanged",
+                path=dst,
+            ) from None
+        finally:
+            view.release()
+
+    def restore(self, src: str) -> None:
+        """Make this file hold what the copy ``src`` (:meth:`snapshot` of a file of this table, size, layout and
+        seed) holds: its blocks and flags (a block ``src`` lacks becomes one not created here), durably.
+
+        Raises:
+            ConfigError: ``src`` is not such a copy (the fields that differ are named); nothing is written then.
+            StoreError: reading ``src`` or writing this file failed.
+        """
+        found = read_header(src)
+        diffs = [
+            f"{k}: copy {found.get(k)!r}, store {v!r}" for k, v in self.meta.items() if found.get(k) != v
+        ]
+        if not diffs and os.path.getsize(src) != self.size:
+            diffs = [f"size: copy {os.path.getsize(src):,} bytes, store {self.size:,}"]
+        if diffs:
+            raise ConfigError(
+                f"'{src}' is not a copy of disk store '{self.path}' ({'; '.join(diffs)}): it was written for another "
+                "table, shard, layout or seed, or is truncated"
+            )
+        buf = aligned_buffer(max(len(self._flags_buf), self.block_bytes))
+        view = memoryview(buf)
+        fd = -1
+        try:
+            fd = os.open(src, os.O_RDONLY)
+            flags = np.zeros(self.num_blocks, dtype=np.uint8)
+            _pread_all(fd, view[: len(self._flags_buf)], PAGE, src)
+            flags[:] = np.frombuffer(buf, dtype=np.uint8, count=self.num_blocks)
+            for block in np.flatnonzero(flags).tolist():
+                offset = self.data_offset + block * self.block_bytes
+                _pread_all(fd, view[: self.block_bytes], offset, src)
+                self._write_exact(view[: self.block_bytes], offset)
+                os.posix_fadvise(fd, offset, self.block_bytes, os.POSIX_FADV_DONTNEED)
+            self.flags[:] = flags
+        except OSError as e:
+            raise StoreError(
+                f"restoring disk store '{self.path}' from '{src}' failed ({e.strerror})", path=self.path
+            ) from None
+        finally:
+            view.release()
+            if fd >= 0:
+                os.close(fd)
+        self.sync()
+        self.write_flags()
+        self.sync()
+
     def sync(self) -> None:
         """Make every write so far durable (fsync)."""
         try:
@@ -354,6 +444,37 @@ class DiskFile:
     def closed(self) -> bool:
         """Whether :meth:`close` ran."""
         return self._fd < 0
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _pread_all(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise StoreError(f"'{path}' ended at byte {offset + done}", path=path)
+        done += n
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        return int(st.f_bavail * st.f_frsize)
+    except OSError:
+        return -1
 
 
 def read_header(path: str) -> Dict[str, Any]:

@@ -511,6 +511,44 @@ class DiskStore(LookaheadReads, _RowStore):
             self._file.write_flags()
             self._file.sync()
 
+    @property
+    def keeps_files(self) -> bool:
+        """A checkpoint keeps a disk store as a copy of its file (:meth:`save_files`)."""
+        return True
+
+    def file_name(self) -> str:
+        """The name of this store's copy in a checkpoint directory (:meth:`save_files`)."""
+        return f"{self.name}.{self._row_offset}.rows"
+
+    def save_files(self, directory: str) -> None:
+        """Write the host tier's dirty rows, then copy the file into ``directory`` as :meth:`file_name`: the
+        header, the block flags and the blocks created (the others stay holes and are created, with the same
+        values, when first read after a restore), one block at a time, durably.
+
+        Raises:
+            StoreError: the copy cannot be written (a full disk: the free bytes are named); the store is unchanged.
+        """
+        self.flush()
+        with self._lock:
+            self._check_open()
+            self._file.snapshot(os.path.join(directory, self.file_name()))
+
+    def load_files(self, directory: str) -> None:
+        """Make the store hold what :meth:`save_files` copied into ``directory``: the copy's blocks and flags,
+        with an empty host tier.
+
+        Raises:
+            ConfigError: the copy is of another table, shard, layout or seed, or is missing; nothing is written.
+            StoreError: reading the copy or writing the file failed.
+        """
+        path = os.path.join(directory, self.file_name())
+        with self._lock:
+            self._check_open()
+            self._file.restore(path)
+            self._tier.clear()
+            self._reset = True
+            self._all_init = bool(self._file.flags.all())
+
     def close(self) -> None:
         """Stop the background reads, flush and close the file; the store cannot be used afterwards
         (idempotent)."""

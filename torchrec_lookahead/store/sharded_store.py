@@ -469,6 +469,19 @@ class RowShardedStore(ShapedStore):
         """Make this rank's shard durable (each rank flushes the shard it serves)."""
         self._local.flush()
 
+    @property
+    def keeps_files(self) -> bool:
+        """Whether the shards are kept as files (the same on every rank)."""
+        return self._local.keeps_files
+
+    def save_files(self, directory: str) -> None:
+        """Copy this rank's shard's files into ``directory`` (no messages; every rank copies its own)."""
+        self._local.save_files(directory)
+
+    def load_files(self, directory: str) -> None:
+        """Load this rank's shard from the copies in ``directory`` (no messages)."""
+        self._local.load_files(directory)
+
     def __repr__(self) -> str:
         return (
             f"RowShardedStore(name={self.name!r}, num_embeddings={self.num_embeddings}, bounds={self._bounds}, "
@@ -486,10 +499,17 @@ class EmptyShardStore(ShapedStore):
     """
 
     def __init__(
-        self, name: str, embedding_dim: int, state_widths: Optional[Mapping[str, int]] = None
+        self,
+        name: str,
+        embedding_dim: int,
+        state_widths: Optional[Mapping[str, int]] = None,
+        keeps_files: bool = False,
     ) -> None:
         widths = {k: int(v) for k, v in (state_widths or {}).items()}
         self._shape = StoreShape(str(name), 0, int(embedding_dim), widths)
+        self._keeps_files = bool(
+            keeps_files
+        )  # as the other shards of its table (disk stores): no file of its own
 
     def _empty(self) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         return self._shape.split(torch.zeros(0, self.row_width))
@@ -517,3 +537,13 @@ class EmptyShardStore(ShapedStore):
 
     def flush(self) -> None:
         """Nothing to flush."""
+
+    @property
+    def keeps_files(self) -> bool:
+        return self._keeps_files
+
+    def save_files(self, directory: str) -> None:
+        """No rows, no file."""
+
+    def load_files(self, directory: str) -> None:
+        """No rows, no file."""

@@ -243,6 +243,26 @@ class EmbeddingStore(abc.ABC):
         """Make every write durable (a no-op for in-memory stores)."""
 
     @property
+    def keeps_files(self) -> bool:
+        """Whether a checkpoint keeps this table as copies of its store files (:meth:`save_files`) instead of
+        its full tensors: a table on disk may be larger than memory. ``False`` here."""
+        return False
+
+    def save_files(self, directory: str) -> None:
+        """Copy this rank's files of the table into ``directory`` (a checkpoint's), durably, holding at most a
+        block of it in memory; the host tier's unwritten rows are written first. Only where :attr:`keeps_files`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no files to copy")
+
+    def load_files(self, directory: str) -> None:
+        """Make this rank's part of the table what :meth:`save_files` copied into ``directory``.
+
+        Raises:
+            ConfigError: the copies are of another table, shard, layout or seed; nothing is written then.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no files to load")
+
+    @property
     def row_width(self) -> int:
         """Number of float32 columns of one stored row: ``D + sum(state_widths)``."""
         return self.embedding_dim + sum(self.state_widths.values())

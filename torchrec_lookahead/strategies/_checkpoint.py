@@ -10,14 +10,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchrec_lookahead.errors import CheckpointError
+from torchrec_lookahead.errors import CheckpointError, ConfigError, StoreError
+from torchrec_lookahead.modules._checkpoint import StoreFiles
 from torchrec_lookahead.store import EmbeddingStore
 
 __all__ = [
     "META_FILE",
+    "STORE_FILES_DIR",
     "WORLD_SIZE_KEY",
     "checkpoint_memory_shortfall",
     "load_sharded",
+    "load_store_files",
     "memory_available",
     "read_checkpoint_meta",
 ]
@@ -26,6 +29,8 @@ __all__ = [
 META_FILE = "meta.pt"
 #: the key of the rank count that wrote the checkpoint, in :data:`META_FILE`
 WORLD_SIZE_KEY = "torchrec_lookahead_world_size"
+#: the sub-directory of a checkpoint holding copies of disk stores' files: ``rank<r>/<collection>.<table>/``
+STORE_FILES_DIR = "stores"
 
 
 def load_sharded(target: Dict[str, Any], path: Path) -> None:
@@ -46,6 +51,23 @@ def load_sharded(target: Dict[str, Any], path: Path) -> None:
             f"checkpoint {path} could not be read ({type(cause).__name__}: {first[:300]}): its shard files are "
             "damaged or incomplete (a truncated .distcp file?), or it was written for another model or "
             "configuration; resume from an intact checkpoint of this configuration"
+        ) from e
+
+
+def load_store_files(files: StoreFiles, path: Path, rank: int) -> None:
+    """Load this rank's tables kept in files from checkpoint ``path`` (see :data:`STORE_FILES_DIR`).
+
+    Raises:
+        CheckpointError: a copy is missing, damaged or of another table, shard, layout or seed.
+    """
+    directory = path / STORE_FILES_DIR / f"rank{rank}"
+    try:
+        files.load(str(directory))
+    except (ConfigError, StoreError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"checkpoint {path}: the copies of the disk stores' files under {directory} could not be loaded "
+            f"({first[:400]}); resume from an intact checkpoint of this configuration"
         ) from e
 
 
@@ -118,9 +140,10 @@ def checkpoint_memory_shortfall(
 ) -> Optional[str]:
     """Why a checkpoint of the cached tables in ``stores`` cannot be held in this machine's memory, or ``None``.
 
-    A checkpoint holds every cached table in full, as a resident model's state dict does: saving copies each
-    table and its optimizer state out of its store (a disk store reads its files), and resuming reads each table
-    into such a copy before loading it into the store; each of the node's ``processes`` ranks holds the whole
+    A checkpoint holds every cached table in full, as a resident model's state dict does, except those it keeps
+    as copies of their store files (:attr:`~torchrec_lookahead.store.EmbeddingStore.keeps_files`: disk stores):
+    saving copies each table and its optimizer state out of its store, and resuming reads each table into such
+    a copy before loading it into the store; each of the node's ``processes`` ranks holds the whole
     tables. The estimate is the tables' bytes plus the largest table's once more (the checkpoint reader's
     buffer), per process, against ``available`` (default :func:`memory_available`).
 
@@ -133,6 +156,7 @@ def checkpoint_memory_shortfall(
         checkpoints hold the cached tables in full: 0.13 MiB per rank (t 0.0648 MiB), 0.0954 MiB available for 1 ...
     """
     available = memory_available() if available is None else available
+    stores = [s for s in stores if not s.keeps_files]  # kept as copies of their files, a block at a time
     if available is None or not stores:
         return None
     sizes = sorted(((s.nbytes, s.name) for s in stores), reverse=True)

@@ -49,12 +49,15 @@ from torchrec_lookahead.distributed import (
 from torchrec_lookahead.distributed._tables import table_configs
 from torchrec_lookahead.distributed.topology import make_topology, sharding_planner
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
+from torchrec_lookahead.modules._checkpoint import StoreFiles, store_files
 from torchrec_lookahead.runtime import CacheSession, LookaheadBatch
 from torchrec_lookahead.strategies._checkpoint import (
     META_FILE,
+    STORE_FILES_DIR,
     WORLD_SIZE_KEY,
     checkpoint_memory_shortfall,
     load_sharded,
+    load_store_files,
     read_checkpoint_meta,
 )
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
@@ -125,6 +128,9 @@ class TorchRecStrategy(DDPStrategy):
         self._plan = plan
         self._init_seed = init_seed
         self._session: Optional[CacheSession] = None
+        self._store_files: Optional[StoreFiles] = (
+            None  # the last checkpoint state dict's tables kept in files
+        )
         self.dmp: Optional[DistributedModelParallel] = None
 
     @classmethod
@@ -470,8 +476,12 @@ class TorchRecStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> Dict[str, Any]:
+        # A checkpoint's state dict: tables in disk stores are copied as files by save_checkpoint, not held.
         assert self.lightning_module is not None
-        return self.lightning_module.state_dict()
+        with store_files() as files:
+            state = self.lightning_module.state_dict()
+        self._store_files = files
+        return state
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
@@ -490,6 +500,9 @@ class TorchRecStrategy(DDPStrategy):
                 path.unlink()
             path.mkdir(parents=True, exist_ok=True)
         self.barrier("torchrec_ckpt_mkdir")
+        files, self._store_files = self._store_files, None
+        if files:  # before the shards: a checkpoint killed while copying lacks .metadata and is refused
+            files.save(str(path / STORE_FILES_DIR / f"rank{self.global_rank}"))
         sharded = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             sharded[f"optimizer_{i}"] = opt_state
@@ -505,20 +518,25 @@ class TorchRecStrategy(DDPStrategy):
         meta = read_checkpoint_meta(path, self.world_size)
         lm = self.lightning_module
         assert lm is not None
-        target: Dict[str, Any] = {"state_dict": lm.state_dict()}
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        for i, opt in enumerate(optimizers):
-            if hasattr(opt, "init_state"):
-                opt.init_state()
-            target[f"optimizer_{i}"] = opt.state_dict()
-        load_sharded(target, path)
-        state = target["state_dict"]
-        for name, child in lm.named_children():
-            prefix = f"{name}."
-            sub = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            if sub:
-                # DistributedModelParallel strips its wrapper prefixes only when it loads its own state.
-                child.load_state_dict(sub, strict=lm.strict_loading)
+        with (
+            store_files() as files
+        ):  # tables in disk stores: loaded from the checkpoint's copies of the files
+            target: Dict[str, Any] = {"state_dict": lm.state_dict()}
+            optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+            for i, opt in enumerate(optimizers):
+                if hasattr(opt, "init_state"):
+                    opt.init_state()
+                target[f"optimizer_{i}"] = opt.state_dict()
+            load_sharded(target, path)
+            state = target["state_dict"]
+            for name, child in lm.named_children():
+                prefix = f"{name}."
+                sub = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+                if sub:
+                    # DistributedModelParallel strips its wrapper prefixes only when it loads its own state.
+                    child.load_state_dict(sub, strict=lm.strict_loading)
+        if files:
+            load_store_files(files, path, self.global_rank)
         for i, opt in enumerate(optimizers):
             opt.load_state_dict(target[f"optimizer_{i}"])
         return meta

@@ -1,0 +1,87 @@
+"""Checkpoints of cached tables: a run whose checkpoints cannot be held in memory is refused before training;
+tables in disk stores are kept as copies of their files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import lightning.pytorch as pl
+import pytest
+
+from torchrec_lookahead.errors import CheckpointError
+from torchrec_lookahead.store import TensorStore
+from torchrec_lookahead.strategies import _checkpoint
+from torchrec_lookahead.strategies._checkpoint import checkpoint_memory_shortfall
+
+from ..helpers import fit_cached
+
+
+def test_the_estimate_counts_every_table_the_largest_twice_and_every_rank_of_the_machine() -> None:
+    stores = [TensorStore(n, 8, {"momentum1": 1}, name=f"t{n}") for n in (100, 300)]
+    need = (100 + 300 + 300) * 9 * 4
+    assert checkpoint_memory_shortfall(stores, available=need) is None
+    assert checkpoint_memory_shortfall(stores, processes=2, available=2 * need) is None
+    message = checkpoint_memory_shortfall(stores, processes=2, available=2 * need - 1)
+    assert message is not None and message.startswith("checkpoints hold the cached tables in full")
+    assert "t300" in message and "2 rank(s)" in message and "enable_checkpointing=false" in message
+    assert checkpoint_memory_shortfall([], available=0) is None
+
+
+class _Steps(pl.Callback):
+    def __init__(self) -> None:
+        self.started: List[int] = []
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        self.started.append(trainer.global_step)
+
+
+def _fit(path: Path, steps: _Steps, store: str, **trainer_kw: Any) -> Any:
+    sharder: Dict[str, Any] = {"store": store}
+    if store == "disk":
+        sharder.update(store_dir=str(path / "stores"), host_budget_bytes=64 * 1024)
+    return fit_cached(path, 3, capacity={"t_cat_2": 140}, sharder_kw=sharder, callbacks=[steps], **trainer_kw)
+
+
+def test_checkpoints_larger_than_memory_are_refused_before_the_first_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpoints on (Lightning's default) and too little memory for the tables in RAM stores: a short
+    CheckpointError before any step, instead of running out of memory at the first checkpoint. Without
+    checkpoints the same run trains; so does it with the tables in disk stores, whose checkpoints keep copies
+    of their files instead (saved at the end of the run here)."""
+    monkeypatch.setattr(_checkpoint, "memory_available", lambda: 1000)
+    steps = _Steps()
+    with pytest.raises(CheckpointError, match="checkpoints hold the cached tables in full") as info:
+        _fit(tmp_path / "refused", steps, "ram")
+    assert steps.started == [] and "t_cat_2" in str(info.value)
+    steps = _Steps()
+    trainer, _ = _fit(tmp_path / "trains", steps, "ram", enable_checkpointing=False)
+    assert trainer.global_step == 3 and steps.started == [0, 1, 2]
+    steps = _Steps()
+    trainer, _ = _fit(tmp_path / "disk", steps, "disk")
+    assert trainer.global_step == 3 and steps.started == [0, 1, 2]
+    saved = list((tmp_path / "disk").glob("**/*.ckpt/stores/rank0/embedding_bags.t_cat_2/t_cat_2.0.rows"))
+    assert len(saved) == 1
+
+
+def test_a_missing_or_foreign_copy_of_a_disk_store_is_a_checkpoint_error(tmp_path: Path) -> None:
+    from torchrec_lookahead.modules._checkpoint import StoreFiles
+    from torchrec_lookahead.store import DiskStore
+    from torchrec_lookahead.strategies._checkpoint import STORE_FILES_DIR, load_store_files
+
+    def store(seed: int) -> DiskStore:
+        return DiskStore(tmp_path / f"s{seed}" / "t.rows", 100, 4, name="t", seed=seed, host_budget_bytes=160,
+                         preallocate=False)  # fmt: skip
+
+    files = StoreFiles()
+    files.add("embedding_bags.t", store(0))
+    with pytest.raises(CheckpointError, match="could not be loaded \\(no disk store at"):
+        load_store_files(files, tmp_path / "ckpt", 0)
+    other = StoreFiles()
+    other.add("embedding_bags.t", store(1))
+    other.save(str(tmp_path / "ckpt" / STORE_FILES_DIR / "rank0"))
+    with pytest.raises(CheckpointError, match="seed: copy 1, store 0"):
+        load_store_files(files, tmp_path / "ckpt", 0)
+    with pytest.raises(CheckpointError, match="two cached tables are named 'embedding_bags.t'"):
+        files.add("embedding_bags.t", store(2))
