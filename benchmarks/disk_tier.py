@@ -20,24 +20,45 @@ read from disk per step and units (4 KiB) read per step for the disk tier, peak 
 reset before each run through ``/proc/self/clear_refs``) against the host budget, and the disk's random
 4 KiB read rate measured in the same process (one and eight reads in flight).
 
+``--replay``: the rows-read figures only, for runs long enough that re-reads dominate. The oracle's plans of the
+job (same capacities, horizon and prefetch depth) are replayed through the disk stores of the four disk runs
+without the model, in the lookahead loader's order: the planner's read hints ``queue_depth`` steps ahead and its
+use hints (the batches it has read) the oracle's horizon further, the stager's gather of step ``t + 2`` after
+the write-back of step ``t`` (``prefetch_depth`` 1), the background reads let finish before each gather. The
+rows read do not depend on the values; no timing is reported. The replay also gives the fewest rows any host
+policy reads at each budget over the same plans (``offline_optimum``: Belady with bypass over the fetch stream,
+the host tier exclusive of the device cache, with the whole future known), so that the policies' figures can be
+read against what is possible.
+
+Rows read from disk are split into first reads (of rows the host tier never held nor read: compulsory under any
+policy) and re-reads, over the whole run and over its second half (``late``: after the first reads of the hot
+rows).
+
 JSON: ``disk_over_ram_samples_per_s`` (25 %), ``disk10_over_ram_samples_per_s``,
-``mmap_over_ram_samples_per_s``, ``random_reads_per_s``, ``rows_read_per_step`` (per host policy and budget:
-``{"lru": {"25": ..., "10": ...}, "lookahead": {...}}``), ``lookahead_over_lru_rows_read`` (per budget),
-``runs``.
+``mmap_over_ram_samples_per_s``, ``random_reads_per_s`` (none with ``--replay``), ``rows_read_per_step``,
+``first_reads_per_step``, ``rereads_per_step`` and ``late_rows_read_per_step``, ``late_rereads_per_step`` (per
+host policy and budget: ``{"lru": {"25": ..., "10": ...}, "lookahead": {...}}``), ``lookahead_over_lru_rows_read``,
+``lookahead_over_lru_rereads``, ``late_lookahead_over_lru_rows_read``, ``late_lookahead_over_lru_rereads`` (per
+budget), ``runs``; with ``--replay``, ``offline_optimum`` (per budget, the same figures),
+``optimum_over_lru_rows_read`` and ``late_optimum_over_lru_rows_read``.
 
     python benchmarks/disk_tier.py [--quick] [--json PATH] [--scale 1.0] [--steps N] [--store-dir DIR]
+    python benchmarks/disk_tier.py --replay --scale 0.05 --steps 3000 [--disk-prefetch-depth 8]
 """
 
 from __future__ import annotations
 
 import gc
+import heapq
 import os
 import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+import lightning.pytorch as pl
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,10 +74,25 @@ from benchmarks._common import (  # noqa: E402
     train,
     write_json,
 )
-from torchrec_lookahead.oracle import OracleConfig, min_capacity  # noqa: E402
+from torchrec_lookahead.oracle import (  # noqa: E402
+    LookaheadOracle,
+    OracleConfig,
+    UnknownFeatures,
+    min_capacity,
+    table_ids,
+)
 from torchrec_lookahead.store import DiskStore  # noqa: E402
 
+HORIZON, PREFETCH_DEPTH, QUEUE_DEPTH = 64, 1, 8  # the lookahead of benchmarks/_common.train and its loader
 ROW_BYTES = (16 + 1) * 4  # a row of the job's tables: 16 floats and row-wise Adagrad's state
+COUNTERS = (
+    "rows_read",
+    "rows_first_read",
+    "unit_reads",
+    "rows_prefetched",
+    "prefetch_discarded",
+    "host_hits",
+)
 
 
 def random_read_rate(directory: str, threads: int, reads: int = 4000) -> float:
@@ -96,6 +132,52 @@ def job(args: Any) -> Any:
     )
 
 
+def disk_stores(stores: Any) -> List[DiskStore]:
+    """The disk stores among ``stores`` (unwrapped)."""
+    out = []
+    for store in stores:
+        inner = getattr(store, "inner", store)
+        if isinstance(inner, DiskStore):
+            out.append(inner)
+    return out
+
+
+def counters(stores: List[DiskStore]) -> Dict[str, int]:
+    """:data:`COUNTERS` summed over ``stores``."""
+    return {k: sum(s.stats()[k] for s in stores) for k in COUNTERS}
+
+
+class Midpoint(pl.Callback):
+    """The disk stores' counters once ``at`` steps are done (the start of the run's second half)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.snapshot: Optional[Dict[str, int]] = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.snapshot is None and trainer.global_step >= self.at:
+            self.snapshot = counters(
+                disk_stores(s for m in trainer.strategy.cached_modules() for s in m.cache.stores.values())
+            )
+
+
+def disk_figures(end: Dict[str, int], mid: Dict[str, int], steps: int, late_steps: int) -> Dict[str, float]:
+    """Per step: rows read (first reads and re-reads), units read, rows prefetched and discarded, host hits over
+    the run; rows read and re-reads over its second half."""
+    late = {k: end[k] - mid[k] for k in end}
+    return {
+        "rows_read_per_step": end["rows_read"] / steps,
+        "first_reads_per_step": end["rows_first_read"] / steps,
+        "rereads_per_step": (end["rows_read"] - end["rows_first_read"]) / steps,
+        "units_read_per_step": end["unit_reads"] / steps,
+        "rows_prefetched_per_step": end["rows_prefetched"] / steps,
+        "prefetch_discarded_per_step": end["prefetch_discarded"] / steps,
+        "host_hits_per_step": end["host_hits"] / steps,
+        "late_rows_read_per_step": late["rows_read"] / late_steps,
+        "late_rereads_per_step": (late["rows_read"] - late["rows_first_read"]) / late_steps,
+    }
+
+
 def host_windows(cli: Any, capacity: Dict[str, int], depth: int) -> Dict[str, int]:
     """The rows of each cached table's largest host window (a batch and the next ``depth``) over the job's
     batches: the least its host tier may hold."""
@@ -103,6 +185,35 @@ def host_windows(cli: Any, capacity: Dict[str, int], depth: int) -> Dict[str, in
     cli.datamodule.setup("fit")
     stream = (b.sparse_features for b in cli.datamodule.train_dataloader())
     return min_capacity(stream, depth, OracleConfig(capacity=capacity, feature_to_table=f2t))
+
+
+def host_budgets(
+    name: str, rows: Dict[str, int], windows: Dict[str, int]
+) -> Tuple[Dict[str, int], List[str]]:
+    """Run ``name``'s (``disk_<pct>[_lookahead]``) host bytes per cached table (``rows``): its share of the
+    percentage, raised to its host window where below; and the tables raised."""
+    share = {t: n * ROW_BYTES * int(name.split("_")[1]) // 100 for t, n in rows.items()}
+    budgets = {t: max(share[t], windows[t] * ROW_BYTES) for t in rows}
+    return budgets, sorted(t for t in rows if budgets[t] > share[t])
+
+
+def disk_kwargs(
+    name: str, args: Any, rows: Dict[str, int], windows: Dict[str, int]
+) -> Tuple[int, Dict[str, Any], List[str]]:
+    """The host budget, the sharder's disk options of run ``name`` (``disk_<pct>[_lookahead]``) and the tables
+    whose share was raised to their host window."""
+    budgets, raised = host_budgets(name, rows, windows)
+    kwargs: Dict[str, Any] = {"store": "disk", "host_budget_bytes": budgets}
+    if name.endswith("_lookahead"):
+        kwargs["disk_options"] = {"host_policy": "lookahead", "disk_prefetch_depth": args.disk_prefetch_depth}
+    return sum(budgets.values()), kwargs, raised
+
+
+NO_DISK = dict.fromkeys(
+    ("rows_read_per_step", "first_reads_per_step", "rereads_per_step", "units_read_per_step",
+     "rows_prefetched_per_step", "prefetch_discarded_per_step", "host_hits_per_step", "late_rows_read_per_step",
+     "late_rereads_per_step"),
+)  # fmt: skip
 
 
 def run(
@@ -115,44 +226,27 @@ def run(
     budget: Optional[int] = None
     raised: List[str] = []
     if name.startswith("disk"):
-        share = {t: rows[t] * ROW_BYTES * int(name.split("_")[1]) // 100 for t in capacity}
-        budgets = {t: max(share[t], windows[t] * ROW_BYTES) for t in capacity}
-        raised = sorted(t for t in capacity if budgets[t] > share[t])
-        budget = sum(budgets.values())
-        kwargs = {"store": "disk", "host_budget_bytes": budgets}
-        if name.endswith("_lookahead"):
-            kwargs["disk_options"] = {
-                "host_policy": "lookahead",
-                "disk_prefetch_depth": args.disk_prefetch_depth,
-            }
+        budget, kwargs, raised = disk_kwargs(name, args, {t: rows[t] for t in capacity}, windows)
     elif name == "mmap":
         kwargs = {"store": "mmap"}
+    steps = args.steps + args.warmup + 1
+    mid = Midpoint(steps // 2)
     gc.collect()
     reset_peak_rss()
     rss0 = proc_status("VmRSS")
-    out = train(cli, capacity, steps=args.steps, warmup=args.warmup,
+    out = train(cli, capacity, steps=args.steps, warmup=args.warmup, callbacks=[mid],
                 store_dir=directory if name != "ram" else None, sharder_kwargs=kwargs)  # fmt: skip
     peak = proc_status("VmHWM")
-    steps = args.steps + args.warmup + 1
-    read = units = prefetched = discarded = hits = 0
-    for m in out["strategy"].cached_modules():
-        for store in m.cache.stores.values():
-            inner = getattr(store, "inner", store)
-            if isinstance(inner, DiskStore):
-                read += inner.stats()["rows_read"]
-                units += inner.stats()["unit_reads"]
-                prefetched += inner.stats()["rows_prefetched"]
-                discarded += inner.stats()["prefetch_discarded"]
-                hits += inner.stats()["host_hits"]
+    disk = NO_DISK
+    if name.startswith("disk"):
+        stores = disk_stores(s for m in out["strategy"].cached_modules() for s in m.cache.stores.values())
+        end = counters(stores)
+        disk = disk_figures(end, mid.snapshot or end, steps, steps - steps // 2)
     figures = {
         "run": name,
         "samples_per_s": out["samples_per_s"],
         "step_ms": out["step_ms"],
-        "rows_read_per_step": read / steps if name.startswith("disk") else None,
-        "units_read_per_step": units / steps if name.startswith("disk") else None,
-        "rows_prefetched_per_step": prefetched / steps if name.startswith("disk") else None,
-        "prefetch_discarded_per_step": discarded / steps if name.startswith("disk") else None,
-        "host_hits_per_step": hits / steps if name.startswith("disk") else None,
+        **disk,
         "host_budget_mib": budget / 2**20 if budget else None,
         "host_budget_raised": raised,
         "peak_rss_gib": peak / 2**30,
@@ -162,6 +256,194 @@ def run(
     gc.collect()
     shutil.rmtree(directory, ignore_errors=True)
     return figures
+
+
+def job_plans(
+    args: Any, capacity: Dict[str, int]
+) -> Tuple[Dict[str, int], List[Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]]]]:
+    """The job's table rows and, per step, each cached table's (fetched ids, evicted ids) as the lookahead loader's
+    oracle plans them, and the ids the step's batch looks up (``steps + warmup + 1`` steps, as a training run)."""
+    cli = job(args)
+    dm = cli.datamodule
+    rows = {f"t_{f}": int(n) for f, n in dm.num_embeddings_per_feature.items()}
+    f2t = {f: f"t_{f}" for f in dm.num_embeddings_per_feature if f"t_{f}" in capacity}
+    oracle = LookaheadOracle(
+        OracleConfig(capacity=dict(capacity), feature_to_table=f2t, horizon=HORIZON, prefetch_depth=PREFETCH_DEPTH,
+                     policy="belady", unknown_features=UnknownFeatures.IGNORE,
+                     num_embeddings={t: rows[t] for t in capacity})
+    )  # fmt: skip
+    steps = args.steps + args.warmup + 1
+    plans: List[Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
+    uses: List[Dict[str, np.ndarray]] = []
+
+    def take(batch_plans: Any) -> None:
+        for p in batch_plans:
+            used = uses[len(plans)]
+            plans.append(
+                {
+                    t: (tp.fetch_ids.numpy().copy(), tp.evict_ids.numpy().copy(), used[t])
+                    for t, tp in p.tables.items()
+                }
+            )
+
+    dm.setup("fit")
+    for i, b in enumerate(dm.train_dataloader()):
+        if i >= steps:
+            break
+        ids = table_ids(b.sparse_features, f2t, sorted(capacity), unknown=UnknownFeatures.IGNORE)
+        uses.append({t: np.unique(v.numpy()) for t, v in ids.items()})
+        take(oracle.feed(b.sparse_features))
+    take(oracle.finish())
+    return {t: rows[t] for t in capacity}, plans[:steps]
+
+
+def replay(
+    name: str, args: Any, rows: Dict[str, int], windows: Dict[str, int], plans: List[Any], base: str
+) -> Dict[str, Any]:
+    """Run ``name``'s disk stores through ``plans`` in the lookahead loader's order, without the model; its
+    rows-read figures."""
+    directory = tempfile.mkdtemp(prefix=f"{name}_", dir=base)
+    budget, kwargs, raised = disk_kwargs(name, args, rows, windows)
+    options = kwargs.get("disk_options", {})
+    stores = {
+        t: DiskStore(os.path.join(directory, f"{t}.rows"), n, 16, {"momentum1": 1}, name=t, seed=0,
+                     host_budget_bytes=kwargs["host_budget_bytes"][t], **options)
+        for t, n in rows.items()
+    }  # fmt: skip
+    depth = options.get("disk_prefetch_depth", 0)
+    queue_depth = max(QUEUE_DEPTH, PREFETCH_DEPTH + 2, depth + 2)
+    steps = len(plans)
+    lead = PREFETCH_DEPTH + 1  # the stager gathers step t + lead after the write-back of step t
+
+    def hint(step: int) -> None:
+        if step < steps:
+            for t, (fetch, _, _) in plans[step].items():
+                if fetch.size:
+                    stores[t].plan_reads(step, torch.from_numpy(fetch))
+
+    def hint_uses(step: int) -> None:  # the planner reads a batch the oracle's horizon before its plan
+        if step < steps:
+            for t, (_, _, used) in plans[step].items():
+                if used.size:
+                    stores[t].plan_uses(step, torch.from_numpy(used))
+
+    mid: Dict[str, int] = {}
+
+    def gather(step: int) -> None:
+        if step >= steps:
+            return
+        if step == steps // 2:  # the second half: the gathers from here on
+            mid.update(counters(list(stores.values())))
+        for t, (fetch, _, _) in plans[step].items():
+            store = stores[t]
+            store.at_step(step)
+            if depth:
+                wait_idle(store)
+            if fetch.size:
+                store.gather(torch.from_numpy(fetch))
+
+    t0 = time.perf_counter()
+    for step in range(min(queue_depth + 1, steps)):
+        hint(step)
+    for step in range(min(queue_depth + HORIZON + 1, steps)):
+        hint_uses(step)
+    for step in range(min(lead, steps)):
+        gather(step)
+    for step in range(steps):
+        for t, (_, evict, _) in plans[step].items():
+            if evict.size:
+                n = evict.size
+                stores[t].write_back(
+                    torch.from_numpy(evict), torch.zeros(n, 16), {"momentum1": torch.zeros(n, 1)}
+                )
+        hint(step + queue_depth + 1)
+        hint_uses(step + queue_depth + HORIZON + 1)
+        gather(step + lead)
+    end = counters(list(stores.values()))
+    for store in stores.values():
+        store.close()
+    shutil.rmtree(directory, ignore_errors=True)
+    return {
+        "run": name,
+        "replay_s": time.perf_counter() - t0,
+        **disk_figures(end, mid or end, steps, steps - steps // 2),
+        "host_budget_mib": budget / 2**20,
+        "host_budget_raised": raised,
+    }
+
+
+def offline_optimum(
+    rows: Dict[str, int],
+    plans: List[Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]]],
+    capacity: Dict[str, int],
+) -> Dict[str, float]:
+    """The fewest rows any host policy of ``capacity`` rows per table reads over ``plans`` (the replay's order:
+    the write-backs of step ``t``, then the gather of step ``t + 2``): first reads, and re-reads of the offline
+    optimum, Belady with bypass over the fetch stream with the host tier exclusive of the device cache. A row
+    written back is worth keeping until its next fetch and only then (the device cache's write-back replaces any
+    copy it gathered); keeping the most such rows within the capacity at every instant is interval selection,
+    which taking the write-backs in order and dropping the row fetched furthest ahead whenever the rows kept
+    overflow solves exactly. Reads happen at the gather (a prefetch would hold its rows longer). Per step, over
+    the run and its second half, as :func:`disk_figures`."""
+    steps = len(plans)
+    mid = steps // 2
+    first = reread = late_first = late_reread = 0
+    for t, n in rows.items():
+        cap = capacity[t]
+        fetch = [p[t][0].astype(np.int64) if t in p else np.empty(0, np.int64) for p in plans]
+        evict = [p[t][1].astype(np.int64) if t in p else np.empty(0, np.int64) for p in plans]
+        keys = np.sort(np.concatenate([f * steps + i for i, f in enumerate(fetch)]))  # id * steps + step
+        seen = np.zeros(n, dtype=bool)
+        ending = np.zeros(steps + 1, dtype=np.int64)  # rows kept until their next fetch, by that step
+        heap: List[int] = []  # -(next fetch * n + id) of the rows kept (and, lazily, of rows fetched since)
+        kept = 0
+        for s in range(-PREFETCH_DEPTH - 1, steps):
+            if s >= 0 and evict[s].size:
+                ids = evict[s]
+                pos = np.searchsorted(keys, ids * steps + s + 1)
+                k = keys[np.minimum(pos, keys.size - 1)]
+                again = (pos < keys.size) & (
+                    k // steps == ids
+                )  # a row fetched never again is not worth a slot
+                ends = k[again] % steps
+                for e, i in zip(ends.tolist(), ids[again].tolist()):
+                    heapq.heappush(heap, -(e * n + i))
+                np.add.at(ending, ends, 1)
+                kept += int(again.sum())
+                while kept > cap:  # drop the row fetched furthest ahead: it is read again then
+                    e = -heapq.heappop(heap) // n
+                    if e <= s + PREFETCH_DEPTH:
+                        continue  # fetched already
+                    ending[e] -= 1
+                    kept -= 1
+                    reread += 1
+                    late_reread += e >= mid
+                if len(heap) > 4 * max(kept, 1024):
+                    heap = [x for x in heap if -x // n > s + PREFETCH_DEPTH]
+                    heapq.heapify(heap)
+            g = s + PREFETCH_DEPTH + 1  # the gather after this write-back
+            if 0 <= g < steps:
+                new = int((~seen[fetch[g]]).sum())
+                seen[fetch[g]] = True
+                first += new
+                late_first += new if g >= mid else 0
+                kept -= int(ending[g])
+                ending[g] = 0
+    late = steps - mid
+    return {
+        "rows_read_per_step": (first + reread) / steps,
+        "first_reads_per_step": first / steps,
+        "rereads_per_step": reread / steps,
+        "late_rows_read_per_step": (late_first + late_reread) / late,
+        "late_rereads_per_step": late_reread / late,
+    }
+
+
+def wait_idle(store: DiskStore) -> None:
+    """Until the store's background thread has read every step it may read now (deterministic counts)."""
+    with store._wake:
+        while not (store._next_prefetch() is None and store._written is None):
+            store._wake.wait(timeout=0.01)
 
 
 def main() -> None:
@@ -176,14 +458,21 @@ def main() -> None:
         "--disk-prefetch-depth", type=int, default=8, help="steps ahead the lookahead policy reads"
     )
     p.add_argument("--store-dir", default=None, help="directory of the store files (default: the temp dir)")
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="rows-read figures only: the plans replayed through the disk stores without the model (no timing)",
+    )
     args = p.parse_args()
     quiet()
     args.scale = args.scale if args.scale is not None else (0.05 if args.quick else 1.0)
     args.steps = args.steps if args.steps is not None else (10 if args.quick else 60)
     min_cached = max(1000, int(args.min_cached_rows * args.scale))
     base = tempfile.mkdtemp(prefix="disk_tier_", dir=args.store_dir)
+    disk_runs = ("disk_25", "disk_10", "disk_25_lookahead", "disk_10_lookahead")
+    rates: Dict[str, float] = {}
+    optimum: Dict[str, Dict[str, float]] = {}
     try:
-        rates = {f"{t}_in_flight": random_read_rate(base, t, 2000 if args.quick else 8000) for t in (1, 8)}
         cli = job(args)
         capacity, _ = capacities(cli.datamodule, 0.01, min_cached)
         rows = {f"t_{f}": int(n) for f, n in cli.datamodule.num_embeddings_per_feature.items()}
@@ -191,43 +480,77 @@ def main() -> None:
         bsz = batch_size(cli.datamodule)
         windows = host_windows(cli, capacity, args.disk_prefetch_depth)
         del cli
-        runs: List[Dict[str, Any]] = [
-            run(n, args, capacity, rows, windows, base)
-            for n in ("ram", "disk_25", "disk_10", "disk_25_lookahead", "disk_10_lookahead", "mmap")
-        ]
+        if args.replay:
+            table_rows, plans = job_plans(args, capacity)
+            runs: List[Dict[str, Any]] = [
+                replay(n, args, table_rows, windows, plans, base) for n in disk_runs
+            ]
+            for pct in ("25", "10"):
+                budgets, _ = host_budgets(f"disk_{pct}", table_rows, windows)
+                cap = {t: min(budgets[t] // ROW_BYTES, n) for t, n in table_rows.items()}
+                optimum[pct] = offline_optimum(table_rows, plans, cap)
+        else:
+            rates = {
+                f"{t}_in_flight": random_read_rate(base, t, 2000 if args.quick else 8000) for t in (1, 8)
+            }
+            runs = [run(n, args, capacity, rows, windows, base) for n in ("ram", *disk_runs, "mmap")]
     finally:
         shutil.rmtree(base, ignore_errors=True)
     by = {r["run"]: r for r in runs}
-    ram = by["ram"]["samples_per_s"]
-    print(f"disk tier vs RAM: scale {args.scale} ({sum(rows.values()):,} rows; cached tables {store_bytes / 2**20:.0f} "
-          f"MiB with their state), batch {bsz}, {args.steps} timed steps; {machine()['cpu']}")  # fmt: skip
+    print(f"disk tier{' (replay)' if args.replay else ' vs RAM'}: scale {args.scale} ({sum(rows.values()):,} rows; "
+          f"cached tables {store_bytes / 2**20:.0f} MiB with their state), batch {bsz}, {args.steps} timed steps; "
+          f"{machine()['cpu']}")  # fmt: skip
     print(table(runs))
-    print("random 4 KiB reads/s:", {k: round(v) for k, v in rates.items()})
-    rows_read = {
-        pol: {
-            b: by[f"disk_{b}" + ("" if pol == "lru" else "_lookahead")]["rows_read_per_step"]
+    if rates:
+        print("random 4 KiB reads/s:", {k: round(v) for k, v in rates.items()})
+
+    def per_policy(key: str) -> Dict[str, Dict[str, float]]:
+        return {
+            pol: {b: by[f"disk_{b}" + ("" if pol == "lru" else "_lookahead")][key] for b in ("25", "10")}
+            for pol in ("lru", "lookahead")
+        }
+
+    def ratio(fig: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+        return {b: fig["lookahead"][b] / max(fig["lru"][b], 1e-9) for b in ("25", "10")}
+
+    figs = {k: per_policy(k) for k in
+            ("rows_read_per_step", "first_reads_per_step", "rereads_per_step", "late_rows_read_per_step",
+             "late_rereads_per_step")}  # fmt: skip
+    ratios = {
+        "lookahead_over_lru_rows_read": ratio(figs["rows_read_per_step"]),
+        "lookahead_over_lru_rereads": ratio(figs["rereads_per_step"]),
+        "late_lookahead_over_lru_rows_read": ratio(figs["late_rows_read_per_step"]),
+        "late_lookahead_over_lru_rereads": ratio(figs["late_rereads_per_step"]),
+    }
+    if optimum:
+        ratios["optimum_over_lru_rows_read"] = {
+            b: optimum[b]["rows_read_per_step"] / figs["rows_read_per_step"]["lru"][b] for b in ("25", "10")
+        }
+        ratios["late_optimum_over_lru_rows_read"] = {
+            b: optimum[b]["late_rows_read_per_step"] / figs["late_rows_read_per_step"]["lru"][b]
             for b in ("25", "10")
         }
-        for pol in ("lru", "lookahead")
+    for k, v in {**figs, "offline_optimum": optimum, **ratios}.items():
+        print(f"{k}: {v}")
+    out: Dict[str, Any] = {
+        "machine": machine(),
+        "scale": args.scale,
+        "steps": args.steps,
+        "replay": args.replay,
+        "disk_prefetch_depth": args.disk_prefetch_depth,
+        "cached_store_bytes": store_bytes,
     }
-    ratio = {b: rows_read["lookahead"][b] / max(rows_read["lru"][b], 1e-9) for b in ("25", "10")}
-    print("rows read from disk per step:", rows_read, "lookahead / lru:", ratio)
-    write_json(
-        args.json,
-        {
-            "machine": machine(),
-            "scale": args.scale,
-            "steps": args.steps,
-            "cached_store_bytes": store_bytes,
-            "disk_over_ram_samples_per_s": by["disk_25"]["samples_per_s"] / ram,
-            "disk10_over_ram_samples_per_s": by["disk_10"]["samples_per_s"] / ram,
-            "mmap_over_ram_samples_per_s": by["mmap"]["samples_per_s"] / ram,
-            "random_reads_per_s": rates,
-            "rows_read_per_step": rows_read,
-            "lookahead_over_lru_rows_read": ratio,
-            "runs": runs,
-        },
-    )
+    if not args.replay:
+        ram = by["ram"]["samples_per_s"]
+        out.update(
+            disk_over_ram_samples_per_s=by["disk_25"]["samples_per_s"] / ram,
+            disk10_over_ram_samples_per_s=by["disk_10"]["samples_per_s"] / ram,
+            mmap_over_ram_samples_per_s=by["mmap"]["samples_per_s"] / ram,
+            random_reads_per_s=rates,
+        )
+    if optimum:
+        out["offline_optimum"] = optimum
+    write_json(args.json, {**out, **figs, **ratios, "runs": runs})
 
 
 if __name__ == "__main__":

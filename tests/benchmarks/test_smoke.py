@@ -281,6 +281,10 @@ def check_disk_tier(f: Dict[str, Any]) -> None:
         r = runs[name]
         assert positive(r["rows_read_per_step"]) and positive(r["units_read_per_step"])
         assert finite(r["host_hits_per_step"]) and r["host_hits_per_step"] >= 0, r
+        # every row read is a first read or a re-read
+        assert close(r["first_reads_per_step"] + r["rereads_per_step"], r["rows_read_per_step"]), r
+        assert r["rereads_per_step"] >= 0 and finite(r["late_rows_read_per_step"]), r
+        assert 0 <= r["late_rereads_per_step"] <= r["late_rows_read_per_step"] + 1e-9, r
         # a prefetch's rows are read from disk (counted in rows_read), then kept or discarded
         kept, dropped = r["rows_prefetched_per_step"], r["prefetch_discarded_per_step"]
         assert 0 <= kept and 0 <= dropped and kept + dropped <= r["rows_read_per_step"] + 1e-9, r
@@ -298,6 +302,13 @@ def check_disk_tier(f: Dict[str, Any]) -> None:
         assert close(
             f["lookahead_over_lru_rows_read"][pct], ahead["rows_read_per_step"] / lru["rows_read_per_step"]
         )
+    for key in ("rereads", "late_rows_read", "late_rereads"):
+        fig, ratio = f[f"{key}_per_step"], f[f"lookahead_over_lru_{key}"] if key == "rereads" else None
+        for pct in ("25", "10"):
+            assert fig["lru"][pct] == runs[f"disk_{pct}"][f"{key}_per_step"]
+            assert fig["lookahead"][pct] == runs[f"disk_{pct}_lookahead"][f"{key}_per_step"]
+            if ratio is not None:
+                assert close(ratio[pct], fig["lookahead"][pct] / max(fig["lru"][pct], 1e-9))
     assert runs["ram"]["rows_read_per_step"] is None and runs["mmap"]["rows_read_per_step"] is None
     assert positive(f["random_reads_per_s"]["1_in_flight"]) and positive(
         f["random_reads_per_s"]["8_in_flight"]

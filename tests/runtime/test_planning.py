@@ -70,3 +70,31 @@ def test_the_planner_builds_each_kernels_exchange_index_with_the_lrpp_plan():
 
 def test_without_kernels_to_index_the_plan_carries_none():
     assert all(b.lrpp is not None and b.lrpp.exchange == {} for b in _planned((), 0))
+
+
+class _UsesStore(TensorStore):
+    """A store that ranks its rows by the ids each batch looks up (as a lookahead disk store): records them."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(30, 4, {}, name=name, seed=0)
+        self.uses: list = []
+
+    @property
+    def uses_hints(self) -> bool:
+        return True
+
+    def plan_uses(self, step: int, ids: torch.Tensor) -> None:
+        self.uses.append((step, sorted(set(ids.tolist()))))
+
+
+def test_the_planner_tells_the_stores_that_rank_by_uses_which_ids_each_batch_looks_up():
+    """As it reads each batch (the oracle's horizon before its plan), in step order, only the stores asking."""
+    stores = {"t": _UsesStore("t"), "u": TensorStore(30, 4, {}, name="u", seed=0)}
+    target = CacheTarget({"t": 24, "u": 24}, {"f": "t", "g": "u"}, {"t": 30, "u": 30}, stores)
+    planner = StepPlanner(target, {"capacity": {"t": 24, "u": 24}, "horizon": 3}, None)
+    batches = _global_batches(5, 8)
+    for i, b in enumerate(batches):
+        planner.feed(b)
+        assert [s for s, _ in stores["t"].uses] == list(range(i + 1))  # before the batch's plan is ready
+    planner.finish()
+    assert stores["t"].uses == [(i, sorted(set(b["f"].values().tolist()))) for i, b in enumerate(batches)]

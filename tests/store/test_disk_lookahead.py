@@ -1,11 +1,12 @@
-"""DiskStore's lookahead host policy: equal to TensorStore whatever the hints (right, wrong, extra, late), the
-host budget respected, fewer rows read from disk than the LRU policy on a stream with reuse, options refused."""
+"""DiskStore's lookahead host policy: equal to TensorStore whatever the hints (right, wrong, extra, late) and under
+a device cache's traffic, the host budget respected, no more rows read from disk than the LRU policy under a
+cache and fewer re-reads where keeping the host tier exclusive of the device cache wins, options refused."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -92,30 +93,128 @@ def test_equals_tensor_store_whatever_the_hints(tmp_path: Path, budget_rows: int
     again.close()
 
 
-def _reads(tmp_path: Path, policy: str, budget_rows: int) -> int:
-    """Rows read from disk over a stream with reuse, gathers and write-backs as a cache makes them."""
-    disk = _disk(tmp_path / f"{policy}.rows", budget_rows, host_policy=policy, disk_prefetch_depth=8)
-    stream = _stream(80, seed=3)
-    depth = 8
-    for ahead in range(min(depth + 1, len(stream))):
-        disk.plan_reads(ahead, stream[ahead])
-    for step, ids in enumerate(stream):
-        if step + depth + 1 < len(stream):
-            disk.plan_reads(step + depth + 1, stream[step + depth + 1])
+def _device_plans(stream: List[torch.Tensor], capacity: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Per step, the (fetched, evicted) ids of an LRU device cache of ``capacity`` rows over ``stream``: the
+    traffic a host tier sees under a cache (every row the cache evicts is written back)."""
+    cached: Dict[int, None] = {}  # insertion order: least recently used first
+    plans = []
+    for ids in stream:
+        uniq = torch.unique(ids).tolist()
+        now = set(uniq)
+        for i in uniq:
+            if i in cached:
+                cached[i] = cached.pop(i)
+        fetch = [i for i in uniq if i not in cached]
+        over = len(cached) + len(fetch) - capacity
+        evict = [i for i in cached if i not in now][: max(over, 0)]
+        for i in evict:
+            del cached[i]
+        cached.update(dict.fromkeys(fetch))
+        plans.append((torch.tensor(fetch, dtype=torch.long), torch.tensor(evict, dtype=torch.long)))
+    return plans
+
+
+def _run_cache(
+    tmp_path: Path,
+    policy: str,
+    budget_rows: int,
+    plans: List[Tuple[torch.Tensor, torch.Tensor]],
+    lead: int = 8,
+    uses: Optional[List[torch.Tensor]] = None,
+    uses_lead: int = 0,
+) -> Dict[str, int]:
+    """Drive a disk store as a device cache does (write-backs of step ``t``'s evictions, then its gather; hints
+    ``lead`` steps ahead, and with ``uses`` each step's looked-up ids ``uses_lead`` steps ahead, as the planner
+    reads batches; every row updated at every step it is cached for), checking every gathered value and the
+    final tables against a TensorStore driven alike. Returns the disk store's counters."""
+    disk = _disk(tmp_path / f"{policy}.rows", budget_rows, host_policy=policy, disk_prefetch_depth=lead)
+    ref = TensorStore(N, D, WIDTHS, name="t", seed=5, chunk_rows=INIT_BLOCK_ROWS)
+    device: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def write_back(store: Any, ids: torch.Tensor) -> None:
+        w = torch.stack([device[i][0] for i in ids.tolist()])
+        m1 = torch.stack([device[i][1] for i in ids.tolist()])
+        m2 = torch.stack([device[i][2] for i in ids.tolist()])
+        store.write_back(ids, w, {"momentum1": m1, "momentum2": m2})
+
+    for ahead in range(min(lead, len(plans))):
+        disk.plan_reads(ahead, plans[ahead][0])
+    for ahead in range(1, min(uses_lead, len(plans))) if uses else ():
+        disk.plan_uses(ahead, uses[ahead])
+    for step, (fetch, evict) in enumerate(plans):
+        if step + lead < len(plans):
+            disk.plan_reads(step + lead, plans[step + lead][0])
+        if uses and step + uses_lead < len(plans):
+            disk.plan_uses(step + uses_lead, uses[step + uses_lead])
+        if evict.numel():
+            write_back(disk, evict)
+            write_back(ref, evict)
+            for i in evict.tolist():
+                del device[i]
         disk.at_step(step)
         if policy == "lookahead":
             _wait_idle(disk)
-        disk.gather(ids)
-    reads = disk.stats()["rows_read"]
-    assert disk.stats()["host_rows"] <= disk.host_capacity
+        if fetch.numel():
+            (w, s), (rw, rs) = disk.gather(fetch), ref.gather(fetch)
+            assert torch.equal(w, rw) and all(torch.equal(s[k], rs[k]) for k in rs), step
+            for j, i in enumerate(fetch.tolist()):
+                device[i] = (w[j].clone(), s["momentum1"][j].clone(), s["momentum2"][j].clone())
+        for i, (w_i, m1, m2) in device.items():  # a training step: every cached row changes
+            device[i] = (w_i + 0.5 * (i % 7) - 1.0, m1 + 0.25, m2 * 0.5 + step)
+        assert disk.stats()["host_rows"] <= disk.host_capacity
+    ids = torch.tensor(sorted(device), dtype=torch.long)
+    write_back(disk, ids)
+    write_back(ref, ids)
+    assert torch.equal(disk.full_weights(), ref.full_weights())
+    sa, sb = disk.full_states(), ref.full_states()
+    assert all(torch.equal(sa[k], sb[k]) for k in sb)
+    stats = disk.stats()
     disk.close()
-    return reads
+    return stats
 
 
-def test_lookahead_reads_fewer_rows_than_lru_at_the_same_memory(tmp_path: Path) -> None:
-    lru = _reads(tmp_path, "lru", 800)
-    ahead = _reads(tmp_path, "lookahead", 800)
-    assert ahead <= 0.9 * lru, (ahead, lru)  # 7835 against 9027 rows
+def test_lookahead_reads_no_more_rows_than_lru_under_a_cache(tmp_path: Path) -> None:
+    plans = _device_plans(_stream(80, seed=3), capacity=500)
+    lru = _run_cache(tmp_path, "lru", 800, plans)
+    ahead = _run_cache(tmp_path, "lookahead", 800, plans)
+    assert lru["rows_first_read"] == ahead["rows_first_read"]  # compulsory under both
+    assert ahead["rows_read"] <= lru["rows_read"], (ahead, lru)
+    assert ahead["rows_reread"] < lru["rows_reread"], (ahead, lru)
+
+
+def test_lookahead_keeps_the_rows_the_device_cache_does_not_hold(tmp_path: Path) -> None:
+    """A cycle over 500 rows, 50 a step, under a device cache of two steps' rows and a host tier of 460: LRU
+    keeps the rows the device cache holds too and re-reads nearly every row of every cycle; exclusive of the device
+    cache, the host tier holds every other row of the cycle and re-reads none."""
+    steps, rows = 40, 50
+    stream = [torch.arange((s % 10) * rows, (s % 10 + 1) * rows) for s in range(steps)]
+    plans = _device_plans(stream, capacity=2 * rows)
+    lru = _run_cache(tmp_path, "lru", 460, plans)
+    ahead = _run_cache(tmp_path, "lookahead", 460, plans)
+    assert lru["rows_first_read"] == ahead["rows_first_read"] == 500
+    assert lru["rows_reread"] >= 0.9 * (steps - 10) * rows, lru  # a cycle longer than the tier: LRU misses
+    assert ahead["rows_reread"] == 0, ahead
+
+
+def test_use_hints_keep_the_rows_a_batch_past_the_read_hints_looks_up(tmp_path: Path) -> None:
+    """Group x is fetched again and again (popular), group y once; then fresh groups flow through a host tier of
+    four groups (two of them for the rows read ahead), and y is looked up again, past the read hints (2 steps) but
+    within the use hints (30 steps): ranked by popularity the host tier keeps x, which is never used again, and
+    re-reads y; told the uses, it keeps y and re-reads nothing."""
+    rows = 50
+    group = {name: torch.arange(i * rows, (i + 1) * rows) for i, name in enumerate(("x", "y"))}
+    fresh = [torch.arange((2 + i) * rows, (3 + i) * rows) for i in range(40)]
+    stream = []
+    for i in range(
+        6
+    ):  # x every third step: evicted from the two-group device cache and fetched again each time
+        stream += [group["x"], fresh[2 * i], fresh[2 * i + 1]]
+    stream += [group["y"], *fresh[12:24], group["y"]]
+    plans = _device_plans(stream, capacity=2 * rows)
+    without = _run_cache(tmp_path / "a", "lookahead", 4 * rows, plans, lead=2)
+    told = _run_cache(tmp_path / "b", "lookahead", 4 * rows, plans, lead=2, uses=stream, uses_lead=30)
+    assert without["rows_first_read"] == told["rows_first_read"]
+    assert told["rows_reread"] + rows <= without["rows_reread"], (told, without)
 
 
 def test_prefetched_rows_are_host_hits(tmp_path: Path) -> None:

@@ -350,6 +350,13 @@ class WriterFilteredStore(EmbeddingStore):
     def plan_reads(self, step: int, ids: torch.Tensor) -> None:
         self.inner.plan_reads(step, ids)
 
+    @property
+    def uses_hints(self) -> bool:
+        return self.inner.uses_hints
+
+    def plan_uses(self, step: int, ids: torch.Tensor) -> None:
+        self.inner.plan_uses(step, ids)
+
     def at_step(self, step: int) -> None:
         self.inner.at_step(step)
 

@@ -1,6 +1,6 @@
 """The planner thread's work on one batch (:class:`StepPlanner`): the oracle's plan (lifted over pinned rows),
-the stores' read hints, the ids remapped to cache slots and, with several ranks, the step's LRPP plan (with the
-id part of each kernel's backward exchange, :meth:`~torchrec_lookahead.distributed.lrpp.LRPPPlan.with_exchanges`)
+the stores' read and use hints, the ids remapped to cache slots and, with several ranks, the step's LRPP plan (with
+the id part of each kernel's backward exchange, :meth:`~torchrec_lookahead.distributed.lrpp.LRPPPlan.with_exchanges`)
 and this rank's slice of the global batch. :meth:`LookaheadLoader._plan_stream
 <torchrec_lookahead.runtime.LookaheadLoader>` drives it, one batch read and planned after the other.
 """
@@ -53,6 +53,9 @@ class StepPlanner:
         if pinned is not None:  # the oracle and the check see each batch's cold part, its ids renumbered
             windows = cold_host_windows(windows, pinned.hot_ids)
         self._host = HostWindowCheck(windows)
+        # the stores that rank their rows by the ids each batch looks up (a disk store's lookahead host policy)
+        self._use_stores = {n: s for n, s in target.stores.items() if n in target.capacity and s.uses_hints}
+        self._fed = 0  # batches given to the oracle: the step of the next one
         self._tracker: Optional[LRPPTracker] = None
         if target.num_ranks > 1:
             self._tracker = LRPPTracker(
@@ -60,7 +63,8 @@ class StepPlanner:
             )
 
     def feed(self, global_kjt: KeyedJaggedTensor) -> List[BatchPlan]:
-        """Give the oracle the next batch (its part outside the pinned rows); returns the plans now ready.
+        """Give the oracle the next batch (its part outside the pinned rows); returns the plans now ready. The
+        stores that rank their rows by it are told which ids the batch looks up (the horizon before its plan).
 
         Raises:
             CapacityError: a window ending at this batch does not fit a device cache (the oracle's check) or the
@@ -68,11 +72,17 @@ class StepPlanner:
         """
         kjt = global_kjt if self.pinned is None else self.pinned.cold_part(global_kjt)
         plans = self.oracle.feed(kjt)  # checks the ids and the device caches first
-        if self._host:
-            ids = table_ids(kjt, self._f2t, self._host.tables, unknown=UnknownFeatures.IGNORE)
-            short = self._host.push({t: v.numpy() for t, v in ids.items()})
-            if short:
-                raise short[0].error()
+        step, self._fed = self._fed, self._fed + 1
+        tables = sorted(set(self._host.tables) | set(self._use_stores))
+        if tables:
+            ids = table_ids(kjt, self._f2t, tables, unknown=UnknownFeatures.IGNORE)
+            if self._host:
+                short = self._host.push({t: ids[t].numpy() for t in self._host.tables})
+                if short:
+                    raise short[0].error()
+            for name, store in self._use_stores.items():
+                if ids[name].numel():
+                    store.plan_uses(step, ids[name])
         return plans
 
     def finish(self) -> List[BatchPlan]:

@@ -1,6 +1,13 @@
 """The lookahead host policy of :class:`~torchrec_lookahead.store.DiskStore`: the planner's hints of the rows
-each coming step gathers, the next use of each row of the host tier (what the evictions rank by), and the
-background thread that reads the rows of the steps within ``disk_prefetch_depth`` into the host tier.
+each coming step gathers, the next use of each row of the host tier, the eviction score built from them, and
+the background thread that reads the rows of the steps within ``disk_prefetch_depth`` into the host tier.
+
+The host tier sees the device cache's miss stream: the rows it gathers (fetches) and the rows it writes back
+(evictions). A row the device cache gathered is held there until its write-back, which replaces the host copy,
+so that copy is never read again (``dead``): the policy keeps the host tier exclusive of the device cache and
+ranks the rows by their next use in the fetch stream (Belady over the hinted steps), then, for the rows no
+hinted step reads, by how often the device cache fetched them (a row's popularity is the best guess of its
+next fetch past the hints), least recently used last.
 
 The hints decide only where rows are, never a value: a background read keeps no row written (or reset by a
 load) while it read, and a gather waits for a read in flight of its own rows instead of reading them twice.
@@ -21,6 +28,15 @@ __all__: List[str] = []
 
 NEVER = np.iinfo(np.int64).max  # the next use of a row no known step reads
 
+# Eviction score classes (higher is evicted first): a row some hinted step fetches scores its distance to that
+# step (below 2**40); a row none fetches scores its class, then (live rows) 255 - its fetch count, then its age.
+# in the device cache (gathered, not written back since), dirty: evicting it writes a row that the device cache's
+# write-back replaces anyway, so it stays until that write-back unless nothing else can go
+_DEAD_DIRTY = 1 << 60
+_LIVE = 2 << 60  # not in the device cache: its next fetch is past the hints
+_DEAD = 3 << 60  # in the device cache, clean: free to drop
+_AGE_MAX = (1 << 40) - 1
+
 
 class LookaheadReads:
     """The planned reads of a disk store (mixed into :class:`~torchrec_lookahead.store.DiskStore`, whose state
@@ -33,6 +49,7 @@ class LookaheadReads:
     _wake: threading.Condition
     _closing: bool
     _hints: Dict[int, np.ndarray]
+    _uses: Dict[int, np.ndarray]
     _step: int
     _read_upto: int
     _written: Optional[List[np.ndarray]]
@@ -69,6 +86,20 @@ class LookaheadReads:
             self._hints[int(step)] = arr
             self._wake.notify_all()
 
+    def plan_uses(self, step: int, ids: torch.Tensor) -> None:
+        """Step ``step``'s batch looks up ``ids`` (a hint from the planner as it reads the batch, the oracle's
+        horizon before the step's plan; ignored under the LRU policy). A row of the host tier that the device
+        cache does not hold is fetched at its next use: the lookahead policy ranks those rows by it. A hint never
+        changes a value."""
+        if self._policy != "lookahead":
+            return
+        arr = ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
+        arr = np.unique(arr[(arr >= 0) & (arr < self.num_embeddings)])
+        with self._lock:
+            if step <= self._step or self._closing:
+                return
+            self._uses[int(step)] = arr
+
     def at_step(self, step: int) -> None:
         """The stager gathers step ``step`` now: hints of earlier steps are dropped, and the background thread may
         read up to ``step + disk_prefetch_depth``. Steps go forward; a lower one (a new epoch) starts over."""
@@ -78,24 +109,71 @@ class LookaheadReads:
             step = int(step)
             if step < self._step:  # a new iteration: earlier hints are of the old one
                 self._hints = {s: v for s, v in self._hints.items() if s >= step}
+                self._uses = {s: v for s, v in self._uses.items() if s >= step}
                 self._read_upto = step - 1
             else:
                 for s in [s for s in self._hints if s < step]:
                     del self._hints[s]
+                for s in [s for s in self._uses if s <= step]:
+                    del self._uses[s]
             self._step = step
             self._wake.notify_all()
 
     def _next_use(self) -> np.ndarray:
-        """Per slot of the host tier, the first hinted step from the gathered one on that reads its row
-        (:data:`NEVER` when none)."""
+        """Per slot of the host tier, the first step from the gathered one on that fetches its row (:data:`NEVER`
+        when none is known): a hinted fetch, or for a row the device cache does not hold, a hinted use after the
+        gathered step. A row gathered (at the gathered step) is not counted as fetched by it."""
         tier = self._tier
         nxt = np.full(tier.capacity, NEVER, dtype=np.int64)
-        for s in sorted(self._hints, reverse=True):
+        for s in sorted(set(self._hints) | set(self._uses), reverse=True):
             if s < self._step:
                 continue
-            slots = tier.find(self._hints[s])
-            nxt[slots[slots >= 0]] = s
+            if s in self._uses and s > self._step:
+                slots = tier.find(self._uses[s])
+                slots = slots[slots >= 0]
+                nxt[slots[~tier.dead[slots]]] = s
+            if s in self._hints:
+                slots = tier.find(self._hints[s])
+                slots = slots[slots >= 0]
+                if s == self._step:
+                    slots = slots[~tier.dead[slots]]
+                nxt[slots] = s
         return nxt
+
+    def _next_use_of(self, ids: np.ndarray) -> np.ndarray:
+        """The first step after the gathered one that fetches or uses each of ``ids`` (rows the device cache
+        writes back now; :data:`NEVER` when none is known)."""
+        nxt = np.full(ids.size, NEVER, dtype=np.int64)
+        for s in sorted(set(self._hints) | set(self._uses), reverse=True):
+            if s <= self._step:
+                continue
+            hit = np.zeros(ids.size, dtype=bool)
+            for hinted in (self._hints.get(s), self._uses.get(s)):
+                if hinted is not None:
+                    hit |= np.isin(ids, hinted)
+            nxt[hit] = s
+        return nxt
+
+    def _score(self, nxt: np.ndarray) -> np.ndarray:
+        """Per slot, the eviction score (higher is evicted first) from ``nxt`` (:meth:`_next_use`): the rows
+        some hinted step fetches by that step (the furthest first); above them the rows none fetches: first the
+        clean rows the device cache holds (their copy here is never read again), then the rows it does not hold,
+        those it fetched least often first, least recently used first among equals, and last the dirty rows it
+        holds (evicting one writes a row that its write-back replaces anyway)."""
+        tier = self._tier
+        age = np.minimum(tier.tick - tier.stamp_of(np.arange(tier.capacity)), _AGE_MAX)
+        freq = tier.freq[tier.id_of].astype(np.int64) if tier.freq.size else np.zeros(tier.capacity, np.int64)
+        unknown = np.where(
+            tier.dead, np.where(tier.dirty, _DEAD_DIRTY, _DEAD) + age, _LIVE + ((255 - freq) << 40) + age
+        )
+        return np.where(nxt == NEVER, unknown, nxt - self._step)
+
+    def _incoming_score(self, ids: np.ndarray) -> np.ndarray:
+        """The eviction score of rows written back now (live, just used) that the host tier lacks."""
+        nxt = self._next_use_of(ids)
+        tier = self._tier
+        freq = tier.freq[ids].astype(np.int64) if tier.freq.size else np.zeros(ids.size, np.int64)
+        return np.where(nxt == NEVER, _LIVE + ((255 - freq) << 40), nxt - self._step)
 
     def _next_prefetch(self) -> Optional[int]:
         """The first hinted step not read yet within the prefetch depth, if the rows of the steps from the
@@ -145,8 +223,9 @@ class LookaheadReads:
                     self._wake.notify_all()
 
     def _prefetch_begin(self, step: int) -> Optional[np.ndarray]:
-        """Under the lock: the rows of ``step`` to read (not in the host tier, as many as it has room for
-        without evicting a row needed by ``step`` or sooner); starts recording the file's writes."""
+        """Under the lock: the rows of ``step`` to read (neither in the host tier nor held by the device cache, as
+        many as it has room for without evicting a row needed by ``step`` or sooner); starts recording the file's
+        writes."""
         if self._file.closed:
             return None
         ids = self._hints[step]
@@ -155,6 +234,8 @@ class LookaheadReads:
         self._ensure_init(torch.from_numpy(ids))
         tier = self._tier
         miss = ids[tier.find(ids) < 0]
+        # a row the device cache holds comes back with its write-back, before the device cache can fetch it again
+        miss = miss[~tier.device_holds(miss)]
         if miss.size == 0:
             return None
         nxt = self._next_use()
@@ -171,16 +252,17 @@ class LookaheadReads:
         self._counts["rows_read"] += miss.size
         self._counts["unit_reads"] += units
         keep = np.ones(miss.size, dtype=bool)
+        tier = self._tier
+        self._counts["rows_first_read"] += tier.mark_held(miss)
         if self._reset or self._file.closed:
             keep[:] = False
         elif self._written:
             keep &= ~np.isin(miss, np.concatenate(self._written))
-        tier = self._tier
         keep &= tier.find(miss) < 0
         idx = np.flatnonzero(keep)
         if idx.size > tier.num_free:
             nxt = self._next_use()
-            later = tier.furthest(idx.size - tier.num_free, nxt, nxt > step)
+            later = tier.highest(idx.size - tier.num_free, self._score(nxt), nxt > step)
             self._evict(later)
             idx = idx[: tier.num_free]
         self._counts["prefetch_discarded"] += miss.size - idx.size

@@ -39,7 +39,7 @@ import torch
 
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.store._disk_file import DiskFile, read_header
-from torchrec_lookahead.store._disk_lookahead import NEVER, LookaheadReads
+from torchrec_lookahead.store._disk_lookahead import _DEAD, _LIVE, LookaheadReads
 from torchrec_lookahead.store._host_tier import HostTier
 from torchrec_lookahead.store._row_store import _RowStore
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
@@ -52,7 +52,10 @@ PathLike = Union[str, "os.PathLike[str]"]
 DEFAULT_HOST_BUDGET_BYTES: int = 64 << 20
 """Host tier size when none is given (64 MiB)."""
 
-_EVICT_FRACTION = 8  # when full, evict at least 1/8 of the tier at once (one scan of the tier per eviction)
+# when full, evict at least this fraction of the tier at once (one scan of the tier per eviction): LRU 1/8;
+# lookahead 1/32, among the rows no hinted step fetches
+_EVICT_FRACTION = 8
+_SCORE_EVICT_FRACTION = 32
 
 HOST_POLICIES = ("lru", "lookahead")
 """What the host tier keeps: the rows used most recently, or those the coming steps read soonest."""
@@ -166,19 +169,24 @@ class DiskStore(LookaheadReads, _RowStore):
             preallocate,
         )
         self._tier = HostTier(
-            min(self._budget // row_bytes, self.num_embeddings), self.row_width, self.num_embeddings
+            min(self._budget // row_bytes, self.num_embeddings),
+            self.row_width,
+            self.num_embeddings,
+            count_fetches=host_policy == "lookahead",
         )
         self._lock = threading.Lock()  # the host tier and the file, one call at a time
         self._counts = dict.fromkeys(
             (
                 "host_hits",
                 "rows_read",
+                "rows_first_read",
                 "rows_written",
                 "blocks_created",
                 "unit_reads",
                 "unit_writes",
                 "rows_prefetched",
                 "prefetch_discarded",
+                "rows_written_through",
             ),
             0,
         )
@@ -186,6 +194,8 @@ class DiskStore(LookaheadReads, _RowStore):
         self._depth = int(disk_prefetch_depth)
         # lookahead: the rows each planned step gathers (sorted distinct ids), from the gathered step on
         self._hints: Dict[int, np.ndarray] = {}
+        # lookahead: the rows each step's batch looks up, as far ahead as the planner has read
+        self._uses: Dict[int, np.ndarray] = {}
         self._step = -1  # the step gathered last (at_step)
         self._read_upto = -1  # the background thread has read every hinted step up to this one
         self._written: Optional[List[np.ndarray]] = None  # ids written to the file while a prefetch reads
@@ -259,6 +269,11 @@ class DiskStore(LookaheadReads, _RowStore):
         return self._policy
 
     @property
+    def uses_hints(self) -> bool:
+        """Whether the planner's :meth:`plan_uses` hints rank the host tier's rows (the lookahead policy)."""
+        return self._policy == "lookahead"
+
+    @property
     def disk_prefetch_depth(self) -> int:
         """Steps ahead of the gathered one the planned rows are read into the host tier (lookahead policy)."""
         return self._depth
@@ -280,13 +295,17 @@ class DiskStore(LookaheadReads, _RowStore):
 
     def stats(self) -> Dict[str, int]:
         """Counters: ``host_hits`` (rows served by the host tier), ``rows_read`` / ``rows_written`` (rows moved
-        between the host and the disk, the background reads included), ``rows_prefetched`` (rows the background
-        thread read into the host tier), ``prefetch_discarded`` (rows it read but did not keep: written meanwhile,
-        or no room left), ``unit_reads`` / ``unit_writes`` (disk units), ``bytes_read`` /
-        ``bytes_written``, ``blocks_created`` (blocks initialised on first touch), ``host_rows`` (rows in the
-        host tier now) and ``host_capacity``."""
+        between the host and the disk, the background reads included), split into ``rows_first_read`` (reads of
+        rows the host tier never held nor read before: compulsory under any policy) and ``rows_reread`` (the
+        rest), ``rows_written_through`` (rows written to the file without entering the host tier: a call larger
+        than the tier, or under the lookahead policy a write-back ranked below every row the tier holds),
+        ``rows_prefetched`` (rows the background thread read into the host tier), ``prefetch_discarded`` (rows
+        it read but did not keep: written meanwhile, or no room left), ``unit_reads`` / ``unit_writes`` (disk
+        units), ``bytes_read`` / ``bytes_written``, ``blocks_created`` (blocks initialised on first touch),
+        ``host_rows`` (rows in the host tier now) and ``host_capacity``."""
         return dict(
             self._counts,
+            rows_reread=self._counts["rows_read"] - self._counts["rows_first_read"],
             bytes_read=self._file.bytes_read,
             bytes_written=self._file.bytes_written,
             host_rows=self._tier.capacity - self._tier.num_free,
@@ -324,6 +343,7 @@ class DiskStore(LookaheadReads, _RowStore):
         """Records of sorted distinct ``ids`` from the file (their blocks exist)."""
         records, units = self._read_uncounted(ids)
         self._counts["rows_read"] += ids.size
+        self._counts["rows_first_read"] += self._tier.mark_held(ids)
         self._counts["unit_reads"] += units
         return records
 
@@ -349,28 +369,53 @@ class DiskStore(LookaheadReads, _RowStore):
         self._counts["unit_reads"] += units.size
         self._counts["unit_writes"] += units.size
 
-    def _make_room(self, count: int, kept: int, protect: Optional[np.ndarray] = None) -> None:
-        """Free ``count`` slots, evicting rows (at least 1/8 of the tier) but never the ``kept`` rows the current
-        call touched (the most recent; ``protect``: their slots), writing the dirty ones back first: if the write
-        fails, nothing is evicted. LRU: the least recently used rows; lookahead: the rows next needed furthest
-        away, past ``count`` only rows no known step needs."""
+    def _make_room(self, count: int, kept: int) -> None:
+        """LRU: free ``count`` slots, evicting the least recently used rows (at least 1/8 of the tier) but never
+        the ``kept`` rows the current call touched (the most recent), writing the dirty ones back first: if the
+        write fails, nothing is evicted."""
         tier = self._tier
         if tier.num_free >= count:
             return
+        want = max(count - tier.num_free, tier.capacity // _EVICT_FRACTION)
+        self._evict(tier.victims(min(want, tier.capacity - tier.num_free - kept)))
+
+    def _room_for_gathered(self, count: int, protect: np.ndarray) -> int:
+        """Lookahead: free up to ``count`` slots for rows a gather read, evicting only clean rows the device cache
+        holds and no hinted step fetches (the rows read now will be such rows), never the ``protect`` slots (the
+        call's hits); returns the free slots (those rows are kept only where there is room)."""
+        tier = self._tier
         need = count - tier.num_free
-        want = max(need, tier.capacity // _EVICT_FRACTION)
-        if self._policy == "lru":
-            victims = tier.victims(min(want, tier.capacity - tier.num_free - kept))
-        else:
-            eligible = np.ones(tier.capacity, dtype=bool)
-            if protect is not None:
-                eligible[protect] = False
-            nxt = self._next_use()
-            victims = tier.furthest(need, nxt, eligible)
-            eligible[victims] = False
-            extra = tier.furthest(want - need, nxt, eligible & (nxt == NEVER))
-            victims = np.concatenate([victims, extra])
-        self._evict(victims)
+        if need > 0:
+            score = self._score(self._next_use())
+            eligible = score >= _DEAD
+            eligible[protect] = False
+            # past what is needed, at least 1/32 of the tier: the tier is scored once per batch of calls
+            self._evict(tier.highest(max(need, tier.capacity // _SCORE_EVICT_FRACTION), score, eligible))
+        return min(count, tier.num_free)
+
+    def _room_for_written(self, ids: np.ndarray, protect: np.ndarray) -> np.ndarray:
+        """Lookahead: free slots for the written rows ``ids`` the tier lacks, never evicting the ``protect`` slots
+        (the call's hits). Belady with bypass: the rows of the tier and the written ones compete on their
+        eviction score, and a written row scored above the rows it would evict goes to the file instead; returns
+        the mask of ``ids`` to keep. Past what is needed, at least 1/32 of the tier is evicted among the rows no
+        hinted step fetches (not the dirty ones the device cache holds), so that the tier is scored once per
+        batch of calls."""
+        tier = self._tier
+        keep = np.ones(ids.size, dtype=bool)
+        need = ids.size - tier.num_free
+        if need <= 0:
+            return keep
+        score = self._score(self._next_use())
+        eligible = tier.id_of >= 0
+        eligible[protect] = False
+        occ = np.flatnonzero(eligible)
+        both = np.concatenate([score[occ], self._incoming_score(ids)])
+        unknown = int((both >= _LIVE).sum())
+        k = min(both.size, max(need, min(tier.capacity // _SCORE_EVICT_FRACTION, unknown)))
+        worst = np.argpartition(-both, k - 1)[:k] if k < both.size else np.arange(both.size)
+        keep[worst[worst >= occ.size] - occ.size] = False
+        self._evict(occ[worst[worst < occ.size]])
+        return keep
 
     def _evict(self, victims: np.ndarray) -> None:
         """Write back the dirty rows of ``victims``, then free their slots (nothing freed if the write fails)."""
@@ -396,24 +441,37 @@ class DiskStore(LookaheadReads, _RowStore):
                 self._wake.wait()  # the background read of some of these rows lands first: no second read
             slots = tier.find(uniq)
             hit = slots >= 0
+            nhit = int(hit.sum())
             tier.touch(slots[hit])
-            self._counts["host_hits"] += int(hit.sum())
-            miss = uniq[~hit]
-            if miss.size == 0:
-                return self._split(tier.rows.index_select(0, torch.from_numpy(slots[inverse])))
-            records = self._read_rows(miss)
-            if miss.size <= tier.capacity - int(hit.sum()):
-                self._make_room(miss.size, kept=int(hit.sum()), protect=slots[hit])
-                new = tier.put(miss, dirty=False)
-                tier.rows[torch.from_numpy(new)] = torch.from_numpy(records)
-                tier.touch(new)
-                slots[~hit] = new
-                return self._split(tier.rows.index_select(0, torch.from_numpy(slots[inverse])))
-            # more rows than the tier holds: served from the read, not kept
-            rows = np.empty((uniq.size, self.row_width), dtype=np.float32)
-            rows[hit] = tier.rows.numpy()[slots[hit]]
-            rows[~hit] = records
-            return self._split(torch.from_numpy(rows[inverse]))
+            self._counts["host_hits"] += nhit
+            lookahead = self._policy == "lookahead"
+            if lookahead:
+                tier.count_fetches(uniq)
+            miss = np.flatnonzero(~hit)
+            records = self._read_rows(uniq[miss]) if miss.size else np.empty((0, self.row_width), np.float32)
+            if miss.size and miss.size <= tier.capacity - nhit:
+                if lookahead:  # kept only where rows the device cache holds make room
+                    room = self._room_for_gathered(miss.size, slots[hit])
+                else:
+                    self._make_room(miss.size, kept=nhit)
+                    room = miss.size
+                if room:
+                    new = tier.put(uniq[miss[:room]], dirty=False)
+                    tier.rows[torch.from_numpy(new)] = torch.from_numpy(records[:room])
+                    tier.touch(new)
+                    slots[miss[:room]] = new
+            held = slots >= 0
+            if held.all():
+                out = tier.rows.index_select(0, torch.from_numpy(slots[inverse]))
+            else:  # rows read and not kept (more than the tier holds, or no room): served from the read
+                rows = np.empty((uniq.size, self.row_width), dtype=np.float32)
+                rows[held] = tier.rows.numpy()[slots[held]]
+                rows[miss] = records
+                out = torch.from_numpy(rows[inverse])
+            if lookahead:  # the device cache holds these rows until it writes them back
+                tier.dead[slots[held]] = True
+                tier.mark_gathered(uniq[~held])
+            return self._split(out)
 
     def _write(self, ids: torch.Tensor, packed: torch.Tensor) -> None:
         if ids.numel() == 0:
@@ -425,22 +483,32 @@ class DiskStore(LookaheadReads, _RowStore):
             arr = ids.numpy()
             slots = tier.find(arr)
             hit = slots >= 0
+            nhit = int(hit.sum())
             records = packed.numpy()
-            if hit.any():
+            if nhit:
                 tier.rows.numpy()[slots[hit]] = records[hit]
                 tier.dirty[slots[hit]] = True
+                tier.dead[slots[hit]] = False
                 tier.touch(slots[hit])
             miss = np.flatnonzero(~hit)
             if miss.size == 0:
                 return
-            if miss.size <= tier.capacity - int(hit.sum()):
-                self._make_room(miss.size, kept=int(hit.sum()), protect=slots[hit])
-                new = tier.put(arr[miss], dirty=True)
-                tier.rows.numpy()[new] = records[miss]
+            keep = np.zeros(miss.size, dtype=bool)
+            if miss.size <= tier.capacity - nhit:
+                if self._policy == "lookahead":
+                    keep = self._room_for_written(arr[miss], slots[hit])
+                else:
+                    self._make_room(miss.size, kept=nhit)
+                    keep[:] = True
+                new = tier.put(arr[miss[keep]], dirty=True)
+                tier.rows.numpy()[new] = records[miss[keep]]
                 tier.touch(new)
-                return
-            order = np.argsort(arr[miss])  # more rows than the tier holds: written through
-            self._write_rows(arr[miss][order], records[miss][order])
+            through = miss[~keep]  # more rows than the tier holds, or ranked below every row it holds
+            if through.size:
+                order = np.argsort(arr[through])
+                self._write_rows(arr[through][order], records[through][order])
+                tier.mark_written(arr[through])  # held before: a later read is a re-read
+                self._counts["rows_written_through"] += through.size
 
     def _full_columns(self, lo: int, hi: int) -> torch.Tensor:
         """Columns ``[lo, hi)`` of every record: the file's blocks (created ones) and the host tier's rows."""

@@ -300,6 +300,16 @@ class RowShardedStore(ShapedStore):
         mine = ids[(ids >= self._lo) & (ids < self._hi)]
         self._local.plan_reads(step, mine - self._lo)
 
+    @property
+    def uses_hints(self) -> bool:
+        return self._local.uses_hints
+
+    def plan_uses(self, step: int, ids: torch.Tensor) -> None:
+        """Hands the local shard the looked-up ids it holds (local, not a collective)."""
+        ids = ids.reshape(-1)
+        mine = ids[(ids >= self._lo) & (ids < self._hi)]
+        self._local.plan_uses(step, mine - self._lo)
+
     def at_step(self, step: int) -> None:
         """Tells the local shard (local, not a collective)."""
         self._local.at_step(step)

@@ -214,6 +214,19 @@ class EmbeddingStore(abc.ABC):
         them ahead and keeps them; a hint never changes a value. This default ignores it."""
         return None
 
+    @property
+    def uses_hints(self) -> bool:
+        """Whether the store ranks its rows by :meth:`plan_uses` (the planner extracts those hints only for such a
+        store); ``False`` here."""
+        return False
+
+    def plan_uses(self, step: int, ids: torch.Tensor) -> None:
+        """A hint from the planner as it reads a batch, the oracle's horizon before the batch's plan: step
+        ``step`` looks up ``ids`` (table ids, whether the cache holds them or not). A store with a slower tier
+        behind a faster one (a :class:`~torchrec_lookahead.store.DiskStore` under the lookahead policy) keeps the
+        rows needed sooner; a hint never changes a value. This default ignores it."""
+        return None
+
     def at_step(self, step: int) -> None:
         """The stager gathers step ``step`` now (see :meth:`plan_reads`). This default ignores it."""
         return None
