@@ -76,21 +76,18 @@ class LookaheadReads:
         ``disk_prefetch_depth`` of ``step``, and the host tier keeps them until then in preference to rows
         needed later. A hint never changes a value: out-of-range ids are dropped, and a wrong hint costs only
         reads."""
-        if self._policy != "lookahead":
-            return
-        arr = ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
-        arr = np.unique(arr[(arr >= 0) & (arr < self.num_embeddings)])
-        with self._lock:
-            if step <= self._step or self._closing:
-                return
-            self._hints[int(step)] = arr
-            self._wake.notify_all()
+        self._hint(self._hints, step, ids)
 
     def plan_uses(self, step: int, ids: torch.Tensor) -> None:
         """Step ``step``'s batch looks up ``ids`` (a hint from the planner as it reads the batch, the oracle's
         horizon before the step's plan; ignored under the LRU policy). A row of the host tier that the device
         cache does not hold is fetched at its next use: the lookahead policy ranks those rows by it. A hint never
         changes a value."""
+        self._hint(self._uses, step, ids)
+
+    def _hint(self, hints: Dict[int, np.ndarray], step: int, ids: torch.Tensor) -> None:
+        """Record ``ids`` (in range, sorted, distinct) as step ``step``'s in ``hints`` (``_hints`` or ``_uses``),
+        unless the step was gathered already (lookahead policy only)."""
         if self._policy != "lookahead":
             return
         arr = ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
@@ -98,7 +95,8 @@ class LookaheadReads:
         with self._lock:
             if step <= self._step or self._closing:
                 return
-            self._uses[int(step)] = arr
+            hints[int(step)] = arr
+            self._wake.notify_all()
 
     def at_step(self, step: int) -> None:
         """The stager gathers step ``step`` now: hints of earlier steps are dropped, and the background thread may
