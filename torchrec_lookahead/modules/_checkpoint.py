@@ -175,9 +175,8 @@ def load_tables(
     with torch.no_grad():
         for name, t in tables.items():
             key = f"{prefix}{collection}.{name}."
-            if (
-                name in in_files or key + "weight" not in state_dict
-            ):  # the caller loads the files (StoreFiles)
+            # a table kept in files is loaded by the caller (StoreFiles)
+            if name in in_files or key + "weight" not in state_dict:
                 continue
             widths = optimizer.state_widths(t.config.embedding_dim)
             states = {s: state_dict[key + s] for s in widths if key + s in state_dict}

@@ -128,9 +128,8 @@ class TorchRecStrategy(DDPStrategy):
         self._plan = plan
         self._init_seed = init_seed
         self._session: Optional[CacheSession] = None
-        self._store_files: Optional[StoreFiles] = (
-            None  # the last checkpoint state dict's tables kept in files
-        )
+        # the tables kept in files by the last checkpoint state dict, for save_checkpoint to copy
+        self._store_files: Optional[StoreFiles] = None
         self.dmp: Optional[DistributedModelParallel] = None
 
     @classmethod
@@ -400,8 +399,8 @@ class TorchRecStrategy(DDPStrategy):
 
     def _check_checkpoint_memory(self, trainer: pl.Trainer) -> None:
         """Refuse, before training, a run whose checkpoints (saved, or resumed from) cannot be held in memory:
-        a checkpoint holds every cached table in full (tables on disk larger than memory), and running out of
-        memory at the first checkpoint would lose the run. Every rank raises together."""
+        a checkpoint holds every cached table in full except those kept as copies of their disk store files,
+        and running out of memory at the first checkpoint would lose the run. Every rank raises together."""
         if self._session is None or not (trainer.checkpoint_callbacks or trainer.ckpt_path is not None):
             return
         stores = list(self._session.target.stores.values())
@@ -518,9 +517,8 @@ class TorchRecStrategy(DDPStrategy):
         meta = read_checkpoint_meta(path, self.world_size)
         lm = self.lightning_module
         assert lm is not None
-        with (
-            store_files() as files
-        ):  # tables in disk stores: loaded from the checkpoint's copies of the files
+        # tables in disk stores: loaded from the checkpoint's copies of their files
+        with store_files() as files:
             target: Dict[str, Any] = {"state_dict": lm.state_dict()}
             optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
             for i, opt in enumerate(optimizers):
