@@ -1,6 +1,7 @@
 """The lookahead host policy of :class:`~torchrec_lookahead.store.DiskStore`: the planner's hints of the rows
-each coming step gathers, the next use of each row of the host tier, the eviction score built from them, and
-the background thread that reads the rows of the steps within ``disk_prefetch_depth`` into the host tier.
+each coming step gathers and looks up, the next use of each row of the host tier, the eviction score built from
+them and the room made by it for gathered and written rows, and the background thread that reads the rows of
+the steps within ``disk_prefetch_depth`` into the host tier.
 
 The host tier sees the device cache's miss stream: the rows it gathers (fetches) and the rows it writes back
 (evictions). A row the device cache gathered is held there until its write-back, which replaces the host copy,
@@ -36,6 +37,9 @@ _DEAD_DIRTY = 1 << 60
 _LIVE = 2 << 60  # not in the device cache: its next fetch is past the hints
 _DEAD = 3 << 60  # in the device cache, clean: free to drop
 _AGE_MAX = (1 << 40) - 1
+# when full, evict at least 1/32 of the tier at once, among the rows no hinted step fetches (one scoring of the
+# tier per batch of calls)
+_SCORE_EVICT_FRACTION = 32
 
 
 class LookaheadReads:
@@ -165,6 +169,44 @@ class LookaheadReads:
             tier.dead, np.where(tier.dirty, _DEAD_DIRTY, _DEAD) + age, _LIVE + ((255 - freq) << 40) + age
         )
         return np.where(nxt == NEVER, unknown, nxt - self._step)
+
+    def _room_for_gathered(self, count: int, protect: np.ndarray) -> int:
+        """Lookahead: free up to ``count`` slots for rows a gather read, evicting only clean rows the device cache
+        holds and no hinted step fetches (the rows read now will be such rows), never the ``protect`` slots (the
+        call's hits); returns the free slots (those rows are kept only where there is room)."""
+        tier = self._tier
+        need = count - tier.num_free
+        if need > 0:
+            score = self._score(self._next_use())
+            eligible = score >= _DEAD
+            eligible[protect] = False
+            # past what is needed, at least 1/32 of the tier: the tier is scored once per batch of calls
+            self._evict(tier.highest(max(need, tier.capacity // _SCORE_EVICT_FRACTION), score, eligible))
+        return min(count, tier.num_free)
+
+    def _room_for_written(self, ids: np.ndarray, protect: np.ndarray) -> np.ndarray:
+        """Lookahead: free slots for the written rows ``ids`` the tier lacks, never evicting the ``protect`` slots
+        (the call's hits). Belady with bypass: the rows of the tier and the written ones compete on their
+        eviction score, and a written row scored above the rows it would evict goes to the file instead; returns
+        the mask of ``ids`` to keep. Past what is needed, at least 1/32 of the tier is evicted among the rows no
+        hinted step fetches (not the dirty ones the device cache holds), so that the tier is scored once per
+        batch of calls."""
+        tier = self._tier
+        keep = np.ones(ids.size, dtype=bool)
+        need = ids.size - tier.num_free
+        if need <= 0:
+            return keep
+        score = self._score(self._next_use())
+        eligible = tier.id_of >= 0
+        eligible[protect] = False
+        occ = np.flatnonzero(eligible)
+        both = np.concatenate([score[occ], self._incoming_score(ids)])
+        unknown = int((both >= _LIVE).sum())
+        k = min(both.size, max(need, min(tier.capacity // _SCORE_EVICT_FRACTION, unknown)))
+        worst = np.argpartition(-both, k - 1)[:k] if k < both.size else np.arange(both.size)
+        keep[worst[worst >= occ.size] - occ.size] = False
+        self._evict(occ[worst[worst < occ.size]])
+        return keep
 
     def _incoming_score(self, ids: np.ndarray) -> np.ndarray:
         """The eviction score of rows written back now (live, just used) that the host tier lacks."""

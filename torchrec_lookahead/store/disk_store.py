@@ -39,7 +39,7 @@ import torch
 
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.store._disk_file import DiskFile, read_header
-from torchrec_lookahead.store._disk_lookahead import _DEAD, _LIVE, LookaheadReads
+from torchrec_lookahead.store._disk_lookahead import LookaheadReads
 from torchrec_lookahead.store._host_tier import HostTier
 from torchrec_lookahead.store._row_store import _RowStore
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
@@ -52,10 +52,9 @@ PathLike = Union[str, "os.PathLike[str]"]
 DEFAULT_HOST_BUDGET_BYTES: int = 64 << 20
 """Host tier size when none is given (64 MiB)."""
 
-# when full, evict at least this fraction of the tier at once (one scan of the tier per eviction): LRU 1/8;
-# lookahead 1/32, among the rows no hinted step fetches
-_EVICT_FRACTION = 8
-_SCORE_EVICT_FRACTION = 32
+_EVICT_FRACTION = (
+    8  # LRU: when full, evict at least 1/8 of the tier at once (one scan of the tier per eviction)
+)
 
 HOST_POLICIES = ("lru", "lookahead")
 """What the host tier keeps: the rows used most recently, or those the coming steps read soonest."""
@@ -378,44 +377,6 @@ class DiskStore(LookaheadReads, _RowStore):
             return
         want = max(count - tier.num_free, tier.capacity // _EVICT_FRACTION)
         self._evict(tier.victims(min(want, tier.capacity - tier.num_free - kept)))
-
-    def _room_for_gathered(self, count: int, protect: np.ndarray) -> int:
-        """Lookahead: free up to ``count`` slots for rows a gather read, evicting only clean rows the device cache
-        holds and no hinted step fetches (the rows read now will be such rows), never the ``protect`` slots (the
-        call's hits); returns the free slots (those rows are kept only where there is room)."""
-        tier = self._tier
-        need = count - tier.num_free
-        if need > 0:
-            score = self._score(self._next_use())
-            eligible = score >= _DEAD
-            eligible[protect] = False
-            # past what is needed, at least 1/32 of the tier: the tier is scored once per batch of calls
-            self._evict(tier.highest(max(need, tier.capacity // _SCORE_EVICT_FRACTION), score, eligible))
-        return min(count, tier.num_free)
-
-    def _room_for_written(self, ids: np.ndarray, protect: np.ndarray) -> np.ndarray:
-        """Lookahead: free slots for the written rows ``ids`` the tier lacks, never evicting the ``protect`` slots
-        (the call's hits). Belady with bypass: the rows of the tier and the written ones compete on their
-        eviction score, and a written row scored above the rows it would evict goes to the file instead; returns
-        the mask of ``ids`` to keep. Past what is needed, at least 1/32 of the tier is evicted among the rows no
-        hinted step fetches (not the dirty ones the device cache holds), so that the tier is scored once per
-        batch of calls."""
-        tier = self._tier
-        keep = np.ones(ids.size, dtype=bool)
-        need = ids.size - tier.num_free
-        if need <= 0:
-            return keep
-        score = self._score(self._next_use())
-        eligible = tier.id_of >= 0
-        eligible[protect] = False
-        occ = np.flatnonzero(eligible)
-        both = np.concatenate([score[occ], self._incoming_score(ids)])
-        unknown = int((both >= _LIVE).sum())
-        k = min(both.size, max(need, min(tier.capacity // _SCORE_EVICT_FRACTION, unknown)))
-        worst = np.argpartition(-both, k - 1)[:k] if k < both.size else np.arange(both.size)
-        keep[worst[worst >= occ.size] - occ.size] = False
-        self._evict(occ[worst[worst < occ.size]])
-        return keep
 
     def _evict(self, victims: np.ndarray) -> None:
         """Write back the dirty rows of ``victims``, then free their slots (nothing freed if the write fails)."""
