@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, List, Tuple, Union
 
 import lightning.pytorch as pl
 import pytest
@@ -21,8 +21,11 @@ from ..helpers import fit_cached
 TINY_CAPACITY = "{t_cat_2: 140, t_cat_11: 120, t_cat_15: 110}"
 
 
-def disk_sharder(store_dir: Path, budget: int, capacity: str = TINY_CAPACITY, extra: str = "") -> str:
-    """The CLI override that swaps the config's sharder for one over disk stores."""
+def disk_sharder(
+    store_dir: Path, budget: Union[int, str], capacity: str = TINY_CAPACITY, extra: str = ""
+) -> str:
+    """The CLI override that swaps the config's sharder for one over disk stores (``budget``: bytes, or a
+    ``{table: bytes}`` mapping in YAML)."""
     return (
         "--trainer.strategy.init_args.sharders=[{class_path: torchrec_lookahead.distributed."
         f"LookaheadEmbeddingBagCollectionSharder, init_args: {{capacity: {capacity}, store: disk, "
@@ -216,24 +219,40 @@ def test_bad_host_policy_is_refused() -> None:
         )
 
 
+# The smallest host tiers the capacity check accepts for the default job under each policy: one step's rows of
+# each table under LRU (1.02 MB split by table bytes: t_cat_3's 986 rows bound it); a step's and the next two
+# steps' under lookahead, given per table (874 KB, 3.9 % of the tables).
+_DEFAULT_JOB_HOST = {
+    "lru": ("1020000", ""),
+    "lookahead": (
+        "{t_cat_2: 184348, t_cat_3: 155448, t_cat_11: 182444, t_cat_15: 172516, t_cat_20: 179656}",
+        ", disk_options: {host_policy: lookahead, disk_prefetch_depth: 2}",
+    ),
+}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", ["lru", "lookahead"])
 def test_default_job_whole_epoch_over_a_minimal_host_tier_equals_resident_training(
-    tmp_path: Path, disk_stores: List[DiskStore]
+    tmp_path: Path, disk_stores: List[DiskStore], policy: str
 ) -> None:
-    """The default job (332 K cached rows, 17.9 K device rows) over disk stores whose host tier holds 1.02 MB
-    (about 15 K rows, 4.5 % of the tables; the smallest round budget whose shares hold one step's rows of each
-    table, t_cat_3's 986): a whole epoch, bit for bit. With dropout on the bottom MLP: this is
-    also the one-rank whole-epoch check of a model that draws from the global random stream
-    (``tests/test_rng.py``), sharing the epoch's work."""
+    """The default job (332 K cached rows, 17.9 K device rows) over disk stores whose host tiers are the smallest
+    the capacity check accepts (4.5 % of the tables under LRU, 3.9 % under lookahead): a whole epoch, bit for
+    bit, under both host policies. With dropout on the bottom MLP: this is also the one-rank whole-epoch check of
+    a model that draws from the global random stream (``tests/test_rng.py``), sharing the epoch's work."""
     from torchrec_lookahead.verify import verify
 
     capacity = "{t_cat_2: 5100, t_cat_3: 2200, t_cat_11: 4200, t_cat_15: 2800, t_cat_20: 3600}"
-    overrides = [disk_sharder(tmp_path, 1_020_000, capacity), "--model.init_args.dropout=0.1"]
+    budget, extra = _DEFAULT_JOB_HOST[policy]
+    overrides = [disk_sharder(tmp_path, budget, capacity, extra=extra), "--model.init_args.dropout=0.1"]
     result = verify("configs/dlrm_lookahead.yaml", steps=300, overrides=overrides)
     assert result["passed"] and result["steps"] == 300, result
     assert result["max_abs_weight_diff"] == result["max_abs_loss_diff"] == 0.0, result
-    read = sum(s.stats()["rows_read"] for s in disk_stores)
-    assert read > 300 * 1000  # most steps read from disk
+    assert all(s.host_policy == policy for s in disk_stores)
+    stats = [s.stats() for s in disk_stores]
+    assert sum(st["rows_read"] for st in stats) > 300 * 500  # most steps read from disk
+    if policy == "lookahead":
+        assert sum(st["rows_prefetched"] for st in stats) > 300 * 500, stats  # most of them read ahead
 
 
 @pytest.mark.slow
