@@ -219,7 +219,7 @@ class DiskFile:
             self.close()
             os.unlink(self.path)
             if e.errno in _NO_SPACE:
-                free = self._free_bytes()
+                free = _free_bytes(self.path)
                 raise StoreError(
                     f"no space for disk store '{self.path}': it needs {self.size:,} bytes, {free:,} are free; "
                     "free space or choose another store_dir",
@@ -227,17 +227,9 @@ class DiskFile:
                 ) from None
             raise SetupError(f"cannot create disk store '{self.path}' ({e.strerror})") from None
 
-    def _free_bytes(self) -> int:
-        return _free_bytes(self.path)
-
     # -- positional I/O --------------------------------------------------------------------------------------
     def _read_exact(self, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise StoreError(f"disk store '{self.path}' ended at byte {offset + done}", path=self.path)
-            done += n
+        _pread_all(self._fd, view, offset, self.path)
         if not self.direct:
             os.posix_fadvise(self._fd, offset, len(view), os.POSIX_FADV_DONTNEED)
 
@@ -272,7 +264,7 @@ class DiskFile:
             if write and e.errno in _NO_SPACE:
                 raise StoreError(
                     f"the disk of store '{self.path}' is full ({e.strerror}) after {self.bytes_written:,} bytes "
-                    f"written ({self._free_bytes():,} free); rows not yet written stay in host memory, the file is "
+                    f"written ({_free_bytes(self.path):,} free); rows not yet written stay in host memory, the file is "
                     "consistent up to the last flush: free space, then checkpoint or resume from the last one",
                     path=self.path,
                 ) from None
@@ -457,7 +449,7 @@ def _pread_all(fd: int, view: memoryview, offset: int, path: str) -> None:
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
-            raise StoreError(f"'{path}' ended at byte {offset + done}", path=path)
+            raise StoreError(f"disk store '{path}' ended at byte {offset + done}", path=path)
         done += n
 
 
