@@ -30,14 +30,15 @@ policy reads at each budget over the same plans (``offline_optimum``: Belady wit
 the host tier exclusive of the device cache, with the whole future known), so that the policies' figures can be
 read against what is possible.
 
-Rows read from disk are split into first reads (of rows the host tier never held nor read: compulsory under any
-policy) and re-reads, over the whole run and over its second half (``late``: after the first reads of the hot
-rows).
+A row never written is not read but computed (its initial value): in the device cache's miss stream every first
+fetch of a row is one (``initialised_per_step``). Rows read from disk are split into first reads (of rows the
+host tier never held: written through, then fetched) and re-reads, over the whole run and over its second half
+(``late``: after the first fetches of the hot rows).
 
-JSON: ``disk_over_ram_samples_per_s`` (25 %), ``disk10_over_ram_samples_per_s``,
-``mmap_over_ram_samples_per_s``, ``random_reads_per_s`` (none with ``--replay``), ``rows_read_per_step``,
-``first_reads_per_step``, ``rereads_per_step`` and ``late_rows_read_per_step``, ``late_rereads_per_step`` (per
-host policy and budget: ``{"lru": {"25": ..., "10": ...}, "lookahead": {...}}``), ``lookahead_over_lru_rows_read``,
+JSON: ``disk_over_ram_samples_per_s`` (25 %), ``disk10_over_ram_samples_per_s``, ``mmap_over_ram_samples_per_s``,
+``random_reads_per_s`` (none with ``--replay``), ``rows_read_per_step``, ``initialised_per_step``,
+``first_reads_per_step``, ``rereads_per_step`` and ``late_rows_read_per_step``, ``late_rereads_per_step`` (per host
+policy and budget: ``{"lru": {"25": ..., "10": ...}, "lookahead": {...}}``), ``lookahead_over_lru_rows_read``,
 ``lookahead_over_lru_rereads``, ``late_lookahead_over_lru_rows_read``, ``late_lookahead_over_lru_rereads`` (per
 budget), ``runs``; with ``--replay``, ``offline_optimum`` (per budget, the same figures),
 ``optimum_over_lru_rows_read`` and ``late_optimum_over_lru_rows_read``.
@@ -88,6 +89,7 @@ ROW_BYTES = (16 + 1) * 4  # a row of the job's tables: 16 floats and row-wise Ad
 COUNTERS = (
     "rows_read",
     "rows_first_read",
+    "rows_initialised",
     "unit_reads",
     "rows_prefetched",
     "prefetch_discarded",
@@ -96,18 +98,14 @@ COUNTERS = (
 
 
 def random_read_rate(directory: str, threads: int, reads: int = 4000) -> float:
-    """Random single-unit (4 KiB) reads per second from a fresh disk store file of 2 M rows (137 MB, every block
-    written once, so that no read is of a hole)."""
+    """Random single-unit (4 KiB) reads per second from a fresh disk store file of 2 M rows (137 MB, every row
+    written once, sequentially, so that every read is of a row on disk)."""
     path = os.path.join(directory, f"probe_{threads}.rows")
     rows = 2_000_000
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the initial values' few operators: no thread pool to wake per block
     store = DiskStore(path, rows, 16, {"m": 1}, name="probe", host_budget_bytes=68, io_threads=threads,
                       preallocate=False)  # fmt: skip
-    blocks = torch.arange(0, rows, 8192)
-    store.gather(blocks)  # create every block (written once, sequentially)
+    store.load(torch.zeros(rows, 16), {"m": torch.zeros(rows, 1)})
     store.close()
-    torch.set_num_threads(torch_threads)
     store = DiskStore.open(path, host_budget_bytes=68, io_threads=threads)
     ids = torch.randint(0, rows, (reads,), generator=torch.Generator().manual_seed(threads))
     t0 = time.perf_counter()
@@ -162,11 +160,12 @@ class Midpoint(pl.Callback):
 
 
 def disk_figures(end: Dict[str, int], mid: Dict[str, int], steps: int, late_steps: int) -> Dict[str, float]:
-    """Per step: rows read (first reads and re-reads), units read, rows prefetched and discarded, host hits over
-    the run; rows read and re-reads over its second half."""
+    """Per step: rows read (first reads and re-reads), rows computed, units read, rows prefetched and discarded,
+    host hits over the run; rows read and re-reads over its second half."""
     late = {k: end[k] - mid[k] for k in end}
     return {
         "rows_read_per_step": end["rows_read"] / steps,
+        "initialised_per_step": end["rows_initialised"] / steps,
         "first_reads_per_step": end["rows_first_read"] / steps,
         "rereads_per_step": (end["rows_read"] - end["rows_first_read"]) / steps,
         "units_read_per_step": end["unit_reads"] / steps,
@@ -210,7 +209,8 @@ def disk_kwargs(
 
 
 NO_DISK = dict.fromkeys(
-    ("rows_read_per_step", "first_reads_per_step", "rereads_per_step", "units_read_per_step",
+    ("rows_read_per_step", "initialised_per_step", "first_reads_per_step", "rereads_per_step",
+     "units_read_per_step",
      "rows_prefetched_per_step", "prefetch_discarded_per_step", "host_hits_per_step", "late_rows_read_per_step",
      "late_rereads_per_step"),
 )  # fmt: skip
@@ -377,14 +377,14 @@ def offline_optimum(
     plans: List[Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]]],
     capacity: Dict[str, int],
 ) -> Dict[str, float]:
-    """The fewest rows any host policy of ``capacity`` rows per table reads over ``plans`` (the replay's order:
-    the write-backs of step ``t``, then the gather of step ``t + 2``): first reads, and re-reads of the offline
-    optimum, Belady with bypass over the fetch stream with the host tier exclusive of the device cache. A row
-    written back is worth keeping until its next fetch and only then (the device cache's write-back replaces any
-    copy it gathered); keeping the most such rows within the capacity at every instant is interval selection,
-    which taking the write-backs in order and dropping the row fetched furthest ahead whenever the rows kept
-    overflow solves exactly. Reads happen at the gather (a prefetch would hold its rows longer). Per step, over
-    the run and its second half, as :func:`disk_figures`."""
+    """The fewest rows any host policy of ``capacity`` rows per table reads over ``plans`` (the replay's order: the
+    write-backs of step ``t``, then the gather of step ``t + 2``): the re-reads of the offline optimum (a first
+    fetch is of a row never written: computed, no read), Belady with bypass over the fetch stream with the host tier
+    exclusive of the device cache. A row written back is worth keeping until its next fetch and only then (the
+    device cache's write-back replaces any copy it gathered); keeping the most such rows within the capacity at
+    every instant is interval selection, which taking the write-backs in order and dropping the row fetched furthest
+    ahead whenever the rows kept overflow solves exactly. Reads happen at the gather (a prefetch would hold its rows
+    longer). Per step, over the run and its second half, as :func:`disk_figures`."""
     steps = len(plans)
     mid = steps // 2
     first = reread = late_first = late_reread = 0
@@ -431,11 +431,13 @@ def offline_optimum(
                 ending[g] = 0
     late = steps - mid
     return {
-        "rows_read_per_step": (first + reread) / steps,
-        "first_reads_per_step": first / steps,
+        "rows_read_per_step": reread / steps,
+        "initialised_per_step": first / steps,
+        "first_reads_per_step": 0.0,
         "rereads_per_step": reread / steps,
-        "late_rows_read_per_step": (late_first + late_reread) / late,
+        "late_rows_read_per_step": late_reread / late,
         "late_rereads_per_step": late_reread / late,
+        "late_initialised_per_step": late_first / late,
     }
 
 
@@ -510,12 +512,12 @@ def main() -> None:
             for pol in ("lru", "lookahead")
         }
 
-    def ratio(fig: Dict[str, Dict[str, float]]) -> Dict[str, float]:
-        return {b: fig["lookahead"][b] / max(fig["lru"][b], 1e-9) for b in ("25", "10")}
+    def ratio(fig: Dict[str, Dict[str, float]], key: str = "lookahead") -> Dict[str, float]:
+        return {b: fig[key][b] / max(fig["lru"][b], 1e-9) for b in ("25", "10")}  # LRU may read no row
 
     figs = {k: per_policy(k) for k in
-            ("rows_read_per_step", "first_reads_per_step", "rereads_per_step", "late_rows_read_per_step",
-             "late_rereads_per_step")}  # fmt: skip
+            ("rows_read_per_step", "initialised_per_step", "first_reads_per_step", "rereads_per_step",
+             "late_rows_read_per_step", "late_rereads_per_step")}  # fmt: skip
     ratios = {
         "lookahead_over_lru_rows_read": ratio(figs["rows_read_per_step"]),
         "lookahead_over_lru_rereads": ratio(figs["rereads_per_step"]),
@@ -523,13 +525,11 @@ def main() -> None:
         "late_lookahead_over_lru_rereads": ratio(figs["late_rereads_per_step"]),
     }
     if optimum:
-        ratios["optimum_over_lru_rows_read"] = {
-            b: optimum[b]["rows_read_per_step"] / figs["rows_read_per_step"]["lru"][b] for b in ("25", "10")
-        }
-        ratios["late_optimum_over_lru_rows_read"] = {
-            b: optimum[b]["late_rows_read_per_step"] / figs["late_rows_read_per_step"]["lru"][b]
-            for b in ("25", "10")
-        }
+        for key in ("rows_read_per_step", "late_rows_read_per_step"):
+            best = {b: optimum[b][key] for b in ("25", "10")}
+            ratios[f"{'late_' if key.startswith('late') else ''}optimum_over_lru_rows_read"] = ratio(
+                {**figs[key], "optimum": best}, "optimum"
+            )
     for k, v in {**figs, "offline_optimum": optimum, **ratios}.items():
         print(f"{k}: {v}")
     out: Dict[str, Any] = {

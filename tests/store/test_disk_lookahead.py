@@ -177,7 +177,8 @@ def test_lookahead_reads_no_more_rows_than_lru_under_a_cache(tmp_path: Path) -> 
     plans = _device_plans(_stream(80, seed=3), capacity=500)
     lru = _run_cache(tmp_path, "lru", 800, plans)
     ahead = _run_cache(tmp_path, "lookahead", 800, plans)
-    assert lru["rows_first_read"] == ahead["rows_first_read"]  # compulsory under both
+    # a row is computed at its first fetch under both (then the device cache writes it back)
+    assert lru["rows_initialised"] == ahead["rows_initialised"] and lru["rows_first_read"] == 0
     assert ahead["rows_read"] <= lru["rows_read"], (ahead, lru)
     assert ahead["rows_reread"] < lru["rows_reread"], (ahead, lru)
 
@@ -191,7 +192,7 @@ def test_lookahead_keeps_the_rows_the_device_cache_does_not_hold(tmp_path: Path)
     plans = _device_plans(stream, capacity=2 * rows)
     lru = _run_cache(tmp_path, "lru", 460, plans)
     ahead = _run_cache(tmp_path, "lookahead", 460, plans)
-    assert lru["rows_first_read"] == ahead["rows_first_read"] == 500
+    assert lru["rows_initialised"] == ahead["rows_initialised"] == 500  # first fetches: computed
     assert lru["rows_reread"] >= 0.9 * (steps - 10) * rows, lru  # a cycle longer than the tier: LRU misses
     assert ahead["rows_reread"] == 0, ahead
 
@@ -213,25 +214,46 @@ def test_use_hints_keep_the_rows_a_batch_past_the_read_hints_looks_up(tmp_path: 
     plans = _device_plans(stream, capacity=2 * rows)
     without = _run_cache(tmp_path / "a", "lookahead", 4 * rows, plans, lead=2)
     told = _run_cache(tmp_path / "b", "lookahead", 4 * rows, plans, lead=2, uses=stream, uses_lead=30)
-    assert without["rows_first_read"] == told["rows_first_read"]
+    assert without["rows_initialised"] == told["rows_initialised"]
     assert told["rows_reread"] + rows <= without["rows_reread"], (told, without)
 
 
+def _written(path: Path, rows: torch.Tensor, **kwargs: Any) -> DiskStore:
+    """A store at ``path`` whose ``rows`` are on disk (written, then reopened with an empty host tier)."""
+    disk = _disk(path, rows.numel())
+    n = rows.numel()
+    disk.scatter(rows, torch.ones(n, D), {k: torch.zeros(n, w) for k, w in WIDTHS.items()})
+    disk.close()
+    return DiskStore.open(path, **kwargs)
+
+
 def test_prefetched_rows_are_host_hits(tmp_path: Path) -> None:
-    disk = _disk(tmp_path / "t.rows", 1000, host_policy="lookahead", disk_prefetch_depth=2)
+    disk = _written(
+        tmp_path / "t.rows",
+        torch.arange(100, 400),
+        host_budget_bytes=1000 * ROW_BYTES,
+        host_policy="lookahead",
+        disk_prefetch_depth=2,
+    )
     disk.at_step(0)
-    disk.plan_reads(2, torch.arange(100, 400))
+    disk.plan_reads(2, torch.arange(100, 500))  # rows 400.. were never written: not read in the background
     _wait_idle(disk)
     assert disk.stats()["rows_prefetched"] == 300
     disk.at_step(2)
-    disk.gather(torch.arange(100, 400))
+    disk.gather(torch.arange(100, 500))
     st = disk.stats()
-    assert st["host_hits"] == 300 and st["rows_read"] == 300
+    assert st["host_hits"] == 300 and st["rows_read"] == 300 and st["rows_initialised"] == 100
     disk.close()
 
 
 def test_a_prefetch_never_evicts_rows_needed_sooner(tmp_path: Path) -> None:
-    disk = _disk(tmp_path / "t.rows", 100, host_policy="lookahead", disk_prefetch_depth=3)
+    disk = _written(
+        tmp_path / "t.rows",
+        torch.arange(0, 2000),
+        host_budget_bytes=100 * ROW_BYTES,
+        host_policy="lookahead",
+        disk_prefetch_depth=3,
+    )
     disk.at_step(0)
     disk.gather(torch.arange(0, 100))  # the tier is full
     disk.plan_reads(1, torch.arange(0, 60))  # needed next: kept

@@ -67,15 +67,35 @@ def test_random_sequence_equals_tensor_store(tmp_path: Path, budget_rows: int) -
     again.close()
 
 
-def test_initial_rows_are_created_on_first_touch_only(tmp_path: Path) -> None:
+def test_rows_never_written_are_computed_not_read(tmp_path: Path) -> None:
+    """A row never written is its initial value, computed without I/O; the file takes only written rows, and a
+    write reads its unit first only where the unit holds another row on disk."""
     disk = _disk(tmp_path / "t.rows")
     ids = torch.tensor([0, 19999, 8192, 8191, 0])
     w, s = disk.gather(ids)
     assert torch.equal(w, init_rows(5, "t", 0, N, D, N)[ids])
     assert all(float(v.abs().sum()) == 0.0 for v in s.values())
-    assert disk.stats()["blocks_created"] == 3
-    disk.gather(torch.tensor([1, 2, 8200]))
-    assert disk.stats()["blocks_created"] == 3
+    st = disk.stats()
+    assert st["rows_initialised"] == 4 and st["rows_read"] == 0 and st["bytes_read"] == 0
+    assert st["rows_on_disk"] == 0
+    rows = torch.tensor([1, 2, 8200])
+    disk.scatter(rows, torch.full((3, D), 2.0), {k: torch.ones(3, v) for k, v in WIDTHS.items()})
+    disk.flush()  # the host tier keeps the rows; flush writes them: units 0 and 8200's, neither read first
+    st = disk.stats()
+    assert st["rows_on_disk"] == 3 and st["unit_reads"] == 0 and st["unit_writes"] == 2
+    disk.close()
+    disk = DiskStore.open(tmp_path / "t.rows", host_budget_bytes=10 * ROW_BYTES)
+    w, _ = disk.gather(torch.tensor([0, 1, 2, 8200, 8201]))  # row 0 shares a unit with 1 and 2 on disk
+    assert torch.equal(w[[1, 2, 3]], torch.full((3, D), 2.0))
+    assert torch.equal(w[[0, 4]], init_rows(5, "t", 0, N, D, N)[[0, 8201]])
+    st = disk.stats()
+    assert st["rows_read"] == 3 and st["rows_initialised"] == 2 and st["unit_reads"] == 2
+    disk.scatter(torch.tensor([3]), torch.full((1, D), 3.0), {k: torch.ones(1, v) for k, v in WIDTHS.items()})
+    disk.close()  # writing row 3 reads its unit first, to keep rows 1 and 2
+    disk = DiskStore.open(tmp_path / "t.rows", host_budget_bytes=10 * ROW_BYTES)
+    assert torch.equal(disk.gather(torch.tensor([1, 3]))[0], torch.tensor([[2.0] * D, [3.0] * D]))
+    assert torch.equal(disk.full_weights()[[0, 4, 8201]], init_rows(5, "t", 0, N, D, N)[[0, 4, 8201]])
+    disk.close()
     # a shard's initial rows are the whole table's
     shard = DiskStore(tmp_path / "s.rows", 1000, D, name="t", seed=5, row_offset=8000, table_rows=N,
                       host_budget_bytes=4096)  # fmt: skip
@@ -129,7 +149,7 @@ def test_bad_input_is_refused_and_changes_nothing(tmp_path: Path) -> None:
         )
     with pytest.raises(DataError):
         disk.load(torch.zeros(N - 1, D))
-    assert disk.stats()["blocks_created"] == 0
+    assert disk.stats()["rows_on_disk"] == 0
     disk.close()
     with pytest.raises(ConfigError, match="closed"):
         disk.gather(torch.tensor([1]))

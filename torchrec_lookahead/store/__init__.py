@@ -7,14 +7,14 @@
   (``host_budget_bytes``), for tables larger than host RAM.
 * :class:`RowShardedStore`: a table sharded row-wise over the ranks (or hosts) of a job, reached with
   torch.distributed collectives.
-* :func:`init_rows` / :func:`init_embedding_weights`: the deterministic initial values every store uses, also
-  for initialising a resident TorchRec model identically.
+* :func:`init_rows` / :func:`init_rows_at` / :func:`init_embedding_weights`: the deterministic initial values
+  every store uses (each row computed on its own), also for initialising a resident TorchRec model identically.
 
 The collective plumbing of :class:`RowShardedStore` (``STAGE_CHANNEL``, ``collective_channel``, ``current_wait``,
 ``CollectiveWait``) lives in :mod:`torchrec_lookahead.store.channels`, ``EmptyShardStore`` in
 :mod:`torchrec_lookahead.store.sharded_store`, the shape value every store answers its shape properties from
 (``StoreShape``) and what a bounded host tier must hold at once (``HostWindow``) in
-:mod:`torchrec_lookahead.store.types`, and the initialisation block size
+:mod:`torchrec_lookahead.store.types`, and the lazy-initialisation block size
 ``INIT_BLOCK_ROWS`` in :mod:`torchrec_lookahead.store.init`.
 
 Example:
@@ -26,7 +26,7 @@ Example:
 """
 
 from torchrec_lookahead.store.disk_store import DiskStore
-from torchrec_lookahead.store.init import init_embedding_weights, init_rows
+from torchrec_lookahead.store.init import init_embedding_weights, init_rows, init_rows_at
 from torchrec_lookahead.store.mmap_store import MmapStore
 from torchrec_lookahead.store.sharded_store import RowShardedStore, row_bounds
 from torchrec_lookahead.store.tensor_store import TensorStore
@@ -40,5 +40,6 @@ __all__ = [
     "RowShardedStore",
     "row_bounds",
     "init_rows",
+    "init_rows_at",
     "init_embedding_weights",
 ]

@@ -3,13 +3,16 @@
 One file per table (or row shard), in 4 KiB pages::
 
     page 0                  header: magic, then the layout as JSON (table, rows, dim, state layout, seed, version)
-    pages 1 .. F            one byte per block of INIT_BLOCK_ROWS rows: 1 once the block is on disk
-    pages F+1 ..            the blocks, each ``units_per_block`` units of ``unit_bytes``
+    pages 1 .. F            one byte per row: 1 once the row is on disk (written at least once)
+    pages F+1 ..            the blocks of INIT_BLOCK_ROWS rows, each ``units_per_block`` units of ``unit_bytes``
 
 A *unit* is the smallest piece read or written: one page holding ``rows_per_unit`` whole records (a record is
 one row ``[weight | states]``, float32), or, for records over a page, the pages of one record. Records never
-straddle units and blocks never share units, so a block is written whole when it is first touched and a row
-is read with the one unit that holds it. Reads and writes go through aligned buffers, with ``O_DIRECT`` where
+straddle units and blocks never share units, so a row is read with the one unit that holds it. A row never
+written is not on disk: its value is its initial value, computed (``init_rows_at``), and the slots of such rows
+in a unit hold nothing meaningful. So a write reads its unit first only when the unit holds another row on disk,
+and the file stays sparse where no row was written. Reads and writes go through aligned buffers, with
+``O_DIRECT`` where
 the filesystem takes it (else buffered, with ``posix_fadvise(DONTNEED)`` after each call so that the page
 cache does not hold the table), issued in parallel runs of consecutive units from a small thread pool.
 """
@@ -37,7 +40,7 @@ log = logging.getLogger(__name__)
 PAGE = 4096
 MAGIC = b"TRLDISK\x00"
 FORMAT = "torchrec_lookahead.disk_store"
-VERSION = 1
+VERSION = 2  # 1: one flag per block, blocks written whole with their initial values
 _MAX_RUN_BYTES = 1 << 20  # one request reads at most this many consecutive bytes
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -68,7 +71,7 @@ def _each(op: Callable[[memoryview, int], None], jobs: List[Tuple[memoryview, in
 
 
 class DiskFile:
-    """The records of one table in a file, addressed by local row, with their block flags.
+    """The records of one table in a file, addressed by local row, with their row flags (1: the row is on disk).
 
     Creates the file when it does not exist, else checks its header against ``meta`` and refuses another
     table's, size's, layout's or seed's file.
@@ -94,14 +97,14 @@ class DiskFile:
         self.block_rows = INIT_BLOCK_ROWS
         self.units_per_block = -(-self.block_rows // self.rows_per_unit)
         self.num_blocks = -(-num_rows // self.block_rows)
-        flag_pages = -(-self.num_blocks // PAGE)
+        flag_pages = -(-num_rows // PAGE)
         self.data_offset = PAGE * (1 + flag_pages)
         self.size = self.data_offset + self.num_blocks * self.units_per_block * self.unit_bytes
         self.meta = dict(
             meta, unit_bytes=self.unit_bytes, rows_per_unit=self.rows_per_unit, block_rows=self.block_rows
         )
         self._flags_buf = aligned_buffer(flag_pages * PAGE)
-        self.flags = np.frombuffer(self._flags_buf, dtype=np.uint8)[: self.num_blocks]
+        self.flags = np.frombuffer(self._flags_buf, dtype=np.uint8)[:num_rows]
         self._threads = max(1, io_threads)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(1, io_threads), thread_name_prefix="disk-store-io"
@@ -287,6 +290,25 @@ class DiskFile:
         unit_in_block, slot = np.divmod(within, self.rows_per_unit)
         return block * self.units_per_block + unit_in_block, slot * (self.record_bytes // 4)
 
+    def others_on_disk(self, units: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """For sorted distinct ``units``: whether each holds a row on disk other than the sorted distinct
+        ``rows`` (whose units are ``units``), i.e. whether writing ``rows`` must read the unit first."""
+        block, within = np.divmod(units, self.units_per_block)
+        first = block * self.block_rows + within * self.rows_per_unit
+        stop = np.minimum((block + 1) * self.block_rows, self.num_rows)
+        grid = first[:, None] + np.arange(self.rows_per_unit)[None, :]
+        valid = grid < stop[:, None]
+        on = np.zeros(grid.shape, dtype=bool)
+        on[valid] = self.flags[grid[valid]] != 0
+        at = np.searchsorted(units, self.locate(rows)[0])
+        on[at, rows - first[at]] = False
+        return np.asarray(on.any(axis=1))
+
+    def blocks_on_disk(self) -> np.ndarray:
+        """Indices of the blocks holding at least one row on disk."""
+        starts = np.arange(0, self.num_rows, self.block_rows)
+        return np.flatnonzero(np.maximum.reduceat(self.flags, starts) != 0)
+
     def read_units(self, units: np.ndarray) -> Tuple[mmap.mmap, np.ndarray]:
         """Read sorted distinct ``units``; returns the buffer and its float32 view (unit ``i`` at
         ``i * unit_bytes / 4``)."""
@@ -305,7 +327,8 @@ class DiskFile:
         return pos[:, None] + np.arange(self.record_bytes // 4)[None, :]
 
     def write_block(self, block: int, records: np.ndarray) -> None:
-        """Write a whole block of ``records`` ((rows of the block, record_floats) float32)."""
+        """Write a whole block of ``records`` ((rows of the block, record_floats) float32); the caller flags
+        its rows."""
         lo = block * self.block_rows
         units = np.arange(block * self.units_per_block, (block + 1) * self.units_per_block, dtype=np.int64)
         buf = aligned_buffer(units.size * self.unit_bytes)
@@ -314,12 +337,12 @@ class DiskFile:
         self.write_units(units, buf)
 
     def write_flags(self) -> None:
-        """Write the block flags (call after the blocks they describe are durable)."""
+        """Write the row flags (call after the rows they describe are durable)."""
         try:
             self._write_exact(memoryview(self._flags_buf), PAGE)
         except OSError as e:
             raise StoreError(
-                f"writing the block flags of '{self.path}' failed ({e.strerror})", path=self.path
+                f"writing the row flags of '{self.path}' failed ({e.strerror})", path=self.path
             ) from None
 
     # -- copies (checkpoints) ----------------------------------------------------------------------------------
@@ -329,9 +352,9 @@ class DiskFile:
         return self.units_per_block * self.unit_bytes
 
     def snapshot(self, dst: str) -> None:
-        """Copy this file to ``dst``, durably: the header, the block flags and the blocks on disk (the others stay
-        holes), one block at a time (the caller has written the host tier's dirty rows). Written under a temporary
-        name and renamed, so ``dst`` is whole or absent.
+        """Copy this file to ``dst``, durably: the header, the row flags and the blocks holding rows on disk (the
+        others stay holes), one block at a time (the caller has written the host tier's dirty rows). Written under
+        a temporary name and renamed, so ``dst`` is whole or absent.
 
         Raises:
             StoreError: ``dst`` cannot be written (the disk is full: the free bytes are named).
@@ -347,7 +370,7 @@ class DiskFile:
             self._read_exact(view[:PAGE], 0)  # the header
             _pwrite_all(out, view[:PAGE], 0)
             _pwrite_all(out, memoryview(self._flags_buf), PAGE)  # the flags of the blocks copied below
-            for block in np.flatnonzero(self.flags).tolist():
+            for block in self.blocks_on_disk().tolist():
                 offset = self.data_offset + block * self.block_bytes
                 self._read_exact(view[: self.block_bytes], offset)
                 _pwrite_all(out, view[: self.block_bytes], offset)
@@ -373,7 +396,8 @@ class DiskFile:
 
     def restore(self, src: str) -> None:
         """Make this file hold what the copy ``src`` (:meth:`snapshot` of a file of this table, size, layout and
-        seed) holds: its blocks and flags (a block ``src`` lacks becomes one not created here), durably.
+        seed) holds: its rows on disk and their flags (a row not on disk in ``src`` holds its initial value here),
+        durably.
 
         Raises:
             ConfigError: ``src`` is not such a copy (the fields that differ are named); nothing is written then.
@@ -395,15 +419,13 @@ class DiskFile:
         fd = -1
         try:
             fd = os.open(src, os.O_RDONLY)
-            flags = np.zeros(self.num_blocks, dtype=np.uint8)
             _pread_all(fd, view[: len(self._flags_buf)], PAGE, src)
-            flags[:] = np.frombuffer(buf, dtype=np.uint8, count=self.num_blocks)
-            for block in np.flatnonzero(flags).tolist():
+            self.flags[:] = np.frombuffer(buf, dtype=np.uint8, count=self.num_rows)
+            for block in self.blocks_on_disk().tolist():
                 offset = self.data_offset + block * self.block_bytes
                 _pread_all(fd, view[: self.block_bytes], offset, src)
                 self._write_exact(view[: self.block_bytes], offset)
                 os.posix_fadvise(fd, offset, self.block_bytes, os.POSIX_FADV_DONTNEED)
-            self.flags[:] = flags
         except OSError as e:
             raise StoreError(
                 f"restoring disk store '{self.path}' from '{src}' failed ({e.strerror})", path=self.path

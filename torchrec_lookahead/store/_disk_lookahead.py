@@ -68,9 +68,7 @@ class LookaheadReads:
         @property
         def num_embeddings(self) -> int: ...
 
-        def _ensure_init(self, ids: Optional[torch.Tensor]) -> None: ...
-
-        def _read_uncounted(self, ids: np.ndarray) -> Tuple[np.ndarray, int]: ...
+        def _read_uncounted(self, ids: np.ndarray) -> Tuple[np.ndarray, int, np.ndarray]: ...
 
         def _evict(self, victims: np.ndarray) -> None: ...
 
@@ -246,7 +244,7 @@ class LookaheadReads:
             if miss is None or miss.size == 0:
                 continue
             try:
-                records, units = self._read_uncounted(miss)
+                records, units, _ = self._read_uncounted(miss)
             except Exception:
                 with self._lock:
                     self._written = self._inflight = None
@@ -271,9 +269,9 @@ class LookaheadReads:
         ids = self._hints[step]
         if ids.size == 0:
             return None
-        self._ensure_init(torch.from_numpy(ids))
         tier = self._tier
         miss = ids[tier.find(ids) < 0]
+        miss = miss[self._file.flags[miss] != 0]  # a row never written is computed when gathered, without I/O
         # a row the device cache holds comes back with its write-back, before the device cache can fetch it again
         miss = miss[~tier.device_holds(miss)]
         if miss.size == 0:

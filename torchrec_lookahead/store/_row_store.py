@@ -32,8 +32,8 @@ class _RowStore(ShapedStore):
 
     Subclasses provide the tensor (RAM or memory-mapped) and the per-chunk "initialised" flags. Chunks start at
     local row 0, or with ``aligned`` (a store whose flags are not kept in a file) at the whole table's multiples
-    of ``chunk_rows``, so that a row shard whose ``row_offset`` is not one initialises each of
-    :func:`~torchrec_lookahead.store.init_rows`' generator blocks once, not in two chunks that each draw it.
+    of ``chunk_rows``, so that the chunks of row shards line up with the whole table's (the values do not depend
+    on the chunking).
     """
 
     def __init__(

@@ -19,13 +19,15 @@ Which rows the host tier keeps is its ``host_policy``:
   are: a gather reads what the host tier lacks from the file, so values are the latest written whatever the
   hints (wrong, missing or extra ones included).
 
-Nothing initialises the table at set-up: a block of :data:`~torchrec_lookahead.store.init.INIT_BLOCK_ROWS` rows is
-created (with :func:`~torchrec_lookahead.store.init_rows`' values, bit for bit those of a
-:class:`~torchrec_lookahead.store.TensorStore`) and written the first time one of its rows is read or written.
+Nothing initialises the table, at set-up or later: a row never written is not on disk, and reading it computes
+its initial value (:func:`~torchrec_lookahead.store.init_rows_at`, bit for bit a
+:class:`~torchrec_lookahead.store.TensorStore`'s) without any I/O. The file keeps one flag per row, set when the
+row is first written, so only rows trained at least once are ever read from the disk, and a write reads its unit
+first only when the unit holds another row already on disk.
 
-:meth:`DiskStore.flush` writes every dirty row, fsyncs, then writes and fsyncs the block flags, so the file
+:meth:`DiskStore.flush` writes every dirty row, fsyncs, then writes and fsyncs the row flags, so the file
 holds every write before the flush (a checkpoint calls it). Writes after it may reach the file before a crash;
-a run resumes from its checkpoint, which holds the full tables.
+a run resumes from its checkpoint, which holds a copy of the file.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ import numpy as np
 import torch
 
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.store._disk_file import DiskFile, read_header
+from torchrec_lookahead.store._disk_file import DiskFile, aligned_buffer, read_header
 from torchrec_lookahead.store._disk_lookahead import LookaheadReads
 from torchrec_lookahead.store._host_tier import HostTier
 from torchrec_lookahead.store._row_store import _RowStore
-from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
+from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows_at
 from torchrec_lookahead.store.types import HostWindow, check_load
 
 __all__ = ["DiskStore", "DEFAULT_HOST_BUDGET_BYTES", "HOST_POLICIES", "check_host_policy"]
@@ -174,13 +176,14 @@ class DiskStore(LookaheadReads, _RowStore):
             count_fetches=host_policy == "lookahead",
         )
         self._lock = threading.Lock()  # the host tier and the file, one call at a time
+        self._all_init = True  # no chunk is initialised: rows not on disk are computed when read
         self._counts = dict.fromkeys(
             (
                 "host_hits",
                 "rows_read",
                 "rows_first_read",
+                "rows_initialised",
                 "rows_written",
-                "blocks_created",
                 "unit_reads",
                 "unit_writes",
                 "rows_prefetched",
@@ -293,44 +296,37 @@ class DiskStore(LookaheadReads, _RowStore):
         return self._file.direct
 
     def stats(self) -> Dict[str, int]:
-        """Counters: ``host_hits`` (rows served by the host tier), ``rows_read`` / ``rows_written`` (rows moved
-        between the host and the disk, the background reads included), split into ``rows_first_read`` (reads of
-        rows the host tier never held nor read before: compulsory under any policy) and ``rows_reread`` (the
+        """Counters: ``host_hits`` (rows served by the host tier), ``rows_initialised`` (rows missed by the host
+        tier that were never written: their initial values computed, no I/O), ``rows_read`` / ``rows_written``
+        (rows moved between the host and the disk, the background reads included), ``rows_read`` split into
+        ``rows_first_read`` (reads of rows the host tier never held nor read before) and ``rows_reread`` (the
         rest), ``rows_written_through`` (rows written to the file without entering the host tier: a call larger
         than the tier, or under the lookahead policy a write-back ranked below every row the tier holds),
         ``rows_prefetched`` (rows the background thread read into the host tier), ``prefetch_discarded`` (rows
         it read but did not keep: written meanwhile, or no room left), ``unit_reads`` / ``unit_writes`` (disk
-        units), ``bytes_read`` / ``bytes_written``, ``blocks_created`` (blocks initialised on first touch),
+        units; ``unit_reads`` counts the reads of units a write changes, done only where the unit holds another
+        row on disk), ``bytes_read`` / ``bytes_written``, ``rows_on_disk`` (rows written at least once),
         ``host_rows`` (rows in the host tier now) and ``host_capacity``."""
         return dict(
             self._counts,
             rows_reread=self._counts["rows_read"] - self._counts["rows_first_read"],
             bytes_read=self._file.bytes_read,
             bytes_written=self._file.bytes_written,
+            rows_on_disk=int(np.count_nonzero(self._file.flags)),
             host_rows=self._tier.capacity - self._tier.num_free,
             host_capacity=self._tier.capacity,
         )
 
-    # -- _RowStore hooks: blocks created on first touch ------------------------------------------------------
+    # -- initial values: computed, never stored --------------------------------------------------------------
     def _rows(self) -> torch.Tensor:
         raise NotImplementedError("a DiskStore has no backing tensor")
 
-    def _chunk_flags(self) -> torch.Tensor:
-        self._check_open()
-        return torch.from_numpy(self._file.flags)
-
-    def _init_chunk(self, chunk: int) -> None:
-        self._file.write_block(chunk, self._initial_records(chunk))
-        self._counts["blocks_created"] += 1
-
-    def _initial_records(self, block: int) -> np.ndarray:
-        lo = block * INIT_BLOCK_ROWS
-        hi = min(lo + INIT_BLOCK_ROWS, self.num_embeddings)
-        records = np.zeros((hi - lo, self.row_width), dtype=np.float32)
-        off = self._row_offset
-        records[:, : self.embedding_dim] = init_rows(
-            self._seed, self.name, off + lo, off + hi, self.embedding_dim, self._table_rows
-        ).numpy()
+    def _initial_records(self, rows: np.ndarray) -> np.ndarray:
+        """Records of local ``rows`` at their initial values (weights from ``init_rows_at``, zero states)."""
+        records = np.zeros((rows.size, self.row_width), dtype=np.float32)
+        records[:, : self.embedding_dim] = init_rows_at(
+            self._seed, self.name, rows + self._row_offset, self.embedding_dim, self._table_rows
+        )
         return records
 
     def _check_open(self) -> None:
@@ -339,33 +335,55 @@ class DiskStore(LookaheadReads, _RowStore):
 
     # -- disk rows ------------------------------------------------------------------------------------------
     def _read_rows(self, ids: np.ndarray) -> np.ndarray:
-        """Records of sorted distinct ``ids`` from the file (their blocks exist)."""
-        records, units = self._read_uncounted(ids)
-        self._counts["rows_read"] += ids.size
-        self._counts["rows_first_read"] += self._tier.mark_held(ids)
+        """Records of sorted distinct ``ids``: read from the file where on disk, computed elsewhere."""
+        records, units, on_disk = self._read_uncounted(ids)
+        read = int(on_disk.sum())
+        self._counts["rows_read"] += read
+        self._counts["rows_initialised"] += ids.size - read
+        self._counts["rows_first_read"] += self._tier.mark_held(ids[on_disk])
+        self._tier.mark_held(ids[~on_disk])
         self._counts["unit_reads"] += units
         return records
 
-    def _read_uncounted(self, ids: np.ndarray) -> Tuple[np.ndarray, int]:
-        """Records of sorted distinct ``ids`` from the file and the units read (no lock needed: the file's
-        calls are thread-safe)."""
-        units = np.unique(self._file.locate(ids)[0])
+    def _read_uncounted(self, ids: np.ndarray) -> Tuple[np.ndarray, int, np.ndarray]:
+        """Records of sorted distinct ``ids`` (from the file for the rows on disk, computed for the others), the
+        units read and which ids were on disk (no lock needed: the file's calls are thread-safe, and a row
+        written meanwhile is the caller's to drop)."""
+        on_disk = self._file.flags[ids] != 0
+        if on_disk.all():
+            units = np.unique(self._file.locate(ids)[0])
+            _, flat = self._file.read_units(units)
+            return flat[self._file.record_index(units, ids)], int(units.size), on_disk
+        records = self._initial_records(ids)
+        if not on_disk.any():
+            return records, 0, on_disk
+        stored = ids[on_disk]
+        units = np.unique(self._file.locate(stored)[0])
         _, flat = self._file.read_units(units)
-        return flat[self._file.record_index(units, ids)], int(units.size)
+        records[on_disk] = flat[self._file.record_index(units, stored)]
+        return records, int(units.size), on_disk
 
     def _write_rows(self, ids: np.ndarray, records: np.ndarray) -> None:
-        """Write records of distinct ``ids`` (their blocks exist): read-modify-write of the units holding them,
-        consecutive units in one request."""
+        """Write records of sorted distinct ``ids`` and flag them on disk: one write per unit holding them,
+        consecutive units in one request, each read first only where it holds another row on disk."""
         if ids.size == 0:
             return
-        units = np.unique(self._file.locate(ids)[0])
-        buf, flat = self._file.read_units(units)
-        flat[self._file.record_index(units, ids)] = records
-        self._file.write_units(units, buf)
+        file = self._file
+        units = np.unique(file.locate(ids)[0])
+        buf = aligned_buffer(units.size * file.unit_bytes)
+        flat = np.frombuffer(buf, dtype=np.float32)
+        keep = file.others_on_disk(units, ids)
+        if keep.any():
+            _, old = file.read_units(units[keep])
+            per_unit = file.unit_bytes // 4
+            flat.reshape(units.size, per_unit)[keep] = old.reshape(-1, per_unit)
+        flat[file.record_index(units, ids)] = records
+        file.write_units(units, buf)
+        file.flags[ids] = 1
         if self._written is not None:
             self._written.append(ids.copy())
         self._counts["rows_written"] += ids.size
-        self._counts["unit_reads"] += units.size
+        self._counts["unit_reads"] += int(keep.sum())
         self._counts["unit_writes"] += units.size
 
     def _make_room(self, count: int, kept: int) -> None:
@@ -395,7 +413,6 @@ class DiskStore(LookaheadReads, _RowStore):
             self._check_open()
             if ids.numel() == 0:
                 return self._split(torch.empty(0, self.row_width))
-            self._ensure_init(ids)
             tier = self._tier
             uniq, inverse = np.unique(ids.numpy(), return_inverse=True)
             while self._inflight is not None and np.isin(uniq, self._inflight, assume_unique=True).any():
@@ -439,7 +456,6 @@ class DiskStore(LookaheadReads, _RowStore):
             return
         with self._lock:
             self._check_open()
-            self._ensure_init(ids)
             tier = self._tier
             arr = ids.numpy()
             slots = tier.find(arr)
@@ -472,25 +488,15 @@ class DiskStore(LookaheadReads, _RowStore):
                 self._counts["rows_written_through"] += through.size
 
     def _full_columns(self, lo: int, hi: int) -> torch.Tensor:
-        """Columns ``[lo, hi)`` of every record: the file's blocks (created ones) and the host tier's rows."""
+        """Columns ``[lo, hi)`` of every record: the host tier's rows, else the file's rows on disk, else the
+        initial values."""
         with self._lock:
             self._check_open()
             out = torch.empty(self.num_embeddings, hi - lo, dtype=torch.float32)
             arr = out.numpy()
-            for block in range(self._file.num_blocks):
-                a = block * INIT_BLOCK_ROWS
-                b = min(a + INIT_BLOCK_ROWS, self.num_embeddings)
-                if self._file.flags[block]:
-                    units = np.arange(
-                        block * self._file.units_per_block,
-                        (block + 1) * self._file.units_per_block,
-                        dtype=np.int64,
-                    )
-                    _, flat = self._file.read_units(units)
-                    index = self._file.record_index(units, np.arange(a, b, dtype=np.int64))
-                    arr[a:b] = flat[index[:, lo:hi]]
-                else:
-                    arr[a:b] = self._initial_records(block)[:, lo:hi]
+            for a in range(0, self.num_embeddings, INIT_BLOCK_ROWS):
+                rows = np.arange(a, min(a + INIT_BLOCK_ROWS, self.num_embeddings), dtype=np.int64)
+                arr[rows] = self._read_uncounted(rows)[0][:, lo:hi]
             occ = self._tier.occupied
             arr[self._tier.id_of[occ]] = self._tier.rows.numpy()[occ, lo:hi]
             return out
@@ -521,11 +527,10 @@ class DiskStore(LookaheadReads, _RowStore):
                             states[key][a:b].reshape(b - a, c1 - c0).to("cpu", torch.float32).numpy()
                         )
                 self._file.write_block(block, records)
-                self._file.flags[block] = 1
-            self._all_init = True
+                self._file.flags[a:b] = 1
 
     def flush(self) -> None:
-        """Write every dirty row of the host tier to the file, fsync it, then write and fsync the block flags."""
+        """Write every dirty row of the host tier to the file, fsync it, then write and fsync the row flags."""
         with self._lock:
             if self._file.closed:
                 return
@@ -551,8 +556,8 @@ class DiskStore(LookaheadReads, _RowStore):
 
     def save_files(self, directory: str) -> None:
         """Write the host tier's dirty rows, then copy the file into ``directory`` as :meth:`file_name`: the
-        header, the block flags and the blocks created (the others stay holes and are created, with the same
-        values, when first read after a restore), one block at a time, durably.
+        header, the row flags and the blocks holding rows on disk (the others stay holes: their rows hold their
+        initial values), one block at a time, durably.
 
         Raises:
             StoreError: the copy cannot be written (a full disk: the free bytes are named); the store is unchanged.
@@ -563,8 +568,8 @@ class DiskStore(LookaheadReads, _RowStore):
             self._file.snapshot(os.path.join(directory, self.file_name()))
 
     def load_files(self, directory: str) -> None:
-        """Make the store hold what :meth:`save_files` copied into ``directory``: the copy's blocks and flags,
-        with an empty host tier.
+        """Make the store hold what :meth:`save_files` copied into ``directory``: the copy's rows on disk and
+        their flags, with an empty host tier.
 
         Raises:
             ConfigError: the copy is of another table, shard, layout or seed, or is missing; nothing is written.
@@ -576,7 +581,6 @@ class DiskStore(LookaheadReads, _RowStore):
             self._file.restore(path)
             self._tier.clear()
             self._reset = True
-            self._all_init = bool(self._file.flags.all())
 
     def close(self) -> None:
         """Stop the background reads, flush and close the file; the store cannot be used afterwards

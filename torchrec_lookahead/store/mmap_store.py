@@ -27,7 +27,7 @@ from torchrec_lookahead.store._row_store import _RowStore
 __all__ = ["MmapStore"]
 
 _FORMAT = "torchrec_lookahead.mmap_store"
-_VERSION = 1
+_VERSION = 2  # 1: initial values drawn per block of INIT_BLOCK_ROWS rows (torch.Generator)
 
 PathLike = Union[str, "os.PathLike[str]"]
 

@@ -16,8 +16,9 @@ class TensorStore(_RowStore):
     """A table and its per-row optimizer state in one host tensor.
 
     Rows are initialised on first touch, a block of
-    :data:`~torchrec_lookahead.store.init.INIT_BLOCK_ROWS` (8,192) rows at a time (one generator block of
-    :func:`~torchrec_lookahead.store.init_rows`, as a :class:`~torchrec_lookahead.store.DiskStore`'s blocks), so
+    :data:`~torchrec_lookahead.store.init.INIT_BLOCK_ROWS` (8,192) rows at a time with
+    :func:`~torchrec_lookahead.store.init_rows`' values (those a :class:`~torchrec_lookahead.store.DiskStore` computes
+    for its rows never written), so
     creating a large store is cheap and a step initialises the blocks its ids touch; the memory itself is
     allocated up front (uninitialised, ``torch.empty``: a page takes memory once a block on it is written).
 
