@@ -19,7 +19,7 @@ Manual modes (not run in CI), each in its own process so that peak RSS is its ow
   with ``--store disk --embedding-dim 64 --host-budget-gib 8``, the issue's tables larger than this machine's
   memory (about 53 GB of rows and row-wise Adagrad state) in disk stores under a host tier of 8 GiB, then the
   Kaggle-sized job with its tables in RAM, the anchor (JSON ``terabyte_over_kaggle_ram_samples_per_s``, rows
-  read from disk and rows computed (never written) per step, peak RSS of each, reset between them);
+  read from and written to disk and rows computed (never written) per step, peak RSS of each, reset between them);
 * ``--mmap-vs-ram --store-dir DIR``: the Kaggle-sized job with in-RAM stores and with memory-mapped stores,
   same capacities, alternated (``--rounds``): the relative throughput of the memory-mapped store on a size
   that fits RAM (JSON ``mmap_over_ram_samples_per_s``).
@@ -129,6 +129,7 @@ def run(
         "store_type": type(_inner(next(iter(stores.values())))).__name__ if stores else None,
         "rows_read_from_disk_per_step": _disk_count(stores.values(), "rows_read") / (steps + warmup + 1),
         "rows_computed_per_step": _disk_count(stores.values(), "rows_initialised") / (steps + warmup + 1),
+        "rows_written_to_disk_per_step": _disk_count(stores.values(), "rows_written") / (steps + warmup + 1),
         "samples_per_s": res["samples_per_s"],
         "step_ms": res["step_ms"],
         "capacity_probe_s": t_cap,
@@ -152,7 +153,8 @@ def _inner(store: Any) -> Any:
 
 def _disk_count(stores: Any, key: str) -> int:
     """A counter of the run's disk stores summed (``rows_read``: rows read from their files;
-    ``rows_initialised``: rows never written, computed instead; 0 without disk stores)."""
+    ``rows_initialised``: rows never written, computed instead; ``rows_written``: rows written to their files;
+    0 without disk stores)."""
     from torchrec_lookahead.store import DiskStore
 
     return sum(int(_inner(s).stats()[key]) for s in stores if isinstance(_inner(s), DiskStore))

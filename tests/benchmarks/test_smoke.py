@@ -197,9 +197,8 @@ def _check_scale_run(f: Dict[str, Any], store: str) -> None:
     # the disk tier computes the rows a step fetches for the first time (never written) and reads the rows written
     # back and fetched again; in RAM neither
     assert (f["rows_computed_per_step"] > 0) == (store == "DiskStore")
-    assert f["rows_read_from_disk_per_step"] >= 0 and (
-        store == "DiskStore" or f["rows_read_from_disk_per_step"] == 0
-    )
+    for key in ("rows_read_from_disk_per_step", "rows_written_to_disk_per_step"):
+        assert f[key] >= 0 and (store == "DiskStore" or f[key] == 0), key
 
 
 def check_scale(f: Dict[str, Any]) -> None:

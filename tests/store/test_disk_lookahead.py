@@ -218,23 +218,20 @@ def test_use_hints_keep_the_rows_a_batch_past_the_read_hints_looks_up(tmp_path: 
     assert told["rows_reread"] + rows <= without["rows_reread"], (told, without)
 
 
-def _written(path: Path, rows: torch.Tensor, **kwargs: Any) -> DiskStore:
-    """A store at ``path`` whose ``rows`` are on disk (written, then reopened with an empty host tier)."""
+def _written(path: Path, rows: torch.Tensor, budget_rows: int, depth: int) -> DiskStore:
+    """A lookahead store at ``path`` whose ``rows`` are on disk (written, then reopened with an empty host tier of
+    ``budget_rows`` reading ``depth`` steps ahead)."""
     disk = _disk(path, rows.numel())
     n = rows.numel()
     disk.scatter(rows, torch.ones(n, D), {k: torch.zeros(n, w) for k, w in WIDTHS.items()})
     disk.close()
-    return DiskStore.open(path, **kwargs)
+    return DiskStore.open(
+        path, host_budget_bytes=budget_rows * ROW_BYTES, host_policy="lookahead", disk_prefetch_depth=depth
+    )
 
 
 def test_prefetched_rows_are_host_hits(tmp_path: Path) -> None:
-    disk = _written(
-        tmp_path / "t.rows",
-        torch.arange(100, 400),
-        host_budget_bytes=1000 * ROW_BYTES,
-        host_policy="lookahead",
-        disk_prefetch_depth=2,
-    )
+    disk = _written(tmp_path / "t.rows", torch.arange(100, 400), budget_rows=1000, depth=2)
     disk.at_step(0)
     disk.plan_reads(2, torch.arange(100, 500))  # rows 400.. were never written: not read in the background
     _wait_idle(disk)
@@ -247,13 +244,7 @@ def test_prefetched_rows_are_host_hits(tmp_path: Path) -> None:
 
 
 def test_a_prefetch_never_evicts_rows_needed_sooner(tmp_path: Path) -> None:
-    disk = _written(
-        tmp_path / "t.rows",
-        torch.arange(0, 2000),
-        host_budget_bytes=100 * ROW_BYTES,
-        host_policy="lookahead",
-        disk_prefetch_depth=3,
-    )
+    disk = _written(tmp_path / "t.rows", torch.arange(0, 2000), budget_rows=100, depth=3)
     disk.at_step(0)
     disk.gather(torch.arange(0, 100))  # the tier is full
     disk.plan_reads(1, torch.arange(0, 60))  # needed next: kept

@@ -4,6 +4,7 @@ faults (unwritable directory, no direct I/O, a full disk)."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import threading
@@ -104,6 +105,17 @@ def test_rows_never_written_are_computed_not_read(tmp_path: Path) -> None:
     shard.close()
 
 
+def _set_header(path: Path, **fields: Any) -> None:
+    """Rewrite fields of a disk store file's header (magic, length, JSON)."""
+    with open(path, "r+b") as f:
+        head = f.read(4096)
+        n = int.from_bytes(head[8:12], "little")
+        meta = {**json.loads(head[12 : 12 + n]), **fields}
+        body = json.dumps(meta, sort_keys=True).encode()
+        f.seek(0)
+        f.write(head[:8] + len(body).to_bytes(4, "little") + body + b"\0" * (4096 - 12 - len(body)))
+
+
 def test_reopen_keeps_rows_and_refuses_another_table(tmp_path: Path) -> None:
     path = tmp_path / "t.rows"
     disk = _disk(path)
@@ -124,6 +136,10 @@ def test_reopen_keeps_rows_and_refuses_another_table(tmp_path: Path) -> None:
     again = _disk(path)
     assert again.gather(torch.tensor([12345]))[0].tolist() == [[1.0] * D]
     again.close()
+    _set_header(path, version=1)  # a file of the former format (one flag per block): refused, not misread
+    with pytest.raises(ConfigError, match="version 1; this version reads .* version 2: delete the file"):
+        _disk(path)
+    _set_header(path, version=2)
     with open(path, "r+b") as f:  # truncated
         f.truncate(os.path.getsize(path) - 4096)
     with pytest.raises(ConfigError, match="truncated or foreign"):

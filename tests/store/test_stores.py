@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from torchrec_lookahead.store import (
     TensorStore,
     init_embedding_weights,
     init_rows,
+    init_rows_at,
 )
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS
 
@@ -28,6 +30,25 @@ FACTORIES = {
     "tensor": lambda p: TensorStore(N, D, WIDTHS, name="t", seed=5, chunk_rows=8192),
     "mmap": lambda p: MmapStore(p / "t.bin", N, D, WIDTHS, name="t", seed=5, chunk_rows=8192),
 }
+
+
+def test_initial_values_are_fixed_per_row() -> None:
+    """The initial values are a fixed function of (seed, table, rows, dim, row, column): changing the initialiser
+    changes every trajectory, so it fails here first. Any rows, in any order, are computed on their own."""
+    golden = [
+        ["-0x1.4bfb4p-4", "-0x1.8581fap-5", "-0x1.77401p-4"],
+        ["-0x1.5c153p-4", "-0x1.6ebf0ep-5", "0x1.23b08cp-5"],
+    ]
+    want = torch.tensor([[float.fromhex(v) for v in row] for row in golden])
+    assert torch.equal(init_rows(0, "t0", 0, 2, 3, 100), want)
+    rows = np.random.default_rng(0).permutation(N)[:500]
+    rows[:3] = [7, 7, N - 1]  # repeats and the last row
+    assert np.array_equal(init_rows_at(1, "t", rows, D, N), init_rows(1, "t", 0, N, D, N).numpy()[rows])
+    assert init_rows_at(1, "t", np.empty(0, np.int64), D, N).shape == (0, D)
+    with pytest.raises(ConfigError, match="0 <= rows < num_embeddings"):
+        init_rows_at(1, "t", np.array([N]), D, N)
+    with pytest.raises(ConfigError, match="0 <= start <= stop <= num_embeddings"):
+        init_rows(1, "t", 5, 4, D, N)
 
 
 @pytest.fixture(params=sorted(FACTORIES))
