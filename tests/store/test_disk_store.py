@@ -97,6 +97,12 @@ def test_rows_never_written_are_computed_not_read(tmp_path: Path) -> None:
     assert torch.equal(disk.gather(torch.tensor([1, 3]))[0], torch.tensor([[2.0] * D, [3.0] * D]))
     assert torch.equal(disk.full_weights()[[0, 4, 8201]], init_rows(5, "t", 0, N, D, N)[[0, 4, 8201]])
     disk.close()
+    # a shard's rows never written are the whole table's initial rows
+    shard = DiskStore(tmp_path / "s.rows", 1000, D, name="t", seed=5, row_offset=8000, table_rows=N,
+                      host_budget_bytes=4096)  # fmt: skip
+    assert torch.equal(shard.gather(torch.arange(1000))[0], init_rows(5, "t", 8000, 9000, D, N))
+    assert torch.equal(shard.full_weights(), init_rows(5, "t", 8000, 9000, D, N))
+    shard.close()
     # a shard's initial rows are the whole table's
     shard = DiskStore(tmp_path / "s.rows", 1000, D, name="t", seed=5, row_offset=8000, table_rows=N,
                       host_budget_bytes=4096)  # fmt: skip

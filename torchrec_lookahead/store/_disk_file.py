@@ -11,10 +11,10 @@ one row ``[weight | states]``, float32), or, for records over a page, the pages 
 straddle units and blocks never share units, so a row is read with the one unit that holds it. A row never
 written is not on disk: its value is its initial value, computed (``init_rows_at``), and the slots of such rows
 in a unit hold nothing meaningful. So a write reads its unit first only when the unit holds another row on disk,
-and the file stays sparse where no row was written. Reads and writes go through aligned buffers, with
-``O_DIRECT`` where
-the filesystem takes it (else buffered, with ``posix_fadvise(DONTNEED)`` after each call so that the page
-cache does not hold the table), issued in parallel runs of consecutive units from a small thread pool.
+and the file stays sparse where no row was written (unless preallocated). Reads and writes go through aligned
+buffers, with ``O_DIRECT`` where the filesystem takes it (else buffered, with ``posix_fadvise(DONTNEED)`` after
+each call so that the page cache does not hold the table), issued in parallel runs of consecutive units from a
+small thread pool.
 """
 
 from __future__ import annotations

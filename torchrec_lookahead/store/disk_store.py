@@ -350,17 +350,14 @@ class DiskStore(LookaheadReads, _RowStore):
         units read and which ids were on disk (no lock needed: the file's calls are thread-safe, and a row
         written meanwhile is the caller's to drop)."""
         on_disk = self._file.flags[ids] != 0
-        if on_disk.all():
-            units = np.unique(self._file.locate(ids)[0])
-            _, flat = self._file.read_units(units)
-            return flat[self._file.record_index(units, ids)], int(units.size), on_disk
-        records = self._initial_records(ids)
-        if not on_disk.any():
-            return records, 0, on_disk
+        records = np.empty((ids.size, self.row_width), dtype=np.float32)
+        if not on_disk.all():
+            records[~on_disk] = self._initial_records(ids[~on_disk])
         stored = ids[on_disk]
         units = np.unique(self._file.locate(stored)[0])
-        _, flat = self._file.read_units(units)
-        records[on_disk] = flat[self._file.record_index(units, stored)]
+        if units.size:
+            _, flat = self._file.read_units(units)
+            records[on_disk] = flat[self._file.record_index(units, stored)]
         return records, int(units.size), on_disk
 
     def _write_rows(self, ids: np.ndarray, records: np.ndarray) -> None:
