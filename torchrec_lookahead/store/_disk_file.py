@@ -1,20 +1,31 @@
-"""The file of a :class:`~torchrec_lookahead.store.DiskStore`: layout, header, aligned positional I/O.
+"""The file of a :class:`~torchrec_lookahead.store.DiskStore`: a log of records, its index, aligned positional I/O.
 
 One file per table (or row shard), in 4 KiB pages::
 
-    page 0                  header: magic, then the layout as JSON (table, rows, dim, state layout, seed, version)
-    pages 1 .. F            one byte per row: 1 once the row is on disk (written at least once)
-    pages F+1 ..            the blocks of INIT_BLOCK_ROWS rows, each ``units_per_block`` units of ``unit_bytes``
+    page 0                  header: magic, then the layout as JSON (table, rows, dim, state layout, seed, version,
+                            unit size, log size)
+    page 1                  the log's head and tail (two int64 unit counters)
+    pages 2 .. I            the index: per row a uint32, 0 while the row is not on disk, else its log slot + 1
+    pages I+1 ..            the log: ``log_units`` units of ``unit_bytes``, ``rows_per_unit`` record slots each
 
 A *unit* is the smallest piece read or written: one page holding ``rows_per_unit`` whole records (a record is
 one row ``[weight | states]``, float32), or, for records over a page, the pages of one record. Records never
-straddle units and blocks never share units, so a row is read with the one unit that holds it. A row never
-written is not on disk: its value is its initial value, computed (``init_rows_at``), and the slots of such rows
-in a unit hold nothing meaningful. So a write reads its unit first only when the unit holds another row on disk,
-and the file stays sparse where no row was written (unless preallocated). Reads and writes go through aligned
-buffers, with ``O_DIRECT`` where the filesystem takes it (else buffered, with ``posix_fadvise(DONTNEED)`` after
-each call so that the page cache does not hold the table), issued in parallel runs of consecutive units from a
-small thread pool.
+straddle units, so a row is read with the one unit that holds it.
+
+Rows are written by appending: a batch of rows goes, packed, to the units at the log's head, written in
+sequential runs with no read first, and the index points each row at its new slot (its old copy is dead). The
+log is a ring: when the units between the tail and the head would not leave room for an append, the cleaner
+reads units at the tail, appends the rows still live there (the index still points at them) to the head and
+advances the tail past them. The log holds the table's rows and an eighth more (at least 64 units), so a
+cleaned unit frees on average at least 1/9 of its slots even with every row of the table on disk, and far more
+while few are (the rows trained so far). A row never written is not on disk: its value is its initial value,
+computed (``init_rows_at``). Reads and writes go through aligned buffers, with ``O_DIRECT`` where the filesystem
+takes it (else buffered, with ``posix_fadvise(DONTNEED)`` after each call so that the page cache does not hold
+the table), issued in parallel runs of consecutive units from a small thread pool.
+
+The index is written (:meth:`DiskFile.write_index`) at a flush, after the rows it points at are durable. Between
+flushes the file on disk is not consistent (the cleaner reuses units the last written index may point at): a run
+resumes from a checkpoint's copy of the file, made after a flush.
 """
 
 from __future__ import annotations
@@ -31,7 +42,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from torchrec_lookahead.errors import ConfigError, SetupError, StoreError
-from torchrec_lookahead.store.init import INIT_BLOCK_ROWS
 
 __all__: List[str] = []
 
@@ -40,9 +50,11 @@ log = logging.getLogger(__name__)
 PAGE = 4096
 MAGIC = b"TRLDISK\x00"
 FORMAT = "torchrec_lookahead.disk_store"
-VERSION = 2  # 1: one flag per block, blocks written whole with their initial values
+VERSION = 3  # 1: one flag per block, blocks written whole; 2: one flag per row, rows written in place
 _MAX_RUN_BYTES = 1 << 20  # one request reads at most this many consecutive bytes
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_CLEAN_UNITS = 256  # units the cleaner reads at once from the tail
+_MIN_SPARE_UNITS = 64  # the log holds the table's units and an eighth more, at least this many more
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -71,7 +83,8 @@ def _each(op: Callable[[memoryview, int], None], jobs: List[Tuple[memoryview, in
 
 
 class DiskFile:
-    """The records of one table in a file, addressed by local row, with their row flags (1: the row is on disk).
+    """The records of one table in a log file, addressed by local row through the index (``loc``: 0 while a row
+    is not on disk, else its slot + 1).
 
     Creates the file when it does not exist, else checks its header against ``meta`` and refuses another
     table's, size's, layout's or seed's file.
@@ -90,21 +103,32 @@ class DiskFile:
         self.path = path
         self.num_rows = num_rows
         self.record_bytes = record_floats * 4
+        self.record_floats = record_floats
         if self.record_bytes <= PAGE:
             self.rows_per_unit, self.unit_bytes = PAGE // self.record_bytes, PAGE
         else:
             self.rows_per_unit, self.unit_bytes = 1, -(-self.record_bytes // PAGE) * PAGE
-        self.block_rows = INIT_BLOCK_ROWS
-        self.units_per_block = -(-self.block_rows // self.rows_per_unit)
-        self.num_blocks = -(-num_rows // self.block_rows)
-        flag_pages = -(-num_rows // PAGE)
-        self.data_offset = PAGE * (1 + flag_pages)
-        self.size = self.data_offset + self.num_blocks * self.units_per_block * self.unit_bytes
+        table_units = -(-num_rows // self.rows_per_unit)
+        spare = max(_MIN_SPARE_UNITS, table_units // 8)
+        self.num_units = table_units + spare
+        # the cleaner keeps this many units free (the live rows of the units it cleans go there, never over the
+        # units being cleaned), and one append writes at most half the spare units at once
+        self._reserve = max(1, min(_CLEAN_UNITS, spare // 4))
+        self._append_units = max(1, spare // 2)
+        self.num_slots = self.num_units * self.rows_per_unit
+        index_pages = 1 + -(-num_rows * 4 // PAGE)
+        self.index_bytes = index_pages * PAGE
+        self.data_offset = PAGE + self.index_bytes
+        self.size = self.data_offset + self.num_units * self.unit_bytes
         self.meta = dict(
-            meta, unit_bytes=self.unit_bytes, rows_per_unit=self.rows_per_unit, block_rows=self.block_rows
+            meta, unit_bytes=self.unit_bytes, rows_per_unit=self.rows_per_unit, log_units=self.num_units
         )
-        self._flags_buf = aligned_buffer(flag_pages * PAGE)
-        self.flags = np.frombuffer(self._flags_buf, dtype=np.uint8)[:num_rows]
+        # zero-filled anonymous memory: the pages of rows never written cost nothing
+        self._index_buf = aligned_buffer(self.index_bytes)
+        self._ends = np.frombuffer(self._index_buf, dtype=np.int64, count=2)  # head, tail (unit counters)
+        self.loc = np.frombuffer(self._index_buf, dtype=np.uint32, count=num_rows, offset=PAGE)
+        self._row_buf = aligned_buffer(self.num_slots * 4)
+        self._row_of = np.frombuffer(self._row_buf, dtype=np.uint32, count=self.num_slots)  # slot -> row + 1
         self._threads = max(1, io_threads)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(1, io_threads), thread_name_prefix="disk-store-io"
@@ -118,7 +142,9 @@ class DiskFile:
             self._create_dir()
         self._open(direct_io)
         if exists:
-            self._read_exact(memoryview(self._flags_buf), PAGE)
+            self._read_exact(memoryview(self._index_buf), PAGE)
+            self._check_index(path)
+            self._index_rows()
         else:
             self._init_file(preallocate)
         self.bytes_read = 0
@@ -215,8 +241,7 @@ class DiskFile:
                     if e.errno in _NO_SPACE:
                         raise
                     # a filesystem without fallocate: the file stays sparse
-            self._write_exact(memoryview(header), 0)
-            self.write_flags()
+            self._write_exact(memoryview(header), 0)  # the index is the file's zeros: no row on disk
             os.fsync(self._fd)
         except OSError as e:
             self.close()
@@ -283,31 +308,48 @@ class DiskFile:
             else:
                 self.bytes_read += units.size * ub
 
+    def _check_index(self, path: str, buf: Optional[mmap.mmap] = None) -> None:
+        """Refuse an index (this file's, or the one in ``buf``) that does not fit the log (a damaged file)."""
+        buf = self._index_buf if buf is None else buf
+        head, tail = (int(v) for v in np.frombuffer(buf, dtype=np.int64, count=2))
+        loc = np.frombuffer(buf, dtype=np.uint32, count=self.num_rows, offset=PAGE)
+        top = int(loc.max()) if self.num_rows else 0
+        if not 0 <= tail <= head <= tail + self.num_units or top > self.num_slots:
+            raise ConfigError(
+                f"disk store '{path}' has a damaged index (head {head}, tail {tail}, highest slot {top} of "
+                f"{self.num_slots}): delete the file to start afresh"
+            )
+
+    def _index_rows(self) -> None:
+        """Rebuild slot -> row from the index."""
+        self._row_buf.madvise(mmap.MADV_DONTNEED)  # zero again, without touching the pages
+        rows = np.flatnonzero(self.loc)
+        self._row_of[self.loc[rows].astype(np.int64) - 1] = (rows + 1).astype(np.uint32)
+
     # -- records ----------------------------------------------------------------------------------------------
-    def locate(self, rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """Unit of every local row and the row's float offset inside its unit."""
-        block, within = np.divmod(rows, self.block_rows)
-        unit_in_block, slot = np.divmod(within, self.rows_per_unit)
-        return block * self.units_per_block + unit_in_block, slot * (self.record_bytes // 4)
+    def on_disk(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each local row is on disk (written at least once)."""
+        return self.loc[rows] != 0
 
-    def others_on_disk(self, units: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """For sorted distinct ``units``: whether each holds a row on disk other than the sorted distinct
-        ``rows`` (whose units are ``units``), i.e. whether writing ``rows`` must read the unit first."""
-        block, within = np.divmod(units, self.units_per_block)
-        first = block * self.block_rows + within * self.rows_per_unit
-        stop = np.minimum((block + 1) * self.block_rows, self.num_rows)
-        grid = first[:, None] + np.arange(self.rows_per_unit)[None, :]
-        valid = grid < stop[:, None]
-        on = np.zeros(grid.shape, dtype=bool)
-        on[valid] = self.flags[grid[valid]] != 0
-        at = np.searchsorted(units, self.locate(rows)[0])
-        on[at, rows - first[at]] = False
-        return np.asarray(on.any(axis=1))
+    def rows_on_disk(self) -> int:
+        """Rows on disk."""
+        return int(np.count_nonzero(self.loc))
 
-    def blocks_on_disk(self) -> np.ndarray:
-        """Indices of the blocks holding at least one row on disk."""
-        starts = np.arange(0, self.num_rows, self.block_rows)
-        return np.flatnonzero(np.maximum.reduceat(self.flags, starts) != 0)
+    def slots_of(self, rows: np.ndarray) -> np.ndarray:
+        """The log slot of each local row, -1 where it is not on disk (one read of the index: a consistent
+        snapshot for a reader without the store's lock)."""
+        return self.loc[rows].astype(np.int64) - 1
+
+    def units_of(self, slots: np.ndarray) -> np.ndarray:
+        """The sorted distinct units holding ``slots``."""
+        return np.unique(slots // self.rows_per_unit)
+
+    def record_index(self, units: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """(n, record_floats) indices of the records at ``slots`` into the float32 view of a buffer holding the
+        sorted ``units``."""
+        unit, slot = np.divmod(slots, self.rows_per_unit)
+        pos = np.searchsorted(units, unit) * (self.unit_bytes // 4) + slot * self.record_floats
+        return pos[:, None] + np.arange(self.record_floats)[None, :]
 
     def read_units(self, units: np.ndarray) -> Tuple[mmap.mmap, np.ndarray]:
         """Read sorted distinct ``units``; returns the buffer and its float32 view (unit ``i`` at
@@ -316,65 +358,148 @@ class DiskFile:
         self._io(units, buf, write=False)
         return buf, np.frombuffer(buf, dtype=np.float32)
 
-    def write_units(self, units: np.ndarray, buf: mmap.mmap) -> None:
-        """Write sorted distinct ``units`` from ``buf`` (as returned by :meth:`read_units`)."""
-        self._io(units, buf, write=True)
+    def read_rows(self, slots: np.ndarray) -> Tuple[np.ndarray, int]:
+        """The records at ``slots`` (all >= 0) and the units read."""
+        units = self.units_of(slots)
+        if units.size == 0:
+            return np.empty((0, self.record_floats), dtype=np.float32), 0
+        _, flat = self.read_units(units)
+        return flat[self.record_index(units, slots)], int(units.size)
 
-    def record_index(self, units: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """(n, record_floats) indices of ``rows`` into the float32 view of a buffer holding ``units``."""
-        unit, off = self.locate(rows)
-        pos = np.searchsorted(units, unit) * (self.unit_bytes // 4) + off
-        return pos[:, None] + np.arange(self.record_bytes // 4)[None, :]
+    def append(self, rows: np.ndarray, records: np.ndarray) -> Tuple[int, int, np.ndarray]:
+        """Write the ``records`` of distinct local ``rows`` at the log's head and point the index at them, making
+        room first by cleaning the tail. Returns the units written, the units the cleaner read, and the rows it
+        moved (their slots changed: a reader that located them before must drop what it read).
 
-    def write_block(self, block: int, records: np.ndarray) -> None:
-        """Write a whole block of ``records`` ((rows of the block, record_floats) float32); the caller flags
-        its rows."""
-        lo = block * self.block_rows
-        units = np.arange(block * self.units_per_block, (block + 1) * self.units_per_block, dtype=np.int64)
-        buf = aligned_buffer(units.size * self.unit_bytes)
-        flat = np.frombuffer(buf, dtype=np.float32)
-        flat[self.record_index(units, np.arange(lo, lo + records.shape[0], dtype=np.int64))] = records
-        self.write_units(units, buf)
+        Raises:
+            StoreError: the I/O failed (a full disk: the free bytes are named); the index is unchanged for the
+                rows not written.
+        """
+        written = read = 0
+        moved: List[np.ndarray] = []
+        rpu = self.rows_per_unit
+        chunk = self._append_units * rpu
+        for a in range(0, rows.size, chunk):
+            r, rec = rows[a : a + chunk], records[a : a + chunk]
+            units_read, units_moved, moved_rows = self._make_room(-(-r.size // rpu))
+            read += units_read
+            written += units_moved
+            if moved_rows.size:
+                moved.append(moved_rows)
+            written += self._put(r, rec)
+        return written, read, np.concatenate(moved) if moved else np.empty(0, dtype=np.int64)
 
-    def write_flags(self) -> None:
-        """Write the row flags (call after the rows they describe are durable)."""
+    def _free_units(self) -> int:
+        return self.num_units - int(self._ends[0] - self._ends[1])
+
+    def _make_room(self, need: int) -> Tuple[int, int, np.ndarray]:
+        """Clean the tail until ``need`` units are free past the reserve: read the tail's units, append their live
+        rows at the head (into the reserve, never over the units read), then free the units. A failed write
+        changes nothing. Returns the units read, the units written and the rows moved."""
+        read = written = 0
+        moved: List[np.ndarray] = []
+        cleaned = 0
+        rpu = self.rows_per_unit
+        while self._free_units() < need + self._reserve:
+            head, tail = int(self._ends[0]), int(self._ends[1])
+            pos = tail % self.num_units
+            k = min(self._reserve, head - tail, self.num_units - pos)
+            if k <= 0 or cleaned > 2 * self.num_units:  # cannot happen while the log is larger than the table
+                raise StoreError(f"disk store '{self.path}': no room in its log for {need} units", path=self.path)
+            units = np.arange(pos, pos + k, dtype=np.int64)
+            slots = (units[:, None] * rpu + np.arange(rpu)[None, :]).reshape(-1)
+            owner = self._row_of[slots].astype(np.int64) - 1
+            live = owner >= 0
+            live[live] = self.loc[owner[live]].astype(np.int64) - 1 == slots[live]
+            if live.any():
+                _, flat = self.read_units(units)
+                read += k
+                rows = owner[live]
+                written += self._put(rows, flat[self.record_index(units, slots[live])])
+                moved.append(rows)
+            self._row_of[slots] = 0
+            self._ends[1] = tail + k
+            cleaned += k
+        return read, written, np.concatenate(moved) if moved else np.empty(0, dtype=np.int64)
+
+    def _put(self, rows: np.ndarray, records: np.ndarray) -> int:
+        """Write ``records`` packed into the units at the head (room made), then point the index at them.
+        Returns the units written."""
+        rpu = self.rows_per_unit
+        written = 0
+        while rows.size:
+            head = int(self._ends[0])
+            pos = head % self.num_units
+            n = min(rows.size, (self.num_units - pos) * rpu)  # up to the end of the ring, the rest from its start
+            units = pos + np.arange(-(-n // rpu), dtype=np.int64)
+            buf = aligned_buffer(units.size * self.unit_bytes)
+            flat = np.frombuffer(buf, dtype=np.float32)
+            slots = pos * rpu + np.arange(n, dtype=np.int64)
+            flat[self.record_index(units, slots)] = records[:n]
+            self._io(units, buf, write=True)
+            old = self.loc[rows[:n]].astype(np.int64) - 1
+            self._row_of[old[old >= 0]] = 0
+            self.loc[rows[:n]] = (slots + 1).astype(np.uint32)
+            self._row_of[slots] = (rows[:n] + 1).astype(np.uint32)
+            self._ends[0] = head + units.size
+            written += units.size
+            rows, records = rows[n:], records[n:]
+        return written
+
+    def reset(self) -> None:
+        """Forget every row (none on disk, an empty log); the index is written at the next :meth:`write_index`."""
+        self._index_buf.madvise(mmap.MADV_DONTNEED)  # zero again, without touching the pages
+        self._row_buf.madvise(mmap.MADV_DONTNEED)
+
+    def live_units(self) -> np.ndarray:
+        """The sorted distinct units holding a row on disk."""
+        rows = np.flatnonzero(self.loc)
+        return self.units_of(self.loc[rows].astype(np.int64) - 1)
+
+    def write_index(self) -> None:
+        """Write the log's ends and the index (call after the rows it points at are durable)."""
         try:
-            self._write_exact(memoryview(self._flags_buf), PAGE)
+            self._write_exact(memoryview(self._index_buf), PAGE)
         except OSError as e:
             raise StoreError(
-                f"writing the row flags of '{self.path}' failed ({e.strerror})", path=self.path
+                f"writing the index of '{self.path}' failed ({e.strerror})", path=self.path
             ) from None
 
     # -- copies (checkpoints) ----------------------------------------------------------------------------------
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block on disk."""
-        return self.units_per_block * self.unit_bytes
+    def _copy_units(self, units: np.ndarray, src: int, dst: int, src_path: str) -> None:
+        """Copy ``units`` from the file ``src`` to ``dst`` (file descriptors), runs of consecutive units at once."""
+        buf = aligned_buffer(_MAX_RUN_BYTES if self.unit_bytes <= _MAX_RUN_BYTES else self.unit_bytes)
+        view = memoryview(buf)
+        try:
+            for i, n in _runs(units, self.unit_bytes):
+                offset = self.data_offset + int(units[i]) * self.unit_bytes
+                nbytes = n * self.unit_bytes
+                _pread_all(src, view[:nbytes], offset, src_path)
+                _pwrite_all(dst, view[:nbytes], offset)
+                for fd in (src, dst):
+                    os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        finally:
+            view.release()
 
     def snapshot(self, dst: str) -> None:
-        """Copy this file to ``dst``, durably: the header, the row flags and the blocks holding rows on disk (the
-        others stay holes), one block at a time (the caller has written the host tier's dirty rows). Written under
-        a temporary name and renamed, so ``dst`` is whole or absent.
+        """Copy this file to ``dst``, durably: the header, the index and the units holding rows on disk (the
+        others stay holes), a run of units at a time (the caller has written the host tier's dirty rows and the
+        index). Written under a temporary name and renamed, so ``dst`` is whole or absent.
 
         Raises:
             StoreError: ``dst`` cannot be written (the disk is full: the free bytes are named).
         """
         tmp = dst + ".partial"
-        buf = aligned_buffer(max(self.data_offset, self.block_bytes))
-        view = memoryview(buf)
+        head = aligned_buffer(PAGE)
         out = -1
         try:
             os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
             out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.ftruncate(out, self.size)
-            self._read_exact(view[:PAGE], 0)  # the header
-            _pwrite_all(out, view[:PAGE], 0)
-            _pwrite_all(out, memoryview(self._flags_buf), PAGE)  # the flags of the blocks copied below
-            for block in self.blocks_on_disk().tolist():
-                offset = self.data_offset + block * self.block_bytes
-                self._read_exact(view[: self.block_bytes], offset)
-                _pwrite_all(out, view[: self.block_bytes], offset)
-                os.posix_fadvise(out, offset, self.block_bytes, os.POSIX_FADV_DONTNEED)
+            self._read_exact(memoryview(head), 0)  # the header
+            _pwrite_all(out, memoryview(head), 0)
+            _pwrite_all(out, memoryview(self._index_buf), PAGE)
+            self._copy_units(self.live_units(), self._fd, out, self.path)
             os.fsync(out)
             os.close(out)
             out = -1
@@ -391,13 +516,11 @@ class DiskFile:
                 "store itself is unchanged",
                 path=dst,
             ) from None
-        finally:
-            view.release()
 
     def restore(self, src: str) -> None:
         """Make this file hold what the copy ``src`` (:meth:`snapshot` of a file of this table, size, layout and
-        seed) holds: its rows on disk and their flags (a row not on disk in ``src`` holds its initial value here),
-        durably.
+        seed) holds: its index and the units of its rows on disk (a row not on disk in ``src`` holds its initial
+        value here), durably.
 
         Raises:
             ConfigError: ``src`` is not such a copy (the fields that differ are named); nothing is written then.
@@ -414,28 +537,26 @@ class DiskFile:
                 f"'{src}' is not a copy of disk store '{self.path}' ({'; '.join(diffs)}): it was written for another "
                 "table, shard, layout or seed, or is truncated"
             )
-        buf = aligned_buffer(max(len(self._flags_buf), self.block_bytes))
-        view = memoryview(buf)
         fd = -1
         try:
             fd = os.open(src, os.O_RDONLY)
-            _pread_all(fd, view[: len(self._flags_buf)], PAGE, src)
-            self.flags[:] = np.frombuffer(buf, dtype=np.uint8, count=self.num_rows)
-            for block in self.blocks_on_disk().tolist():
-                offset = self.data_offset + block * self.block_bytes
-                _pread_all(fd, view[: self.block_bytes], offset, src)
-                self._write_exact(view[: self.block_bytes], offset)
-                os.posix_fadvise(fd, offset, self.block_bytes, os.POSIX_FADV_DONTNEED)
+            index = aligned_buffer(self.index_bytes)
+            _pread_all(fd, memoryview(index), PAGE, src)
+            self._check_index(src, index)
+            self.reset()
+            memoryview(self._index_buf)[:] = memoryview(index)
+            del index
+            self._index_rows()
+            self._copy_units(self.live_units(), fd, self._fd, src)
         except OSError as e:
             raise StoreError(
                 f"restoring disk store '{self.path}' from '{src}' failed ({e.strerror})", path=self.path
             ) from None
         finally:
-            view.release()
             if fd >= 0:
                 os.close(fd)
         self.sync()
-        self.write_flags()
+        self.write_index()
         self.sync()
 
     def sync(self) -> None:

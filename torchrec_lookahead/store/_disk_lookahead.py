@@ -271,7 +271,7 @@ class LookaheadReads:
             return None
         tier = self._tier
         miss = ids[tier.find(ids) < 0]
-        miss = miss[self._file.flags[miss] != 0]  # a row never written is computed when gathered, without I/O
+        miss = miss[self._file.on_disk(miss)]  # a row never written is computed when gathered, without I/O
         # a row the device cache holds comes back with its write-back, before the device cache can fetch it again
         miss = miss[~tier.device_holds(miss)]
         if miss.size == 0:

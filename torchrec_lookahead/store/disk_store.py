@@ -3,8 +3,9 @@
 Rows and their optimizer state live in one file per table (layout in :mod:`torchrec_lookahead.store._disk_file`),
 read and written with direct I/O (no page cache: the process's memory is what ``host_budget_bytes`` says), in
 parallel from a small thread pool. Between the file and the device cache, a host tier of at most
-``host_budget_bytes`` keeps rows; a dirty row evicted from it is written back, rows grouped by disk unit (one
-read-modify-write per unit, consecutive units in one request).
+``host_budget_bytes`` keeps rows; the dirty rows evicted from it together are appended to the file's log, packed
+and written sequentially, with no read first (the old copies die; a cleaner moves the live rows off the log's
+tail when it needs room).
 
 Which rows the host tier keeps is its ``host_policy``:
 
@@ -21,13 +22,13 @@ Which rows the host tier keeps is its ``host_policy``:
 
 Nothing initialises the table, at set-up or later: a row never written is not on disk, and reading it computes
 its initial value (:func:`~torchrec_lookahead.store.init_rows_at`, bit for bit a
-:class:`~torchrec_lookahead.store.TensorStore`'s) without any I/O. The file keeps one flag per row, set when the
-row is first written, so only rows trained at least once are ever read from the disk, and a write reads its unit
-first only when the unit holds another row already on disk.
+:class:`~torchrec_lookahead.store.TensorStore`'s) without any I/O. The file's index says which rows are on disk
+(and where), so only rows trained at least once are ever read from the disk.
 
-:meth:`DiskStore.flush` writes every dirty row, fsyncs, then writes and fsyncs the row flags, so the file
-holds every write before the flush (a checkpoint calls it). Writes after it may reach the file before a crash;
-a run resumes from its checkpoint, which holds a copy of the file.
+:meth:`DiskStore.flush` writes every dirty row, fsyncs, then writes and fsyncs the index, so the file holds
+every write before the flush (a checkpoint calls it, then copies the file). Writes after it may reach the file
+before a crash and the cleaner may reuse units the index on disk points at: a run resumes from its checkpoint,
+which holds a copy of the file.
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ class DiskStore(LookaheadReads, _RowStore):
                 "rows_written",
                 "unit_reads",
                 "unit_writes",
+                "rows_moved",
                 "rows_prefetched",
                 "prefetch_discarded",
                 "rows_written_through",
@@ -304,15 +306,15 @@ class DiskStore(LookaheadReads, _RowStore):
         than the tier, or under the lookahead policy a write-back ranked below every row the tier holds),
         ``rows_prefetched`` (rows the background thread read into the host tier), ``prefetch_discarded`` (rows
         it read but did not keep: written meanwhile, or no room left), ``unit_reads`` / ``unit_writes`` (disk
-        units; ``unit_reads`` counts the reads of units a write changes, done only where the unit holds another
-        row on disk), ``bytes_read`` / ``bytes_written``, ``rows_on_disk`` (rows written at least once),
+        units, the log cleaner's included), ``rows_moved`` (live rows the cleaner moved from the log's tail to its
+        head), ``bytes_read`` / ``bytes_written``, ``rows_on_disk`` (rows written at least once),
         ``host_rows`` (rows in the host tier now) and ``host_capacity``."""
         return dict(
             self._counts,
             rows_reread=self._counts["rows_read"] - self._counts["rows_first_read"],
             bytes_read=self._file.bytes_read,
             bytes_written=self._file.bytes_written,
-            rows_on_disk=int(np.count_nonzero(self._file.flags)),
+            rows_on_disk=self._file.rows_on_disk(),
             host_rows=self._tier.capacity - self._tier.num_free,
             host_capacity=self._tier.capacity,
         )
@@ -347,41 +349,31 @@ class DiskStore(LookaheadReads, _RowStore):
 
     def _read_uncounted(self, ids: np.ndarray) -> Tuple[np.ndarray, int, np.ndarray]:
         """Records of sorted distinct ``ids`` (from the file for the rows on disk, computed for the others), the
-        units read and which ids were on disk (no lock needed: the file's calls are thread-safe, and a row
-        written meanwhile is the caller's to drop)."""
-        on_disk = self._file.flags[ids] != 0
+        units read and which ids were on disk (no lock needed: the file's calls are thread-safe, the index is
+        read once, and a row written or moved meanwhile is the caller's to drop)."""
+        slots = self._file.slots_of(ids)
+        on_disk = slots >= 0
         records = np.empty((ids.size, self.row_width), dtype=np.float32)
         if not on_disk.all():
             records[~on_disk] = self._initial_records(ids[~on_disk])
-        stored = ids[on_disk]
-        units = np.unique(self._file.locate(stored)[0])
-        if units.size:
-            _, flat = self._file.read_units(units)
-            records[on_disk] = flat[self._file.record_index(units, stored)]
-        return records, int(units.size), on_disk
+        stored, units = self._file.read_rows(slots[on_disk])
+        records[on_disk] = stored
+        return records, units, on_disk
 
     def _write_rows(self, ids: np.ndarray, records: np.ndarray) -> None:
-        """Write records of sorted distinct ``ids`` and flag them on disk: one write per unit holding them,
-        consecutive units in one request, each read first only where it holds another row on disk."""
+        """Append records of distinct ``ids`` to the file's log (sequential units, no read first; the cleaner
+        may read and move live rows off the log's tail first)."""
         if ids.size == 0:
             return
-        file = self._file
-        units = np.unique(file.locate(ids)[0])
-        buf = aligned_buffer(units.size * file.unit_bytes)
-        flat = np.frombuffer(buf, dtype=np.float32)
-        keep = file.others_on_disk(units, ids)
-        if keep.any():
-            _, old = file.read_units(units[keep])
-            per_unit = file.unit_bytes // 4
-            flat.reshape(units.size, per_unit)[keep] = old.reshape(-1, per_unit)
-        flat[file.record_index(units, ids)] = records
-        file.write_units(units, buf)
-        file.flags[ids] = 1
+        written, read, moved = self._file.append(ids, records)
         if self._written is not None:
             self._written.append(ids.copy())
+            if moved.size:
+                self._written.append(moved)
         self._counts["rows_written"] += ids.size
-        self._counts["unit_reads"] += int(keep.sum())
-        self._counts["unit_writes"] += units.size
+        self._counts["rows_moved"] += moved.size
+        self._counts["unit_reads"] += read
+        self._counts["unit_writes"] += written
 
     def _make_room(self, count: int, kept: int) -> None:
         """LRU: free ``count`` slots, evicting the least recently used rows (at least 1/8 of the tier) but never
@@ -513,8 +505,8 @@ class DiskStore(LookaheadReads, _RowStore):
             self._check_open()
             self._tier.clear()
             self._reset = True
-            for block in range(self._file.num_blocks):
-                a = block * INIT_BLOCK_ROWS
+            self._file.reset()
+            for a in range(0, self.num_embeddings, INIT_BLOCK_ROWS):
                 b = min(a + INIT_BLOCK_ROWS, self.num_embeddings)
                 records = np.zeros((b - a, self.row_width), dtype=np.float32)
                 records[:, : self.embedding_dim] = weights[a:b].to(device="cpu", dtype=torch.float32).numpy()
@@ -523,11 +515,10 @@ class DiskStore(LookaheadReads, _RowStore):
                         records[:, c0:c1] = (
                             states[key][a:b].reshape(b - a, c1 - c0).to("cpu", torch.float32).numpy()
                         )
-                self._file.write_block(block, records)
-                self._file.flags[a:b] = 1
+                self._file.append(np.arange(a, b, dtype=np.int64), records)
 
     def flush(self) -> None:
-        """Write every dirty row of the host tier to the file, fsync it, then write and fsync the row flags."""
+        """Write every dirty row of the host tier to the file, fsync it, then write and fsync the index."""
         with self._lock:
             if self._file.closed:
                 return
@@ -539,7 +530,7 @@ class DiskStore(LookaheadReads, _RowStore):
                 self._write_rows(ids[order], tier.rows.numpy()[dirty[order]])
                 tier.dirty[dirty] = False
             self._file.sync()
-            self._file.write_flags()
+            self._file.write_index()
             self._file.sync()
 
     @property
@@ -553,8 +544,7 @@ class DiskStore(LookaheadReads, _RowStore):
 
     def save_files(self, directory: str) -> None:
         """Write the host tier's dirty rows, then copy the file into ``directory`` as :meth:`file_name`: the
-        header, the row flags and the blocks holding rows on disk (the others stay holes: their rows hold their
-        initial values), one block at a time, durably.
+        header, the index and the units holding rows on disk (the others stay holes), durably.
 
         Raises:
             StoreError: the copy cannot be written (a full disk: the free bytes are named); the store is unchanged.
@@ -566,7 +556,7 @@ class DiskStore(LookaheadReads, _RowStore):
 
     def load_files(self, directory: str) -> None:
         """Make the store hold what :meth:`save_files` copied into ``directory``: the copy's rows on disk and
-        their flags, with an empty host tier.
+        its index, with an empty host tier.
 
         Raises:
             ConfigError: the copy is of another table, shard, layout or seed, or is missing; nothing is written.
