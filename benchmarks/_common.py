@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -105,18 +105,16 @@ def table_rows(dm: Any) -> Dict[str, int]:
     return {f"t_{f}": int(n) for f, n in dm.num_embeddings_per_feature.items()}
 
 
-def capacities(
-    dm: Any, fraction: float, min_cached_rows: int, prefetch_depth: int = 1, batches: int = 0
-) -> Tuple[Dict[str, int], Dict[str, int]]:
-    """Capacity per cached table: ``fraction`` of its rows, bumped to the oracle's minimum where below it.
+def feature_tables(dm: Any) -> Dict[str, str]:
+    """Feature -> table name (``t_<feature>``)."""
+    return {f: f"t_{f}" for f in dm.num_embeddings_per_feature}
 
-    The minimum (largest number of distinct ids in a batch and the next ``prefetch_depth``) is measured on the
-    first ``batches`` training batches (all of them when 0). Returns ``(capacity, bumped)``; ``bumped`` maps the
-    tables whose capacity was raised to the rows they would have had.
-    """
-    rows = table_rows(dm)
-    cached = {t: n for t, n in rows.items() if n > min_cached_rows}
-    cap = {t: max(1, int(n * fraction)) for t, n in cached.items()}
+
+def oracle_floors(
+    dm: Any, tables: Sequence[str], prefetch_depth: int = 1, batches: int = 0
+) -> Dict[str, int]:
+    """The oracle's minimum capacity of each of ``tables``: the largest number of distinct ids in a batch and the
+    next ``prefetch_depth``, over the first ``batches`` training batches (all of them when 0)."""
     dm.setup("fit")
     loader = dm.train_dataloader()
 
@@ -126,11 +124,63 @@ def capacities(
                 return
             yield b.sparse_features
 
-    f2t = {f: f"t_{f}" for f in dm.num_embeddings_per_feature}
-    need = min_capacity(stream(), prefetch_depth, OracleConfig(capacity=cap, feature_to_table=f2t))
+    config = OracleConfig(capacity={t: 1 for t in tables}, feature_to_table=feature_tables(dm))
+    return min_capacity(stream(), prefetch_depth, config)
+
+
+def capacities(
+    dm: Any,
+    fraction: float,
+    min_cached_rows: int,
+    prefetch_depth: int = 1,
+    batches: int = 0,
+    floors: Optional[Dict[str, int]] = None,
+) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """Capacity per cached table: ``fraction`` of its rows, bumped to the oracle's minimum where below it.
+
+    The minimum is :func:`oracle_floors` on the first ``batches`` training batches (all of them when 0), or
+    ``floors`` where given (a table -> rows map covering the cached tables, to read the batches once). Returns
+    ``(capacity, bumped)``; ``bumped`` maps the tables whose capacity was raised to the rows they would have had.
+    """
+    rows = table_rows(dm)
+    cached = {t: n for t, n in rows.items() if n > min_cached_rows}
+    cap = {t: max(1, int(n * fraction)) for t, n in cached.items()}
+    need = floors if floors is not None else oracle_floors(dm, list(cap), prefetch_depth, batches)
     bumped = {t: cap[t] for t in cap if cap[t] < need[t]}
     cap.update({t: need[t] for t in bumped})
     return cap, bumped
+
+
+def planner_split(
+    rows: Dict[str, int],
+    capacity: Dict[str, int],
+    sample_batches: Iterable[Dict[str, torch.Tensor]],
+    embedding_dim: int,
+    optimizer: str,
+    horizon: int = 64,
+    prefetch_depth: int = 1,
+    num_sample_batches: int = 50,
+) -> Any:
+    """The device bytes of ``capacity`` (its rows x the cache's row bytes: weights and per-row optimizer state)
+    split among its tables by the product's ``LookaheadPlanner``, as a user who sets ``device_budget_bytes``
+    gets it: fetch curves on the first ``num_sample_batches`` of ``sample_batches`` (per batch, table -> ids).
+    Returns the ``CachePlan``: per table its placement (``resident``: the whole table, ``capacity = rows``) and
+    capacity."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from torchrec_lookahead.distributed.planner.planner import LookaheadPlanner, row_bytes
+    from torchrec_lookahead.modules import CacheOptimizerConfig
+
+    opt = CacheOptimizerConfig(optimizer)
+    tables = [
+        EmbeddingBagConfig(name=t, num_embeddings=rows[t], embedding_dim=embedding_dim, feature_names=[t])
+        for t in capacity
+    ]
+    budget = sum(capacity.values()) * row_bytes(embedding_dim, opt)
+    planner = LookaheadPlanner(
+        budget, horizon=horizon, prefetch_depth=prefetch_depth, num_sample_batches=num_sample_batches
+    )
+    return planner.plan(tables, opt, sample_batches)
 
 
 def train(

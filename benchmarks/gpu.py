@@ -36,11 +36,20 @@ for the Kaggle-sized tables (33.8 M rows; the host baseline then moves the dense
 step, which is why it is naive). ``--fraction 0.01 0.05`` adds the cached and UVM runs at each further fraction
 (named ``cached_5pct``, ``uvm_lru_5pct``, ...); ``--runs`` picks the kinds.
 
+``--split planner`` splits the cache bytes of each ``--fraction`` (the fixed split's rows x 68 B: weights and
+row-wise Adagrad state) among the cached tables with the product's ``LookaheadPlanner`` (what a user who sets
+``device_budget_bytes`` gets; fetch curves on the first ``--plan-sample`` of the run's batches) instead of the
+same fraction of each table: ``cached``, its further fractions and ``fae`` take the planner's capacities, a table
+it makes resident trains resident, a cached one is bumped to the oracle's minimum over the run's batches if the
+sample missed it. The UVM runs keep the fixed split's bytes: FBGEMM shares one cache among the cached tables, so
+only the total counts (``benchmarks/rows_gap.py``: the per-table split is what made ours move more rows).
+The JSON records the split (``split``) and per fraction both splits (``fractions``).
+
 ``--device cpu`` runs the same code paths on the CPU (a smoke test of the script where there is no GPU);
 ``--dry-run`` only computes and prints the cache capacities and the UVM anchor's plan (no training).
 
     python benchmarks/gpu.py [--quick] [--json PATH] [--device cuda|cpu] [--scale 0.01] [--fraction F [F ...]]
-                             [--runs KIND [KIND ...]] [--dry-run]
+                             [--runs KIND [KIND ...]] [--split fraction|planner] [--plan-sample N] [--dry-run]
 """
 
 from __future__ import annotations
@@ -62,9 +71,12 @@ from benchmarks._common import (  # noqa: E402
     cache_counters,
     capacities,
     fae_settings,
+    feature_tables,
     machine,
     median,
+    oracle_floors,
     parser,
+    planner_split,
     quiet,
     table,
     table_rows,
@@ -83,6 +95,7 @@ from benchmarks._uvm import (  # noqa: E402
     per_step,
     uvm_run,
 )
+from torchrec_lookahead.distributed.planner.types import Placement  # noqa: E402
 
 #: every kind of run, in the order a round runs them (rotated per round)
 KINDS = ("resident", "resident_bg", "cached", "fae", "host", *UVM_KINDS)
@@ -232,6 +245,44 @@ class _CacheWindow:
         return CacheWindow()
 
 
+def planned_capacities(
+    dm: Any, fixed: Dict[str, int], floors: Dict[str, int], embedding_dim: int, optimizer: str, sample: int
+) -> Tuple[Dict[str, int], Dict[str, Any]]:
+    """The bytes of the fixed split ``fixed`` re-split among its tables by the ``LookaheadPlanner`` on the first
+    ``sample`` training batches of ``dm`` (:func:`benchmarks._common.planner_split`). Returns the capacity of
+    each table the plan caches (the tables it makes resident are left out: the job trains them resident), bumped
+    to ``floors`` (the oracle's minimum over all the run's batches) where the sample missed it, and what the JSON
+    records."""
+    rows = table_rows(dm)
+    f2t = feature_tables(dm)
+    dm.setup("fit")
+    t0 = time.perf_counter()
+
+    def feed() -> Any:
+        for i, b in enumerate(dm.train_dataloader()):
+            if i >= sample:
+                return
+            ids = b.sparse_features.to_dict()
+            yield {f2t[f]: ids[f].values() for f in ids if f2t[f] in fixed}
+
+    plan = planner_split(rows, fixed, feed(), embedding_dim, optimizer, num_sample_batches=sample)
+    seconds = time.perf_counter() - t0
+    cap = {tp.name: int(tp.capacity) for tp in plan.tables if tp.placement == Placement.CACHED}
+    resident = sorted(tp.name for tp in plan.tables if tp.placement == Placement.RESIDENT)
+    bumped = {t: c for t, c in cap.items() if c < floors[t]}
+    cap.update({t: floors[t] for t in bumped})
+    info = {
+        "budget_bytes": int(plan.budget_bytes),
+        "bytes": sum(tp.capacity * tp.bytes_per_row for tp in plan.tables),
+        "sample_batches": int(plan.num_sample_batches),
+        "resident": resident,
+        "bumped_from": bumped,
+        "fetches_per_step_estimate": {tp.name: float(tp.fetches_per_step) for tp in plan.tables},
+        "seconds": seconds,
+    }
+    return cap, info
+
+
 def _suffix(fraction: float, first: float) -> str:
     """The run-name suffix of a cache fraction: none for the first ``--fraction``, else ``_5pct`` (0.05),
     ``_1_5pct`` (0.015).
@@ -307,6 +358,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         help="cache rows / rows of each cached table; each further value adds cached and UVM runs at it",
     )
     p.add_argument("--min-cached-rows", type=int, default=5000)
+    p.add_argument(
+        "--split",
+        choices=["fraction", "planner"],
+        default="fraction",
+        help="cached tables' capacities: the fraction of each (fraction) or its bytes split by LookaheadPlanner",
+    )
+    p.add_argument(
+        "--plan-sample", type=int, default=50, help="--split planner: the planner's sample batches"
+    )
     p.add_argument("--runs", nargs="+", choices=KINDS, default=list(KINDS), help="the kinds to run (all)")
     p.add_argument(
         "--rounds",
@@ -340,30 +400,57 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     fractions = list(dict.fromkeys(args.fraction))
     first = fractions[0]
     probe = build(args.config, overrides)
+    lm = probe.model
+    dim, optimizer = int(lm.tables[0].embedding_dim), lm.embedding_optimizer.name
+    # the fixed split (the UVM runs' bytes) and the cached runs' capacities: the same, or the planner's
+    fixed: Dict[float, Dict[str, int]] = {}
     caps: Dict[float, Dict[str, int]] = {}
     bumps: Dict[float, Dict[str, int]] = {}
-    for f in fractions:
-        caps[f], bumps[f] = capacities(probe.datamodule, f, args.min_cached_rows)
-    capacity, bumped = caps[first], bumps[first]
+    planned: Dict[float, Dict[str, Any]] = {}
     rows = table_rows(probe.datamodule)
+    # the oracle's minimum per cached table over the run's batches, read once for every fraction and split
+    floors = oracle_floors(probe.datamodule, [t for t, n in rows.items() if n > args.min_cached_rows])
+    for f in fractions:
+        fixed[f], bumps[f] = capacities(probe.datamodule, f, args.min_cached_rows, floors=floors)
+        caps[f] = fixed[f]
+        if args.split == "planner":
+            caps[f], planned[f] = planned_capacities(
+                probe.datamodule, fixed[f], floors, dim, optimizer, args.plan_sample
+            )
+    capacity, bumped = fixed[first], bumps[first]
     print(
         f"device {device}; {len(capacity)} cached tables ({sum(rows[t] for t in capacity):,} of "
         f"{sum(rows.values()):,} rows), cache {sum(capacity.values()):,} rows; bumped: {bumped or 'none'}"
     )
-    figures: Dict[str, Any] = {"device": str(device), "capacity": capacity, "bumped_from": bumped}
+    for f, info in planned.items():
+        print(
+            f"planner split at {f:g} ({info['sample_batches']} sample batches, {info['seconds']:.1f} s): "
+            f"{caps[f]}; resident: {info['resident'] or 'none'}; {info['bytes']:,} of {info['budget_bytes']:,} B"
+        )
+    figures: Dict[str, Any] = {
+        "device": str(device),
+        "split": args.split,
+        "capacity": caps[first],
+        "bumped_from": bumped,
+    }
     figures["fractions"] = {
-        f"fraction{_suffix(f, first)}": {"fraction": f, "capacity": caps[f], "bumped_from": bumps[f]}
+        f"fraction{_suffix(f, first)}": {
+            "fraction": f,
+            "capacity": caps[f],
+            "bumped_from": bumps[f],
+            **({"fraction_capacity": fixed[f], "planner": planned[f]} if f in planned else {}),
+        }
         for f in fractions
     }
     uvm_wanted = [k for k in args.runs if k in UVM_KINDS]
     if uvm_wanted:
         # the anchor's byte accounting and TorchRec's plan for it: what the CPU can check of the UVM runs
         for f in fractions:
-            plan = anchor_plan(probe.model, probe.datamodule, caps[f])
+            plan = anchor_plan(probe.model, probe.datamodule, fixed[f])
             figures[f"uvm_plan{_suffix(f, first)}"] = plan
             print(
                 f"UVM anchor at {f:g}: FBGEMM cache {plan['fbgemm_cache_slots']:,} rows x "
-                f"{plan['row_bytes_fbgemm']} B for our {sum(caps[f].values()):,} rows x {plan['row_bytes_ours']} B"
+                f"{plan['row_bytes_fbgemm']} B for our {sum(fixed[f].values()):,} rows x {plan['row_bytes_ours']} B"
             )
     if args.dry_run:
         write_json(args.json, figures)
@@ -388,8 +475,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         )
     else:
         figures["link"] = {"skipped": "no host <-> device link on the CPU"}
-    lm = probe.model
-    ours_row = our_row_bytes(int(lm.tables[0].embedding_dim), lm.embedding_optimizer.name)
+    ours_row = our_row_bytes(dim, optimizer)
     times: Dict[str, List[float]] = {name: [] for name, _, _ in runs}
     traffic: Dict[str, List[Dict[str, Any]]] = {name: [] for name, _, _ in runs}
     uvm_info: Dict[str, Dict[str, Any]] = {}
@@ -409,7 +495,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             elif kind == "fae":
                 res = fae_run(cli, caps[f], steps, args.warmup, device, accelerator, callbacks=[window])
             elif kind in UVM_KINDS:
-                res = uvm_run(cli, caps[f], algorithm_of(kind), steps, args.warmup, device)
+                res = uvm_run(cli, fixed[f], algorithm_of(kind), steps, args.warmup, device)
                 traffic[name].append(res["traffic"])
                 uvm_info[name] = {k: v for k, v in res.items() if k not in ("times", "traffic")}
             else:

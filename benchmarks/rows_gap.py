@@ -109,21 +109,15 @@ def planned_capacities(
     sample: int,
 ) -> Dict[str, int]:
     """The bytes of ``capacity`` (rows x 68 B: dim 16, row-wise Adagrad) split among its tables by the product's
-    ``LookaheadPlanner`` (a table it makes resident gets all its rows)."""
+    ``LookaheadPlanner`` (``benchmarks._common.planner_split``; a table it makes resident gets all its rows)."""
     import torch
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-    from torchrec_lookahead.distributed.planner.planner import LookaheadPlanner, row_bytes
-    from torchrec_lookahead.modules import CacheOptimizerConfig
+    from benchmarks._common import planner_split
 
-    opt = CacheOptimizerConfig("rowwise_adagrad")
-    tabs = [
-        EmbeddingBagConfig(name=t, num_embeddings=rows[t], embedding_dim=16, feature_names=[t])
-        for t in capacity
-    ]
-    budget = sum(capacity.values()) * row_bytes(16, opt)
-    planner = LookaheadPlanner(budget, horizon=horizon, prefetch_depth=1, num_sample_batches=sample)
-    plan = planner.plan(tabs, opt, ({t: torch.from_numpy(b[t]) for t in capacity} for b in batches[:sample]))
+    feed = ({t: torch.from_numpy(b[t]) for t in capacity} for b in batches[:sample])
+    plan = planner_split(
+        rows, capacity, feed, 16, "rowwise_adagrad", horizon=horizon, num_sample_batches=sample
+    )
     print(plan, flush=True)
     return {tp.name: int(tp.capacity) for tp in plan.tables}  # resident: capacity = rows
 

@@ -104,6 +104,44 @@ def test_gpu_dry_run_plans_the_uvm_anchor_at_each_fraction(tmp_path: Path) -> No
     assert saved["uvm_plan_5pct"]["fbgemm_cache_slots"] > saved["uvm_plan"]["fbgemm_cache_slots"]
 
 
+def test_planner_split_spends_the_fixed_splits_bytes_on_the_same_tables() -> None:
+    from benchmarks import gpu
+    from benchmarks._common import build, capacities, oracle_floors, table_rows
+
+    dm = build(overrides=["--data.init_args.num_train_batches=12"]).datamodule
+    fixed, _ = capacities(dm, 0.05, 5000)
+    floors = oracle_floors(dm, list(fixed))
+    cap, info = gpu.planned_capacities(dm, fixed, floors, 16, "rowwise_adagrad", 8)
+    rows = table_rows(dm)
+    assert info["budget_bytes"] == sum(fixed.values()) * 68 and 0 < info["bytes"] <= info["budget_bytes"]
+    assert info["sample_batches"] == 8
+    # every table of the fixed split is cached by the plan or resident, never both
+    assert set(cap) | set(info["resident"]) == set(fixed) and not set(cap) & set(info["resident"])
+    assert all(0 < cap[t] < rows[t] for t in cap)
+    # the planned capacities hold every batch of the run (bumped where the sample was short)
+    assert all(cap[t] >= floors[t] for t in cap)
+    assert capacities(dm, 0.05, 5000, floors=floors) == capacities(dm, 0.05, 5000)
+
+
+@pytest.mark.slow
+def test_gpu_dry_run_with_the_planner_split(tmp_path: Path) -> None:
+    saved = run_gpu_script(
+        tmp_path, "--device", "cpu", "--dry-run", "--quick", "--steps", "4", "--warmup", "1", "--fraction", "0.05",
+        "0.01", "--split", "planner", "--plan-sample", "5",
+    )  # fmt: skip
+    assert saved["split"] == "planner"
+    assert saved["capacity"] == saved["fractions"]["fraction"]["capacity"]
+    for key, fraction in (("uvm_plan", "fraction"), ("uvm_plan_1pct", "fraction_1pct")):
+        entry = saved["fractions"][fraction]
+        fixed, planned = entry["fraction_capacity"], entry["planner"]
+        assert planned["sample_batches"] == 5
+        assert planned["budget_bytes"] == sum(fixed.values()) * 68 >= planned["bytes"]
+        assert set(entry["capacity"]) | set(planned["resident"]) == set(fixed)
+        # the UVM anchor keeps the fixed split's bytes: one shared cache, only the total counts
+        assert {t: v["cache_rows_ours"] for t, v in saved[key]["tables"].items()} == fixed
+        assert saved[key]["hbm_cache_bytes_ours"] == planned["budget_bytes"]
+
+
 def test_byte_equal_load_factors_give_fbgemm_the_bytes_of_our_cache() -> None:
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import DEFAULT_ASSOC
 
