@@ -8,7 +8,7 @@ saving and empties it after loading.
 
 Under :func:`store_files` (a checkpoint of :class:`~torchrec_lookahead.strategies.TorchRecStrategy`), a table
 in a disk store, which may be larger than memory, is instead one ``embedding_bags.<table>.store_files`` entry
-(its row count): the checkpoint keeps copies of its store files, made and read one block at a time.
+(its row count): the checkpoint keeps copies of its store files, made and read a run of units at a time.
 
 Example:
     >>> import torch

@@ -114,7 +114,7 @@ class DiskFile:
         # the cleaner keeps this many units free (the live rows of the units it cleans go there, never over the
         # units being cleaned), and one append writes at most half the spare units at once
         self._reserve = max(1, min(_CLEAN_UNITS, spare // 4))
-        self._append_units = max(1, spare // 2)
+        self._append_units = max(1, min(spare // 2, 4096))  # and at most 16 MiB of 4 KiB units
         self.num_slots = self.num_units * self.rows_per_unit
         index_pages = 1 + -(-num_rows * 4 // PAGE)
         self.index_bytes = index_pages * PAGE
@@ -405,7 +405,9 @@ class DiskFile:
             pos = tail % self.num_units
             k = min(self._reserve, head - tail, self.num_units - pos)
             if k <= 0 or cleaned > 2 * self.num_units:  # cannot happen while the log is larger than the table
-                raise StoreError(f"disk store '{self.path}': no room in its log for {need} units", path=self.path)
+                raise StoreError(
+                    f"disk store '{self.path}': no room in its log for {need} units", path=self.path
+                )
             units = np.arange(pos, pos + k, dtype=np.int64)
             slots = (units[:, None] * rpu + np.arange(rpu)[None, :]).reshape(-1)
             owner = self._row_of[slots].astype(np.int64) - 1
@@ -430,7 +432,8 @@ class DiskFile:
         while rows.size:
             head = int(self._ends[0])
             pos = head % self.num_units
-            n = min(rows.size, (self.num_units - pos) * rpu)  # up to the end of the ring, the rest from its start
+            # up to the end of the ring, the rest from its start
+            n = min(rows.size, (self.num_units - pos) * rpu)
             units = pos + np.arange(-(-n // rpu), dtype=np.int64)
             buf = aligned_buffer(units.size * self.unit_bytes)
             flat = np.frombuffer(buf, dtype=np.float32)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.store._disk_file import DiskFile, aligned_buffer, read_header
+from torchrec_lookahead.store._disk_file import DiskFile, read_header
 from torchrec_lookahead.store._disk_lookahead import LookaheadReads
 from torchrec_lookahead.store._host_tier import HostTier
 from torchrec_lookahead.store._row_store import _RowStore
@@ -58,6 +58,8 @@ DEFAULT_HOST_BUDGET_BYTES: int = 64 << 20
 _EVICT_FRACTION = (
     8  # LRU: when full, evict at least 1/8 of the tier at once (one scan of the tier per eviction)
 )
+
+_FLUSH_ROWS = 1 << 18  # a flush writes the host tier's dirty rows this many at a time
 
 HOST_POLICIES = ("lru", "lookahead")
 """What the host tier keeps: the rows used most recently, or those the coming steps read soonest."""
@@ -524,11 +526,10 @@ class DiskStore(LookaheadReads, _RowStore):
                 return
             tier = self._tier
             dirty = np.flatnonzero(tier.dirty)
-            if dirty.size:
-                ids = tier.id_of[dirty]
-                order = np.argsort(ids)
-                self._write_rows(ids[order], tier.rows.numpy()[dirty[order]])
-                tier.dirty[dirty] = False
+            for a in range(0, dirty.size, _FLUSH_ROWS):  # a bounded copy of the rows at a time
+                part = dirty[a : a + _FLUSH_ROWS]
+                self._write_rows(tier.id_of[part], tier.rows.numpy()[part])
+                tier.dirty[part] = False
             self._file.sync()
             self._file.write_index()
             self._file.sync()

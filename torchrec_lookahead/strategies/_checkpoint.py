@@ -156,7 +156,9 @@ def checkpoint_memory_shortfall(
         checkpoints hold the cached tables in full: 0.13 MiB per rank (t 0.0648 MiB), 0.0954 MiB available for 1 ...
     """
     available = memory_available() if available is None else available
-    stores = [s for s in stores if not s.keeps_files]  # kept as copies of their files, a block at a time
+    stores = [
+        s for s in stores if not s.keeps_files
+    ]  # kept as copies of their files, a run of units at a time
     if available is None or not stores:
         return None
     sizes = sorted(((s.nbytes, s.name) for s in stores), reverse=True)
