@@ -17,7 +17,8 @@ Manual modes (not run in CI), each in its own process so that peak RSS is its ow
 * ``--terabyte --store-dir DIR``: Criteo-Terabyte-shaped tables (the TorchRec NVT / MLPerf DLRM-DCNv2
   sizes, 204,184,588 rows, single-hot) in memory-mapped stores under DIR (about 14 GB of files at dim 16);
   with ``--store disk --embedding-dim 64 --host-budget-gib 8``, the issue's tables larger than this machine's
-  memory (about 53 GB of rows and row-wise Adagrad state) in disk stores under a host tier of 8 GiB, then the
+  memory (about 53 GB of rows and row-wise Adagrad state; 64 GB of files, the disk stores' logs holding an
+  eighth more, so DIR needs that much free) in disk stores under a host tier of 8 GiB, then the
   Kaggle-sized job with its tables in RAM, the anchor (JSON ``terabyte_over_kaggle_ram_samples_per_s``, rows
   read from and written to disk and rows computed (never written) per step, peak RSS of each, reset between them);
 * ``--mmap-vs-ram --store-dir DIR``: the Kaggle-sized job with in-RAM stores and with memory-mapped stores,
