@@ -37,49 +37,34 @@ import logging
 import mmap
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from torchrec_lookahead.errors import ConfigError, SetupError, StoreError
+from torchrec_lookahead.store._disk_io import (
+    FORMAT,
+    MAGIC,
+    MAX_RUN_BYTES,
+    PAGE,
+    aligned_buffer,
+    each,
+    free_bytes,
+    fsync_dir,
+    pread_all,
+    pwrite_all,
+    read_header,
+    runs,
+)
 
 __all__: List[str] = []
 
 log = logging.getLogger(__name__)
 
-PAGE = 4096
-MAGIC = b"TRLDISK\x00"
-FORMAT = "torchrec_lookahead.disk_store"
 VERSION = 3  # 1: one flag per block, blocks written whole; 2: one flag per row, rows written in place
-_MAX_RUN_BYTES = 1 << 20  # one request reads at most this many consecutive bytes
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _CLEAN_UNITS = 256  # units the cleaner reads at once from the tail
 _MIN_SPARE_UNITS = 64  # the log holds the table's units and an eighth more, at least this many more
-
-
-def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """Page-aligned anonymous memory of at least ``nbytes`` (O_DIRECT needs aligned buffers)."""
-    return mmap.mmap(-1, max(PAGE, -(-nbytes // PAGE) * PAGE))
-
-
-def _runs(units: np.ndarray, unit_bytes: int) -> List[Tuple[int, int]]:
-    """(first index into ``units``, count) of the runs of consecutive units, each at most _MAX_RUN_BYTES."""
-    if units.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(units) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    stops = np.concatenate((breaks, [units.size]))
-    longest = max(1, _MAX_RUN_BYTES // unit_bytes)
-    out: List[Tuple[int, int]] = []
-    for a, b in zip(starts.tolist(), stops.tolist()):
-        for lo in range(a, b, longest):
-            out.append((lo, min(longest, b - lo)))
-    return out
-
-
-def _each(op: Callable[[memoryview, int], None], jobs: List[Tuple[memoryview, int]]) -> None:
-    for view, offset in jobs:
-        op(view, offset)
 
 
 class DiskFile:
@@ -247,7 +232,7 @@ class DiskFile:
             self.close()
             os.unlink(self.path)
             if e.errno in _NO_SPACE:
-                free = _free_bytes(self.path)
+                free = free_bytes(self.path)
                 raise StoreError(
                     f"no space for disk store '{self.path}': it needs {self.size:,} bytes, {free:,} are free; "
                     "free space or choose another store_dir",
@@ -257,7 +242,7 @@ class DiskFile:
 
     # -- positional I/O --------------------------------------------------------------------------------------
     def _read_exact(self, view: memoryview, offset: int) -> None:
-        _pread_all(self._fd, view, offset, self.path)
+        pread_all(self._fd, view, offset, self.path)
         if not self.direct:
             os.posix_fadvise(self._fd, offset, len(view), os.POSIX_FADV_DONTNEED)
 
@@ -277,22 +262,22 @@ class DiskFile:
         view = memoryview(buf)
         ub = self.unit_bytes
         op = self._write_exact if write else self._read_exact
-        runs = _runs(units, ub)
+        parts = runs(units, ub)
         try:
-            if len(runs) == 1:
-                i, n = runs[0]
+            if len(parts) == 1:
+                i, n = parts[0]
                 op(view[i * ub : (i + n) * ub], self._unit_offset(int(units[i])))
             else:  # one task per thread, each going through its share of the runs: io_threads requests in flight
-                jobs = [(view[i * ub : (i + n) * ub], self._unit_offset(int(units[i]))) for i, n in runs]
+                jobs = [(view[i * ub : (i + n) * ub], self._unit_offset(int(units[i]))) for i, n in parts]
                 shares = [jobs[k :: self._threads] for k in range(min(self._threads, len(jobs)))]
-                futures = [self._pool.submit(_each, op, share) for share in shares]
+                futures = [self._pool.submit(each, op, share) for share in shares]
                 for f in futures:
                     f.result()
         except OSError as e:
             if write and e.errno in _NO_SPACE:
                 raise StoreError(
                     f"the disk of store '{self.path}' is full ({e.strerror}) after {self.bytes_written:,} bytes "
-                    f"written ({_free_bytes(self.path):,} free); rows not yet written stay in host memory, the file is "
+                    f"written ({free_bytes(self.path):,} free); rows not yet written stay in host memory, the file is "
                     "consistent up to the last flush: free space, then checkpoint or resume from the last one",
                     path=self.path,
                 ) from None
@@ -471,14 +456,14 @@ class DiskFile:
     # -- copies (checkpoints) ----------------------------------------------------------------------------------
     def _copy_units(self, units: np.ndarray, src: int, dst: int, src_path: str) -> None:
         """Copy ``units`` from the file ``src`` to ``dst`` (file descriptors), runs of consecutive units at once."""
-        buf = aligned_buffer(_MAX_RUN_BYTES if self.unit_bytes <= _MAX_RUN_BYTES else self.unit_bytes)
+        buf = aligned_buffer(MAX_RUN_BYTES if self.unit_bytes <= MAX_RUN_BYTES else self.unit_bytes)
         view = memoryview(buf)
         try:
-            for i, n in _runs(units, self.unit_bytes):
+            for i, n in runs(units, self.unit_bytes):
                 offset = self.data_offset + int(units[i]) * self.unit_bytes
                 nbytes = n * self.unit_bytes
-                _pread_all(src, view[:nbytes], offset, src_path)
-                _pwrite_all(dst, view[:nbytes], offset)
+                pread_all(src, view[:nbytes], offset, src_path)
+                pwrite_all(dst, view[:nbytes], offset)
                 for fd in (src, dst):
                     os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         finally:
@@ -500,20 +485,20 @@ class DiskFile:
             out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.ftruncate(out, self.size)
             self._read_exact(memoryview(head), 0)  # the header
-            _pwrite_all(out, memoryview(head), 0)
-            _pwrite_all(out, memoryview(self._index_buf), PAGE)
+            pwrite_all(out, memoryview(head), 0)
+            pwrite_all(out, memoryview(self._index_buf), PAGE)
             self._copy_units(self.live_units(), self._fd, out, self.path)
             os.fsync(out)
             os.close(out)
             out = -1
             os.replace(tmp, dst)
-            _fsync_dir(os.path.dirname(os.path.abspath(dst)))
+            fsync_dir(os.path.dirname(os.path.abspath(dst)))
         except OSError as e:
             if out >= 0:
                 os.close(out)
             if os.path.exists(tmp):
                 os.unlink(tmp)
-            free = _free_bytes(dst)
+            free = free_bytes(dst)
             raise StoreError(
                 f"copying disk store '{self.path}' to '{dst}' failed ({e.strerror}; {free:,} bytes free there): the "
                 "store itself is unchanged",
@@ -544,7 +529,7 @@ class DiskFile:
         try:
             fd = os.open(src, os.O_RDONLY)
             index = aligned_buffer(self.index_bytes)
-            _pread_all(fd, memoryview(index), PAGE, src)
+            pread_all(fd, memoryview(index), PAGE, src)
             self._check_index(src, index)
             self.reset()
             memoryview(self._index_buf)[:] = memoryview(index)
@@ -582,52 +567,3 @@ class DiskFile:
     def closed(self) -> bool:
         """Whether :meth:`close` ran."""
         return self._fd < 0
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
-def _pread_all(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise StoreError(f"disk store '{path}' ended at byte {offset + done}", path=path)
-        done += n
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _free_bytes(path: str) -> int:
-    try:
-        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
-        return int(st.f_bavail * st.f_frsize)
-    except OSError:
-        return -1
-
-
-def read_header(path: str) -> Dict[str, Any]:
-    """The layout a disk store file records in its header.
-
-    Raises:
-        ConfigError: no file, or not a disk store's.
-    """
-    try:
-        with open(path, "rb") as f:
-            head = f.read(PAGE)
-    except OSError as e:
-        raise ConfigError(f"no disk store at '{path}' ({e.strerror})") from None
-    if not head.startswith(MAGIC):
-        raise ConfigError(f"'{path}' is not a disk store file (no {FORMAT} header)")
-    length = int.from_bytes(head[len(MAGIC) : len(MAGIC) + 4], "little")
-    meta: Dict[str, Any] = json.loads(head[len(MAGIC) + 4 : len(MAGIC) + 4 + length].decode())
-    return meta
