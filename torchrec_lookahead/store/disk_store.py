@@ -98,7 +98,8 @@ class DiskStore(LookaheadReads, _RowStore):
         name: table name (seeds the initial values; recorded in the header).
         seed: global seed of the initial values.
         host_budget_bytes: bytes of rows (with their optimizer state) the host tier holds at most; at least one
-            row. The row -> slot index adds 4 bytes per table row.
+            row. The host tier's row -> slot index adds 4 bytes per table row, the file's index 4 more and its
+            slot -> row map 4.5, each touched only where rows are used or written.
         row_offset: for a row shard of a larger table: the table row held by local row 0.
         table_rows: rows of the whole table when the store is a shard (default ``num_embeddings``).
         direct_io: ``None`` (default): direct I/O (``O_DIRECT``) where the filesystem takes it, else buffered I/O
