@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from torchrec_lookahead._checks import check_choice, check_int
 from torchrec_lookahead.errors import ConfigError
@@ -175,6 +175,11 @@ class OracleConfig:
         plan_threads: threads planning the tables of a batch in parallel (tables are independent; NumPy
             releases the GIL); ``1`` plans them one after the other in the calling thread, ``None`` picks
             ``min(4, os.cpu_count() // 4)``, at least 1. The plans do not depend on it.
+        slot_spaces: optional slot-space name -> tables that share one cache of the sum of their capacities
+            (a cache kernel's tables of one dimension, as FBGEMM keeps one cache per TBE). The policy plans a
+            space as one table, so capacity follows the stream from table to table; every member's plan has the
+            space's slots, and its write-backs must land before any member's loads. Members need
+            ``num_embeddings``. Tables in no space have a cache of their own.
 
     Raises:
         ConfigError: any value out of range, an unknown policy, ``horizon < prefetch_depth``.
@@ -193,6 +198,7 @@ class OracleConfig:
     num_ranks: int = 1
     unknown_features: Union[UnknownFeatures, str] = UnknownFeatures.ERROR
     plan_threads: Optional[int] = None
+    slot_spaces: Optional[Mapping[str, Sequence[str]]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity, Mapping):
@@ -239,8 +245,61 @@ class OracleConfig:
             check_int(
                 "victim_rows", self.victim_rows, 0, "set the number of conflict rows of the window cache"
             )
+        if self.slot_spaces is not None:
+            self.slot_spaces = self._check_spaces(self.slot_spaces)
         if self.policy is Policy.WINDOW:
             self._validate_window()
+
+    def _check_spaces(self, spaces: Mapping[str, Sequence[str]]) -> Dict[str, Tuple[str, ...]]:
+        if not isinstance(spaces, Mapping):
+            raise ConfigError(
+                f"slot_spaces must be a mapping space name -> tables but got {type(spaces).__name__}; pass e.g. "
+                "slot_spaces={'dim64': ['t0', 't1']}"
+            )
+        out: Dict[str, Tuple[str, ...]] = {}
+        owner: Dict[str, str] = {}
+        for space, tables in spaces.items():
+            if isinstance(tables, str) or not tables:
+                raise ConfigError(
+                    f"slot_spaces[{space!r}] must be a non-empty list of tables but got {tables!r}"
+                )
+            if space in self.capacity and tuple(tables) != (space,):
+                raise ConfigError(
+                    f"slot space {space!r} has the name of a cached table; name slot spaces apart from tables"
+                )
+            for t in tables:
+                if t not in self.capacity:
+                    raise ConfigError(
+                        f"slot_spaces[{space!r}] names table {t!r}, which has no capacity; cached tables: "
+                        f"{sorted(self.capacity)}"
+                    )
+                if t in owner:
+                    raise ConfigError(
+                        f"table {t!r} is in slot spaces {owner[t]!r} and {space!r}; give it one"
+                    )
+                owner[t] = space
+            out[str(space)] = tuple(tables)
+        return out
+
+    def units(self) -> Dict[str, Tuple[str, ...]]:
+        """The planning units, in table order: every slot space of :attr:`slot_spaces` with more than one
+        table, and every other cached table alone (a unit of its own name).
+
+        Example:
+            >>> OracleConfig(capacity={"a": 4, "b": 4, "c": 4}, num_embeddings={"a": 9, "b": 9, "c": 9},
+            ...              slot_spaces={"s": ["a", "c"]}).units()
+            {'s': ('a', 'c'), 'b': ('b',)}
+        """
+        shared = {s: tuple(ts) for s, ts in (self.slot_spaces or {}).items() if len(ts) > 1}
+        first = {min(ts): s for s, ts in shared.items()}
+        inside = {t for ts in shared.values() for t in ts}
+        out: Dict[str, Tuple[str, ...]] = {}
+        for t in sorted(self.capacity):
+            if t in first:
+                out[first[t]] = shared[first[t]]
+            elif t not in inside:
+                out[t] = (t,)
+        return out
 
     def _validate_window(self) -> None:
         if self.horizon < self.window - 1:

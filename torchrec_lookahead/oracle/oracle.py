@@ -24,6 +24,7 @@ from typing import Any, Deque, Dict, Iterable, Iterator, List, Mapping, Optional
 import numpy as np
 
 from torchrec_lookahead.errors import CheckpointError
+from torchrec_lookahead.oracle._pooled import _SharedUnit, _Unit
 from torchrec_lookahead.oracle._table import _TablePlanner
 from torchrec_lookahead.oracle.batch_ids import split_batch
 from torchrec_lookahead.oracle.belady import BeladyPlanner
@@ -67,13 +68,16 @@ class LookaheadOracle:
     def __init__(self, config: OracleConfig) -> None:
         self.config = config
         planner = _PLANNERS[Policy(config.policy)]
-        self._tables: Dict[str, _TablePlanner] = {
-            name: planner(name, config) for name in sorted(config.capacity)
+        #: the planning units: a table alone, or the tables sharing a slot space
+        self._units: Dict[str, _Unit] = {
+            name: (_SharedUnit if len(tables) > 1 else _Unit)(name, tables, config, planner)
+            for name, tables in config.units().items()
         }
+        self._tables = [t for u in self._units.values() for t in u.tables]
         self._read = 0
         self._next = 0
-        # tables go to the pool largest capacity first (the longest tasks start first); plans are keyed by table
-        self._order = sorted(self._tables, key=lambda n: -self._tables[n].capacity)
+        # units go to the pool largest capacity first (the longest tasks start first); plans are keyed by table
+        self._order = sorted(self._units, key=lambda n: -self._units[n].capacity)
         self._pool: Optional[ThreadPoolExecutor] = None
 
     @property
@@ -96,7 +100,7 @@ class LookaheadOracle:
             ConfigError: a planned table missing from the batch, an unknown feature.
             DataError: malformed ids or lengths.
         """
-        names = list(self._tables)
+        names = sorted(self._tables)
         parts = split_batch(
             batch,
             names,
@@ -142,42 +146,44 @@ class LookaheadOracle:
         serial order (check every table, read every table, then plan step by step, table by table) meets first.
         """
 
-        def work(name: str) -> Tuple[List[TablePlan], Optional[Tuple[int, int, BaseException]]]:
-            tab = self._tables[name]
-            plans: List[TablePlan] = []
+        def work(name: str) -> Tuple[List[Dict[str, TablePlan]], Optional[Tuple[int, int, BaseException]]]:
+            unit = self._units[name]
+            plans: List[Dict[str, TablePlan]] = []
             try:
                 if parts is not None:
-                    ids = parts[name][0]
                     try:
-                        tab.check_ids(ids, step)
+                        unit.check_ids(parts, step)
                     except Exception as exc:
                         return plans, (0, 0, exc)
                     try:
-                        tab.push(step, *parts[name])
+                        unit.push(step, parts)
                     except Exception as exc:
                         return plans, (1, 0, exc)
                 for _ in range(ready):
-                    plans.append(tab.plan())
+                    plans.append(unit.plan())
             except Exception as exc:
                 return plans, (2, len(plans), exc)
             return plans, None
 
         threads = int(self.config.plan_threads or 1)
-        if threads > 1 and len(self._tables) > 1:
+        if threads > 1 and len(self._units) > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
-                    min(threads, len(self._tables)), thread_name_prefix="oracle-plan"
+                    min(threads, len(self._units)), thread_name_prefix="oracle-plan"
                 )
             done = dict(zip(self._order, self._pool.map(work, self._order)))
         else:
-            done = {name: work(name) for name in self._tables}
-        index = {name: i for i, name in enumerate(self._tables)}
+            done = {name: work(name) for name in self._units}
+        index = {name: i for i, name in enumerate(self._units)}
         failed = [(err[0], err[1], index[name], err[2]) for name, (_, err) in done.items() if err is not None]
         if failed:
             raise min(failed, key=lambda f: f[:3])[3]
         out = []
         for k in range(ready):
-            out.append(BatchPlan(step=self._next, tables={name: done[name][0][k] for name in self._tables}))
+            tables: Dict[str, TablePlan] = {}
+            for name in self._units:
+                tables.update(done[name][0][k])
+            out.append(BatchPlan(step=self._next, tables={t: tables[t] for t in sorted(tables)}))
             self._next += 1
         return out
 
@@ -187,7 +193,10 @@ class LookaheadOracle:
         Returns:
             table -> counter -> value (``peak_rows``: most rows ever resident, the ttl policy's capacity need).
         """
-        return {name: dict(tab.stats) for name, tab in self._tables.items()}
+        out: Dict[str, Dict[str, int]] = {}
+        for unit in self._units.values():
+            out.update(unit.stats())
+        return {t: out[t] for t in sorted(out)}
 
     def state_dict(self) -> Dict[str, Any]:
         """State after the last plan handed out; re-feed batches from ``state["next_step"]`` on.
@@ -198,7 +207,7 @@ class LookaheadOracle:
         return {
             "policy": Policy(self.config.policy).value,
             "next_step": self._next,
-            "tables": {name: tab.state_dict() for name, tab in self._tables.items()},
+            "tables": {name: unit.state_dict() for name, unit in self._units.items()},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -211,20 +220,25 @@ class LookaheadOracle:
             CheckpointError: the state belongs to another policy or other tables or capacities.
         """
         if state.get("policy") != Policy(self.config.policy).value or set(state.get("tables", {})) != set(
-            self._tables
+            self._units
         ):
             raise CheckpointError(
                 f"oracle state for policy {state.get('policy')!r} and tables {sorted(state.get('tables', {}))} "
                 f"does not match this oracle (policy {Policy(self.config.policy).value!r}, tables "
-                f"{sorted(self._tables)}); load it into an oracle built with the same OracleConfig"
+                f"{sorted(self._units)}); load it into an oracle built with the same OracleConfig"
             )
-        for name, tab in self._tables.items():
-            if int(state["tables"][name]["capacity"]) != tab.capacity:
+        for name, unit in self._units.items():
+            saved = state["tables"][name]
+            if (
+                int(saved["capacity"]) != unit.capacity
+                or tuple(saved.get("tables", unit.tables)) != unit.tables
+            ):
                 raise CheckpointError(
-                    f"oracle state has capacity {state['tables'][name]['capacity']} for table {name!r} but this "
-                    f"oracle has {tab.capacity}; use the same capacity"
+                    f"oracle state has capacity {saved['capacity']} for {name!r} (tables "
+                    f"{list(saved.get('tables', [name]))}) but this oracle has {unit.capacity} (tables "
+                    f"{list(unit.tables)}); use the same capacity and slot spaces"
                 )
-            tab.load_state_dict(state["tables"][name])
+            unit.load_state_dict(saved)
         self._next = self._read = int(state["next_step"])
 
 
