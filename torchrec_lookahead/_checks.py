@@ -15,11 +15,19 @@ from __future__ import annotations
 import enum
 import numbers
 import os
-from typing import Type, TypeVar, cast
+from typing import Dict, Mapping, Type, TypeVar, Union, cast
 
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["is_int", "check_int", "check_choice", "check_output_file"]
+__all__ = [
+    "is_int",
+    "check_int",
+    "check_number",
+    "check_bytes",
+    "check_choice",
+    "check_output_file",
+    "check_dir",
+]
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -38,6 +46,42 @@ def check_int(name: str, value: object, minimum: int, fix: str) -> int:
     """
     if not is_int(value) or int(cast(numbers.Integral, value)) < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum} but got {value!r}; {fix}")
+    return int(cast(numbers.Integral, value))
+
+
+def check_number(name: str, value: object, minimum: float, fix: str) -> float:
+    """``value`` as a ``float``: a real number (not ``bool``, not NaN) at least ``minimum``.
+
+    Raises:
+        ConfigError: ``value`` is not such a number; the message names ``name``, the value and ``fix``.
+
+    Example:
+        >>> check_number("scale", 0.5, 0.0, "give the fraction of the Criteo table sizes")
+        0.5
+    """
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not float(value) >= minimum:
+        raise ConfigError(f"{name} must be a number >= {minimum} but got {value!r}; {fix}")
+    return float(value)
+
+
+def check_bytes(name: str, value: object, fix: str) -> Union[int, Dict[str, int]]:
+    """``value`` as a positive number of bytes, or a mapping of names to positive numbers of bytes.
+
+    Raises:
+        ConfigError: ``value`` is neither (a string, a float, a non-positive number); the message names ``name``,
+            the value and ``fix``.
+
+    Example:
+        >>> check_bytes("host_budget_bytes", {"t": 4096}, "give the host tier's bytes")
+        {'t': 4096}
+    """
+    if isinstance(value, Mapping):
+        return {str(k): check_int(f"{name}[{k!r}]", v, 1, fix) for k, v in value.items()}
+    if not is_int(value) or int(cast(numbers.Integral, value)) < 1:
+        raise ConfigError(
+            f"{name} must be a positive integer or a mapping of table names to positive integers but got "
+            f"{value!r}; {fix}"
+        )
     return int(cast(numbers.Integral, value))
 
 
@@ -60,11 +104,12 @@ def check_choice(name: str, value: object, choices: Type[E]) -> E:
 
 
 def check_output_file(name: str, path: str) -> str:
-    """``path`` as a file that can be written: not a directory, and no component of its directory a file. Run it
-    before the work whose result goes there.
+    """``path`` as a file that can be written: not a directory, no component of its directory a file, and in a
+    directory this process can create files in. Run it before the work whose result goes there.
 
     Raises:
-        ConfigError: ``path`` is a directory, or a parent of it is a file; the message names ``name`` and the path.
+        ConfigError: ``path`` is a directory, a parent of it is a file, or its directory cannot be written (no
+            permission, or a read-only filesystem); the message names ``name`` and the path.
 
     Example:
         >>> check_output_file("--save", "/tmp")
@@ -75,9 +120,63 @@ def check_output_file(name: str, path: str) -> str:
     if os.path.isdir(path):
         example = os.path.join(path, "...")
         raise ConfigError(f"{name} {path!r} is a directory; name the file to write, e.g. {example!r}")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
+    parent = _nearest_existing(os.path.dirname(os.path.abspath(path)))
     if not os.path.isdir(parent):
         raise ConfigError(f"{name} {path!r} cannot be written: {parent!r} is a file, not a directory")
+    _check_writable(name, path, parent)
+    return path
+
+
+def _nearest_existing(path: str) -> str:
+    """``path`` or its nearest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _check_writable(name: str, path: str, existing: str) -> None:
+    """Refuse ``path`` when this process cannot create files in ``existing``, the directory it would go in."""
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise ConfigError(
+            f"{name} {path!r} is on a read-only filesystem ({existing!r}); name a path on a writable one"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{name} {path!r}: no permission to create files in {existing!r}; name a path this user can write"
+        )
+
+
+def check_dir(name: str, path: object) -> str:
+    """``path`` as a directory to create files in: an existing directory files can be created in, or one that can
+    be made (its nearest existing ancestor such a directory). Makes and writes nothing; run it before the work
+    that writes there.
+
+    Raises:
+        ConfigError: ``path`` is not a path, is a file, lies under a file, or under a directory this process
+            cannot write (no permission, or a read-only filesystem); the message names ``name`` and the path.
+
+    Example:
+        >>> check_dir("store_dir", "/tmp/stores")
+        '/tmp/stores'
+        >>> check_dir("store_dir", 3)
+        Traceback (most recent call last):
+        ...
+        torchrec_lookahead.errors.ConfigError: store_dir must be a directory's path but got 3; name a directory ...
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ConfigError(
+            f"{name} must be a directory's path but got {path!r}; name a directory (it is made if missing)"
+        )
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(
+            f"{name} {path!r} is a file, not a directory; name a directory (it is made if missing)"
+        )
+    existing = _nearest_existing(path)
+    if not os.path.isdir(existing):
+        raise ConfigError(
+            f"{name} {path!r} cannot be made: {existing!r} is a file, not a directory; name a directory"
+        )
+    _check_writable(name, path, existing)
     return path

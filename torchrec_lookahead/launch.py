@@ -27,6 +27,7 @@ import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
+from torchrec_lookahead._parse_errors import LookaheadArgumentParser
 from torchrec_lookahead.errors import LookaheadError, recent_errors
 
 __all__ = [
@@ -216,6 +217,7 @@ def build_cli(args: Optional[Sequence[str]], run: bool = False) -> LookaheadCLI:
             args=None if args is None else list(args),
             run=run,
             save_config_kwargs={"overwrite": True},
+            parser_class=LookaheadArgumentParser,
         )
 
 

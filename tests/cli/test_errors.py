@@ -151,4 +151,4 @@ def test_calibrate_refuses_a_directory_to_save_to_before_calibrating(capsys, tmp
     line = _short_error(capsys, ["calibrate", "--config", fae, "--save", str(blocker / "hot.pt")])
     assert line.endswith(f"{str(blocker)!r} is a file, not a directory"), line
     line = _short_error(capsys, ["calibrate", "--config", fae, f"--data.init_args.hot_set={tmp_path}"])
-    assert line.startswith(f"ConfigError: the config's hot_set {str(tmp_path)!r} is a directory"), line
+    assert line.startswith(f"ConfigError: hot_set {str(tmp_path)!r} is a directory"), line

@@ -61,7 +61,7 @@ def test_bad_rows_and_arguments_are_refused_with_the_file_and_line(tmp_path):
     path.write_text("userId,movieId,rating,timestamp\n1,2,3.0\n")
     with pytest.raises(DataError, match=r"ratings.csv:2: expected 4"):
         next(iter(MovieLensHistoryDataModule(str(path), batch_size=2).train_dataloader()))
-    with pytest.raises(ConfigError, match="history_length >= 0 but got -1"):
+    with pytest.raises(ConfigError, match="history_length must be an integer >= 0 but got -1"):
         MovieLensHistoryDataModule(str(path), history_length=-1)
 
 

@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 from torch.utils.data import IterableDataset
 from typing_extensions import override
 
+from torchrec_lookahead._checks import check_int
 from torchrec_lookahead.data.criteo_spec import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
 from torchrec_lookahead.data.readers import (
     MOVIELENS_FEATURES,
@@ -138,7 +139,15 @@ class CriteoSyntheticDataModule(RecDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self._batches = {"train": num_train_batches, "val": num_val_batches, "test": num_test_batches}
+        fix = "give the batches of the split"
+        self._batches = {
+            split: check_int(f"num_{split}_batches", n, 0, fix)
+            for split, n in (
+                ("train", num_train_batches),
+                ("val", num_val_batches),
+                ("test", num_test_batches),
+            )
+        }
         self._config = SyntheticCriteoConfig(
             batch_size=batch_size,
             num_batches=num_train_batches,
@@ -194,9 +203,7 @@ class _FileDataModule(RecDataModule):
         drop_last: Optional[bool],
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ConfigError(f"Expected batch_size to be a positive integer but got {batch_size}")
-        self.batch_size = batch_size
+        self.batch_size = check_int("batch_size", batch_size, 1, "give the rows of a batch per rank")
         self.drop_last = drop_last
         self._files = {"train": _files(train_files), "val": _files(val_files), "test": _files(test_files)}
 
@@ -260,8 +267,12 @@ class CriteoTSVDataModule(_FileDataModule):
     ) -> None:
         super().__init__(train_files, val_files, test_files, batch_size, drop_last)
         self.save_hyperparameters()
-        sizes = (
-            [num_embeddings] * len(DEFAULT_CAT_NAMES) if isinstance(num_embeddings, int) else num_embeddings
+        sizes: Union[List[Any], Dict[str, int]] = (
+            dict(num_embeddings)
+            if isinstance(num_embeddings, dict)
+            else list(num_embeddings)
+            if isinstance(num_embeddings, (list, tuple))
+            else [num_embeddings] * len(DEFAULT_CAT_NAMES)
         )
         self._parse = CriteoTSVParser(sizes)
 

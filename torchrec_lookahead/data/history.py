@@ -24,10 +24,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_lookahead._checks import check_int
 from torchrec_lookahead.data.datamodules import MovieLensDataModule
 from torchrec_lookahead.data.readers import MOVIELENS_FEATURES, MovieLensParser, _kjt
 from torchrec_lookahead.data.text import LineBatchDataset, Row
-from torchrec_lookahead.errors import ConfigError
 
 __all__ = ["MovieLensHistoryDataModule", "MovieLensHistoryParser", "HISTORY_FEATURE"]
 
@@ -126,8 +126,7 @@ class MovieLensHistoryDataModule(MovieLensDataModule):
         batch_size: int = 512,
         drop_last: Optional[bool] = None,
     ) -> None:
-        if history_length < 0:
-            raise ConfigError(f"Expected history_length >= 0 but got {history_length}")
+        check_int("history_length", history_length, 0, "give the earlier ratings kept per sample (0: none)")
         super().__init__(
             train_files, val_files, test_files, movies_file, num_embeddings, batch_size, drop_last
         )

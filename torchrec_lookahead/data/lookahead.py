@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from torchrec_lookahead._checks import check_int
 from torchrec_lookahead.data.rank_split import split_for_ranks
 from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError
@@ -143,7 +144,7 @@ class LookaheadDataModule(WrappedDataModule):
         self.stop_timeout_s = float(stop_timeout_s)
         #: the oracle's horizon, prefetch depth and policy, validated once (the loader plans with them)
         self.settings = LookaheadSettings(horizon, prefetch_depth, policy, window, ways)
-        self.queue_depth = queue_depth
+        self.queue_depth = check_int("queue_depth", queue_depth, 1, "give the planned batches kept ready")
         self.capacity_check = CapacityCheck(capacity_check)
         #: the training loader: a LookaheadLoader, or FAE's loader of pinned rows around one
         self.loader: Optional[CachedTrainingLoader] = None

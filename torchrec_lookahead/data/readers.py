@@ -21,6 +21,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_lookahead._checks import is_int
 from torchrec_lookahead.data.criteo_spec import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
 from torchrec_lookahead.data.text import Row
 from torchrec_lookahead.errors import ConfigError
@@ -50,17 +51,17 @@ def _sizes(num_embeddings: Sequence[int] | Dict[str, int], names: Sequence[str])
         missing = [n for n in names if n not in num_embeddings]
         if missing:
             raise ConfigError(f"num_embeddings has no size for feature(s) {missing}")
-        sizes = [int(num_embeddings[n]) for n in names]
+        given = [num_embeddings[n] for n in names]
     else:
-        sizes = [int(n) for n in num_embeddings]
-        if len(sizes) != len(names):
+        given = list(num_embeddings)
+        if len(given) != len(names):
             raise ConfigError(
-                f"Expected {len(names)} table sizes (one per feature {list(names)}) but got {len(sizes)}"
+                f"Expected {len(names)} table sizes (one per feature {list(names)}) but got {len(given)}"
             )
-    for name, n in zip(names, sizes):
-        if n < 1:
-            raise ConfigError(f"Table size for feature '{name}' must be a positive integer but got {n}")
-    return sizes
+    for name, n in zip(names, given):
+        if not is_int(n) or n < 1:
+            raise ConfigError(f"Table size for feature '{name}' must be a positive integer but got {n!r}")
+    return [int(n) for n in given]
 
 
 def _kjt(names: Sequence[str], per_feature: List[List[List[int]]]) -> KeyedJaggedTensor:

@@ -21,6 +21,7 @@ from torch.utils.data import IterableDataset
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_lookahead._checks import check_int, check_number, is_int
 from torchrec_lookahead.data.criteo_spec import (
     CRITEO_KAGGLE_CARDINALITIES,
     CRITEO_MULTI_HOT_SIZES,
@@ -105,12 +106,14 @@ class SyntheticCriteoConfig:
     feature_names: List[str] = field(default_factory=lambda: list(DEFAULT_CAT_NAMES))
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ConfigError(f"Expected batch_size to be a positive integer but got {self.batch_size}")
-        if self.num_batches < 0:
-            raise ConfigError(f"Expected num_batches >= 0 but got {self.num_batches}")
-        if self.zipf_exponent < 0:
-            raise ConfigError(f"Expected zipf_exponent >= 0 but got {self.zipf_exponent}")
+        check_int("batch_size", self.batch_size, 1, "give the rows of a batch")
+        check_int("num_batches", self.num_batches, 0, "give the batches of the split")
+        check_number(
+            "scale", self.scale, 0.0, "give the fraction of the Criteo Kaggle table sizes, e.g. 0.01"
+        )
+        check_int("min_rows", self.min_rows, 1, "give the fewest rows of a scaled table")
+        check_number("zipf_exponent", self.zipf_exponent, 0.0, "give the ids' power-law exponent, e.g. 1.05")
+        check_int("seed", self.seed, 0, "give a non-negative seed")
         if not (0 <= self.rank < self.world_size):
             raise ConfigError(
                 f"Expected 0 <= rank < world_size but got rank={self.rank}, world={self.world_size}"
@@ -126,7 +129,7 @@ class SyntheticCriteoConfig:
                     f"{len(self.num_embeddings)}"
                 )
             for name, n in zip(self.feature_names, self.num_embeddings):
-                if n < 1:
+                if not is_int(n) or n < 1:
                     raise ConfigError(
                         f"Table size for feature '{name}' must be a positive integer but got {n}; "
                         "every table needs at least one row"

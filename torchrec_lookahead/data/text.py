@@ -34,10 +34,10 @@ class Row:
 
 
 def check_files(paths: Sequence[str]) -> List[str]:
-    """Return the paths as a list, raising :class:`DataError` for any that is missing.
+    """Return the paths as a list, raising :class:`DataError` for any that is missing or cannot be read.
 
     Raises:
-        DataError: a path does not exist or is not a file.
+        DataError: a path does not exist, is a directory, or cannot be read.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]  # type: ignore[list-item]
@@ -45,10 +45,14 @@ def check_files(paths: Sequence[str]) -> List[str]:
     if not out:
         raise ConfigError("Expected at least one data file but got none")
     for p in out:
+        if os.path.isdir(p):
+            raise DataError(f"Data file {p!r} is a directory; name the data files in it")
         if not os.path.isfile(p):
             raise DataError(
                 f"Data file not found: {p!r}; check the path (relative paths start at {os.getcwd()})"
             )
+        if not os.access(p, os.R_OK):
+            raise DataError(f"Data file {p!r} cannot be read: no permission; give this user read access")
     return out
 
 

@@ -13,6 +13,8 @@ import tempfile
 import time
 from typing import List, Optional
 
+from torchrec_lookahead.errors import StoreError
+
 __all__ = [
     "STORE_DIR_PREFIX",
     "KEPT_STORE_DIR_PREFIX",
@@ -82,14 +84,22 @@ class StoreDirs:
         """A fresh store directory under ``base`` (default: the temp directory), after removing the directories of
         runs whose owner died. Unless ``keep``, this one is owned by the process (its lock held until the
         process ends) and removed at exit."""
-        if base is not None:
-            os.makedirs(base, exist_ok=True)
-        remove_orphaned_store_dirs(base)
+        try:
+            if base is not None:
+                os.makedirs(base, exist_ok=True)
+            remove_orphaned_store_dirs(base)
+            prefix = KEPT_STORE_DIR_PREFIX if keep else STORE_DIR_PREFIX
+            directory = tempfile.mkdtemp(prefix=f"{prefix}{tag}", dir=base)
+        except OSError as e:
+            where = base or tempfile.gettempdir()
+            raise StoreError(
+                f"cannot make the stores' directory in {where!r}: {e.strerror or e}; set store_dir to a "
+                "directory this user can write, on a writable filesystem",
+                path=where,
+            ) from e
         if keep:
-            directory = tempfile.mkdtemp(prefix=f"{KEPT_STORE_DIR_PREFIX}{tag}", dir=base)
             log.info("the stores of this run stay in %s (keep_stores=True)", directory)
             return directory
-        directory = tempfile.mkdtemp(prefix=f"{STORE_DIR_PREFIX}{tag}", dir=base)
         self._owner_locks.append(hold_store_dir(directory))
         atexit.register(shutil.rmtree, directory, True)
         return directory

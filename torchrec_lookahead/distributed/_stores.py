@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.types import ShardingEnv
 
+from torchrec_lookahead._checks import check_int
 from torchrec_lookahead.distributed._groups import CacheGroups
 from torchrec_lookahead.distributed._store_dirs import StoreDirs
 from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
@@ -349,6 +350,8 @@ def store_kind(
                 "disk_options takes direct_io, io_threads, preallocate, host_policy and disk_prefetch_depth, "
                 f"not {unknown}"
             )
+        if "io_threads" in opts:
+            check_int("disk_options io_threads", opts["io_threads"], 1, "give the threads issuing disk reads")
         check_host_policy(opts.get("host_policy", "lru"), opts.get("disk_prefetch_depth", 0))
     return kind
 

@@ -34,6 +34,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from torchrec_lookahead._checks import check_bytes, check_dir, check_int, is_int
 from torchrec_lookahead.distributed._capacity import plan_capacity
 from torchrec_lookahead.distributed._groups import CacheGroups
 from torchrec_lookahead.distributed._optimizers import (
@@ -184,18 +185,26 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if fused_params is None and optimizer is not None:
             fused_params = optimizer.fused_params()
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
+        for t, c in (capacity or {}).items():
+            if not is_int(c) or c < 1:
+                raise ConfigError(f"capacity of table '{t}' must be a positive number of rows but got {c!r}")
         self.capacity: Dict[str, int] = {k: int(v) for k, v in (capacity or {}).items()}
-        for t, c in self.capacity.items():
-            if c < 1:
-                raise ConfigError(f"capacity of table '{t}' must be a positive number of rows but got {c}")
-        if device_budget_bytes is not None and device_budget_bytes <= 0:
-            raise ConfigError(f"Expected device_budget_bytes > 0 but got {device_budget_bytes}")
+        if device_budget_bytes is not None:
+            check_int("device_budget_bytes", device_budget_bytes, 1, "give the device cache's bytes")
+        if host_budget_bytes is not None:
+            check_bytes("host_budget_bytes", host_budget_bytes, "give the host tier's bytes on each rank")
+        if store_dir is not None:
+            check_dir("store_dir", store_dir)
+        if seed is not None:
+            check_int("seed", seed, 0, "give a non-negative seed, or leave it unset")
         if device_budget_bytes is not None and self.capacity:
             raise ConfigError(
                 "Give either capacity or device_budget_bytes to the lookahead sharder, not both"
             )
-        if cdlrm_average_every is not None and cdlrm_average_every < 1:
-            raise ConfigError(f"Expected cdlrm_average_every >= 1 but got {cdlrm_average_every}")
+        if cdlrm_average_every is not None:
+            check_int(
+                "cdlrm_average_every", cdlrm_average_every, 1, "average the replicas every N >= 1 steps"
+            )
         self.cdlrm_average_every = cdlrm_average_every
         if store_sharding is not None and store_sharding not in STORE_SHARDINGS:
             raise ConfigError(

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from torchrec_lookahead._checks import check_int, check_output_file
 from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.fae.calibrator import calibrate, recalibrate_counts
@@ -149,10 +150,11 @@ class HotColdDataModule(WrappedDataModule):
             seed=calibration_seed,
         )
         CalibrationConfig(**self.calibration, embedding_dim=embedding_dim or 1, optimizer=optimizer or "sgd")
-        if batch_size is not None and batch_size < 1:
-            raise ConfigError(f"Expected batch_size to be a positive integer but got {batch_size}")
-        if window < 2:
-            raise ConfigError(f"Expected window >= 2 source batches but got {window}")
+        if batch_size is not None:
+            check_int("batch_size", batch_size, 1, "give the rows of a batch, or leave it unset")
+        check_int("window", window, 2, "give the source batches mixed into hot and cold batches")
+        if hot_set is not None and not os.path.isfile(hot_set):  # calibrated, then saved there
+            check_output_file("hot_set", hot_set)
         self.hot_set_path = hot_set
         self.batch_size = batch_size
         self.window = window

@@ -37,6 +37,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from typing_extensions import override
 
+from torchrec_lookahead._checks import check_int
 from torchrec_lookahead._rng import preserved_rng
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
@@ -126,6 +127,10 @@ class TorchRecStrategy(DDPStrategy):
         self._module_name = module_name
         self._sharded_name: Optional[str] = module_name
         self._plan = plan
+        if init_seed is not None:
+            check_int(
+                "init_seed", init_seed, 0, "give a non-negative seed, or None to keep TorchRec's values"
+            )
         self._init_seed = init_seed
         self._session: Optional[CacheSession] = None
         # the tables kept in files by the last checkpoint state dict, for save_checkpoint to copy

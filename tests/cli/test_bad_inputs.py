@@ -1,0 +1,142 @@
+"""Bad values of the settings a user writes, through the CLI: a string where a number belongs, a file where a
+directory belongs and the reverse, no permission, a read-only filesystem. Each ends in one short typed error
+naming the setting and the fix, before anything is trained or written."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from torchrec_lookahead._parse_errors import type_error
+
+from .test_errors import TINY, _short_error, _tsv_config
+
+SHARDER = "torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder"
+
+
+def _sharder_config(tmp_path: Path, **init_args: object) -> str:
+    """A config file replacing the tiny config's sharder with one of ``init_args`` (a disk store of t_cat_2)."""
+    sharder = {
+        "class_path": SHARDER,
+        "init_args": {"capacity": {"t_cat_2": 140}, "store": "disk", **init_args},
+    }
+    strategy = {
+        "class_path": "torchrec_lookahead.strategies.TorchRecStrategy",
+        "init_args": {"sharders": [sharder]},
+    }
+    path = tmp_path / "sharder.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"strategy": strategy, "logger": False, "max_steps": 1}}))
+    return str(path)
+
+
+def _fit(capsys: pytest.CaptureFixture, *args: str) -> str:
+    return _short_error(capsys, ["fit", "--config", TINY, *args])
+
+
+def test_a_string_for_the_host_budget_is_one_config_error_not_the_parser_usage(capsys, tmp_path):
+    line = _fit(capsys, "--config", _sharder_config(tmp_path, host_budget_bytes="lots"))
+    assert line == (
+        f"ConfigError: host_budget_bytes of {SHARDER.rsplit('.', 1)[1]} must be an integer, a mapping or null but "
+        "got 'lots'; set host_budget_bytes to an integer, a mapping or null"
+    ), line
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("--data.init_args.horizon=lots", "horizon of LookaheadDataModule must be an integer but got 'lots'"),
+        (
+            "--data.init_args.datamodule.init_args.scale=big",
+            "scale of CriteoSyntheticDataModule must be a number",
+        ),
+        (
+            "--trainer.strategy.init_args.init_seed=x",
+            "init_seed of TorchRecStrategy must be an integer or null but got 'x'",
+        ),
+        ("--trainer.max_steps=many", "trainer.max_steps must be an integer but got 'many'"),
+    ],
+)
+def test_a_string_where_a_number_belongs_is_one_config_error_naming_the_setting(capsys, override, expected):
+    line = _fit(capsys, override)
+    assert line.startswith(f"ConfigError: {expected}"), line
+
+
+def test_the_parser_report_of_another_kind_is_left_to_the_parser():
+    assert type_error('Parser key "trainer":\n  Key "nope" is not expected\n') is None
+    assert type_error("Unrecognized arguments: --nope") is None
+
+
+def test_a_store_dir_that_is_a_file_is_refused_before_anything_is_planned(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    line = _fit(
+        capsys, "--config", _sharder_config(tmp_path, host_budget_bytes=100_000, store_dir=str(blocker))
+    )
+    assert line == (
+        f"ConfigError: store_dir '{blocker}' is a file, not a directory; name a directory (it is made if missing)"
+    ), line
+    under = blocker / "stores"
+    line = _fit(
+        capsys, "--config", _sharder_config(tmp_path, host_budget_bytes=100_000, store_dir=str(under))
+    )
+    assert line.startswith(f"ConfigError: store_dir '{under}' cannot be made: '{blocker}' is a file"), line
+
+
+def test_a_store_dir_on_a_read_only_filesystem_is_refused(capsys, tmp_path, monkeypatch):
+    statvfs = os.statvfs
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+
+    class _ReadOnly:
+        f_flag = os.ST_RDONLY
+
+    # as root, chmod does not stop a write: the filesystem's read-only flag is what the check reads
+    monkeypatch.setattr(
+        os, "statvfs", lambda p: _ReadOnly() if str(p).startswith(str(read_only)) else statvfs(p)
+    )
+    config = _sharder_config(tmp_path, host_budget_bytes=100_000, store_dir=str(read_only / "stores"))
+    line = _fit(capsys, "--config", config)
+    assert line.startswith(
+        f"ConfigError: store_dir '{read_only / 'stores'}' is on a read-only filesystem ('{read_only}')"
+    ), line
+
+
+def test_a_store_dir_without_permission_is_refused(capsys, tmp_path, monkeypatch):
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else access(p, mode))
+    line = _fit(
+        capsys, "--config", _sharder_config(tmp_path, host_budget_bytes=100_000, store_dir=str(tmp_path))
+    )
+    assert line.startswith(f"ConfigError: store_dir '{tmp_path}': no permission to create files"), line
+
+
+def test_a_store_directory_that_cannot_be_made_when_the_stores_are_is_a_store_error(tmp_path, monkeypatch):
+    import tempfile
+
+    from torchrec_lookahead.distributed._store_dirs import StoreDirs
+    from torchrec_lookahead.errors import StoreError
+
+    def refuse(*args: object, **kwargs: object) -> str:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    with pytest.raises(
+        StoreError, match=r"cannot make the stores' directory in '.*': Read-only file system"
+    ) as e:
+        StoreDirs().new(str(tmp_path), "", keep=False)
+    assert e.value.path == str(tmp_path)
+
+
+def test_a_data_file_that_is_a_directory_or_unreadable_is_a_data_error(capsys, tmp_path, monkeypatch):
+    line = _short_error(capsys, ["fit", "--config", _tsv_config(tmp_path, tmp_path)])
+    assert line == f"DataError: Data file '{tmp_path}' is a directory; name the data files in it", line
+    train = tmp_path / "train.tsv"
+    train.write_text("0\t" + "\t" * 38 + "\n")
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(train) else access(p, mode))
+    line = _short_error(capsys, ["fit", "--config", _tsv_config(tmp_path, train)])
+    assert line.startswith(f"DataError: Data file '{train}' cannot be read: no permission"), line
