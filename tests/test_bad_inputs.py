@@ -52,6 +52,8 @@ NUMBERS = {
     "device_budget_bytes": lambda: Sharder(device_budget_bytes="x"),
     "capacity of table 't'": lambda: Sharder(capacity={"t": "x"}),
     "cdlrm_average_every": lambda: Sharder(cdlrm_average_every="x"),
+    "planner_options horizon": lambda: Sharder(device_budget_bytes=10, planner_options={"horizon": "x"}),
+    "planner_options policy": lambda: Sharder(device_budget_bytes=10, planner_options={"policy": "fifo"}),
     "disk_options io_threads": lambda: _disk(io_threads="x"),
     "disk_prefetch_depth": lambda: _disk(host_policy="lookahead", disk_prefetch_depth="x"),
 }

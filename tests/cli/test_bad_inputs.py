@@ -1,6 +1,6 @@
 """Bad values of the settings a user writes, through the CLI: a string where a number belongs, a file where a
-directory belongs and the reverse, no permission, a read-only filesystem. Each ends in one short typed error
-naming the setting and the fix, before anything is trained or written."""
+directory belongs and the reverse, no permission, a read-only filesystem, and two horizons. Each ends in one
+short typed error naming the setting and the fix, before anything is trained or written."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torchrec_lookahead._parse_errors import type_error
 from .test_errors import TINY, _short_error, _tsv_config
 
 SHARDER = "torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder"
+BUDGET = "configs/dlrm_lookahead_budget.yaml"
 
 
 def _sharder_config(tmp_path: Path, **init_args: object) -> str:
@@ -140,3 +141,26 @@ def test_a_data_file_that_is_a_directory_or_unreadable_is_a_data_error(capsys, t
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(train) else access(p, mode))
     line = _short_error(capsys, ["fit", "--config", _tsv_config(tmp_path, train)])
     assert line.startswith(f"DataError: Data file '{train}' cannot be read: no permission"), line
+
+
+def test_a_config_cannot_plan_the_caches_for_one_horizon_and_train_with_another(capsys, monkeypatch):
+    import torchrec_lookahead.strategies._sizing as sizing
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("sampled batches before checking the horizons")
+
+    monkeypatch.setattr(sizing, "_sample_batches", never)
+    sharders = f'[{{"class_path": "{SHARDER}", "init_args": {{"device_budget_bytes": 2000000, '
+    line = _short_error(
+        capsys,
+        [
+            "fit",
+            "--config",
+            BUDGET,
+            f'--trainer.strategy.init_args.sharders={sharders}"planner_options": {{"horizon": 32}}}}}}]',
+        ],
+    )
+    assert line.startswith(
+        f"ConfigError: planner_options horizon=32 of {SHARDER.rsplit('.', 1)[1]} differs from horizon=64 of "
+        "LookaheadDataModule"
+    ), line

@@ -34,7 +34,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from torchrec_lookahead._checks import check_bytes, check_dir, check_int, is_int
+from torchrec_lookahead._checks import check_bytes, check_choice, check_dir, check_int, is_int
 from torchrec_lookahead.distributed._capacity import plan_capacity
 from torchrec_lookahead.distributed._groups import CacheGroups
 from torchrec_lookahead.distributed._optimizers import (
@@ -54,6 +54,7 @@ from torchrec_lookahead.distributed._tables import copy_in_backward_optimizers
 from torchrec_lookahead.distributed.sharded import CUSTOMIZED, ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig
+from torchrec_lookahead.oracle import LookaheadSettings, Policy
 from torchrec_lookahead.store.types import EmbeddingStore
 
 __all__ = ["LookaheadEmbeddingBagCollectionSharder", "lookahead_planning"]
@@ -104,8 +105,10 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device_budget_bytes: instead of ``capacity``, a device memory budget: the ``torchrec`` strategy runs
             the :class:`~torchrec_lookahead.distributed.planner.LookaheadPlanner` on sampled training batches
             to choose resident tables and cache sizes (:meth:`plan_capacity`).
-        planner_options: keyword arguments of the planner (``horizon``, ``prefetch_depth``, ``policy``,
-            ``num_sample_batches``, ...).
+        planner_options: keyword arguments of the planner (``num_sample_batches``, ...). Its ``horizon``,
+            ``prefetch_depth`` and ``policy`` are the loader's: under the ``torchrec`` strategy those of the
+            ``LookaheadDataModule`` (:meth:`use_lookahead_settings`); state them there, once (given here too,
+            they must be equal).
         stores: explicit host stores per cached table.
         store: what holds the cached tables on the host: ``"ram"``, ``"mmap"`` (a memory-mapped file under
             ``store_dir``) or ``"disk"`` (a :class:`~torchrec_lookahead.store.DiskStore`: a file under ``store_dir``,
@@ -216,6 +219,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self.fuse_resident = None if fuse_resident is None else bool(fuse_resident)
         self.device_budget_bytes = device_budget_bytes
         self.planner_options = dict(planner_options or {})
+        _check_lookahead_options(self.planner_options)
         self.cache_plan: Optional[Any] = None
         self.optimizer = optimizer
         self.stores = dict(stores or {})
@@ -259,6 +263,38 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             module, sample_batches, self.device_budget_bytes, self.optimizer, self.planner_options, pinned
         )
         return self.cache_plan
+
+    def use_lookahead_settings(self, settings: LookaheadSettings, owner: str) -> None:
+        """Size the caches for the horizon, prefetch depth and policy the loader plans with (``settings``, of
+        ``owner``, e.g. the ``LookaheadDataModule``): those ``planner_options`` leaves out are taken from
+        ``settings``, and those it gives must equal them. The ``torchrec`` strategy calls it before planning.
+
+        Raises:
+            ConfigError: ``planner_options`` gives a value that differs from the loader's; the message names both.
+
+        Example:
+            >>> from torchrec_lookahead.oracle import LookaheadSettings
+            >>> sharder = LookaheadEmbeddingBagCollectionSharder(device_budget_bytes=1 << 20)
+            >>> sharder.use_lookahead_settings(LookaheadSettings(horizon=32), "LookaheadDataModule")
+            >>> sharder.planner_options["horizon"], sharder.planner_options["policy"]
+            (32, 'belady')
+        """
+        loader: Dict[str, Union[int, str]] = {
+            "horizon": settings.horizon,
+            "prefetch_depth": settings.prefetch_depth,
+        }
+        loader["policy"] = Policy(settings.policy).value
+        for key, value in loader.items():
+            given = self.planner_options.get(key)
+            if given is None:
+                self.planner_options[key] = value
+                continue
+            if (Policy(given).value if key == "policy" else int(given)) != value:
+                raise ConfigError(
+                    f"planner_options {key}={given!r} of {type(self).__name__} differs from {key}={value!r} of "
+                    f"{owner}: the caches would be sized for one {key} and trained with the other; state it once, "
+                    f"in {owner}, and drop it from planner_options (or make the two equal)"
+                )
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         """TorchRec's kernels, and inside :func:`lookahead_planning` the cache's for data-parallel tables.
@@ -425,3 +461,13 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if why is not None:
             log.info("resident tables stay in TorchRec's sharded module: %s", why)
         return why is None
+
+
+def _check_lookahead_options(options: Mapping[str, Any]) -> None:
+    """The horizon, prefetch depth and policy ``planner_options`` gives, checked as the loader checks them."""
+    if "horizon" in options:
+        check_int("planner_options horizon", options["horizon"], 0, "give the batches the oracle reads ahead")
+    if "prefetch_depth" in options:
+        check_int("planner_options prefetch_depth", options["prefetch_depth"], 0, "give 0, 1 or more steps")
+    if "policy" in options:
+        check_choice("planner_options policy", options["policy"], Policy)

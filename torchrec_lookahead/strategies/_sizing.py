@@ -28,8 +28,10 @@ def size_caches(
         Capacity per cached table, of every sharder.
 
     Raises:
-        ConfigError: a budget to plan but no DataModule to sample batches from.
+        ConfigError: a budget to plan but no DataModule to sample batches from, or a sharder's
+            ``planner_options`` that differ from the ``LookaheadDataModule``'s horizon, prefetch depth or policy.
     """
+    _use_loader_settings(sharders, trainer)
     for s in sharders:
         if s.device_budget_bytes is not None and not s.capacity:
             pinning = _pinned_rows_source(trainer)
@@ -55,6 +57,18 @@ def size_caches(
             "Lookahead cache: " + ", ".join(f"{t} {c:,} rows" for t, c in sorted(cached.items())),
         )
     return cached
+
+
+def _use_loader_settings(sharders: List[LookaheadEmbeddingBagCollectionSharder], trainer: Any) -> None:
+    """Plan every sharder's caches for the lookahead the DataModule trains with: a ``LookaheadDataModule``'s
+    settings (:meth:`~torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder.use_lookahead_settings`).
+    """
+    from torchrec_lookahead.data.lookahead import LookaheadDataModule
+
+    dm, _ = _datamodules(trainer)
+    if isinstance(dm, LookaheadDataModule):
+        for s in sharders:
+            s.use_lookahead_settings(dm.settings, type(dm).__name__)
 
 
 def _datamodules(trainer: Any) -> Tuple[Any, Any]:
