@@ -67,7 +67,7 @@ class RankSync:
         rank: this rank.
         world_size: W (> 1).
         group: the group of the W ranks (critical-path collectives).
-        delayed_group: a group of the same ranks for the delayed all-reduces (``None`` without delayed sync).
+        delayed_group: a group of the same ranks for the delayed all-gathers (``None`` without delayed sync).
         average_every: cDLRM's averaging period (``None``: exact LRPP).
         delayed_sync: whether rows no rank reads at the next step are exchanged in the background.
         weighted: whether the features carry per-id weights.

@@ -4,10 +4,12 @@ Every rank plans the *global* batch with the same oracle, so cache slots are lai
 rank without messages. What differs between ranks is which replicas of a slot hold the current row:
 
 * a row read at step ``t`` by one rank only is updated by that rank alone; the other replicas become invalid;
-* a row read by several ranks has its per-rank gradients summed in one compacted all-reduce inside the
-  backward pass (exactly what TorchRec's sharded tables compute), and every reader applies the same update;
-  with delayed synchronisation, the shared rows no rank reads at the next step are all-reduced in the
-  background instead, and their update lands before the next plan is applied;
+* a row read by several ranks has the gradients of the other ranks' bags that read it brought to each reader
+  in one compacted all-gather inside the backward pass, and every reader sums them in TorchRec's order and
+  applies the same update (exactly what TorchRec's sharded tables compute;
+  :mod:`~torchrec_lookahead.distributed.exact_sync`); with delayed synchronisation, the gradients of the shared
+  rows no rank reads at the next step are all-gathered in the background instead, and their update lands
+  before the next plan is applied;
 * before step ``t``, rows that a reading rank holds only as an invalid replica are refreshed from a rank
   holding the current row (one compacted all-reduce on the critical path);
 * a row leaving the cache (eviction, flush) is written to the shared host store by one rank holding it.
@@ -81,9 +83,9 @@ class LRPPTablePlan:
         evict_writer: (E,) rank writing back each evicted row (aligned with the plan's ``evict_ids``).
         refresh_slots: (R,) slots some reading rank holds only as an invalid replica, sorted.
         refresh_source: (R,) a rank holding each of those rows.
-        shared_slots: (S,) slots read by two or more ranks, sorted: their gradients are all-reduced.
+        shared_slots: (S,) slots read by two or more ranks, sorted: their gradients are all-gathered.
         delayed_slots: (D,) the shared slots no rank reads at the next step, sorted (a subset of
-            ``shared_slots``): with delayed synchronisation their gradients are all-reduced in the background
+            ``shared_slots``): with delayed synchronisation their gradients are all-gathered in the background
             and their update lands before the next step's plan is applied.
         writer: (capacity,) rank responsible for writing back each slot after the step (-1: empty).
         rows_read: unique rows read at the step.
@@ -151,8 +153,8 @@ class LRPPPlan:
         return replace(self, exchange=out)
 
     def counters(self, delayed_sync: bool = False) -> Dict[str, int]:
-        """Rows synchronised on the critical path (refreshed, or gradient all-reduced inside the backward),
-        delayed (gradient all-reduced in the background; 0 without ``delayed_sync``) and skipped (read by one
+        """Rows synchronised on the critical path (refreshed, or gradient all-gathered inside the backward),
+        delayed (gradient all-gathered in the background; 0 without ``delayed_sync``) and skipped (read by one
         rank only, never synchronised)."""
         shared = sum(int(t.shared_slots.numel()) for t in self.tables.values())
         refresh = sum(int(t.refresh_slots.numel()) for t in self.tables.values())

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 CUSTOMIZED = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 
-#: seconds a flush on the exception path waits for a pending delayed all-reduce (a peer may be gone)
+#: seconds a flush on the exception path waits for a pending delayed all-gather (a peer may be gone)
 _EXCEPTION_PATH_WAIT = 60.0
 
 
@@ -79,7 +79,7 @@ class ShardedLookaheadEmbeddingBagCollection(
         world_size: W; with W > 1 the cache is an LRPP cache (or cDLRM's with ``average_every``).
         process_group: the group of the W ranks (critical-path collectives).
         average_every: cDLRM's scheme: average the caches every this many steps instead of LRPP.
-        delayed_sync: with LRPP, all-reduce the gradients of shared rows that no rank reads at the next step
+        delayed_sync: with LRPP, all-gather the gradients of shared rows that no rank reads at the next step
             in the background, on ``delayed_group``, and apply their update before the next plan (see
             docs/design.md, "Delayed synchronisation"); ``False``: every shared row on the critical path.
         delayed_group: a process group of the same ranks used only for delayed synchronisation, created
