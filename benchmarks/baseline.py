@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import StepTimer, machine, median, parser, table, write_json  # noqa: E402
-from torchrec_lookahead.cli import build_cli  # noqa: E402
+from torchrec_lookahead.launch import build_cli  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

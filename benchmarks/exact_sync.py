@@ -4,7 +4,7 @@ The LRPP cache on W ranks updates the rows that several ranks read from the grad
 Two ways, timed side by side per step in the same gloo processes (127.0.0.1, one thread each), on the default
 job's data and cached tables:
 
-* **exact** (what the cache does): ``exact_sync.exchange_batches`` (one all-gather of the pooled-output
+* **exact** (what the cache does): ``exact_sync.exchange_index`` then ``exchange`` (one all-gather of the pooled-output
   gradients of other ranks' bags that hold a shared row, compacted, then the global bags keeping the ids of rows
   this rank holds) and the kernel's own FBGEMM backward over that batch (``_CacheKernel.apply_batch``): bit for
   bit TorchRec's sharded arithmetic. With delayed synchronisation on, the shared rows no rank reads at the next
@@ -51,7 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import free_port, machine, median, parser, table, write_json  # noqa: E402
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig  # noqa: E402
-from torchrec_lookahead.distributed.exact_sync import KernelLayout, exchange_batches  # noqa: E402
+from torchrec_lookahead.distributed.exact_sync import (  # noqa: E402
+    ExchangeSpec,
+    KernelLayout,
+    exchange,
+    exchange_index,
+)
 from torchrec_lookahead.distributed.lrpp import LRPPTracker, slice_samples  # noqa: E402
 from torchrec_lookahead.modules import CacheOptimizerConfig, remap_kjt  # noqa: E402
 from torchrec_lookahead.modules._kernels import make_kernel  # noqa: E402
@@ -302,7 +307,8 @@ def _time_exact(
     """One step of the exact synchronisation as the backward hook runs it, timed in parts (seconds), then the
     delayed rows' landing (what ``apply_plan`` does before the next step); and the floats it reports sent."""
     c0, t0 = time.thread_time(), time.perf_counter()
-    now, later, sent = exchange_batches(layout, kjt, grad, rank, world, shared, delayed, None, delayed_group)
+    index = exchange_index(ExchangeSpec(layout, True), kjt, rank, world, shared, delayed)
+    now, later, sent = exchange(index, grad, None, delayed_group)
     t1 = time.perf_counter()
     kernel.apply_batch(now.indices, now.offsets, now.weights, now.grad)
     t2, c2 = time.perf_counter(), time.thread_time()
@@ -379,7 +385,7 @@ def summarise(
 ) -> Dict[str, Any]:
     """Medians over the timed steps of the slowest rank's time, the ratios, volumes and the first-step check."""
     vols = [volumes(s, world) for s in steps]
-    for r in records:  # the payloads exchange_batches reports equal the recount
+    for r in records:  # the payloads the exchange reports equal the recount
         for mode in ("off", "on"):
             got = r["sent"][f"exact_{mode}"]
             want = [v[f"payload_{mode}"][r["rank"]] for v in vols]

@@ -76,8 +76,8 @@ def test_verify_tiny_job_on_the_device(record_property) -> None:
 def test_checkpoint_of_cached_training_on_the_device_exported_and_served_resident(
     tmp_path: Path, record_property
 ) -> None:
-    from torchrec_lookahead.cli import build_cli
     from torchrec_lookahead.export import export_checkpoint
+    from torchrec_lookahead.launch import build_cli
     from torchrec_lookahead.models import DLRMModule
 
     cli = build_cli(["--config", TINY, "--trainer.max_steps=7", "--trainer.logger=false",

@@ -18,7 +18,7 @@ CONFIG = "configs/dlrm_tiny_lookahead.yaml"
 
 @pytest.mark.slow
 def test_cached_checkpoint_exported_and_served_resident_gives_identical_predictions(tmp_path: Path) -> None:
-    from torchrec_lookahead.cli import build_cli
+    from torchrec_lookahead.launch import build_cli
 
     cli = build_cli(["--config", CONFIG, "--trainer.max_steps=7", "--trainer.logger=false",
                      "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0",

@@ -133,7 +133,9 @@ def two_tower_config(
     """A LightningCLI config training :class:`TwoTowerModule` on dict batches with both tables cached (``rows``
     cache rows each, for the global batch)."""
     adapter_args = (
-        "\n    batch_adapter:\n      class_path: torchrec_lookahead.data.DictBatchAdapter" if adapter else ""
+        "\n    batch_adapter:\n      class_path: torchrec_lookahead.runtime.DictBatchAdapter"
+        if adapter
+        else ""
     )
     return f"""seed_everything: 0
 trainer:

@@ -3,9 +3,9 @@
 ``fit``, ``validate``, ``test`` and ``predict`` are Lightning's (a :class:`~torchrec_lookahead.launch.LookaheadCLI`
 over any LightningModule whose model holds TorchRec embedding collections: the bundled DLRM, DCN and DeepFM
 :class:`~torchrec_lookahead.models.TorchRecModule` s or a module of your own, and any DataModule; batches that
-are not TorchRec ``Batch`` es are read through a :class:`~torchrec_lookahead.data.BatchAdapter`); ``verify``,
+are not TorchRec ``Batch`` es are read through a :class:`~torchrec_lookahead.runtime.BatchAdapter`); ``verify``,
 ``export`` and ``calibrate`` are this package's. What the commands share (building the CLI, one-line errors,
-multi-rank shutdown) is in :mod:`torchrec_lookahead.launch`, re-exported here.
+multi-rank shutdown) is in :mod:`torchrec_lookahead.launch`.
 """
 
 from __future__ import annotations
@@ -16,25 +16,13 @@ from typing import List, Optional
 from torchrec_lookahead._quiet import pop_verbose_flag, quiet_known_messages
 from torchrec_lookahead.bundled import resolve_config_args
 from torchrec_lookahead.launch import (
-    TRACEBACK_ENV,
-    LookaheadCLI,
     build_cli,
     fail_fast_on_error,
-    find_lookahead_error,
     short_lookahead_errors,
     shutdown_distributed,
 )
 
-__all__ = [
-    "LookaheadCLI",
-    "build_cli",
-    "main",
-    "shutdown_distributed",
-    "fail_fast_on_error",
-    "short_lookahead_errors",
-    "find_lookahead_error",
-    "TRACEBACK_ENV",
-]
+__all__ = ["main"]
 
 
 def main(args: Optional[List[str]] = None) -> None:

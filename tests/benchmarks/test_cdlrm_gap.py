@@ -4,8 +4,8 @@ only in the synchronisation, and its log reader and loss gap."""
 import pytest
 
 from benchmarks import cdlrm_gap
-from torchrec_lookahead.cli import build_cli
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+from torchrec_lookahead.launch import build_cli
 
 
 def _cli_args(cmd):

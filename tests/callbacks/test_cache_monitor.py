@@ -74,7 +74,7 @@ def test_samples_of_dict_batches_are_counted_through_the_datamodule_s_adapter():
     from torchrec import KeyedJaggedTensor
 
     from torchrec_lookahead.callbacks.cache_monitor import _batch_size
-    from torchrec_lookahead.data import DictBatchAdapter
+    from torchrec_lookahead.runtime import DictBatchAdapter
 
     kjt = KeyedJaggedTensor(
         keys=["f"], values=torch.tensor([1, 2, 3]), lengths=torch.ones(3, dtype=torch.long)

@@ -20,7 +20,7 @@ def test_unsharded_tables_are_counted_once():
 
 
 def _fit_one_step(config: str, caplog: pytest.LogCaptureFixture) -> EmbeddingModelSummary:
-    from torchrec_lookahead.cli import build_cli
+    from torchrec_lookahead.launch import build_cli
 
     args = [
         "--config",

@@ -17,7 +17,6 @@ from torchrec_lookahead.distributed.exact_sync import (
     ExchangeSpec,
     KernelLayout,
     exchange,
-    exchange_batches,
     exchange_index,
 )
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, LRPPTablePlan
@@ -242,7 +241,7 @@ def _check_batch(case: _Case, batch: Any, ref: Dict[str, Any], rank: int) -> Non
         if not (u and (m or wt))
     ],
 )
-def test_exchange_from_its_index_equals_the_naive_exchange_batches(
+def test_exchange_from_its_index_equals_the_naive_exchange(
     world, unpooled, mean, weighted, pinned, delayed_sync
 ):
     for seed in range(6):
@@ -256,42 +255,6 @@ def test_exchange_from_its_index_equals_the_naive_exchange_batches(
                 _check_batch(case, late, ref["late"], rank)
             late_sent = 0 if index.late is None else index.late.sizes[rank]
             assert sent == index.now.sizes[rank] + late_sent
-
-
-def test_exchange_batches_is_the_index_then_the_exchange(monkeypatch):
-    case = _Case(3, 2, False, True, False, True)
-    monkeypatch.setattr(exact_sync.dist, "all_gather", _echo)
-    for rank in range(2):
-        a, a_late, a_sent = exchange_batches(
-            case.layout,
-            case.kjt,
-            case.grads[rank],
-            rank,
-            2,
-            case.shared,
-            case.delayed,
-            None,
-            None,
-            case.pinned,
-        )
-        index = exchange_index(
-            ExchangeSpec(case.layout, True), case.kjt, rank, 2, case.shared, case.delayed, case.pinned
-        )
-        b, b_late, b_sent = exchange(index, case.grads[rank], None, None)
-        assert a_sent == b_sent and (a_late is None) == (b_late is None)
-        for name in ("indices", "offsets", "weights", "grad"):
-            assert torch.equal(getattr(a, name), getattr(b, name))
-
-
-def _echo(recv: List[torch.Tensor], buf: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
-    for out in recv:
-        out.copy_(buf)
-
-    class _Done:
-        def wait(self, timeout: Optional[Any] = None) -> None:
-            pass
-
-    return _Done()
 
 
 def test_a_gradient_that_does_not_match_the_index_is_refused():

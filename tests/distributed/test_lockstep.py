@@ -262,7 +262,7 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
             dist.barrier(group=side)  # close only once rank 1 gave up
             _close(loader, out, "error")
     elif name in ("scan", "scan_fails"):  # the capacity pre-scan: rank 1's loader fails at batch 3
-        from torchrec_lookahead.runtime import scan_epoch
+        from torchrec_lookahead.runtime import prescan
 
         batches: Any = _batches(rank, 6)
         if name == "scan_fails" and rank == 1:
@@ -274,7 +274,7 @@ def _scenario(rank: int, name: str, group: Any, side: Any) -> Dict[str, Any]:
             batches = failing(batches[:3])
         target = _loader(rank, [], group).target
         try:
-            out["need"] = scan_epoch(batches, target, prefetch_depth=1, stop_timeout_s=20.0)
+            out["need"] = prescan(batches, target, prefetch_depth=1, stop_timeout_s=20.0).need
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
     elif (

@@ -9,9 +9,8 @@ import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 
-from torchrec_lookahead.data import BatchAdapter, DictBatchAdapter
 from torchrec_lookahead.errors import ConfigError, DataError
-from torchrec_lookahead.runtime import LookaheadBatch
+from torchrec_lookahead.runtime import BatchAdapter, DictBatchAdapter, LookaheadBatch
 from torchrec_lookahead.runtime.adapter import as_torchrec_batch, replace_by_identity
 
 
@@ -103,7 +102,7 @@ def test_lookahead_datamodule_takes_only_an_adapter_object():
 
     inner = CriteoSyntheticDataModule(batch_size=8, num_train_batches=2, scale=0.0001, min_rows=10)
     with pytest.raises(
-        ConfigError, match=r"batch_adapter to be a torchrec_lookahead.data.BatchAdapter.*function"
+        ConfigError, match=r"batch_adapter to be a torchrec_lookahead.runtime.BatchAdapter.*function"
     ):
         LookaheadDataModule(inner, batch_adapter=lambda b: b)  # type: ignore[arg-type]
     assert LookaheadDataModule(inner, batch_adapter=DictBatchAdapter()).batch_adapter.sparse_key == "sparse"

@@ -61,7 +61,7 @@ TENSORBOARD_LAYOUT: Dict[str, Dict[str, List[Any]]] = {
 
 def _batch_size(batch: Any, adapter: Any = None) -> int:
     """Samples in ``batch``: its labels' length; a batch that is not a TorchRec ``Batch`` (a dict) read through
-    the DataModule's :class:`~torchrec_lookahead.data.BatchAdapter`."""
+    the DataModule's :class:`~torchrec_lookahead.runtime.BatchAdapter`."""
     labels = getattr(batch, "labels", None)
     if labels is None and adapter is not None:
         labels = adapter.split(batch)[2]

@@ -1,5 +1,5 @@
-"""DataModules and datasets yielding TorchRec batches (dense features, KeyedJaggedTensor, labels), and the
-adapters that read other batch types (:class:`BatchAdapter`)."""
+"""DataModules and datasets yielding TorchRec batches (dense features, KeyedJaggedTensor, labels). Batches of
+other types are read through a :class:`~torchrec_lookahead.runtime.BatchAdapter`."""
 
 from torchrec_lookahead.data.criteo_spec import CRITEO_KAGGLE_CARDINALITIES, scaled_cardinalities
 from torchrec_lookahead.data.datamodules import (
@@ -16,7 +16,6 @@ from torchrec_lookahead.data.resumable import ResumableBatchLoader
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig
 from torchrec_lookahead.data.text import LineBatchDataset
 from torchrec_lookahead.data.wrapper import WrappedDataModule
-from torchrec_lookahead.runtime.adapter import BatchAdapter, DictBatchAdapter
 
 __all__ = [
     "WrappedDataModule",
@@ -31,8 +30,6 @@ __all__ = [
     "TaobaoDataModule",
     "ResumableBatchLoader",
     "LookaheadDataModule",
-    "BatchAdapter",
-    "DictBatchAdapter",
     "CriteoTSVParser",
     "MovieLensParser",
     "TaobaoParser",

@@ -95,7 +95,7 @@ class LookaheadDataModule(WrappedDataModule):
             ``docs/benchmarks.md``).
         batch_adapter: how to read the wrapped DataModule's training batches when they are not TorchRec
             ``Batch`` es (a dict per batch, usual for two-tower models): a
-            :class:`~torchrec_lookahead.data.DictBatchAdapter` or a :class:`~torchrec_lookahead.data.BatchAdapter`
+            :class:`~torchrec_lookahead.runtime.DictBatchAdapter` or a :class:`~torchrec_lookahead.runtime.BatchAdapter`
             around a function from the batch to ``(dense features, KJT, labels)``. The model's ``training_step``
             still receives its own batch type, with the cached tables' ids replaced by cache slots. Without
             one, such batches are refused with a :class:`~torchrec_lookahead.errors.DataError` saying what to pass.
@@ -126,7 +126,7 @@ class LookaheadDataModule(WrappedDataModule):
         super().__init__(datamodule)
         if batch_adapter is not None and not isinstance(batch_adapter, BatchAdapter):
             raise ConfigError(
-                f"Expected batch_adapter to be a torchrec_lookahead.data.BatchAdapter (or DictBatchAdapter) but got "
+                f"Expected batch_adapter to be a torchrec_lookahead.runtime.BatchAdapter (or DictBatchAdapter) but got "
                 f"{type(batch_adapter).__name__}; wrap a function as "
                 "BatchAdapter(split=<batch -> (dense, KJT, labels)>)"
             )

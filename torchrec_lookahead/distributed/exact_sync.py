@@ -52,7 +52,6 @@ __all__ = [
     "PendingExchange",
     "exchange_index",
     "exchange",
-    "exchange_batches",
 ]
 
 
@@ -505,30 +504,3 @@ def exchange(
         later = DelayedExchange(work, recv_late, build, index.late_rows)
         sent += late.sizes[index.rank]
     return batch, later, sent
-
-
-def exchange_batches(
-    layout: KernelLayout,
-    global_kjt: KeyedJaggedTensor,
-    grad: torch.Tensor,
-    rank: int,
-    world_size: int,
-    shared: Sequence[torch.Tensor],
-    delayed: Sequence[torch.Tensor],
-    group: Optional[dist.ProcessGroup],
-    delayed_group: Optional[dist.ProcessGroup],
-    pinned: Optional[Sequence[int]] = None,
-) -> Tuple[ExchangeBatch, Optional[DelayedExchange], int]:
-    """:func:`exchange_index` then :func:`exchange`, in one call (the index built where it is called).
-
-    Args:
-        layout: the kernel's features and tables.
-        global_kjt, rank, world_size, shared, pinned: as :func:`exchange_index`.
-        grad, group, delayed_group: as :func:`exchange`.
-        delayed: per local table, the shared slots whose update is delayed (empty without delayed sync).
-
-    Returns:
-        (the batch to apply now, the delayed part or ``None``, floats sent by this rank).
-    """
-    index = exchange_index(ExchangeSpec(layout, True), global_kjt, rank, world_size, shared, delayed, pinned)
-    return exchange(index, grad, group, delayed_group)

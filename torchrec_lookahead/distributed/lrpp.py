@@ -16,9 +16,6 @@ rank without messages. What differs between ranks is which replicas of a slot ho
 
 :class:`LRPPTracker` derives all of this from the plans (a pure function of the plan stream, identical on every
 rank); :class:`WriterFilteredStore` makes each rank write back only the rows it is responsible for.
-
-The lockstep gathers of the loader's background threads (:class:`IdGatherer`, :class:`StageGathers`) and
-:func:`gather_global_kjt` live in :mod:`torchrec_lookahead.distributed.lockstep`; they are re-exported here.
 """
 
 from __future__ import annotations
@@ -33,13 +30,6 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.distributed.exact_sync import ExchangeIndex, ExchangeSpec, exchange_index
-from torchrec_lookahead.distributed.lockstep import (
-    GatherStatus,
-    IdGatherer,
-    LockstepGathers,
-    StageGathers,
-    gather_global_kjt,
-)
 from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.oracle.types import BatchPlan, RankAnnotation
 from torchrec_lookahead.store.types import EmbeddingStore, HostWindow
@@ -51,12 +41,7 @@ __all__ = [
     "WriterFilteredStore",
     "writing_only",
     "lowest_rank",
-    "gather_global_kjt",
     "slice_samples",
-    "GatherStatus",
-    "LockstepGathers",
-    "IdGatherer",
-    "StageGathers",
 ]
 
 

@@ -1,13 +1,16 @@
 """The cached job's runtime: the owner of the training step (:class:`CacheSession`), the loader that plans
-the cache ahead of training (:class:`LookaheadLoader`), the batches it yields (:class:`LookaheadBatch`) and the
-capacity pre-scan (:func:`scan_epoch`). See :mod:`torchrec_lookahead.runtime.session` for one step, top-down.
+the cache ahead of training (:class:`LookaheadLoader`), the batches it yields (:class:`LookaheadBatch`), the
+capacity pre-scan (:func:`prescan`) and the adapters that read batches other than TorchRec's
+(:class:`BatchAdapter`, :class:`DictBatchAdapter`). See :mod:`torchrec_lookahead.runtime.session` for one step,
+top-down.
 """
 
 from torchrec_lookahead.runtime._threads import LoaderStats
+from torchrec_lookahead.runtime.adapter import BatchAdapter, DictBatchAdapter
 from torchrec_lookahead.runtime.batch import LookaheadBatch
 from torchrec_lookahead.runtime.capacity import CapacityCheck
 from torchrec_lookahead.runtime.loader import LookaheadLoader
-from torchrec_lookahead.runtime.scan import PreScan, prescan, scan_epoch
+from torchrec_lookahead.runtime.scan import PreScan, prescan
 from torchrec_lookahead.runtime.session import CacheHost, CacheSession
 from torchrec_lookahead.runtime.target import CacheTarget, cached_modules
 
@@ -20,7 +23,8 @@ __all__ = [
     "LookaheadBatch",
     "LoaderStats",
     "CapacityCheck",
-    "scan_epoch",
     "prescan",
     "PreScan",
+    "BatchAdapter",
+    "DictBatchAdapter",
 ]

@@ -198,9 +198,9 @@ def as_torchrec_batch(batch: Any, adapter: Optional[BatchAdapter]) -> Batch:
         keys = f" with keys {sorted(map(str, batch))}" if isinstance(batch, Mapping) else ""
         raise DataError(
             f"the training loader yields {type(batch).__name__} batches{keys}, not TorchRec Batches (dense_features, "
-            "sparse_features, labels): pass LookaheadDataModule(batch_adapter=...) a "
-            "torchrec_lookahead.data.DictBatchAdapter(dense_key=..., sparse_key=..., labels_key=...) for dict batches, "
-            "or a torchrec_lookahead.data.BatchAdapter(split=<your batch -> (dense, KJT, labels)>)"
+            "sparse_features, labels): pass LookaheadDataModule(batch_adapter=...) a torchrec_lookahead.runtime."
+            "DictBatchAdapter(dense_key=..., sparse_key=..., labels_key=...) for dict batches, "
+            "or a torchrec_lookahead.runtime.BatchAdapter(split=<your batch -> (dense, KJT, labels)>)"
         )
     from torchrec_lookahead.runtime.batch import LookaheadBatch
 

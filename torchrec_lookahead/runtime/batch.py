@@ -41,7 +41,7 @@ class LookaheadBatch(Batch):
             a plan stream with pinned rows, see :class:`~torchrec_lookahead.fae.PinnedRows`).
         source: the user's own batch this one was read from through ``adapter`` (``None`` for a TorchRec
             ``Batch``); the model trains on :meth:`user_batch`.
-        adapter: the :class:`~torchrec_lookahead.data.BatchAdapter` that read ``source``.
+        adapter: the :class:`~torchrec_lookahead.runtime.BatchAdapter` that read ``source``.
 
     Example:
         >>> from torchrec import KeyedJaggedTensor

@@ -14,10 +14,10 @@ reads them into its host tier ``disk_prefetch_depth`` steps ahead, so the planne
 (``queue_depth`` is raised to ``disk_prefetch_depth + 2``).
 
 With several ranks, the planner threads all-gather every batch's ids in lockstep (an
-:class:`~torchrec_lookahead.distributed.lrpp.IdGatherer`): all ranks stop gathering at the same batch, whether
+:class:`~torchrec_lookahead.distributed.lockstep.IdGatherer`): all ranks stop gathering at the same batch, whether
 the epoch ends, a rank's loader runs out early (a typed error on every rank) or a rank stops training. When
 the stores are collectives (a row-sharded store), the stager threads keep their gathers in lockstep too (a
-:class:`~torchrec_lookahead.distributed.lrpp.StageGathers`: a status exchanged before each plan's gathers).
+:class:`~torchrec_lookahead.distributed.lockstep.StageGathers`: a status exchanged before each plan's gathers).
 """
 
 from __future__ import annotations
@@ -35,11 +35,7 @@ from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
-from torchrec_lookahead.distributed.lrpp import (
-    GatherStatus,
-    IdGatherer,
-    StageGathers,
-)
+from torchrec_lookahead.distributed.lockstep import GatherStatus, IdGatherer, StageGathers
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules import stage_rows
 from torchrec_lookahead.modules.types import StagedRows
@@ -93,7 +89,7 @@ class LookaheadLoader:
             (:meth:`~torchrec_lookahead.fae.PinnedRows.cold_part` of every batch) and its plans are lifted
             to the whole cache. The pinned rows themselves are loaded by whoever starts the plan stream.
         batch_adapter: reads the wrapped loader's batches when they are not TorchRec ``Batch`` es (see
-            :class:`~torchrec_lookahead.data.BatchAdapter`); the model then trains on its own batch type.
+            :class:`~torchrec_lookahead.runtime.BatchAdapter`); the model then trains on its own batch type.
     """
 
     def __init__(

@@ -1,6 +1,5 @@
 """Reading a training loader's global sparse features, in the ranks' lockstep (:func:`global_batches`), and the
-capacity pre-scan before training of an epoch's first batches (:func:`prescan`) or of a whole epoch
-(:func:`scan_epoch`)."""
+capacity pre-scan before training of an epoch's first batches, or of a whole epoch (:func:`prescan`)."""
 
 from __future__ import annotations
 
@@ -14,13 +13,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead._rng import preserved_rng
-from torchrec_lookahead.distributed.lrpp import IdGatherer
+from torchrec_lookahead.distributed.lockstep import IdGatherer
 from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.runtime.adapter import BatchAdapter, as_torchrec_batch
 from torchrec_lookahead.runtime.capacity import check_stream
 from torchrec_lookahead.runtime.target import CacheTarget
 
-__all__ = ["global_batches", "scan_epoch", "prescan", "PreScan", "LockstepLoader"]
+__all__ = ["global_batches", "prescan", "PreScan", "LockstepLoader"]
 
 log = logging.getLogger(__name__)
 
@@ -67,26 +66,6 @@ def global_batches(
         if global_kjt is None or b is None:
             return
         yield b, global_kjt
-
-
-def scan_epoch(
-    inner: Any,
-    target: CacheTarget,
-    prefetch_depth: int,
-    stop_timeout_s: float = 60.0,
-    adapter: Optional[BatchAdapter] = None,
-    on_batch: Optional[Callable[[], None]] = None,
-) -> Dict[str, int]:
-    """Read one epoch of ``inner`` (a loader of TorchRec batches, or of others read through ``adapter``) and check
-    every window and id against the cache before training: :func:`prescan` without a bound.
-
-    Returns:
-        The largest window working set per cached table.
-
-    Raises:
-        CapacityError, InvalidIdError, SetupError: see :func:`prescan`.
-    """
-    return prescan(inner, target, prefetch_depth, stop_timeout_s, adapter, on_batch).need
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def collective_channel(name: Optional[str], wait: Optional[CollectiveWait] = Non
         name: the channel (``None``: the default group).
         wait: called with each of those collectives, issued asynchronously, and a short description; it
             returns once the collective has completed, or raises (the lookahead stager's bounded wait after
-            its rank stopped, :class:`~torchrec_lookahead.distributed.lrpp.StageGathers`). ``None``: wait
+            its rank stopped, :class:`~torchrec_lookahead.distributed.lockstep.StageGathers`). ``None``: wait
             without bound.
 
     Example:

@@ -25,7 +25,7 @@ runs on the group of the calling thread's *channel*
 (:func:`~torchrec_lookahead.store.channels.collective_channel`), the default group otherwise. The stager runs
 under the :data:`~torchrec_lookahead.store.channels.STAGE_CHANNEL` channel, with a wait of its own: its
 collectives are issued asynchronously and waited for by
-:class:`~torchrec_lookahead.distributed.lrpp.StageGathers`, which keeps the stagers of all ranks in lockstep
+:class:`~torchrec_lookahead.distributed.lockstep.StageGathers`, which keeps the stagers of all ranks in lockstep
 (a status exchanged before each plan's gathers) and bounds the wait once the rank has stopped training. The
 training thread's calls wait without bound.
 

@@ -312,7 +312,7 @@ class TorchRecStrategy(DDPStrategy):
         """Apply a training batch's cache plans (:meth:`CacheSession.apply
         <torchrec_lookahead.runtime.CacheSession.apply>`: right before the batch's training step, after the
         previous step's optimizer update, on the training thread), then move the batch (the user's own type
-        when it was read through a :class:`~torchrec_lookahead.data.BatchAdapter`) to ``device``. Outside
+        when it was read through a :class:`~torchrec_lookahead.runtime.BatchAdapter`) to ``device``. Outside
         training (validation, prediction) no plan is applied: the batch is only moved."""
         lm = self.lightning_module
         trainer = lm._trainer if lm is not None else None
