@@ -1,8 +1,8 @@
 """Cached vs resident vs TorchRec's UVM cache vs naive host-embedding training of the default DLRM on one CUDA GPU.
 
-Not run by CI (it needs a GPU; docs/benchmarks.md has the set-up and the figures). Seven ways to train the same
-model (``configs/dlrm_synthetic.yaml``: 26 Criteo-shaped tables, dim 16, batch 2,048, row-wise Adagrad
-embeddings, Adagrad dense) on ``--device`` (default ``cuda``), alternated in one process:
+Not run by CI (it needs a GPU; docs/benchmarks.md has the figures, docs/benchmarks_history.md the set-up).
+Seven ways to train the same model (``configs/dlrm_synthetic.yaml``: 26 Criteo-shaped tables, dim 16, batch
+2,048, row-wise Adagrad embeddings, Adagrad dense) on ``--device`` (default ``cuda``), alternated in one process:
 
 * ``resident``: every table on the GPU, TorchRec's fused FBGEMM kernel (``strategy="torchrec"``);
 * ``resident_bg``: the same, its batches read by a background thread as the cached job's planner thread reads
@@ -391,8 +391,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if device.type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         sys.exit(
             "benchmarks/gpu.py: torch sees no CUDA device (torch.cuda.is_available() is False). Install a CUDA "
-            "build of torch with fbgemm-gpu and torchrec (docs/benchmarks.md), or pass --device cpu to run the "
-            "same code paths on the CPU, or --dry-run to only plan the capacities."
+            "build of torch with fbgemm-gpu and torchrec (docs/benchmarks_history.md, GPU), or pass --device cpu to "
+            "run the same code paths on the CPU, or --dry-run to only plan the capacities."
         )
     if device.type == "cuda" and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
