@@ -1,18 +1,21 @@
 """The disk tier against every table in RAM: the Kaggle-sized job (``configs/dlrm_synthetic.yaml`` at
 ``--scale``, 33.8 M rows at 1.0) trained side by side in one process with the cached tables
 
-* ``ram``: in RAM (``TensorStore``), the reference, run first and again last (``ram_end``): the ratios take the
-  mean of the two (JSON ``ram_samples_per_s``, ``ram_runs_samples_per_s``), since one run of it moves by up to
-  30 % on a shared 2-core VM;
+* ``ram``: in RAM (``TensorStore``), the reference;
 * ``disk_25``, ``disk_10``: on disk (``store: disk``) under a host tier of 25 % and 10 % of their bytes, kept
   least recently used with reads one batch ahead (``host_policy: lru``);
+
+  these three alternate in ``--rounds`` rounds, the order rotated per round (later rounds' runs are named
+  ``<run>_r<round>``); the speed figures are the median of the per-round ratios to the same round's ``ram`` run,
+  with their spread (one run of the anchor moves by up to 30 % on a shared 2-core VM);
 * ``disk_25_lookahead``, ``disk_10_lookahead``: the same memory planned from the lookahead
   (``host_policy: lookahead``, rows read ``--disk-prefetch-depth`` steps ahead);
 
   each table's host tier is its share of the percentage, raised where below the rows of ``--disk-prefetch-depth``
   + 1 batches (the lookahead policy's host window; the capacity check refuses less), for both policies alike;
   a run reports the tables raised in ``host_budget_raised``;
-* ``mmap``: in memory-mapped files (``store: mmap``), the page cache deciding what stays in memory.
+* ``mmap``: in memory-mapped files (``store: mmap``), the page cache deciding what stays in memory (it and the
+  lookahead runs run once, after the rounds).
 
 The device cache is 1 % of each cached table (tables over ``--min-cached-rows`` rows), bumped to the oracle's
 minimum. The page cache is cold at the start of every run: each run writes fresh files in a new directory under
@@ -37,7 +40,9 @@ fetch of a row is one (``initialised_per_step``). Rows read from disk are split 
 host tier never held: written through, then fetched) and re-reads, over the whole run and over its second half
 (``late``: after the first fetches of the hot rows).
 
-JSON: ``disk_over_ram_samples_per_s`` (25 %), ``disk10_over_ram_samples_per_s``, ``mmap_over_ram_samples_per_s``,
+JSON: ``disk_over_ram_samples_per_s`` (25 %) and ``disk10_over_ram_samples_per_s`` (medians over the rounds;
+``disk_over_ram_rounds``, ``disk10_over_ram_rounds``: the per-round ratios), ``ram_samples_per_s`` (median of the
+``ram`` runs; ``ram_runs_samples_per_s``: each), ``mmap_over_ram_samples_per_s``,
 ``random_reads_per_s`` (none with ``--replay``), ``rows_read_per_step``, ``initialised_per_step``,
 ``first_reads_per_step``, ``rereads_per_step`` and ``late_rows_read_per_step``, ``late_rereads_per_step`` (per host
 policy and budget: ``{"lru": {"25": ..., "10": ...}, "lookahead": {...}}``), ``lookahead_over_lru_rows_read``,
@@ -45,7 +50,7 @@ policy and budget: ``{"lru": {"25": ..., "10": ...}, "lookahead": {...}}``), ``l
 budget), ``runs``; with ``--replay``, ``offline_optimum`` (per budget, the same figures),
 ``optimum_over_lru_rows_read`` and ``late_optimum_over_lru_rows_read``.
 
-    python benchmarks/disk_tier.py [--quick] [--json PATH] [--scale 1.0] [--steps N] [--store-dir DIR]
+    python benchmarks/disk_tier.py [--quick] [--json PATH] [--scale 1.0] [--steps N] [--rounds 3] [--store-dir DIR]
     python benchmarks/disk_tier.py --replay --scale 0.05 --steps 3000 [--disk-prefetch-depth 8]
 """
 
@@ -70,6 +75,7 @@ from benchmarks._common import (  # noqa: E402
     build,
     capacities,
     machine,
+    median,
     parser,
     proc_status,
     quiet,
@@ -450,6 +456,24 @@ def wait_idle(store: DiskStore) -> None:
             store._wake.wait(timeout=0.01)
 
 
+TIMED = ("ram", "disk_25", "disk_10")  # the runs alternated in rounds
+
+
+def interleaved(
+    args: Any, capacity: Dict[str, int], rows: Dict[str, int], windows: Dict[str, int], base: str
+) -> List[Dict[str, Any]]:
+    """The ``ram``, ``disk_25`` and ``disk_10`` runs alternated in ``args.rounds`` rounds, the order rotated per
+    round, then the lookahead-policy runs and ``mmap`` once; each run's figures with its ``kind`` and ``round``."""
+    runs: List[Dict[str, Any]] = []
+    for r in range(args.rounds):
+        for kind in TIMED[r % len(TIMED) :] + TIMED[: r % len(TIMED)]:
+            figures = run(kind, args, capacity, rows, windows, base)
+            runs.append({**figures, "run": kind if r == 0 else f"{kind}_r{r}", "kind": kind, "round": r})
+    for kind in ("disk_25_lookahead", "disk_10_lookahead", "mmap"):
+        runs.append({**run(kind, args, capacity, rows, windows, base), "kind": kind, "round": 0})
+    return runs
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument(
@@ -457,6 +481,9 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 60; --quick 10)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--rounds", type=int, default=None, help="rounds of the ram and LRU disk runs (default 3; --quick 1)"
+    )
     p.add_argument("--min-cached-rows", type=int, default=100_000)
     p.add_argument(
         "--disk-prefetch-depth", type=int, default=8, help="steps ahead the lookahead policy reads"
@@ -471,6 +498,7 @@ def main() -> None:
     quiet()
     args.scale = args.scale if args.scale is not None else (0.05 if args.quick else 1.0)
     args.steps = args.steps if args.steps is not None else (10 if args.quick else 60)
+    args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     min_cached = max(1000, int(args.min_cached_rows * args.scale))
     base = tempfile.mkdtemp(prefix="disk_tier_", dir=args.store_dir)
     disk_runs = ("disk_25", "disk_10", "disk_25_lookahead", "disk_10_lookahead")
@@ -497,9 +525,7 @@ def main() -> None:
             rates = {
                 f"{t}_in_flight": random_read_rate(base, t, 2000 if args.quick else 8000) for t in (1, 8)
             }
-            runs = [run(n, args, capacity, rows, windows, base) for n in ("ram", *disk_runs, "mmap")]
-            # the anchor again at the end: one run of it moves by up to 30 % on this kind of machine
-            runs.append({**run("ram", args, capacity, rows, windows, base), "run": "ram_end"})
+            runs = interleaved(args, capacity, rows, windows, base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     by = {r["run"]: r for r in runs}
@@ -545,16 +571,25 @@ def main() -> None:
         "cached_store_bytes": store_bytes,
     }
     if not args.replay:
-        ram_runs = [by[n]["samples_per_s"] for n in ("ram", "ram_end")]
-        ram = sum(ram_runs) / len(ram_runs)
+        ram_runs = [r["samples_per_s"] for r in runs if r.get("kind") == "ram"]
+        ram = median(ram_runs)
+        per_run = {(r["kind"], r["round"]): r["samples_per_s"] for r in runs}  # per round: over its ram run
+        speed = {
+            k: [per_run[k, n] / per_run["ram", n] for n in range(args.rounds)] for k in ("disk_25", "disk_10")
+        }
         out.update(
+            rounds=args.rounds,
             ram_samples_per_s=ram,
             ram_runs_samples_per_s=ram_runs,
-            disk_over_ram_samples_per_s=by["disk_25"]["samples_per_s"] / ram,
-            disk10_over_ram_samples_per_s=by["disk_10"]["samples_per_s"] / ram,
+            disk_over_ram_samples_per_s=median(speed["disk_25"]),
+            disk_over_ram_rounds=speed["disk_25"],
+            disk10_over_ram_samples_per_s=median(speed["disk_10"]),
+            disk10_over_ram_rounds=speed["disk_10"],
             mmap_over_ram_samples_per_s=by["mmap"]["samples_per_s"] / ram,
             random_reads_per_s=rates,
         )
+        for key, r in speed.items():
+            print(f"{key} / ram: median {median(r):.3f} of {len(r)} rounds, spread {min(r):.3f}-{max(r):.3f}")
     if optimum:
         out["offline_optimum"] = optimum
     write_json(args.json, {**out, **figs, **ratios, "runs": runs})
