@@ -7,10 +7,15 @@ seed, Kaggle table sizes x ``--scale``); the cached tables and their capacities 
 Every cache starts cold at batch 0; the figures are means over batches ``warmup + 1 .. warmup + steps`` (gpu.py's
 timed window). Caches:
 
-* ``ours``: the lookahead oracle itself (``LookaheadOracle``, the ``cached`` run's horizon 64, prefetch depth 1,
-  Belady), one cache per table with gpu.py's per-table capacities;
+* ``ours``: the lookahead cache as the product plans it by default (``LookaheadOracle`` with the slot spaces of
+  ``CachedEmbeddingBagCollection``'s pooled layout for these tables, dimension 16: one cache of the summed
+  capacities; the ``cached`` run's horizon 64, prefetch depth 1, Belady);
+* ``ours_lru_past``: the same pooled cache with ``past_horizon="lru"``: the rows no batch within the horizon
+  reads leave least recently used first, instead of by their reuse;
+* ``ours_per_table``: the same oracle with ``cache_layout="per_table"``: one cache per table, gpu.py's per-table
+  capacities;
 * ``ours_shared``: the same oracle planning one table that concatenates the cached tables (ids offset), with the
-  sum of the capacities: what the lookahead cache would do with one shared cache;
+  sum of the capacities: a check that the pooled cache plans exactly that;
 * ``ours_planned``: the lookahead oracle per table, the same bytes split among the tables by the product's
   ``LookaheadPlanner`` (fetch curves on the first ``--plan-sample`` batches) instead of a fixed fraction each;
 * ``lru_table``: fully associative LRU per table, the same per-table capacities;
@@ -78,10 +83,19 @@ def run_oracle(
     rows: Dict[str, int],
     horizon: int,
     depth: int,
+    cache_layout: str = "per_table",
+    past_horizon: str = "reuse",
 ) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
-    """Per table, rows fetched and rows evicted at each step by the lookahead oracle."""
+    """Per table, rows fetched and rows evicted at each step by the lookahead oracle, with the slot spaces of
+    the cache's ``cache_layout`` (every table of dimension 16, as gpu.py's)."""
     import torch
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+    from torchrec_lookahead.modules import CachedEmbeddingBagCollection
+
+    configs = [
+        EmbeddingBagConfig(name=t, embedding_dim=16, num_embeddings=rows[t], feature_names=[t]) for t in rows
+    ]
     oracle = LookaheadOracle(
         OracleConfig(
             capacity=capacity,
@@ -89,6 +103,8 @@ def run_oracle(
             prefetch_depth=depth,
             policy="belady",
             num_embeddings={t: rows[t] for t in capacity},
+            slot_spaces=CachedEmbeddingBagCollection.layout_slot_spaces(configs, capacity, cache_layout),
+            past_horizon=past_horizon,
         )
     )
     fetch: Dict[str, List[int]] = {t: [] for t in capacity}
@@ -316,9 +332,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         seen[u] = True
     record("compulsory", comp, np.zeros(nb))
     if "ours" not in args.skip:
-        record_tables("ours", *run_oracle(batches, cap, rows, args.horizon, 1))
+        record_tables("ours", *run_oracle(batches, cap, rows, args.horizon, 1, "pooled"))
+    if "ours_lru_past" not in args.skip:
+        record_tables("ours_lru_past", *run_oracle(batches, cap, rows, args.horizon, 1, "pooled", "lru"))
+    if "ours_per_table" not in args.skip:
+        record_tables("ours_per_table", *run_oracle(batches, cap, rows, args.horizon, 1))
     if "ours_shared" not in args.skip:
-        merged = [{"all": np.concatenate([b[t] + offsets[t] for t in tables])} for b in batches]
+        order = [t for t in rows if t in cap]  # the pooled cache's member order (the tables' order)
+        merged = [{"all": np.concatenate([b[t] + offsets[t] for t in order])} for b in batches]
         fe, ev = run_oracle(merged, {"all": total}, {"all": n}, args.horizon, 1)
         record("ours_shared", fe["all"], ev["all"])
     if "ours_planned" not in args.skip:

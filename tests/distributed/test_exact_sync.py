@@ -66,7 +66,10 @@ class _Case:
             if self.layout.weighted
             else None,
         )
-        self.pinned = [int(rng.integers(0, 3)) for _ in range(ntab)] if pinned else None
+        # pinned slots as (first slot, rows): a table of a shared slot space has its pinned rows after others'
+        self.pinned = (
+            [(int(rng.integers(0, 2)), int(rng.integers(0, 3))) for _ in range(ntab)] if pinned else None
+        )
         # per feature, per global bag: its ids (table-local slots) and scales
         self.ids: Dict[Tuple[int, int], List[Tuple[int, float]]] = {}
         kjt_dict = self.kjt.to_dict()
@@ -152,19 +155,20 @@ def _reference(case: _Case, rank: int, delayed_sync: bool) -> Dict[str, Any]:
     order, each keeping the ids of rows this rank holds (read by it, or pinned), split into rows updated now and
     delayed rows; every kept id's bag (or the id itself) carrying its true gradient."""
     lay = case.layout
-    pinned = case.pinned or [0] * len(lay.tables)
+    pinned = case.pinned or [(0, 0)] * len(lay.tables)
+    pinned_slots = [set(range(first, first + n)) for first, n in pinned]
     read = {
         (lay.feature_table[f], s)
         for (f, b), ids in case.ids.items()
         for s, _ in ids
         if case.rank_of(b) == rank
     }
-    held = read | {(t, s) for t in range(len(lay.tables)) for s in range(pinned[t])}
+    held = read | {(t, s) for t in range(len(lay.tables)) for s in pinned_slots[t]}
     late = {
         (t, int(s))
         for t in range(len(lay.tables))
         for s in case.delayed[t]
-        if delayed_sync and int(s) >= pinned[t]
+        if delayed_sync and int(s) not in pinned_slots[t]
     }
     cols = lay.columns
     grad_of: Dict[Tuple[int, int], torch.Tensor] = {}  # (feature, bag) -> pooled gradient columns
@@ -290,7 +294,7 @@ def test_an_lrpp_plan_carries_the_exchange_index_of_each_kernel_it_covers():
     plan = LRPPPlan(3, tables, case.kjt).with_exchanges([covered, elsewhere], 1, 2)
     assert list(plan.exchange) == [tuple(case.layout.tables)]
     index = plan.exchange[tuple(case.layout.tables)]
-    direct = exchange_index(covered, case.kjt, 1, 2, case.shared, case.delayed, [0] * len(case.shared))
+    direct = exchange_index(covered, case.kjt, 1, 2, case.shared, case.delayed, [(0, 0)] * len(case.shared))
     assert index.spec == covered and index.rank == 1 and index.world_size == 2
     for name in ("indices", "offsets", "send"):
         assert torch.equal(getattr(index.now, name), getattr(direct.now, name))

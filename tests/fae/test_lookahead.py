@@ -153,8 +153,10 @@ def test_hot_rows_stay_pinned_and_hot_batches_move_nothing(tmp_path: Path) -> No
     assert sched.trained == per and loader.stats().hot_batches == per[BatchKind.HOT] > 0
     cache = trainer.strategy.cached_modules()[0].cache
     stats = cache.stats()
+    slots = loader.pinned.pinned_slots
     for table, hot in loader.pinned.hot_ids.items():
-        assert torch.equal(cache.slot_ids(table)[: hot.numel()], hot)  # never evicted
+        first, n = slots[table]
+        assert torch.equal(cache.slot_ids(table)[first : first + n], hot)  # never evicted
         # Rows moved: the pinned rows once, then only cold ids (a hot id is never fetched again).
         assert stats[table]["rows_fetched"] >= hot.numel()
     assert trainer.global_step == sum(per.values())
@@ -313,7 +315,8 @@ def test_recalibration_repins_and_resumes_across_the_epoch_boundary(tmp_path: Pa
         assert torch.equal(hot, inner.hot_set.tables[table].hot_ids)
         assert loader.pinned.dynamic_capacity()[table] == CAPACITY[table] - hot.numel()
         cache = trainer.strategy.cached_modules()[0].cache
-        assert torch.equal(cache.slot_ids(table)[: hot.numel()], hot)
+        first, n = loader.pinned.pinned_slots[table]
+        assert torch.equal(cache.slot_ids(table)[first : first + n], hot)
     # Resumed before the boundary (the counts re-read the epoch's prefix), at the epoch end (the next hot set
     # comes from the checkpoint) and after it (the hot set in force does): the same weights bit for bit.
     for ckpt in [*(tmp_path / "ckpt").glob("*step=10.ckpt"), *(tmp_path / "ckpt").glob("*step=20.ckpt")] + [

@@ -32,11 +32,16 @@ def min_rows(trace: Sequence[np.ndarray], depth: int) -> int:
     return max(len(set(np.concatenate(trace[t : t + depth + 1]).tolist())) for t in range(len(trace)))
 
 
-def ref_fixed(trace: Sequence[np.ndarray], cap: int, horizon: int, depth: int, policy: str) -> Steps:
-    """Belady (furthest next use within the horizon, INF first, ties by recency) or LRU, one id at a time."""
+def ref_fixed(
+    trace: Sequence[np.ndarray], cap: int, horizon: int, depth: int, policy: str, past_horizon: str = "reuse"
+) -> Steps:
+    """Belady (furthest next use within the horizon; past it, with ``past_horizon="reuse"``, first the ids not
+    read again since their fetch by recency, then by predicted next read (last read + last interval), furthest
+    first; ties by recency) or LRU, one id at a time."""
     T = len(trace)
     sets = [set(b.tolist()) for b in trace]
     resident: Dict[int, Tuple[int, int]] = {}  # id -> (last use, position)
+    predicted: Dict[int, int] = {}  # resident id read again since its fetch -> its predicted next read
     out: Steps = []
     for t in range(T):
         uniq = first_order_unique(trace[t])
@@ -51,16 +56,27 @@ def ref_fixed(trace: Sequence[np.ndarray], cap: int, horizon: int, depth: int, p
                         return s
                 return INF
 
+            def belady_key(x: int) -> Tuple[int, float, Tuple[int, int]]:
+                nxt = next_use(x)
+                if nxt != INF:
+                    return (2, -nxt, resident[x])
+                if past_horizon == "reuse" and x in predicted:
+                    return (1, -predicted[x], resident[x])
+                return (0, 0, resident[x])
+
             cands = [x for x in resident if next_use(x) > t + depth]
             if policy == "belady":
-                cands.sort(key=lambda x: (-next_use(x), resident[x]))
+                cands.sort(key=belady_key)
             else:
                 cands.sort(key=lambda x: resident[x])
             assert len(cands) >= need
             victims = cands[:need]
         for v in victims:
             del resident[v]
+            predicted.pop(v, None)
         for i, x in enumerate(uniq):
+            if x in resident:
+                predicted[x] = 2 * t - resident[x][0]
             resident[x] = (t, i)
         out.append((set(miss), set(victims)))
     return out

@@ -197,3 +197,15 @@ def test_slot_space_errors() -> None:
     )
     with pytest.raises(InvalidIdError, match="table 'b': id 10"):
         oracle.feed({"a": torch.tensor([9]), "b": torch.tensor([10])})
+
+
+def test_a_shared_space_too_small_names_its_tables() -> None:
+    from torchrec_lookahead.errors import CapacityError
+
+    cfg = OracleConfig(
+        capacity={"a": 2, "b": 2}, num_embeddings={"a": 10, "b": 10}, slot_spaces={"s": ["a", "b"]}, horizon=2
+    )
+    with pytest.raises(
+        CapacityError, match=r"shared by tables \['a', 'b'\] \(the sum of their capacities, 4 rows\)"
+    ):
+        list(LookaheadOracle(cfg).plan_stream([{"a": torch.tensor([1, 2, 3]), "b": torch.tensor([4, 5])}]))

@@ -3,7 +3,8 @@ so ``EarlyStopping`` and ``ModelCheckpoint`` can monitor them), at the step ``tr
 
 Logged every ``log_every_n_steps`` training steps, under ``cache/<table>/...``: ``hit_rate`` (lookups served
 by rows already cached before the step's fetches), ``rows_fetched``, ``rows_written_back``, ``rows_flushed``
-and ``bytes_moved`` per step, ``occupancy`` (filled slots / capacity); over every cached table
+and ``bytes_moved`` per step, ``occupancy`` (its filled slots / the rows of its cache, which the tables of a
+pooled layout share); over every cached table
 ``cache/hit_rate``, ``cache/device_bytes`` (cache rows and their optimizer state) and ``cache/host_bytes``
 (the stores' rows and state), ``cache/samples_per_s`` (this rank's training samples per second since the last
 log); and ``cache/oracle_lead`` (batches planned ahead of training) and
@@ -127,7 +128,8 @@ class CacheMonitor(Callback):
                     logger.experiment.add_custom_scalars(TENSORBOARD_LAYOUT)
 
     def _footprint(self, trainer: pl.Trainer) -> Dict[str, float]:
-        """Per cached table its occupancy (filled slots / capacity), and device and host bytes of all caches."""
+        """Per cached table its occupancy (its rows / the rows of its cache, shared in a pooled layout), and device
+        and host bytes of all caches."""
         session = self._session(trainer)
         out: Dict[str, float] = {}
         device = host = 0
@@ -137,7 +139,8 @@ class CacheMonitor(Callback):
             cache = m.cache
             for table, capacity in cache.capacity.items():
                 filled = int((cache.slot_ids(table) >= 0).sum())
-                out[f"cache/{table}/occupancy"] = filled / capacity if capacity else 0.0
+                rows = cache.cache_rows(table)  # its slot space's: a pooled cache's tables share its rows
+                out[f"cache/{table}/occupancy"] = filled / rows if rows else 0.0
                 row = cache.cache_weights(table).shape[1] + sum(
                     v.shape[1] for v in cache.cache_states(table).values()
                 )

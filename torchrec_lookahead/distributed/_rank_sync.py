@@ -208,7 +208,7 @@ class RankSync:
             features=features,
             feature_table=ftm,
             tables=names,
-            capacity=[int(cache.capacity[n]) for n in names],
+            capacity=[cache.cache_rows(n) for n in names],
             dims=[int(kernel.dims[t]) for t in ftm],
             mean=kernel.pooling == PoolingMode.MEAN,
             weighted=self.weighted,
@@ -252,7 +252,7 @@ class RankSync:
             self.world_size,
             [tp.shared_slots for tp in plans],
             [tp.delayed_slots for tp in plans],
-            [lrpp.pinned.get(t, 0) for t in names],
+            [lrpp.pinned.get(t, (0, 0)) for t in names],
         )
 
     def backward_hook(self, group: KernelGroup) -> BackwardHook:

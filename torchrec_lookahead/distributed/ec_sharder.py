@@ -109,5 +109,6 @@ class LookaheadEmbeddingCollectionSharder(EmbeddingCollectionSharder):
             stores=src.cache_stores(cached_cfgs, optimizer, env),
             seed=src.seed or 0,
             device=device,
+            cache_layout=src.cache_layout,
         )
         return ShardedLookaheadEmbeddingCollection(configs, resident, cache, **src.sync_options(env))

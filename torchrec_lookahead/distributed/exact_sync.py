@@ -63,7 +63,7 @@ class KernelLayout:
         features: feature names, in the kernel's order.
         feature_table: the kernel's local table of each feature.
         tables: the cached table name of each local table.
-        capacity: cache rows of each local table.
+        capacity: cache rows of each local table (its slot space's: tables sharing one each index all its rows).
         dims: embedding dimension of each feature.
         mean: MEAN pooling (else SUM).
         weighted: features carry per-id weights.
@@ -407,7 +407,7 @@ def exchange_index(
     world_size: int,
     shared: Sequence[torch.Tensor],
     delayed: Sequence[torch.Tensor],
-    pinned: Optional[Sequence[int]] = None,
+    pinned: Optional[Sequence[Tuple[int, int]]] = None,
 ) -> ExchangeIndex:
     """The id part of one kernel's exchange at one step (see the module docstring): built on the planner thread
     when the step's LRPP plan is made, so that the backward only moves gradients (:func:`exchange`).
@@ -420,8 +420,9 @@ def exchange_index(
         shared: per local table, the sorted slots read by several ranks.
         delayed: per local table, the shared slots whose update is delayed (ignored without
             ``spec.delayed_sync``).
-        pinned: per local table, rows pinned in its first slots (FAE's hot rows): every rank holds them, so they
-            count as shared by every rank wherever the global batch reads them (never delayed).
+        pinned: per local table, the slots of its pinned rows as (first slot, rows) (FAE's hot rows): every rank
+            holds them, so they count as shared by every rank wherever the global batch reads them (never
+            delayed).
 
     Raises:
         SetupError: a feature of the kernel is missing from the global batch.
@@ -433,8 +434,8 @@ def exchange_index(
     mine = np.zeros(int(g.base[-1]), dtype=bool)
     mine[g.kslot[g.rank == rank]] = True
     everyone = np.zeros_like(mine)
-    for t, n in enumerate(pinned or ()):
-        everyone[g.base[t] : g.base[t] + int(n)] = True
+    for t, (first, n) in enumerate(pinned or ()):
+        everyone[g.base[t] + int(first) : g.base[t] + int(first) + int(n)] = True
     mine |= everyone
     late = (g.mask(delayed) if spec.delayed_sync else np.zeros_like(mine)) & ~everyone
     now_shared = (g.mask(shared) | everyone) & ~late

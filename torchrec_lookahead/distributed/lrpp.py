@@ -95,7 +95,7 @@ class LRPPPlan:
         features: the step's global batch (every rank's samples in rank order) with the cached features'
             values remapped to slots: each rank's backward rebuilds TorchRec's gradient order from it
             (``distributed/exact_sync.py``).
-        pinned: per cached table, the rows pinned in its first slots (FAE's hot rows,
+        pinned: per cached table, the slots of its pinned rows as (first slot, rows) (FAE's hot rows,
             :class:`~torchrec_lookahead.fae.PinnedRows`): every rank holds them, so every rank updates every
             pinned row the global batch reads, from every bag that reads it.
         exchange: per cache kernel (keyed by its tables, in its order), the id part of its backward's exchange
@@ -106,7 +106,7 @@ class LRPPPlan:
     step: int
     tables: Dict[str, LRPPTablePlan] = field(default_factory=dict)
     features: Optional[KeyedJaggedTensor] = None
-    pinned: Dict[str, int] = field(default_factory=dict)
+    pinned: Dict[str, Tuple[int, int]] = field(default_factory=dict)
     exchange: Dict[Tuple[str, ...], ExchangeIndex] = field(default_factory=dict)
 
     def with_exchanges(self, specs: Sequence[ExchangeSpec], rank: int, world_size: int) -> LRPPPlan:
@@ -133,7 +133,7 @@ class LRPPPlan:
                 world_size,
                 [tp.shared_slots for tp in plans],
                 [tp.delayed_slots for tp in plans],
-                [self.pinned.get(t, 0) for t in names],
+                [self.pinned.get(t, (0, 0)) for t in names],
             )
         return replace(self, exchange=out)
 
@@ -162,10 +162,11 @@ class LRPPTracker:
     """Replica validity per cached slot, advanced plan by plan (identical on every rank).
 
     Args:
-        capacity: cache rows per cached table.
+        capacity: per cached table, the rows of the cache its slots index (its slot space's).
         num_ranks: W (at most 62).
-        pinned: per cached table, rows pinned in its first slots: valid on every rank throughout (their
-            updates are applied by every rank), written back by rank 0; the plans never move them.
+        pinned: per cached table, the slots of its pinned rows as (first slot, rows): valid on every rank
+            throughout (their updates are applied by every rank), written back by rank 0; the plans never move
+            them.
 
     Example:
         >>> from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
@@ -180,16 +181,19 @@ class LRPPTracker:
     """
 
     def __init__(
-        self, capacity: Mapping[str, int], num_ranks: int, pinned: Optional[Mapping[str, int]] = None
+        self,
+        capacity: Mapping[str, int],
+        num_ranks: int,
+        pinned: Optional[Mapping[str, Tuple[int, int]]] = None,
     ) -> None:
         if not 1 <= num_ranks <= 62:
             raise SetupError(f"LRPP supports 1 to 62 ranks but got {num_ranks}")
         self.num_ranks = num_ranks
         self._all = (1 << num_ranks) - 1
         self._valid = {t: np.zeros(int(c), dtype=np.int64) for t, c in capacity.items()}
-        self.pinned = {t: int(n) for t, n in (pinned or {}).items() if n}
-        for t, n in self.pinned.items():
-            self._valid[t][:n] = self._all
+        self.pinned = {t: (int(a), int(n)) for t, (a, n) in (pinned or {}).items() if n}
+        for t, (a, n) in self.pinned.items():
+            self._valid[t][a : a + n] = self._all
 
     def writers(self) -> Dict[str, torch.Tensor]:
         """Per cached table, the rank writing back each slot now (-1: empty), as in :attr:`LRPPTablePlan.writer`."""

@@ -53,7 +53,7 @@ from torchrec_lookahead.distributed._stores import (
 from torchrec_lookahead.distributed._tables import copy_in_backward_optimizers
 from torchrec_lookahead.distributed.sharded import CUSTOMIZED, ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig
+from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheLayout, CacheOptimizerConfig
 from torchrec_lookahead.oracle import LookaheadSettings, Policy
 from torchrec_lookahead.store.types import EmbeddingStore
 
@@ -93,7 +93,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
     Its arguments, by concern (the Args below follow this order):
 
-    * cache size: ``capacity``, ``device_budget_bytes``, ``planner_options``;
+    * cache size: ``capacity``, ``device_budget_bytes``, ``planner_options``, ``cache_layout``;
     * host stores: ``stores``, ``store``, ``store_dir``, ``host_budget_bytes``, ``disk_options``, ``keep_stores``,
       ``store_sharding``, ``seed``;
     * optimizer: ``optimizer``;
@@ -109,6 +109,10 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             ``prefetch_depth`` and ``policy`` are the loader's: under the ``torchrec`` strategy those of the
             ``LookaheadDataModule`` (:meth:`use_lookahead_settings`); state them there, once (given here too,
             they must be equal).
+        cache_layout: ``"pooled"`` (default): the cached tables of one kernel and dimension share one cache of
+            the sum of their capacities, planned jointly, so rows go to whichever table the stream reads next;
+            ``"per_table"``: every cached table keeps its own ``capacity`` rows
+            (:class:`~torchrec_lookahead.modules.CacheLayout`).
         stores: explicit host stores per cached table.
         store: what holds the cached tables on the host: ``"ram"``, ``"mmap"`` (a memory-mapped file under
             ``store_dir``) or ``"disk"`` (a :class:`~torchrec_lookahead.store.DiskStore`: a file under ``store_dir``,
@@ -184,6 +188,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         fuse_resident: Optional[bool] = None,
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+        cache_layout: Union[CacheLayout, str] = CacheLayout.POOLED,
     ) -> None:
         if fused_params is None and optimizer is not None:
             fused_params = optimizer.fused_params()
@@ -192,6 +197,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             if not is_int(c) or c < 1:
                 raise ConfigError(f"capacity of table '{t}' must be a positive number of rows but got {c!r}")
         self.capacity: Dict[str, int] = {k: int(v) for k, v in (capacity or {}).items()}
+        self.cache_layout = check_choice("cache_layout", cache_layout, CacheLayout)
         if device_budget_bytes is not None:
             check_int("device_budget_bytes", device_budget_bytes, 1, "give the device cache's bytes")
         if host_budget_bytes is not None:
@@ -362,6 +368,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             seed=self.seed or 0,
             device=device,
             is_weighted=module.is_weighted(),
+            cache_layout=self.cache_layout,
         )
         if fuse:
             _copy_resident_weights(module, cache, [c.name for c in resident_cfgs])

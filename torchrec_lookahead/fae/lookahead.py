@@ -227,13 +227,15 @@ class HotColdLookaheadLoader:
                 for t in plan.tables
             },
             glob,
-            self.pinned.pinned_rows,
+            self.pinned.pinned_slots,
         )
         return LookaheadBatch(batch.dense_features, kjt, batch.labels, plan=plan, lrpp=lrpp)
 
     def _first_writers(self) -> Dict[str, torch.Tensor]:
         """Slot writers before the first cold plan: rank 0 for the pinned rows, nobody for the empty rest."""
-        return LRPPTracker(self.target.capacity, self.target.num_ranks, self.pinned.pinned_rows).writers()
+        return LRPPTracker(
+            self.target.cache_rows(), self.target.num_ranks, self.pinned.pinned_slots
+        ).writers()
 
     def share_bound(self) -> int:
         """Source batches the shared read keeps at most (:class:`~torchrec_lookahead.fae.shared_read.SharedRead`):
@@ -344,6 +346,7 @@ def pinned_lookahead_loader(
         target.feature_to_table,
         target.capacity,
         target.num_embeddings,
+        target.slot_spaces,
     )
     trainer = options.trainer
     report_text(

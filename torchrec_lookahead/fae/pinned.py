@@ -34,7 +34,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -57,6 +57,9 @@ class PinnedRows:
         feature_to_table: feature -> table, for the cached tables' features.
         capacity: cached table -> cache rows (pinned plus dynamic).
         num_embeddings: cached table -> rows of the table.
+        slot_spaces: slot space -> the cached tables sharing one cache (the cache's ``slot_spaces``): the
+            space's first slots hold its members' hot rows, member after member, and the oracle plans the rest
+            of the space; a table in none has a cache of its own.
 
     Raises:
         InvalidIdError: a hot id is outside its table.
@@ -70,11 +73,15 @@ class PinnedRows:
         feature_to_table: Mapping[str, str],
         capacity: Mapping[str, int],
         num_embeddings: Mapping[str, int],
+        slot_spaces: Optional[Mapping[str, Sequence[str]]] = None,
     ) -> None:
         self.feature_to_table = dict(feature_to_table)
         self.capacity = {t: int(c) for t, c in capacity.items()}
         self.hot_ids: Dict[str, torch.Tensor] = {}
         self._slot_of: Dict[str, np.ndarray] = {}
+        #: per table, the first pinned slot of its hot rows, and how far its space's dynamic slots are shifted
+        self._base: Dict[str, int] = {}
+        self._shift: Dict[str, int] = {}
         for table, cap in self.capacity.items():
             ids = hot_ids.get(table)
             ids = _EMPTY if ids is None else torch.as_tensor(ids).to("cpu", torch.int64).flatten()
@@ -101,14 +108,30 @@ class PinnedRows:
                     available=cap,
                 )
             self.hot_ids[table] = ids
-            slot_of = np.full(rows, -1, dtype=np.int64)
-            slot_of[ids.numpy()] = np.arange(ids.numel(), dtype=np.int64)
-            self._slot_of[table] = slot_of
+        spaces = [tuple(m) for m in (slot_spaces or {}).values()]
+        inside = {t for m in spaces for t in m}
+        spaces += [(t,) for t in self.capacity if t not in inside]
+        for members in spaces:
+            members = tuple(t for t in members if t in self.hot_ids)
+            total = sum(int(self.hot_ids[t].numel()) for t in members)
+            base = 0
+            for table in members:
+                ids = self.hot_ids[table]
+                slot_of = np.full(int(num_embeddings[table]), -1, dtype=np.int64)
+                slot_of[ids.numpy()] = np.arange(base, base + ids.numel(), dtype=np.int64)
+                self._slot_of[table] = slot_of
+                self._base[table], self._shift[table] = base, total
+                base += ids.numel()
 
     @property
     def pinned_rows(self) -> Dict[str, int]:
         """Cached table -> pinned (hot) rows."""
         return {t: int(ids.numel()) for t, ids in self.hot_ids.items()}
+
+    @property
+    def pinned_slots(self) -> Dict[str, Tuple[int, int]]:
+        """Per cached table, the slots of its pinned rows as (first slot, rows)."""
+        return {t: (self._base[t], int(ids.numel())) for t, ids in self.hot_ids.items()}
 
     def dynamic_capacity(self) -> Dict[str, int]:
         """Cached table -> slots left to the oracle (capacity minus pinned rows)."""
@@ -119,7 +142,9 @@ class PinnedRows:
         return BatchPlan(
             step,
             {
-                t: TablePlan(_EMPTY, _EMPTY, ids, torch.arange(ids.numel(), dtype=torch.int64), _EMPTY)
+                t: TablePlan(
+                    _EMPTY, _EMPTY, ids, torch.arange(ids.numel(), dtype=torch.int64) + self._base[t], _EMPTY
+                )
                 for t, ids in self.hot_ids.items()
                 if ids.numel()
             },
@@ -209,11 +234,11 @@ class PinnedRows:
                     f"plan step {plan.step} names table '{table}' which is not cached; cached tables: "
                     f"{sorted(self.capacity)}"
                 )
-            pinned = int(self.hot_ids[table].numel())
+            pinned = self._shift[table]
             if not pinned:
                 tables[table] = tp
                 continue
-            slots = self._slots(table, ids_of[table])
+            slots = self._slots(table, ids_of[table]) if table in ids_of else np.zeros(0, dtype=np.int64)
             cold = slots < 0
             if int(cold.sum()) != tp.slots.numel():
                 raise DataError(

@@ -5,6 +5,7 @@
   :class:`~torchrec_lookahead.oracle.types.BatchPlan` s.
 * :class:`CachedEmbeddingCollection`: the same for an EmbeddingCollection (unpooled, per-id embeddings).
 * :class:`AppliedPlan`: the plan a cache applied last, which its next forward covers.
+* :class:`CacheLayout`: one cache per kernel and dimension shared by its tables (default), or one per table.
 * :class:`CacheOptimizerConfig`: the fused sparse optimizer (also the resident baseline's ``fused_params``).
 * :class:`StagedRows` / :func:`stage_rows`: fetch rows gathered ahead of their step.
 * :func:`remap_kjt`: a KJT's ids of cached tables as slots of the cache (the ids per table for the oracle:
@@ -19,6 +20,7 @@ from torchrec_lookahead.modules.config import (
     FBGEMM_CPU_OPTIMIZERS,
     OPTIMIZER_NAMES,
     SUPPORTED_OPTIMIZERS,
+    CacheLayout,
     CacheOptimizerConfig,
     KernelChoice,
 )
@@ -31,6 +33,7 @@ __all__ = [
     "CachedEmbeddingBagCollection",
     "CachedEmbeddingCollection",
     "AppliedPlan",
+    "CacheLayout",
     "CacheOptimizerConfig",
     "KernelChoice",
     "SUPPORTED_OPTIMIZERS",

@@ -32,6 +32,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
     SplitTableBatchedEmbeddingBagsCodegen,
 )
+from torch import nn
 
 from torchrec_lookahead.modules.config import CacheOptimizerConfig
 
@@ -58,8 +59,12 @@ class _CacheKernel(abc.ABC):
         pooling: PoolingMode,
         config: CacheOptimizerConfig,
         device: torch.device,
+        shares: Optional[Sequence[int]] = None,
     ) -> None:
         self.rows = [int(r) for r in rows]
+        #: per table, the table whose rows (and optimizer state) it uses: itself, or the first table of its slot
+        #: space (equal rows and dimension); tables sharing rows never hold the same slot at once
+        self.shares = list(range(len(self.rows))) if shares is None else [int(s) for s in shares]
         self.dims = [int(d) for d in dims]
         self.feature_table_map = [int(t) for t in feature_table_map]
         self.pooling = pooling
@@ -158,9 +163,52 @@ class _FbgemmKernel(_CacheKernel):
         self._cached_views: Optional[
             Tuple[Tuple[int, ...], List[torch.Tensor], List[Dict[str, torch.Tensor]]]
         ] = None
+        if self.shares != list(range(len(self.rows))):
+            self._share_storage()
         for table in range(len(self.rows)):
             for state in self.states(table).values():
                 state.zero_()
+
+    @torch.no_grad()
+    def _share_storage(self) -> None:
+        """Point the tables that share another's rows at its storage (weights and every optimizer state): each
+        table keeps its own index range, feature and hash size, so FBGEMM computes exactly what it computes
+        for separate tables (its CPU kernels sum a table's gradients differently when features share one),
+        and only the memory is shared."""
+        tbe = self.tbe
+        for prefix in ("weights", "momentum1", "momentum2"):
+            physical = getattr(
+                tbe, f"{prefix}_physical_offsets", None
+            )  # per table; {prefix}_offsets: per feature
+            if physical is None or len(physical) != len(self.rows):
+                continue
+            for loc in ("dev", "host", "uvm"):
+                name = f"{prefix}_{loc}"
+                old = tbe._parameters.get(name, tbe._buffers.get(name))
+                if old is None or not old.numel():
+                    continue
+                flat = old.detach().reshape(-1)
+                starts = [int(o) for o in physical] + [flat.numel()]
+                sizes = [starts[t + 1] - starts[t] for t in range(len(self.rows))]
+                moved, total = [0] * len(self.rows), 0
+                for t, owner in enumerate(self.shares):
+                    if owner == t:
+                        moved[t], total = total, total + sizes[t]
+                moved = [moved[owner] for owner in self.shares]
+                storage = flat.new_zeros(total)
+                for t, owner in enumerate(self.shares):
+                    if owner == t:
+                        storage[moved[t] : moved[t] + sizes[t]] = flat[starts[t] : starts[t] + sizes[t]]
+                if name in tbe._parameters:
+                    tbe._parameters[name] = nn.Parameter(storage, requires_grad=old.requires_grad)
+                else:
+                    tbe._buffers[name] = storage
+                setattr(tbe, f"{prefix}_physical_offsets", moved)
+                per_feature = tbe._buffers[f"{prefix}_offsets"]
+                per_feature.copy_(
+                    torch.tensor([moved[t] for t in self.feature_table_map], dtype=per_feature.dtype)
+                )
+        self._cached_views = None
 
     def lookup(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
@@ -290,6 +338,8 @@ class _TorchKernel(_CacheKernel):
         for r, d in zip(self.rows, self.dims):
             widths = self.config.state_widths(d)
             self._states.append({k: torch.zeros(r, w, device=self.device) for k, w in widths.items()})
+        for t, owner in enumerate(self.shares):  # tables sharing a slot space use one storage
+            self._weights[t], self._states[t] = self._weights[owner], self._states[owner]
         self._step = 0
         # FBGEMM keeps the learning rate as a float32 tensor: the same value here
         self._lr = float(torch.tensor(self.config.learning_rate, dtype=torch.float32))
@@ -496,8 +546,12 @@ def make_kernel(
     config: CacheOptimizerConfig,
     device: torch.device,
     table_names: Sequence[str],
+    shares: Optional[Sequence[int]] = None,
 ) -> _CacheKernel:
-    """Build the kernel ``config.kernel`` selects for ``device`` (see ``CacheOptimizerConfig.uses_fbgemm``)."""
+    """Build the kernel ``config.kernel`` selects for ``device`` (see ``CacheOptimizerConfig.uses_fbgemm``);
+    ``shares``: per table, the table whose rows it uses (see :attr:`_CacheKernel.shares`)."""
     if config.uses_fbgemm(device.type):
-        return _FbgemmKernel(rows, dims, feature_table_map, pooling, config, device, table_names=table_names)
-    return _TorchKernel(rows, dims, feature_table_map, pooling, config, device)
+        return _FbgemmKernel(
+            rows, dims, feature_table_map, pooling, config, device, shares, table_names=table_names
+        )
+    return _TorchKernel(rows, dims, feature_table_map, pooling, config, device, shares)

@@ -26,7 +26,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Mapping, Optional
 
 import numpy as np
 import torch
@@ -39,7 +39,16 @@ from torchrec_lookahead.modules.types import StagedRows, StagedTable
 from torchrec_lookahead.oracle.types import TablePlan
 from torchrec_lookahead.store import EmbeddingStore
 
-__all__ = ["COUNTERS", "AppliedPlan", "CheckedPlan", "validate_plan", "check_staged", "move_rows"]
+__all__ = [
+    "COUNTERS",
+    "AppliedPlan",
+    "CheckedPlan",
+    "validate_plan",
+    "check_staged",
+    "check_shared_slots",
+    "write_back_rows",
+    "load_rows",
+]
 
 #: the per-table counters of ``CachedEmbeddingBagCollection.stats()``
 COUNTERS = ("steps", "lookups", "hits", "rows_fetched", "rows_written_back", "rows_flushed", "bytes_moved")
@@ -82,6 +91,8 @@ class _Table:
     store: Optional[EmbeddingStore]
     slot_to_id: Optional[torch.Tensor]
     counters: Dict[str, int]
+    #: the slot space whose rows the (cached) table shares with its other members
+    space: Optional[str] = None
 
     @property
     def cached(self) -> bool:
@@ -282,22 +293,62 @@ def check_staged(
     return rows
 
 
+def check_shared_slots(step: int, tables: Mapping[str, _Table], checked: Mapping[str, CheckedPlan]) -> None:
+    """Refuse a plan after which two tables of one slot space would hold the same slot (the untrusted check:
+    each table's own plan was checked against its own slot map by :func:`validate_plan`).
+
+    Raises:
+        SetupError: a slot held by two tables after the plan.
+    """
+    spaces: Dict[str, List[str]] = {}
+    for name, t in tables.items():
+        if t.slot_to_id is not None and t.space is not None:
+            spaces.setdefault(t.space, []).append(name)
+    for members in spaces.values():
+        if len(members) < 2 or not any(m in checked for m in members):
+            continue
+        held = torch.zeros(tables[members[0]].rows, dtype=torch.int64)
+        for m in members:
+            c = checked.get(m)
+            after = tables[m].slot_to_id if c is None or c.after is None else c.after
+            assert after is not None
+            held += (after >= 0).to(torch.int64)
+        if bool((held > 1).any()):
+            slot = int((held > 1).nonzero()[0])
+            raise SetupError(
+                f"plan step {step}: slot {slot} of the cache shared by tables {members} would hold rows of two "
+                f"tables; {_SYNC_HINT}"
+            )
+
+
 @torch.no_grad()
-def move_rows(t: _Table, kernel: _CacheKernel, device: torch.device, c: CheckedPlan) -> None:
-    """Write back ``c``'s evicted rows, load its fetched rows (with their optimizer state) into ``kernel``'s
-    slots on ``device``, update the slot map and count the traffic in ``t.counters``."""
-    weights, states = kernel.weights(t.local), kernel.states(t.local)
+def write_back_rows(t: _Table, kernel: _CacheKernel, device: torch.device, c: CheckedPlan) -> None:
+    """Write ``c``'s evicted rows (with their optimizer state) from ``kernel``'s slots back to ``t``'s store and
+    free their slots in the slot map. The tables of a slot space write back before any of them loads."""
     store = t.store
     assert store is not None and t.slot_to_id is not None
-    ev_ids, ev_slots, fe_ids, fe_slots = c.evict_ids, c.evict_slots, c.fetch_ids, c.fetch_slots
+    ev_ids, ev_slots = c.evict_ids, c.evict_slots
     if ev_ids.numel():
+        weights, states = kernel.weights(t.local), kernel.states(t.local)
         dev_slots = ev_slots.to(device)
         store.write_back(  # the ids this cache loaded (checked then), so the store's checks are skipped
             ev_ids,
             weights.index_select(0, dev_slots).cpu(),
             {k: v.index_select(0, dev_slots).cpu() for k, v in states.items()},
         )
+        if c.after is None:  # trusted plan: the slot map is updated in place
+            t.slot_to_id[ev_slots] = -1
+
+
+@torch.no_grad()
+def load_rows(t: _Table, kernel: _CacheKernel, device: torch.device, c: CheckedPlan) -> None:
+    """Load ``c``'s fetched rows (with their optimizer state) into ``kernel``'s slots on ``device``, update the
+    slot map and count the step's traffic in ``t.counters`` (after :func:`write_back_rows`)."""
+    store = t.store
+    assert store is not None and t.slot_to_id is not None
+    ev_ids, fe_ids, fe_slots = c.evict_ids, c.fetch_ids, c.fetch_slots
     if fe_ids.numel():
+        weights, states = kernel.weights(t.local), kernel.states(t.local)
         if c.staged is not None:
             fw, fs = c.staged.weights, c.staged.states
         else:
@@ -308,8 +359,7 @@ def move_rows(t: _Table, kernel: _CacheKernel, device: torch.device, c: CheckedP
             v.index_copy_(0, dev_slots, fs[k].reshape(-1, v.shape[1]).to(device, v.dtype, non_blocking=True))
     if c.after is not None:
         t.slot_to_id.copy_(c.after)
-    else:  # trusted plan: update the slot map in place
-        t.slot_to_id[ev_slots] = -1
+    else:
         t.slot_to_id[fe_slots] = fe_ids
     slots = c.slots
     row_bytes = store.row_width * 4

@@ -16,7 +16,7 @@ Output: as ``EmbeddingCollection.forward``, a dict feature name -> ``JaggedTenso
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
@@ -26,7 +26,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.modules.cached_ebc import CachedEmbeddingBagCollection
-from torchrec_lookahead.modules.config import CacheOptimizerConfig
+from torchrec_lookahead.modules.config import CacheLayout, CacheOptimizerConfig
 from torchrec_lookahead.store import EmbeddingStore
 
 __all__ = ["CachedEmbeddingCollection"]
@@ -43,6 +43,8 @@ class CachedEmbeddingCollection(CachedEmbeddingBagCollection):
             per cached table.
         seed: seed of the initial values, for stores created here and for resident tables.
         device: device of the cache (default CPU).
+        cache_layout: ``"pooled"`` (default, the cached tables of one dimension share one cache) or
+            ``"per_table"``, as :class:`CachedEmbeddingBagCollection`'s.
 
     Raises:
         ConfigError: as :class:`CachedEmbeddingBagCollection`, and a table config that is an
@@ -78,10 +80,20 @@ class CachedEmbeddingCollection(CachedEmbeddingBagCollection):
         stores: Optional[Mapping[str, EmbeddingStore]] = None,
         seed: int = 0,
         device: Optional[torch.device] = None,
+        cache_layout: Union[CacheLayout, str] = CacheLayout.POOLED,
     ) -> None:
-        super().__init__(tables, capacity, optimizer=optimizer, stores=stores, seed=seed, device=device)  # type: ignore[arg-type]
+        super().__init__(
+            tables,  # type: ignore[arg-type]
+            capacity,
+            optimizer=optimizer,
+            stores=stores,
+            seed=seed,
+            device=device,
+            cache_layout=cache_layout,
+        )
 
-    def _kernel_group(self, cfg: Any) -> Tuple[PoolingMode, int]:
+    @classmethod
+    def _kernel_group(cls, cfg: Any) -> Tuple[PoolingMode, int]:
         # FBGEMM's unpooled TBE returns (ids, D): one kernel per dimension, as TorchRec groups its tables
         return (PoolingMode.NONE, int(cfg.embedding_dim))
 

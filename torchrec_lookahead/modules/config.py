@@ -12,6 +12,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMo
 from torchrec_lookahead.errors import ConfigError
 
 __all__ = [
+    "CacheLayout",
     "CacheOptimizerConfig",
     "KernelChoice",
     "OPTIMIZER_NAMES",
@@ -52,6 +53,18 @@ _TORCH_KERNEL_OPTIMIZERS = (
     EmbOptimType.ADAM,
     EmbOptimType.PARTIAL_ROWWISE_ADAM,
 )
+
+
+class CacheLayout(str, enum.Enum):
+    """How the device cache's rows are shared between the cached tables.
+
+    ``POOLED`` (default): the cached tables of one kernel and one embedding dimension share one cache of the sum
+    of their capacities, planned jointly (FBGEMM keeps one cache per TBE the same way), so the rows go to
+    whichever table the stream reads next. ``PER_TABLE``: every cached table keeps its own ``capacity`` rows.
+    """
+
+    POOLED = "pooled"
+    PER_TABLE = "per_table"
 
 
 class KernelChoice(str, enum.Enum):

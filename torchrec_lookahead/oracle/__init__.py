@@ -12,7 +12,13 @@ Example:
 """
 
 from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, table_ids
-from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, LookaheadSettings, OracleConfig, Policy
+from torchrec_lookahead.oracle.config import (
+    DEFAULT_HORIZON,
+    LookaheadSettings,
+    OracleConfig,
+    PastHorizon,
+    Policy,
+)
 from torchrec_lookahead.oracle.oracle import LookaheadOracle, min_capacity, window_working_sets
 from torchrec_lookahead.oracle.types import BatchPlan, RankAnnotation, TablePlan
 
@@ -22,6 +28,7 @@ __all__ = [
     "LookaheadSettings",
     "DEFAULT_HORIZON",
     "Policy",
+    "PastHorizon",
     "BatchPlan",
     "TablePlan",
     "RankAnnotation",

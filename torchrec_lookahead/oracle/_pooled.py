@@ -18,7 +18,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Type
 import numpy as np
 import torch
 
-from torchrec_lookahead.errors import ConfigError, InvalidIdError
+from torchrec_lookahead.errors import CapacityError, ConfigError, InvalidIdError
 from torchrec_lookahead.oracle._table import _TablePlanner
 from torchrec_lookahead.oracle.config import OracleConfig
 from torchrec_lookahead.oracle.ranks import rank_of_sample
@@ -106,7 +106,26 @@ class _SharedUnit(_Unit):
                     num_rows=int(rows),
                 )
 
+    def _too_small(self, err: CapacityError) -> CapacityError:
+        """``err`` of the space's planner, in the words of its tables (capacity is set per table)."""
+        detail = str(err).split(": ", 1)[-1].split("; raise")[0].replace(f"capacity[{self.name!r}]", "it")
+        return CapacityError(
+            f"the cache shared by tables {list(self.tables)} (the sum of their capacities, {self.capacity} rows): "
+            f"{detail}; raise the capacities of these tables (or the device budget), lower prefetch_depth, or "
+            "use smaller batches",
+            table=self.name,
+            batch=err.batch,
+            needed=err.needed,
+            available=err.available,
+        )
+
     def push(self, step: int, parts: Dict[str, Part]) -> None:
+        try:
+            self._push(step, parts)
+        except CapacityError as err:
+            raise self._too_small(err) from None
+
+    def _push(self, step: int, parts: Dict[str, Part]) -> None:
         got = [parts[t] for t in self.tables]
         ids = np.concatenate([p[0] + off for p, off in zip(got, self.offsets[:-1])])
         samples: Optional[np.ndarray] = None
@@ -125,7 +144,10 @@ class _SharedUnit(_Unit):
         # a direct-mapped space keeps a batch's raw ids (it counts no unique ids), the others its unique ids
         uniq = self.planner.recs[0].uniq
         lengths = self._lengths.popleft()
-        whole = self.planner.plan()
+        try:
+            whole = self.planner.plan()
+        except CapacityError as err:
+            raise self._too_small(err) from None
         out: Dict[str, TablePlan] = {}
         ev_ids, ev_slots = whole.evict_ids.numpy(), whole.evict_slots.numpy()
         fe_ids, fe_slots = whole.fetch_ids.numpy(), whole.fetch_slots.numpy()

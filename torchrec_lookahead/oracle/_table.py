@@ -365,7 +365,9 @@ class _TablePlanner:
         if self.provisional:
             # keep the recency of every id, as the policy's path does, in case the table leaves direct mapping
             uniq = self.dedup(ids)[0]
-            fetch = uniq[self.slot_of[uniq] < 0]
+            miss = np.flatnonzero(self.slot_of[uniq] < 0)
+            fetch = uniq[miss]
+            self.note_use(t, uniq, miss)  # slot = id
             self.rk[uniq] = (np.int64(t) << np.int64(32)) | self.arange(uniq.size)
             st["unique"] += uniq.size
             st["hits"] += uniq.size - fetch.size
@@ -408,6 +410,7 @@ class _TablePlanner:
         self.place(fetch_ids, fetch_slots)
         slots[miss] = fetch_slots
         self.res_next[slots] = next_use
+        self.note_use(t, slots, miss)
         rks = (np.int64(t) << np.int64(32)) | self.arange(n)
         self.rk[slots] = rks
         self.after_step(slots, uniq, rks, next_use)
@@ -419,6 +422,10 @@ class _TablePlanner:
 
     def note_next_changed(self, slots: np.ndarray) -> None:
         """Policy hook: the next use of these resident slots became finite or changed."""
+
+    def note_use(self, t: int, slots: np.ndarray, miss: np.ndarray) -> None:
+        """Policy hook: step ``t`` reads ``slots`` (its unique ids' slots; ``miss`` indexes those fetched for
+        it), before their recency keys move to ``t``."""
 
     def after_step(self, slots: np.ndarray, uniq: np.ndarray, rks: np.ndarray, next_use: np.ndarray) -> None:
         """Policy hook after the batch's ids were placed (queue bookkeeping): ``slots`` of its unique ids

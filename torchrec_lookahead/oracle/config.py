@@ -22,6 +22,7 @@ from torchrec_lookahead.oracle.batch_ids import UnknownFeatures
 
 __all__ = [
     "Policy",
+    "PastHorizon",
     "OracleConfig",
     "LookaheadSettings",
     "MAX_RANKS",
@@ -46,6 +47,20 @@ MAX_RANKS = 63
 #: time; beyond a few threads the per-batch hand-off costs more than the tables' work spreads). It picks one
 #: thread per four cores: the threads contend for the GIL, and on a 2-core host two were slower than one.
 DEFAULT_PLAN_THREADS = 4
+
+
+class PastHorizon(str, enum.Enum):
+    """How the ``belady`` policy orders, for eviction, the resident rows no batch within the horizon reads.
+
+    Attributes:
+        REUSE: first the rows not read again since they were fetched (least recently used first: most rows of a
+            skewed stream are read once and never again), then the others by the step their last interval
+            between two reads predicts for their next read (furthest first; ties least recently used first).
+        LRU: least recently used first.
+    """
+
+    REUSE = "reuse"
+    LRU = "lru"
 
 
 class Policy(str, enum.Enum):
@@ -180,6 +195,9 @@ class OracleConfig:
             space as one table, so capacity follows the stream from table to table; every member's plan has the
             space's slots, and its write-backs must land before any member's loads. Members need
             ``num_embeddings``. Tables in no space have a cache of their own.
+        past_horizon: how ``belady`` orders the rows with no use within the horizon (:class:`PastHorizon`):
+            ``"reuse"`` (default) by what the stream has shown of each row's reuse, ``"lru"`` least recently
+            used first.
 
     Raises:
         ConfigError: any value out of range, an unknown policy, ``horizon < prefetch_depth``.
@@ -199,6 +217,7 @@ class OracleConfig:
     unknown_features: Union[UnknownFeatures, str] = UnknownFeatures.ERROR
     plan_threads: Optional[int] = None
     slot_spaces: Optional[Mapping[str, Sequence[str]]] = None
+    past_horizon: Union[PastHorizon, str] = "reuse"
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity, Mapping):
@@ -210,6 +229,7 @@ class OracleConfig:
         for table, rows in self.capacity.items():
             check_int(f"capacity[{table!r}]", rows, 1, "give every cached table a positive number of rows")
         self.policy = check_choice("policy", self.policy, Policy)
+        self.past_horizon = check_choice("past_horizon", self.past_horizon, PastHorizon)
         self.horizon, self.prefetch_depth = check_lookahead(self.horizon, self.prefetch_depth)
         if self.policy is Policy.TTL and self.horizon < self.prefetch_depth + 1:
             raise ConfigError(

@@ -59,7 +59,7 @@ class StepPlanner:
         self._tracker: Optional[LRPPTracker] = None
         if target.num_ranks > 1:
             self._tracker = LRPPTracker(
-                target.capacity, target.num_ranks, pinned=None if pinned is None else pinned.pinned_rows
+                target.cache_rows(), target.num_ranks, pinned=None if pinned is None else pinned.pinned_slots
             )
 
     def feed(self, global_kjt: KeyedJaggedTensor) -> List[BatchPlan]:

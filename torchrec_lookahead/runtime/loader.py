@@ -118,6 +118,7 @@ class LookaheadLoader:
             capacity=dict(target.capacity) if pinned is None else pinned.dynamic_capacity(),
             **settings.oracle_fields(),
             num_embeddings=dict(target.num_embeddings),
+            slot_spaces=dict(target.slot_spaces),
         )
         if target.num_ranks > 1:
             self._oracle_kwargs["num_ranks"] = target.num_ranks

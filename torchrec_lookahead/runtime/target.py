@@ -10,7 +10,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -48,6 +48,8 @@ class CacheTarget:
         host_windows: per cached table whose store has a bounded host tier (a disk store), what one window of
             steps must fit in (:class:`~torchrec_lookahead.store.types.HostWindow`); ``None`` (default): those
             the stores report.
+        slot_spaces: slot space -> the cached tables sharing its cache rows (the caches' ``slot_spaces``); a
+            table in none has a cache of its own (``capacity`` rows).
     """
 
     capacity: Mapping[str, int]
@@ -60,6 +62,16 @@ class CacheTarget:
     average_every: Optional[int] = None
     exchanges: Tuple[ExchangeSpec, ...] = ()
     host_windows: Optional[Mapping[str, HostWindow]] = None
+    slot_spaces: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
+
+    def cache_rows(self) -> Dict[str, int]:
+        """Per cached table, the rows of the cache its slots index: its slot space's (the sum of its members'
+        capacities), or its own capacity."""
+        rows = {t: int(c) for t, c in self.capacity.items()}
+        for members in self.slot_spaces.values():
+            total = sum(int(self.capacity[t]) for t in members)
+            rows.update({t: total for t in members})
+        return rows
 
     def __post_init__(self) -> None:
         if self.host_windows is None:
@@ -84,6 +96,7 @@ class CacheTarget:
         rows: Dict[str, int] = {}
         stores: Dict[str, EmbeddingStore] = {}
         exchanges: List[ExchangeSpec] = []
+        spaces: Dict[str, Tuple[str, ...]] = {}
         for m in modules:
             cache = m.cache
             clash = sorted(set(capacity) & set(cache.capacity))
@@ -102,6 +115,7 @@ class CacheTarget:
                 {c.name: c.num_embeddings for c in cache.embedding_bag_configs() if c.name in cache.capacity}
             )
             exchanges += m.exchange_specs()
+            spaces.update(cache.slot_spaces)
         return cls(
             capacity=capacity,
             feature_to_table=f2t,
@@ -112,4 +126,5 @@ class CacheTarget:
             group=group,
             average_every=next((m.average_every for m in modules if m.average_every is not None), None),
             exchanges=tuple(exchanges),
+            slot_spaces=spaces,
         )

@@ -20,6 +20,7 @@ from typing import (
     Mapping,
     Optional,
     Protocol,
+    Tuple,
     runtime_checkable,
 )
 
@@ -48,13 +49,19 @@ __all__ = [
 
 @runtime_checkable
 class PinnedPart(Protocol):
-    """Rows pinned in the first slots of the caches for a whole plan stream (FAE's hot rows, implemented by
+    """Rows pinned in the first slots of the caches' slot spaces for a whole plan stream (FAE's hot rows, implemented by
     :class:`~torchrec_lookahead.fae.PinnedRows`): the oracle plans the rest of each cache, over the part of
     each batch that reads no pinned row, and its plans are lifted to the whole cache."""
 
     @property
     def pinned_rows(self) -> Dict[str, int]:
-        """Pinned rows (the first slots) per cached table."""
+        """Pinned rows per cached table."""
+        ...
+
+    @property
+    def pinned_slots(self) -> Dict[str, Tuple[int, int]]:
+        """Per cached table, the slots of its pinned rows as (first slot, rows): the first slots of its slot
+        space, member after member."""
         ...
 
     @property
