@@ -75,6 +75,8 @@ def type_error(message: str) -> Optional[ConfigError]:
     for line in lines[start + 1 :]:
         if line.strip() and _indent(line) <= depth:
             break
+        if _CLASS.search(line):  # a class was tried and failed for another reason (an unknown key, ...)
+            return None
         for m in _EXPECTED.finditer(line):
             word = _WORDS.get(m.group(2) or m.group(3) or "")
             if word is not None and word not in expected:
@@ -82,7 +84,7 @@ def type_error(message: str) -> Optional[ConfigError]:
         g = _GIVEN.search(line)
         if g is not None and given is None:
             given = g.group(1).strip()
-    if not expected or given is None:
+    if given is None or given.startswith("NestedArg(") or not set(expected) - {"null"}:
         return None
     setting = key.group(2)
     where = f" of {owner.rsplit('.', 1)[-1]}" if owner else ""

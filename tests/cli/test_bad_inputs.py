@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from torchrec_lookahead._parse_errors import type_error
+from torchrec_lookahead.cli import main
 
 from .test_errors import TINY, _short_error, _tsv_config
 
@@ -66,9 +67,13 @@ def test_a_string_where_a_number_belongs_is_one_config_error_naming_the_setting(
     assert line.startswith(f"ConfigError: {expected}"), line
 
 
-def test_the_parser_report_of_another_kind_is_left_to_the_parser():
+def test_the_parser_report_of_another_kind_is_left_to_the_parser(capsys):
     assert type_error('Parser key "trainer":\n  Key "nope" is not expected\n') is None
     assert type_error("Unrecognized arguments: --nope") is None
+    with pytest.raises(SystemExit) as exit_:  # an unknown key: jsonargparse's own report and status
+        main(["fit", "--config", TINY, "--data.init_args.nope=3"])
+    assert exit_.value.code == 2
+    assert "Option 'nope' is not accepted" in capsys.readouterr().err
 
 
 def test_a_store_dir_that_is_a_file_is_refused_before_anything_is_planned(capsys, tmp_path):
