@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Sequence
+from typing import Any, Dict, Sequence, Tuple
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ..cli.test_cli import clean_env, run_cli
 from ..conftest import REPO, free_port
+from ..verify_runs import launch, selected
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -43,10 +44,11 @@ def _ckpt_args(dirpath: Path, every: int) -> list:
     ]
 
 
-def _assert_same_final_weights(tmp_path) -> None:
-    """Runs ``a`` and ``b`` ended (step 12) with the same full weights, cached tables included."""
-    a = _full_state(tmp_path / "a_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
-    b = _full_state(tmp_path / "b_ckpt" / "epoch=0-step=12.ckpt", tmp_path)
+def _assert_same_final_weights(a_ckpt: Path, b_ckpt: Path, tmp_path: Path) -> None:
+    """The runs that checkpointed into ``a_ckpt`` and ``b_ckpt`` ended (step 12) with the same full weights,
+    cached tables included."""
+    a = _full_state(a_ckpt / "epoch=0-step=12.ckpt", tmp_path)
+    b = _full_state(b_ckpt / "epoch=0-step=12.ckpt", tmp_path)
     cached = [k for k in a if ".cache.embedding_bags." in k and k.endswith(".weight")]
     assert cached and a.keys() == b.keys()
     for k in a:
@@ -105,86 +107,122 @@ def test_device_count_that_does_not_match_torchrun_is_refused(tmp_path):
     assert "SetupError" in out.stderr and "devices=2" in out.stderr
 
 
-def test_two_rank_cached_run_stopped_mid_epoch_exits_cleanly_and_equals_torchrec():
+_SHARDER = (
+    "--trainer.strategy.init_args.sharders=[{class_path: torchrec_lookahead.distributed."
+    "LookaheadEmbeddingBagCollectionSharder, init_args: {capacity: {t_cat_2: 140, t_cat_11: 120, "
+    "t_cat_15: 110}, %s}}]"
+)
+_ROW_WISE = _SHARDER % "store_sharding: row_wise"
+
+
+def _verify_run(name: str, steps: int, *overrides: str, tolerance: float = 0.0) -> Dict[str, Any]:
+    args = ["--trainer.devices=2", *overrides]
+    config = ["configs/dlrm_tiny_lookahead.yaml"]
+    return {"name": name, "config": config, "steps": steps, "overrides": args, "tolerance": tolerance}
+
+
+#: The ``verify`` comparisons of this file, one launch for all (``tests/verify_runs.py``): runs that differ only in
+#: their lookahead sharder share one resident run. The two stopped mid-epoch come last, so that the launch's exit
+#: is the one that follows a mid-epoch stop.
+VERIFY_RUNS = [
+    *(
+        _verify_run(f"test_two_rank_lrpp_cache_equals_torchrec_resident_training[{opt}]", 24,
+                    f"--model.init_args.embedding_optimizer.name={opt}")
+        for opt in ("sgd", "rowwise_adagrad")
+    ),
+    _verify_run("test_two_rank_cdlrm_mode_trains_and_is_exact_for_sgd_averaged_every_step", 24,
+                "--model.init_args.embedding_optimizer.name=sgd", _SHARDER % "cdlrm_average_every: 1",
+                tolerance=1e-5),
+    *(
+        _verify_run(f"test_two_rank_cache_over_row_sharded_stores_equals_torchrec_resident_training[{opt}]", 24,
+                    f"--model.init_args.embedding_optimizer.name={opt}", _ROW_WISE)
+        for opt in ("sgd", "rowwise_adagrad")
+    ),
+    _verify_run("test_two_rank_cached_run_stopped_mid_epoch_exits_cleanly_and_equals_torchrec", 17),
+    _verify_run(
+        "test_two_rank_run_over_row_sharded_stores_stopped_mid_epoch_exits_cleanly_and_equals_torchrec", 17,
+        _ROW_WISE,
+    ),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def verified(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tuple[Dict, Any]:
+    """Each selected comparison's result by test name, and the launch (its exit status and output)."""
+    return launch(tmp_path_factory.mktemp("verify"), selected(request, VERIFY_RUNS), timeout=900)
+
+
+def _result(request: pytest.FixtureRequest, verified: Tuple[Dict, Any]) -> Dict[str, Any]:
+    result = verified[0][request.node.name]
+    assert result["passed"], result
+    return result
+
+
+def test_two_rank_cached_run_stopped_mid_epoch_exits_cleanly_and_equals_torchrec(request, verified):
     """max_steps in the middle of the second epoch (12 batches per epoch): the planner threads stop their id
     all-gathers in lockstep, the process exits with status 0, and the flushed weights equal TorchRec's resident
     2-rank DMP run stopped at the same step."""
-    out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-                   "--steps", "17", timeout=200)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["passed"] and result["steps"] == 17 and result["max_abs_weight_diff"] <= 1e-5, result
-    assert "was not joined" not in out.stderr
+    result = _result(request, verified)
+    assert result["steps"] == 17 and result["max_abs_weight_diff"] <= 1e-5, result
+    assert "was not joined" not in verified[1].stderr
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
-def test_two_rank_lrpp_cache_equals_torchrec_resident_training(optimizer):
-    """torchrun verify: the cached model on 2 ranks (LRPP) against TorchRec's own 2-rank DMP training."""
-    out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-                   "--steps", "24", f"--model.init_args.embedding_optimizer.name={optimizer}")  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["passed"] and result["max_abs_weight_diff"] <= 1e-5, result
+def test_two_rank_lrpp_cache_equals_torchrec_resident_training(request, verified, optimizer):
+    """verify: the cached model on 2 ranks (LRPP) against TorchRec's own 2-rank DMP training."""
+    result = _result(request, verified)
+    assert result["max_abs_weight_diff"] <= 1e-5 and result["steps"] == 24, result
 
 
-def test_two_rank_cached_checkpoint_resumes_the_same_weights(tmp_path):
-    common = ["fit", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-              "--trainer.limit_val_batches=0", "--trainer.max_steps=12"]  # fmt: skip
-    full = torchrun(
-        2, *common, f"--trainer.default_root_dir={tmp_path}/a", *_ckpt_args(tmp_path / "a_ckpt", 6)
-    )
+_CACHED_FIT = ["fit", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
+               "--trainer.limit_val_batches=0", "--trainer.max_steps=12"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted 2-rank cached fit of 12 steps that the resume and fault tests end equal to, with a
+    checkpoint every 2 steps (the resume test starts from step 6, the fault tests' last checkpoint is step 4):
+    ``<dir>/a_ckpt/epoch=0-step=<n>.ckpt``."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    full = torchrun(2, *_CACHED_FIT, f"--trainer.default_root_dir={tmp}/a", *_ckpt_args(tmp / "a_ckpt", 2))
     assert full.returncode == 0, full.stderr[-4000:]
-    resumed = torchrun(2, *common, f"--trainer.default_root_dir={tmp_path}/b",
-                       f"--ckpt_path={tmp_path / 'a_ckpt' / 'epoch=0-step=6.ckpt'}",
+    return tmp
+
+
+def test_two_rank_cached_checkpoint_resumes_the_same_weights(tmp_path, uninterrupted):
+    resumed = torchrun(2, *_CACHED_FIT, f"--trainer.default_root_dir={tmp_path}/b",
+                       f"--ckpt_path={uninterrupted / 'a_ckpt' / 'epoch=0-step=6.ckpt'}",
                        *_ckpt_args(tmp_path / "b_ckpt", 6))  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    _assert_same_final_weights(tmp_path)
+    _assert_same_final_weights(uninterrupted / "a_ckpt", tmp_path / "b_ckpt", tmp_path)
 
 
-def test_two_rank_cdlrm_mode_trains_and_is_exact_for_sgd_averaged_every_step():
+def test_two_rank_cdlrm_mode_trains_and_is_exact_for_sgd_averaged_every_step(request, verified):
     """cDLRM's scheme (local updates, caches averaged every lambda steps) is approximate by design; with SGD
     averaged every step it reduces to the exact update up to rounding (the mean of two updated rows is not
     the row updated by the mean gradient, bit for bit), which pins the averaging machinery."""
-    sharder = (
-        "--trainer.strategy.init_args.sharders=[{class_path: torchrec_lookahead.distributed."
-        "LookaheadEmbeddingBagCollectionSharder, init_args: {capacity: {t_cat_2: 140, t_cat_11: 120, "
-        "t_cat_15: 110}, cdlrm_average_every: 1}}]"
-    )
-    out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-                   "--steps", "24", "--model.init_args.embedding_optimizer.name=sgd", "--tolerance", "1e-5",
-                   sharder)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1])["passed"]
-
-
-_ROW_WISE = (
-    "--trainer.strategy.init_args.sharders=[{class_path: torchrec_lookahead.distributed."
-    "LookaheadEmbeddingBagCollectionSharder, init_args: {capacity: {t_cat_2: 140, t_cat_11: 120, "
-    "t_cat_15: 110}, store_sharding: row_wise}}]"
-)
+    assert _result(request, verified)["steps"] == 24
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
-def test_two_rank_cache_over_row_sharded_stores_equals_torchrec_resident_training(optimizer):
+def test_two_rank_cache_over_row_sharded_stores_equals_torchrec_resident_training(
+    request, verified, optimizer
+):
     """Each rank holds half of every cached table's rows and reaches the other half with collectives (the
     stager's gathers on a group of their own): still exactly TorchRec's 2-rank DMP training."""
-    out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-                   "--steps", "24", f"--model.init_args.embedding_optimizer.name={optimizer}", _ROW_WISE)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["passed"] and result["max_abs_weight_diff"] <= 1e-5, result
+    result = _result(request, verified)
+    assert result["max_abs_weight_diff"] <= 1e-5 and result["steps"] == 24, result
 
 
-def test_two_rank_run_over_row_sharded_stores_stopped_mid_epoch_exits_cleanly_and_equals_torchrec():
+def test_two_rank_run_over_row_sharded_stores_stopped_mid_epoch_exits_cleanly_and_equals_torchrec(
+    request, verified
+):
     """max_steps in the middle of the second epoch over row-sharded stores: the stagers' row gathers (collectives)
     stop in lockstep like the planners' id all-gathers, the process exits with status 0, and the flushed weights
     equal TorchRec's resident 2-rank DMP run stopped at the same step."""
-    out = torchrun(2, "verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-                   "--steps", "17", _ROW_WISE, timeout=200)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["passed"] and result["steps"] == 17 and result["max_abs_weight_diff"] <= 1e-5, result
-    assert "was not joined" not in out.stderr and "did not stop" not in out.stderr
+    result = _result(request, verified)
+    assert result["steps"] == 17 and result["max_abs_weight_diff"] <= 1e-5, result
+    assert "was not joined" not in verified[1].stderr and "did not stop" not in verified[1].stderr
 
 
 def test_two_hosts_shard_the_stores_by_host_and_equal_torchrec_resident_training():
@@ -215,28 +253,20 @@ def test_two_hosts_shard_the_stores_by_host_and_equal_torchrec_resident_training
 
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
 def test_a_rank_killed_under_max_restarts_resumes_from_the_last_checkpoint_with_nothing_lost(
-    tmp_path, rendezvous
+    tmp_path, uninterrupted, rendezvous
 ):
     """Rank 1 is SIGKILLed after step 6 of 12 in the first attempt; torchrun restarts both ranks, which resume
     from the last checkpoint (step 4) with ``--ckpt_path=last`` and end with the weights of an uninterrupted
     run. Under both rendezvous torchrun hands the restarted attempt the first attempt's store: the strategy
     sets the restarted process group up under a prefix of its own (docs/design.md, resilience)."""
-    common = ["fit", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-              "--trainer.limit_val_batches=0", "--trainer.max_steps=12", "--ckpt_path=last"]  # fmt: skip
-
     launcher = [f"--master_port={free_port()}"] if rendezvous == "static" else ["--standalone"]
-
-    def run(name: str, *extra: str) -> subprocess.CompletedProcess:
-        ckpt = [*_ckpt_args(tmp_path / f"{name}_ckpt", 4), "--trainer.callbacks.save_last=true"]
-        return torchrun(2, *common, f"--trainer.default_root_dir={tmp_path}/{name}", *ckpt, *extra,
-                        launcher=[*launcher, "--max-restarts=1"], timeout=120)  # fmt: skip
-
-    full = run("a")
-    assert full.returncode == 0, full.stderr[-4000:]
-    killed = run("b", "--trainer.callbacks+=tests.strategies.faults.KillAtStep", "--trainer.callbacks.step=6")
+    ckpt = [*_ckpt_args(tmp_path / "b_ckpt", 4), "--trainer.callbacks.save_last=true"]
+    killed = torchrun(2, *_CACHED_FIT, "--ckpt_path=last", f"--trainer.default_root_dir={tmp_path}/b", *ckpt,
+                      "--trainer.callbacks+=tests.strategies.faults.KillAtStep", "--trainer.callbacks.step=6",
+                      launcher=[*launcher, "--max-restarts=1"], timeout=120)  # fmt: skip
     assert killed.returncode == 0, killed.stderr[-4000:]
     # The first attempt failed: torchrun reports the first failure it sees, rank 1's SIGKILL (exitcode -9) or
     # rank 0 failing on the dead peer's connection (exitcode 1), whichever its monitor catches first.
     assert re.search(r"failed \(exitcode: (-9|1)\) local_rank", killed.stderr), killed.stderr[-6000:]
     assert "Restored all states from the checkpoint" in killed.stdout + killed.stderr
-    _assert_same_final_weights(tmp_path)
+    _assert_same_final_weights(uninterrupted / "a_ckpt", tmp_path / "b_ckpt", tmp_path)
