@@ -39,7 +39,7 @@ def test_check_number_and_check_bytes_refuse_strings_bools_and_small_values():
     assert check_bytes("host_budget_bytes", np.int64(8), "fix") == 8
     assert check_bytes("host_budget_bytes", {"t": 8}, "fix") == {"t": 8}
     with pytest.raises(
-        ConfigError, match=r"host_budget_bytes must be a positive integer or a mapping .* 'lots'"
+        ConfigError, match=r"host_budget_bytes must be positive: an integer, or a mapping .* 'lots'"
     ):
         check_bytes("host_budget_bytes", "lots", "fix")
     with pytest.raises(ConfigError, match=r"host_budget_bytes\['t'\] must be an integer >= 1 but got '8'"):

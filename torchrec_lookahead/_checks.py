@@ -79,8 +79,7 @@ def check_bytes(name: str, value: object, fix: str) -> Union[int, Dict[str, int]
         return {str(k): check_int(f"{name}[{k!r}]", v, 1, fix) for k, v in value.items()}
     if not is_int(value) or int(cast(numbers.Integral, value)) < 1:
         raise ConfigError(
-            f"{name} must be a positive integer or a mapping of table names to positive integers but got "
-            f"{value!r}; {fix}"
+            f"{name} must be positive: an integer, or a mapping of table names to integers, but got {value!r}; {fix}"
         )
     return int(cast(numbers.Integral, value))
 
