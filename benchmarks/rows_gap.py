@@ -26,7 +26,13 @@ timed window). Caches:
 * ``min_table`` / ``min_shared``: Belady's offline MIN (evict the furthest next use over the whole stream), per
   table and shared: the floor for a cache of that size.
 
-    python benchmarks/rows_gap.py [--scale 1.0] [--fraction 0.01] [--steps 200] [--warmup 5] [--json PATH]
+Each cache also reports ``link_rows_per_step`` and ``link_bytes_per_step``: rows over the link in both directions
+(FBGEMM's misses that find no free way are read and updated in host memory: two transfers each).
+``--equal-hbm`` adds ``ours_equal_hbm``: the pooled cache given the HBM bytes FBGEMM's whole footprint takes (its
+cache, and the row-wise state of every row and its cache index, which live in HBM).
+
+    python benchmarks/rows_gap.py [--scale 1.0] [--fraction 0.01] [--steps 200] [--warmup 5] [--zipf 1.05]
+        [--equal-hbm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticC
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, min_capacity  # noqa: E402
 
 INF = np.int64(1 << 62)
+#: bytes of a row over the link: ours (16 floats and row-wise Adagrad's one), FBGEMM's cache (16 floats)
+ROW_BYTES, ROW_BYTES_FBGEMM = 68, 64
+#: FBGEMM's HBM bytes beside its cache rows: per table row its row-wise state (4 B), per cache slot its state
+#: (``lxu_cache_state``, 8 B) and its weights (64 B)
+FBGEMM_ROW_STATE_BYTES, FBGEMM_SLOT_BYTES = 4, 64 + 8
 
 
 # ------------------------------------------------------------------------------------------------------- stream
@@ -250,6 +261,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--fraction", type=float, default=0.01)
+    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the synthetic ids")
+    p.add_argument(
+        "--equal-hbm",
+        action="store_true",
+        help="also run the pooled cache with the HBM bytes FBGEMM's whole footprint takes (ours_equal_hbm)",
+    )
     p.add_argument("--min-cached-rows", type=int, default=5000)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=5)
@@ -263,7 +280,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     nb = args.steps + args.warmup + 2
-    rows, batches = stream(args.scale, nb)
+    rows, batches = stream(args.scale, nb, zipf=args.zipf)
     cap, bumped = capacities(rows, batches, args.fraction, args.min_cached_rows)
     tables = sorted(cap)
     offsets, acc = {}, 0
@@ -297,10 +314,21 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         fetched: np.ndarray,
         evicted: np.ndarray,
         by_table: Optional[Dict[str, Any]] = None,
+        conflict: Optional[np.ndarray] = None,
         **extra: Any,
     ) -> None:
         f = fetched[lo:hi]
+        # over the link: rows loaded and written back, and (FBGEMM) the rows a miss could not insert, read from
+        # host memory and updated there; bytes: ours move a row's state with it (dim 16 + row-wise Adagrad's 1
+        # float), FBGEMM's cache holds the weights only (its row-wise state stays in HBM)
+        direct = np.zeros_like(fetched) if conflict is None else conflict
+        link = (fetched + evicted + 2 * direct)[lo:hi]
+        row_bytes = (
+            ROW_BYTES_FBGEMM if conflict is not None or name.startswith(("lru", "setassoc")) else ROW_BYTES
+        )
         rec: Dict[str, Any] = {
+            "link_rows_per_step": float(link.mean()),
+            "link_bytes_per_step": float(link.mean() * row_bytes),
             "fetched_per_step": float(f.mean()),
             "evicted_per_step": float(evicted[lo:hi].mean()),
             "hit_rate": float(1 - f.sum() / distinct[lo:hi].sum()),
@@ -333,6 +361,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     record("compulsory", comp, np.zeros(nb))
     if "ours" not in args.skip:
         record_tables("ours", *run_oracle(batches, cap, rows, args.horizon, 1, "pooled"))
+    if args.equal_hbm:
+        hbm = fbgemm * FBGEMM_SLOT_BYTES + n * FBGEMM_ROW_STATE_BYTES
+        scale = hbm / (total * ROW_BYTES)
+        big = {t: min(rows[t], int(c * scale)) for t, c in cap.items()}
+        res["equal_hbm"] = {"fbgemm_hbm_bytes": hbm, "capacity": big, "scale": scale}
+        record_tables("ours_equal_hbm", *run_oracle(batches, big, rows, args.horizon, 1, "pooled"))
     if "ours_lru_past" not in args.skip:
         record_tables("ours_lru_past", *run_oracle(batches, cap, rows, args.horizon, 1, "pooled", "lru"))
     if "ours_per_table" not in args.skip:
@@ -354,7 +388,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         record("lru_shared_fbgemm_slots", *fully_assoc(us_all, n, fbgemm, "lru"))
     if "setassoc_shared" not in args.skip:
         sa_in, sa_out, conflicts = set_assoc(us_all, n, fbgemm)
-        record("setassoc_shared", sa_in, sa_out, conflict_per_step=float(conflicts[lo:hi].mean()))
+        record("setassoc_shared", sa_in, sa_out, conflict=conflicts, conflict_per_step=float(conflicts[lo:hi].mean()))
     if "min_table" not in args.skip:
         opt = {t: fully_assoc(us_tab[t], n, cap[t], "min", next_uses(us_tab[t], n)) for t in tables}
         record_tables("min_table", {t: v[0] for t, v in opt.items()}, {t: v[1] for t, v in opt.items()})
