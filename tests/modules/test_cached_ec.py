@@ -115,16 +115,10 @@ def test_checkpoint_has_torchrec_embedding_collection_keys_and_loads_into_it():
     assert torch.equal(again.stores["t0"].full_weights(), ec.stores["t0"].full_weights())
 
 
-def test_pooled_configs_and_need_indices_are_refused():
+def test_pooled_configs_are_refused():
     with pytest.raises(
         ConfigError, match="EmbeddingBagConfig; an embedding collection takes EmbeddingConfig"
     ):
         CachedEmbeddingCollection(
             [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])], {}
         )
-    with pytest.raises(ConfigError, match="need_indices"):
-        CachedEmbeddingCollection.from_ec(
-            EmbeddingCollection(tables=TABLES[:1], need_indices=True), {"t0": 8}
-        )
-    ec = CachedEmbeddingCollection.from_ec(EmbeddingCollection(tables=TABLES[:1]), {"t0": 8})
-    assert ec.embedding_configs() == TABLES[:1] and ec.capacity == {"t0": 8}

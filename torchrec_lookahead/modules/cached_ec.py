@@ -20,7 +20,6 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
-from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
@@ -130,24 +129,3 @@ class CachedEmbeddingCollection(CachedEmbeddingBagCollection):
                 found[key] = JaggedTensor(values=rows[start : start + n], lengths=jt.lengths())
                 start += n
         return {f: found[f] for f in self._feature_names}
-
-    @classmethod
-    def from_ec(
-        cls,
-        ec: nn.Module,
-        capacity: Mapping[str, int],
-        optimizer: Optional[CacheOptimizerConfig] = None,
-        stores: Optional[Mapping[str, EmbeddingStore]] = None,
-        seed: int = 0,
-        device: Optional[torch.device] = None,
-    ) -> CachedEmbeddingCollection:
-        """Build a cached collection with the tables of a ``torchrec.EmbeddingCollection`` (seeded initial
-        values, not the collection's weights; load a state dict to copy trained weights).
-
-        Raises:
-            ConfigError: the collection returns the ids with the embeddings (``need_indices=True``), which the
-                cache cannot (its lookups see slots).
-        """
-        if bool(getattr(ec, "need_indices", lambda: False)()):
-            raise ConfigError("EmbeddingCollection(need_indices=True) cannot be cached; build it without ids")
-        return cls(ec.embedding_configs(), capacity, optimizer, stores, seed, device)  # type: ignore[operator]
