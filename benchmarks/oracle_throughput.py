@@ -147,10 +147,10 @@ def main(argv: Any = None) -> Dict[str, Any]:
         plan_threads=1,
         slot_spaces={"pooled": names},
     )
-    pairs = [(oracle_pass(pooled, batches), oracle_pass(sized, batches)) for _ in range(runs)]
-    secs = statistics.median(p for p, _ in pairs)
+    pooled_pairs = [(oracle_pass(pooled, batches), oracle_pass(sized, batches)) for _ in range(runs)]
+    secs = statistics.median(p for p, _ in pooled_pairs)
     results["policies"]["belady, pooled"] = {"samples_per_s": samples / secs, "seconds": secs}
-    results["pooled_over_per_table"] = statistics.median(p / t for p, t in pairs)
+    results["pooled_over_per_table"] = statistics.median(p / t for p, t in pooled_pairs)
     results["samples_per_s"] = results["policies"]["belady"]["samples_per_s"]
     results["unsized_over_sized"] = statistics.median(s / u for s, u in pairs)
     results.update(stats)
