@@ -1,11 +1,12 @@
-"""Shared fixtures: tiny models and data, the real-data folder, a free port."""
+"""Shared fixtures: tiny models and data, the real-data folder, a free port; the fast tier's time guard."""
 
 from __future__ import annotations
 
 import os
+import resource
 import socket
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Iterator
 
 import pytest
 
@@ -70,6 +71,63 @@ def tiny_data_args(**overrides: Any) -> Dict[str, Any]:
     return args
 
 
+@pytest.fixture(scope="session")
+def _resident_runs() -> Dict[str, Any]:
+    return {}
+
+
+@pytest.fixture
+def shared_resident(_resident_runs: Dict[str, Any]) -> Iterator[None]:
+    """``verify`` in this test trains each resident job once per session: a later test that compares another
+    cached run with the same resident job (the same model, data, seed and steps) reuses the kept run."""
+    from .verify_runs import shared_resident_runs
+
+    with shared_resident_runs(_resident_runs):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+
+
+#: The longest a test's call may take (seconds) without the ``slow`` or ``distributed`` marker: ``make test-fast``
+#: runs what is unmarked and stays within its 5 minutes only while each such test is short. ``TRL_FAST_LIMIT_S``
+#: moves the bound (0 turns the guard off).
+FAST_LIMIT_S = float(os.environ.get("TRL_FAST_LIMIT_S", "10"))
+_CPU_S = pytest.StashKey[float]()
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process (all its threads) and of its children that have ended."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    start = _cpu_seconds()
+    yield
+    item.stash[_CPU_S] = _cpu_seconds() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """Fail an unmarked test whose call took longer than ``FAST_LIMIT_S``. Only the call counts (a shared
+    fixture's work is set-up, counted once wherever it lands), and only the shorter of its wall-clock and CPU
+    time: other jobs on the machine stretch the wall clock, a test's own threads add CPU time, neither is the
+    test's length."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not report.passed or FAST_LIMIT_S <= 0:
+        return
+    if item.get_closest_marker("slow") or item.get_closest_marker("distributed"):
+        return
+    took = min(call.duration, item.stash.get(_CPU_S, call.duration))
+    if took > FAST_LIMIT_S:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {took:.1f} s (wall clock {call.duration:.1f} s), over the fast tier's "
+            f"{FAST_LIMIT_S:g} s per test: mark it @pytest.mark.slow (or make it shorter) so that `make test-fast` "
+            "stays within 5 minutes"
+        )

@@ -179,7 +179,7 @@ def disk_stores(monkeypatch: pytest.MonkeyPatch) -> List[DiskStore]:
 
 @pytest.mark.slow
 def test_tiny_job_over_disk_stores_equals_resident_training(
-    tmp_path: Path, disk_stores: List[DiskStore]
+    tmp_path: Path, disk_stores: List[DiskStore], shared_resident: None
 ) -> None:
     from torchrec_lookahead.verify import verify
 
@@ -194,7 +194,7 @@ def test_tiny_job_over_disk_stores_equals_resident_training(
 
 @pytest.mark.slow
 def test_tiny_job_over_lookahead_host_tiers_equals_resident_training(
-    tmp_path: Path, disk_stores: List[DiskStore]
+    tmp_path: Path, disk_stores: List[DiskStore], shared_resident: None
 ) -> None:
     """The host tiers planned from the lookahead (Belady, rows read 4 steps ahead in the background) change
     where rows are, never their values."""
@@ -234,12 +234,13 @@ _DEFAULT_JOB_HOST = {
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["lru", "lookahead"])
 def test_default_job_whole_epoch_over_a_minimal_host_tier_equals_resident_training(
-    tmp_path: Path, disk_stores: List[DiskStore], policy: str
+    tmp_path: Path, disk_stores: List[DiskStore], shared_resident: None, policy: str
 ) -> None:
     """The default job (332 K cached rows, 17.9 K device rows) over disk stores whose host tiers are the smallest
     the capacity check accepts (4.5 % of the tables under LRU, 3.9 % under lookahead): a whole epoch, bit for
     bit, under both host policies. With dropout on the bottom MLP: this is also the one-rank whole-epoch check of
-    a model that draws from the global random stream (``tests/test_rng.py``), sharing the epoch's work."""
+    a model that draws from the global random stream (``tests/test_rng.py``), sharing the epoch's work. Both
+    policies are compared with one resident epoch (``shared_resident``)."""
     from torchrec_lookahead.verify import verify
 
     capacity = "{t_cat_2: 5100, t_cat_3: 2200, t_cat_11: 4200, t_cat_15: 2800, t_cat_20: 3600}"
