@@ -22,7 +22,7 @@ test: setup
 	$(PYTHON) -m ruff check torchrec_lookahead tests benchmarks examples
 	$(PYTHON) -m ruff format --check torchrec_lookahead tests benchmarks examples
 	$(PYTHON) -m mypy
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow and not distributed" $(PYTEST_ARGS)

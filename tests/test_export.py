@@ -79,6 +79,7 @@ def test_export_refuses_missing_and_damaged_checkpoints_without_writing(tmp_path
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_export_command_line_refuses_a_missing_checkpoint(tmp_path: Path) -> None:
     out = run_cli("export", "--ckpt", str(tmp_path / "none"), "--out", str(tmp_path / "o.ckpt"))
     assert out.returncode != 0 and "CheckpointError" in out.stderr

@@ -33,6 +33,7 @@ def python_warnings_shown(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTHONWARNINGS", raising=False)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("python_warnings_shown")
 def test_fit_of_the_tiny_config_prints_no_warning_that_is_not_ours(tmp_path: Path) -> None:
     out = run_cli("fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}")
@@ -43,6 +44,7 @@ def test_fit_of_the_tiny_config_prints_no_warning_that_is_not_ours(tmp_path: Pat
     assert "Lookahead cache: t_cat_11 120 rows" in text and "Final metrics:" in text
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("python_warnings_shown")
 def test_verbose_shows_the_known_harmless_messages(tmp_path: Path) -> None:
     out = run_cli("fit", "--config", TINY, "--verbose", f"--trainer.default_root_dir={tmp_path}")

@@ -289,6 +289,7 @@ def test_fae_with_a_device_budget_equals_resident(tmp_path: Path) -> None:
 RECALIBRATE = ["--data.init_args.datamodule.init_args.recalibrate=epoch", "--trainer.max_epochs=3"]
 
 
+@pytest.mark.slow
 def test_fae_cached_with_recalibration_equals_resident_over_epochs() -> None:
     # 3 epochs of the tiny job: the hot set changes after the first (sampled -> exact counts); the cached side
     # writes every row back at the epoch start and pins the new hot rows.
@@ -297,6 +298,7 @@ def test_fae_cached_with_recalibration_equals_resident_over_epochs() -> None:
     assert out["steps"] == 36
 
 
+@pytest.mark.slow
 def test_recalibration_repins_and_resumes_across_the_epoch_boundary(tmp_path: Path) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
