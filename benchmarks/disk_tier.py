@@ -275,10 +275,22 @@ def job_plans(
     dm = cli.datamodule
     rows = {f"t_{f}": int(n) for f, n in dm.num_embeddings_per_feature.items()}
     f2t = {f: f"t_{f}" for f in dm.num_embeddings_per_feature if f"t_{f}" in capacity}
+    # the caches' slot spaces, as the job's sharder builds them (the default pooled layout)
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_lookahead.modules import CachedEmbeddingBagCollection
+
+    configs = [
+        c
+        for m in cli.model.build_model(torch.device("meta")).modules()
+        if isinstance(m, EmbeddingBagCollection)
+        for c in m.embedding_bag_configs()
+    ]
     oracle = LookaheadOracle(
         OracleConfig(capacity=dict(capacity), feature_to_table=f2t, horizon=HORIZON, prefetch_depth=PREFETCH_DEPTH,
                      policy="belady", unknown_features=UnknownFeatures.IGNORE,
-                     num_embeddings={t: rows[t] for t in capacity})
+                     num_embeddings={t: rows[t] for t in capacity},
+                     slot_spaces=CachedEmbeddingBagCollection.layout_slot_spaces(configs, capacity))
     )  # fmt: skip
     steps = args.steps + args.warmup + 1
     plans: List[Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]]] = []

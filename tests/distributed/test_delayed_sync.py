@@ -29,7 +29,7 @@ from torchrec_lookahead.modules import (
     CacheOptimizerConfig,
     remap_kjt,
 )
-from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, table_ids
+from torchrec_lookahead.oracle import LookaheadOracle, table_ids
 
 from ..conftest import free_port
 
@@ -198,10 +198,9 @@ def _cached(
     dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), sharders=[sharder], plan=plan)
     sharded = dmp.module
     # prefetch_depth 0 (plans applied without staged rows): rows read at step t may be evicted at t + 1
-    oracle = LookaheadOracle(
-        OracleConfig(capacity=CAPACITY, horizon=2, prefetch_depth=0, num_ranks=WORLD, feature_to_table=F2T)
-    )
-    tracker = LRPPTracker(CAPACITY, WORLD)
+    cache = sharded.cache
+    oracle = LookaheadOracle(cache.oracle_config(horizon=2, prefetch_depth=0, num_ranks=WORLD))
+    tracker = LRPPTracker({t: cache.cache_rows(t) for t in CAPACITY}, WORLD)
     cached = sorted(CAPACITY)
     snapshots: Dict[str, Any] = {}
     facts = {"evicted_next": 0, "pending_at_checkpoint": 0, "delayed_read_later": 0}

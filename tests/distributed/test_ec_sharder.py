@@ -21,7 +21,7 @@ from torchrec_lookahead.distributed import (
     with_default_sharders,
 )
 from torchrec_lookahead.modules import init_embedding_bag_tables_
-from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+from torchrec_lookahead.oracle import LookaheadOracle
 
 from ..conftest import REPO, free_port
 from ..helpers import small_sequence_config
@@ -102,12 +102,7 @@ def _train(model: torch.nn.Module, dmp: DistributedModelParallel, cached: bool) 
     plans = iter([None] * len(batches))
     sharded = dmp.module.ec
     if cached:
-        f2t = {f: c.name for c in TABLES for f in c.feature_names}
-        plans = iter(
-            LookaheadOracle(OracleConfig(capacity=CAPACITY, horizon=3, feature_to_table=f2t)).plan_stream(
-                batches
-            )
-        )
+        plans = iter(LookaheadOracle(sharded.cache.oracle_config(horizon=3)).plan_stream(batches))
     outputs = []
     for kjt, plan in zip(batches, plans):
         if cached:

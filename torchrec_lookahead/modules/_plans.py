@@ -317,7 +317,8 @@ def check_shared_slots(step: int, tables: Mapping[str, _Table], checked: Mapping
             slot = int((held > 1).nonzero()[0])
             raise SetupError(
                 f"plan step {step}: slot {slot} of the cache shared by tables {members} would hold rows of two "
-                f"tables; {_SYNC_HINT}"
+                "tables; plan a pooled cache with its slot spaces (cache.oracle_config(), or "
+                f"OracleConfig(slot_spaces=cache.slot_spaces)), or build it with cache_layout='per_table'; {_SYNC_HINT}"
             )
 
 
