@@ -22,6 +22,7 @@ def pg():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
+@pytest.mark.slow
 def test_one_rank_cached_pipeline_equals_torchrec_resident_pipeline_over_two_epochs(pg):
     resident = train(cached=False, epochs=2)
     cached = train(cached=True, epochs=2)
@@ -32,6 +33,7 @@ def test_one_rank_cached_pipeline_equals_torchrec_resident_pipeline_over_two_epo
     assert result["max_dw"] == 0.0
 
 
+@pytest.mark.slow
 def test_the_stream_is_read_as_training_goes_not_ahead_of_it(pg):
     steps = 40
     run = train(cached=True, steps=steps, batch_size=16, horizon=4, queue_depth=2)
