@@ -6,6 +6,10 @@ PYTHON := $(VENV)/bin/python
 CONFIG ?= configs/dlrm_lookahead.yaml
 LOGDIR ?= logs
 PYTEST_ARGS ?=
+# The fast tier's per-test bound (tests/conftest.py): 10 s where the fast tier runs alone; the whole run allows
+# twice that, so that a slower machine (the 2-core AMD EPYC takes about 1.6x this Intel one) does not fail a test
+# the fast tier's own bound admits here.
+FULL_RUN_FAST_LIMIT_S ?= 20
 
 .PHONY: setup train test test-fast lint typecheck configs bench clean
 
@@ -22,7 +26,7 @@ test: setup
 	$(PYTHON) -m ruff check torchrec_lookahead tests benchmarks examples
 	$(PYTHON) -m ruff format --check torchrec_lookahead tests benchmarks examples
 	$(PYTHON) -m mypy
-	$(PYTHON) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	TRL_FAST_LIMIT_S=$(FULL_RUN_FAST_LIMIT_S) $(PYTHON) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow and not distributed" $(PYTEST_ARGS)
