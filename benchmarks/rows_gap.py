@@ -388,7 +388,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         record("lru_shared_fbgemm_slots", *fully_assoc(us_all, n, fbgemm, "lru"))
     if "setassoc_shared" not in args.skip:
         sa_in, sa_out, conflicts = set_assoc(us_all, n, fbgemm)
-        record("setassoc_shared", sa_in, sa_out, conflict=conflicts, conflict_per_step=float(conflicts[lo:hi].mean()))
+        record(
+            "setassoc_shared",
+            sa_in,
+            sa_out,
+            conflict=conflicts,
+            conflict_per_step=float(conflicts[lo:hi].mean()),
+        )
     if "min_table" not in args.skip:
         opt = {t: fully_assoc(us_tab[t], n, cap[t], "min", next_uses(us_tab[t], n)) for t in tables}
         record_tables("min_table", {t: v[0] for t, v in opt.items()}, {t: v[1] for t, v in opt.items()})
