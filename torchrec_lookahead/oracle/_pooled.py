@@ -18,8 +18,8 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Type
 import numpy as np
 import torch
 
-from torchrec_lookahead.errors import CapacityError, ConfigError, InvalidIdError
-from torchrec_lookahead.oracle._table import _TablePlanner
+from torchrec_lookahead.errors import CapacityError, ConfigError
+from torchrec_lookahead.oracle._table import _TablePlanner, check_range
 from torchrec_lookahead.oracle.config import OracleConfig
 from torchrec_lookahead.oracle.ranks import rank_of_sample
 from torchrec_lookahead.oracle.types import RankAnnotation, TablePlan
@@ -91,20 +91,7 @@ class _SharedUnit(_Unit):
 
     def check_ids(self, parts: Dict[str, Part], step: int) -> None:
         for t, rows in zip(self.tables, self.rows):
-            ids = parts[t][0]
-            if not ids.size:
-                continue
-            low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high >= rows:
-                bad = low if low < 0 else high
-                raise InvalidIdError(
-                    f"table {t!r}: id {bad} in batch {step} is outside the valid range [0, {int(rows)}); fix the "
-                    f"input ids or set num_embeddings[{t!r}] to the table's number of rows",
-                    table=t,
-                    batch=step,
-                    id=bad,
-                    num_rows=int(rows),
-                )
+            check_range(t, parts[t][0], step, int(rows))
 
     def _too_small(self, err: CapacityError) -> CapacityError:
         """``err`` of the space's planner, in the words of its tables (capacity is set per table)."""
@@ -135,7 +122,7 @@ class _SharedUnit(_Unit):
         ):  # each id's rank from its own table's batch, passed as a sample of a batch of W
             samples = np.concatenate([_ranks(p, self.num_ranks) for p in got])
             size = self.num_ranks
-        self.planner.check_ids(ids, step)
+        # each member's ids were checked (check_ids), so the offset ones lie within the space's sized arrays
         self.planner.push(step, ids, samples, size)
         self._lengths.append([int(p[0].size) for p in got])
 

@@ -35,6 +35,26 @@ _LOW32 = np.int64(0xFFFFFFFF)
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
+def check_range(name: str, ids: np.ndarray, step: int, rows: Optional[int]) -> int:
+    """Refuse (``InvalidIdError``) a negative id, or one of ``rows`` or more (any size when ``None``); returns the
+    largest id (-1 for no ids)."""
+    if ids.size == 0:
+        return -1
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= (rows if rows is not None else (1 << 62)):
+        bad = low if low < 0 else high
+        valid = f"[0, {rows})" if rows is not None else "[0, 2**62)"
+        raise InvalidIdError(
+            f"table {name!r}: id {bad} in batch {step} is outside the valid range {valid}; fix the input ids or "
+            f"set num_embeddings[{name!r}] to the table's number of rows",
+            table=name,
+            batch=step,
+            id=bad,
+            num_rows=rows,
+        )
+    return high
+
+
 def _tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
@@ -143,21 +163,9 @@ class _TablePlanner:
 
     def check_ids(self, ids: np.ndarray, step: int) -> None:
         """Refuse negative or out-of-range ids; grow the per-id arrays when the table size is unknown."""
-        if ids.size == 0:
+        high = check_range(self.name, ids, step, self.rows)
+        if high < 0:
             return
-        low, high = int(ids.min()), int(ids.max())
-        limit = self.rows if self.rows is not None else (1 << 62)
-        if low < 0 or high >= limit:
-            bad = low if low < 0 else high
-            valid = f"[0, {self.rows})" if self.rows is not None else "[0, 2**62)"
-            raise InvalidIdError(
-                f"table {self.name!r}: id {bad} in batch {step} is outside the valid range {valid}; fix the input "
-                f"ids or set num_embeddings[{self.name!r}] to the table's number of rows",
-                table=self.name,
-                batch=step,
-                id=bad,
-                num_rows=self.rows,
-            )
         if high >= self.slot_of.size:
             self._grow(high + 1)
         if self.provisional and high >= self.capacity:
