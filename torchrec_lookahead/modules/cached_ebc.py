@@ -46,38 +46,17 @@ from torchrec_lookahead.modules._plans import (
     validate_plan,
     write_back_rows,
 )
+from torchrec_lookahead.modules._spaces import SlotSpaceViews, kernel_tables, slot_spaces
 from torchrec_lookahead.modules._values import check_configs, check_values
 from torchrec_lookahead.modules.config import CacheLayout, CacheOptimizerConfig
 from torchrec_lookahead.modules.remap import refuse_variable_batch, remap_kjt
 from torchrec_lookahead.modules.staging import stage_rows
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, table_ids
-from torchrec_lookahead.oracle.config import OracleConfig
 from torchrec_lookahead.oracle.types import BatchPlan
 from torchrec_lookahead.store import EmbeddingStore, TensorStore, init_embedding_weights
 
 __all__ = ["CachedEmbeddingBagCollection", "KernelGroup"]
-
-
-def _kernel_spaces(cfgs: Sequence[Any], capacity: Mapping[str, int], layout: CacheLayout) -> List[List[Any]]:
-    """One kernel's tables by slot space: the cached tables of one dimension together (pooled) or each alone
-    (per table), every resident table alone; in config order."""
-    out: List[List[Any]] = []
-    by_dim: Dict[int, List[Any]] = {}
-    for c in cfgs:
-        if c.name in capacity and layout is CacheLayout.POOLED:
-            if c.embedding_dim not in by_dim:
-                by_dim[c.embedding_dim] = []
-                out.append(by_dim[c.embedding_dim])
-            by_dim[c.embedding_dim].append(c)
-        else:
-            out.append([c])
-    return out
-
-
-def _space_name(members: Sequence[Any]) -> str:
-    """A slot space's name: its table's alone, else its first table's and how many share it."""
-    return str(members[0].name) if len(members) == 1 else f"{members[0].name}+{len(members) - 1}"
 
 
 @dataclass(frozen=True)
@@ -96,7 +75,7 @@ class KernelGroup:
     features: Tuple[str, ...]
 
 
-class CachedEmbeddingBagCollection(nn.Module):
+class CachedEmbeddingBagCollection(SlotSpaceViews, nn.Module):
     """EmbeddingBagCollection with a bounded device cache per large table, exactly equal to resident training.
 
     Args:
@@ -164,28 +143,19 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._applied: Optional[AppliedPlan] = None  # the plan the next forward covers (see apply_plan)
         self._feature_names: List[str] = []
         self._feature_to_table: Dict[str, str] = {}
-        groups: Dict[Tuple[PoolingMode, int], List[Any]] = {}
         for cfg in self._configs:
-            groups.setdefault(self._kernel_group(cfg), []).append(cfg)
             for feature in cfg.feature_names:
                 self._feature_names.append(feature)
                 self._feature_to_table[feature] = cfg.name
+        groups = self._kernel_groups(self._configs)
         self._kernels: List[_CacheKernel] = []
         self._group_features: List[List[str]] = []
         self._capacity = {str(n): int(c) for n, c in capacity.items()}
-        self._spaces: Dict[str, Tuple[str, ...]] = {}
+        self._spaces = slot_spaces(groups.values(), self._capacity, self._layout)
         for g, ((mode, _), cfgs) in enumerate(groups.items()):
             # one kernel table per table (FBGEMM's CPU kernels sum a table's gradients differently when features
             # of two tables share one); the tables of a slot space share its rows' storage (``shares``)
-            space_of: Dict[str, List[Any]] = {c.name: m for m in self._slot_spaces(cfgs) for c in m}
-            index = {c.name: i for i, c in enumerate(cfgs)}
-            rows = [
-                sum(self._capacity[m.name] for m in space_of[c.name])
-                if c.name in capacity
-                else int(c.num_embeddings)
-                for c in cfgs
-            ]
-            shares = [index[space_of[c.name][0].name] for c in cfgs]
+            rows, shares, spaces = kernel_tables(cfgs, self._capacity, self._layout)
             self._group_features.append([f for c in cfgs for f in c.feature_names])
             kernel = make_kernel(
                 rows,
@@ -201,10 +171,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             for i, c in enumerate(cfgs):
                 store: Optional[EmbeddingStore] = None
                 slot_to_id: Optional[torch.Tensor] = None
-                space: Optional[str] = None
                 if c.name in capacity:
-                    space = _space_name(space_of[c.name])
-                    self._spaces[space] = tuple(m.name for m in space_of[c.name])
                     store = stores.get(c.name) or TensorStore(
                         c.num_embeddings,
                         c.embedding_dim,
@@ -217,7 +184,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 else:
                     init_embedding_weights(kernel.weights(i), c.name, self._seed)
                 self._tables[c.name] = _Table(
-                    c, g, i, rows[i], store, slot_to_id, dict.fromkeys(COUNTERS, 0), space
+                    c, g, i, rows[i], store, slot_to_id, dict.fromkeys(COUNTERS, 0), spaces[i]
                 )
         self._output_order_matches = [f for fs in self._group_features for f in fs] == self._feature_names
         self._dims = [
@@ -231,35 +198,6 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _kernel_group(cls, cfg: Any) -> Tuple[PoolingMode, int]:
         """The kernel a table joins (one per distinct key): one per pooling mode."""
         return (PoolingMode.MEAN if cfg.pooling == PoolingType.MEAN else PoolingMode.SUM, 0)
-
-    @classmethod
-    def layout_slot_spaces(
-        cls,
-        tables: Sequence[Any],
-        capacity: Mapping[str, int],
-        cache_layout: Union[CacheLayout, str] = CacheLayout.POOLED,
-    ) -> Dict[str, Tuple[str, ...]]:
-        """The :attr:`slot_spaces` a collection of these tables and capacities has, without building it.
-
-        Example:
-            >>> tables = [EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=100, feature_names=[n])
-            ...           for n, d in (("a", 4), ("b", 8), ("c", 4))]
-            >>> CachedEmbeddingBagCollection.layout_slot_spaces(tables, {"a": 8, "b": 8, "c": 8})
-            {'a+1': ('a', 'c'), 'b': ('b',)}
-        """
-        layout = check_choice("cache_layout", cache_layout, CacheLayout)
-        groups: Dict[Tuple[PoolingMode, int], List[Any]] = {}
-        for cfg in tables:
-            groups.setdefault(cls._kernel_group(cfg), []).append(cfg)
-        return {
-            _space_name(m): tuple(c.name for c in m)
-            for cfgs in groups.values()
-            for m in _kernel_spaces(cfgs, capacity, layout)
-            if m[0].name in capacity
-        }
-
-    def _slot_spaces(self, cfgs: Sequence[Any]) -> List[List[Any]]:
-        return _kernel_spaces(cfgs, self._capacity, self._layout)
 
     def _check_table(self, cfg: Any) -> None:
         """Refuse a table config the collection's kernels cannot train."""
@@ -346,64 +284,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         return dict(self._feature_to_table)
 
     @property
-    def capacity(self) -> Dict[str, int]:
-        """Cached table name -> its cache rows as configured (pooled: its share of its slot space's rows)."""
-        return dict(self._capacity)
-
-    @property
-    def cache_layout(self) -> CacheLayout:
-        """Whether the cached tables of a kernel and dimension share one cache (see :class:`CacheLayout`)."""
-        return self._layout
-
-    @property
-    def slot_spaces(self) -> Dict[str, Tuple[str, ...]]:
-        """Slot space name -> the cached tables sharing its cache rows (a table alone: the table's name); the
-        oracle plans each space as one cache (``OracleConfig(slot_spaces=...)``)."""
-        return dict(self._spaces)
-
-    def oracle_config(self, **options: Any) -> OracleConfig:
-        """The :class:`~torchrec_lookahead.oracle.OracleConfig` that plans this cache: its capacities, slot
-        spaces, table sizes and features, with ``options`` (``horizon``, ``prefetch_depth``, ``policy``, ...).
-
-        Example:
-            >>> from torchrec_lookahead.oracle import LookaheadOracle
-            >>> tables = [EmbeddingBagConfig(name=n, embedding_dim=4, num_embeddings=100, feature_names=[n + "_f"])
-            ...           for n in ("a", "b")]
-            >>> ebc = CachedEmbeddingBagCollection(tables, capacity={"a": 8, "b": 8})
-            >>> cfg = ebc.oracle_config(horizon=16)
-            >>> cfg.slot_spaces, cfg.horizon
-            ({'a+1': ('a', 'b')}, 16)
-            >>> oracle = LookaheadOracle(cfg)
-        """
-        cached = {n for n, t in self._tables.items() if t.cached}
-        return OracleConfig(
-            capacity=self.capacity,
-            num_embeddings={n: t.config.num_embeddings for n, t in self._tables.items() if n in cached},
-            feature_to_table={f: t for f, t in self._feature_to_table.items() if t in cached},
-            slot_spaces=self.slot_spaces,
-            **{"unknown_features": UnknownFeatures.IGNORE, **options},
-        )
-
-    def cache_rows(self, table: str) -> int:
-        """Rows of the cache a cached table's slots index: its slot space's (the sum of its members' capacities).
-
-        Raises:
-            ConfigError: the table is unknown or resident.
-        """
-        t = self._table(table)
-        if t.slot_to_id is None:
-            raise ConfigError(f"table '{table}' is resident; it has no slots")
-        return t.rows
-
-    @property
     def stores(self) -> Dict[str, EmbeddingStore]:
         """Cached table name -> store."""
         return {n: t.store for n, t in self._tables.items() if t.store is not None}
-
-    def _table(self, name: str) -> _Table:
-        if name not in self._tables:
-            raise ConfigError(f"unknown table '{name}'; tables are {sorted(self._tables)}")
-        return self._tables[name]
 
     def slot_ids(self, table: str) -> torch.Tensor:
         """(cache_rows,) id of this table held by each slot of its cache, -1 for a slot it does not hold (a copy).
