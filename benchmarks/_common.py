@@ -255,8 +255,9 @@ def train(
 
 class LoaderWindow(pl.Callback):
     """The lookahead loader's counters over the timed steps (after ``warmup``), so that start-up (the oracle
-    reading its first horizon of batches) does not count: ``per_step`` (waits, ms a step) and ``per_batch``
-    (the planner's and stager's CPU time, ms a batch) once training ended."""
+    reading its first horizon of batches) does not count: ``per_step`` (waits and the training thread's
+    time in cache code, ms a step) and ``per_batch`` (the planner's and stager's CPU time, ms a batch) once
+    training ended."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
@@ -267,7 +268,8 @@ class LoaderWindow(pl.Callback):
         loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
         if loader is None or trainer.global_step < self.warmup:
             return
-        snap = (trainer.global_step, loader.stats())
+        session = trainer.strategy.cache_session() if isinstance(trainer.strategy, TorchRecStrategy) else None
+        snap = (trainer.global_step, loader.stats() if session is None else session.stats())
         if self._first is None:
             self._first = snap
         self._last = snap
@@ -282,6 +284,7 @@ class LoaderWindow(pl.Callback):
             "batch wait ms/step": d.batch_wait_s / steps * 1e3,
             "planner cpu ms/batch": d.planner_cpu_s / max(d.planned, 1) * 1e3,
             "stager cpu ms/batch": d.stager_cpu_s / max(d.staged, 1) * 1e3,
+            "training thread cache ms/step": d.training_thread_s / steps * 1e3,
         }
 
 

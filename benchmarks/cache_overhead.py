@@ -11,7 +11,12 @@ reads, as the cached job's planner thread does (JSON ``step_time_ratio_backgroun
 the cache rather than where the batches are generated.
 ``--profile`` adds a cProfile breakdown of a few cached steps (training thread and background threads).
 
-    python benchmarks/cache_overhead.py [--quick] [--json PATH] [--profile]
+Both report ``cache/training_thread_ms``, the time the training thread spends in cache code a step (JSON
+``cached_training_thread_ms``), and a second run measures it at Criteo Kaggle sizes (the same job at
+``scale=1.0``: 33.8 M rows) with ``--kaggle-fraction`` caches, timed once every cache is full and every step
+evicts (JSON ``kaggle``; ``--kaggle-steps 0`` skips it).
+
+    python benchmarks/cache_overhead.py [--quick] [--json PATH] [--profile] [--kaggle-steps N]
 
 The job's helpers (``build``, ``train``, ``capacities``) are in ``_common.py``, shared with ``memory.py``,
 ``scale.py`` and ``gpu.py``.
@@ -161,6 +166,76 @@ def profile_pair(config: str, capacity: Dict[str, int], steps: int) -> Dict[str,
     return {"parts": out, "threads": thread_rows, "thread_profiles": threads}
 
 
+class _Fill(pl.Callback):
+    """Cache occupancy (filled slots / cache rows, every cached table together) and the summed cache counters
+    at the end of step ``at`` and of the last step."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.occupancy = 0.0
+        self.first: Dict[str, int] = {}
+        self.last: Dict[str, int] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step < self.at:
+            return
+        counters = cache_counters(trainer.strategy)  # type: ignore[arg-type]
+        if not self.first:
+            self.first = counters
+            filled = rows = 0
+            for m in trainer.strategy.cached_modules():  # type: ignore[attr-defined]
+                for t, cap in m.cache.capacity.items():
+                    filled += int((m.cache.slot_ids(t) >= 0).sum())
+                    rows += cap
+            self.occupancy = filled / max(rows, 1)
+        self.last = counters
+
+
+def kaggle_run(args: Any, steps: int, warmup: int) -> Dict[str, Any]:
+    """The default job at Criteo Kaggle sizes (``--kaggle-scale``, 1.0), ``--kaggle-fraction`` caches, timed after
+    ``warmup`` steps (the caches full): the training thread's time in cache code, the step time, the waits."""
+    overrides = [
+        f"--data.init_args.scale={args.kaggle_scale}",
+        f"--data.init_args.num_train_batches={steps + warmup + 2}",
+    ]
+    probe = build(CONFIG, overrides)
+    capacity, bumped = capacities(probe.datamodule, args.kaggle_fraction, args.min_cached_rows)
+    del probe
+    gc.collect()
+    fill = _Fill(warmup)
+    res = train(build(CONFIG, overrides), capacity, steps, warmup, callbacks=[fill],
+                lookahead_kwargs={"planner_nice": args.planner_nice})  # fmt: skip
+    n = max((fill.last.get("steps", 0) - fill.first.get("steps", 0)) // len(capacity), 1)
+    loader = res["loader"]
+    out = {
+        "training_thread_ms": loader["training thread cache ms/step"],
+        "cached_step_ms": res["step_ms"],
+        "train_thread_cpu_ms": median(res["cpu_times"]) * 1e3,
+        "batch_wait_ms_per_step": loader["batch wait ms/step"],
+        "stager_wait_ms_per_step": loader["stager wait ms/step"],
+        "planner_cpu_ms_per_batch": loader["planner cpu ms/batch"],
+        "stager_cpu_ms_per_batch": loader["stager cpu ms/batch"],
+        "occupancy_at_warmup_end": fill.occupancy,
+        "rows_written_back_per_step": (fill.last["rows_written_back"] - fill.first["rows_written_back"]) / n,
+        "rows_fetched_per_step": (fill.last["rows_fetched"] - fill.first["rows_fetched"]) / n,
+        "fraction": args.kaggle_fraction,
+        "scale": args.kaggle_scale,
+        "capacity_rows": sum(capacity.values()),
+        "bumped_from": bumped,
+        "warmup_steps": warmup,
+        "steps": steps,
+    }
+    print(
+        f"\nKaggle sizes, {100 * args.kaggle_fraction:g} % caches ({out['capacity_rows']:,} rows, "
+        f"{100 * fill.occupancy:.1f} % full after {warmup} steps), {steps} steps: training thread in cache code "
+        f"{out['training_thread_ms']:.2f} ms/step, step {out['cached_step_ms']:.1f} ms, batch wait "
+        f"{out['batch_wait_ms_per_step']:.2f} ms/step, rows written back {out['rows_written_back_per_step']:,.0f}"
+        f"/step, fetched {out['rows_fetched_per_step']:,.0f}/step",
+        flush=True,
+    )
+    return out
+
+
 def _top(prof: cProfile.Profile, n: int = 25) -> str:
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(n)
@@ -179,6 +254,13 @@ def main() -> None:
         "--profile", action="store_true", help="add a cProfile breakdown (resident vs cached steps)"
     )
     p.add_argument("--planner-nice", type=int, default=19, help="LookaheadDataModule(planner_nice=...)")
+    for flag, kind, default, what in (
+        ("--kaggle-steps", int, None, "timed steps of the Kaggle-sized run (0: no such run)"),
+        ("--kaggle-warmup", int, 300, "steps before the Kaggle-sized run is timed"),
+        ("--kaggle-fraction", float, 0.01, "cache fraction of the Kaggle-sized run"),
+        ("--kaggle-scale", float, 1.0, "Kaggle sizes x this (smaller: a smoke test)"),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=what)
     p.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
     )
@@ -244,7 +326,12 @@ def main() -> None:
                 row["fetch/step"] = c["rows_fetched"] / n
                 row["hit rate"] = c["hits"] / max(c["lookups"], 1)
                 row.update(res["loader"])
-                for key in ("batch wait ms/step", "planner cpu ms/batch", "stager cpu ms/batch"):
+                for key in (
+                    "batch wait ms/step",
+                    "planner cpu ms/batch",
+                    "stager cpu ms/batch",
+                    "training thread cache ms/step",
+                ):
                     background.setdefault(key, []).append(row[key])
             row["train-thread cpu ms/step"] = median(res["cpu_times"]) * 1e3
             cpu[kind] += res["cpu_times"]
@@ -269,6 +356,7 @@ def main() -> None:
                 "batch wait ms/step",
                 "planner cpu ms/batch",
                 "stager cpu ms/batch",
+                "training thread cache ms/step",
             ],  # fmt: skip
         )
     )
@@ -290,6 +378,7 @@ def main() -> None:
         "cached_batch_wait_ms_per_step": median(background["batch wait ms/step"]),
         "planner_cpu_ms_per_batch": median(background["planner cpu ms/batch"]),
         "stager_cpu_ms_per_batch": median(background["stager cpu ms/batch"]),
+        "cached_training_thread_ms": median(background["training thread cache ms/step"]),
         "resident_samples_per_s": batch / res_ms * 1e3,
         "cached_samples_per_s": batch / cac_ms * 1e3,
         "batch_size": batch,
@@ -316,6 +405,9 @@ def main() -> None:
         f"{', '.join(f'{x:.2f}' for x in pair_ratios_bg)})  on {machine()['cpu']}, {machine()['threads']} threads; "
         f"torch threads resident {threads['resident']}, cached {threads['cached']}"
     )
+    kaggle_steps = args.kaggle_steps if args.kaggle_steps is not None else (30 if args.quick else 60)
+    if kaggle_steps > 0:
+        figures["kaggle"] = kaggle_run(args, kaggle_steps, args.kaggle_warmup)
     if args.profile:
         n = 10 if args.quick else 30
         prof = profile_pair(args.config, capacity, n)

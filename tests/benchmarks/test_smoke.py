@@ -65,6 +65,11 @@ def check_cache_overhead(f: Dict[str, Any]) -> None:
     assert close(f["cached_samples_per_s"] * f["cached_step_ms"] / 1e3, 64)
     for k in ("cached_batch_wait_ms_per_step", "planner_cpu_ms_per_batch", "stager_cpu_ms_per_batch"):
         assert finite(f[k]) and f[k] >= 0
+    assert positive(f["cached_training_thread_ms"])
+    k = f["kaggle"]  # the default job's config at Kaggle sizes x 0.01 here, timed once the caches are full
+    assert k["warmup_steps"] == 20 and k["steps"] == 3 and k["occupancy_at_warmup_end"] == 1.0
+    assert positive(k["training_thread_ms"]) and positive(k["cached_step_ms"])
+    assert k["rows_written_back_per_step"] > 0  # every timed step evicts
     # the cached tables (more than 100 rows) at half their rows, unless the oracle's minimum raised them
     cap, rows = f["capacity"], f["cached_table_rows"]
     assert set(cap) == set(rows) == {t for t, n in tiny_rows().items() if n > 100}
@@ -345,7 +350,8 @@ SMOKE: Dict[str, Smoke] = {
     "exact_sync": Smoke(["--quick", "--steps", "2", "--warmup", "1", "--batch", "256"], check_exact_sync),
     "cache_overhead": Smoke(
         ["--quick", "--config", TINY, "--min-cached-rows", "100", "--fraction", "0.5"]
-        + ["--pairs", "1", "--steps", "3", "--warmup", "1"],
+        + ["--pairs", "1", "--steps", "3", "--warmup", "1"]
+        + ["--kaggle-steps", "3", "--kaggle-warmup", "20", "--kaggle-scale", "0.01"],
         check_cache_overhead,
     ),
     "scale": Smoke(

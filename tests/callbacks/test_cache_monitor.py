@@ -27,7 +27,7 @@ class _Snapshots(pl.Callback):
         for m in trainer.strategy.cached_modules():
             out.update(m.cache.stats())
         self.stats.append(out)
-        self.loader.append(trainer.datamodule.loader.stats())
+        self.loader.append(trainer.strategy.cache_session().stats())
 
 
 def test_cache_monitor_logs_the_counters_deltas_through_lightning(tmp_path):
@@ -53,6 +53,8 @@ def test_cache_monitor_logs_the_counters_deltas_through_lightning(tmp_path):
     assert m["cache/gathered_by_training_thread"] == d_loader.gathered_here / 2 <= 1
     assert m["cache/stager_wait_ms"] == pytest.approx(d_loader.stager_wait_s * 1e3 / 2)
     assert m["cache/batch_wait_ms"] == pytest.approx(d_loader.batch_wait_s * 1e3 / 2)
+    assert m["cache/training_thread_ms"] == pytest.approx(d_loader.training_thread_s * 1e3 / 2)
+    assert m["cache/training_thread_ms"] > 0  # every step applied a plan
     counters = trainer.datamodule.loader.stats()
     assert counters.planned >= 6 and counters.planner_cpu_s > 0
     assert counters.batch_wait_s >= d_loader.batch_wait_s  # the run's total holds the waits of steps 4-5

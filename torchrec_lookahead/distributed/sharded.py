@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -42,6 +43,7 @@ from torchrec_lookahead.distributed.fused_optimizer import CacheFusedOptimizer, 
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore, writing_only
 from torchrec_lookahead.errors import ConfigError, InvalidIdError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection
+from torchrec_lookahead.modules._kernels import BackwardHook
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan
 
@@ -121,6 +123,8 @@ class ShardedLookaheadEmbeddingBagCollection(
         self.world_size = world_size
         self._pg = process_group
         self.sync_counters: Dict[str, int] = {}
+        #: seconds the cache kernels' backward hooks ran (several ranks: the exact exchange and its update)
+        self.backward_hook_s = 0.0
         self.delayed_sync = bool(delayed_sync) and world_size > 1 and average_every is None
         self._delayed_pg = delayed_group
         self._fused_optim: Optional[KeyedOptimizer] = None
@@ -150,10 +154,24 @@ class ShardedLookaheadEmbeddingBagCollection(
                 self.sync_counters,
             )
             for group in cache.kernel_groups():
-                group.kernel.set_backward_hook(self._sync.backward_hook(group))
+                group.kernel.set_backward_hook(self._timed(self._sync.backward_hook(group)))
             self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module.flush())
             self.register_load_state_dict_pre_hook(lambda module, *args: module.land_delayed())
             self.register_load_state_dict_post_hook(lambda module, incompatible: module._barrier())
+
+    def _timed(self, hook: BackwardHook) -> BackwardHook:
+        """``hook``, its time added to :attr:`backward_hook_s`."""
+
+        def timed(
+            grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+        ) -> None:
+            t0 = time.perf_counter()
+            try:
+                hook(grad, indices, offsets, weights)
+            finally:
+                self.backward_hook_s += time.perf_counter() - t0
+
+        return timed
 
     @property
     def fused_optimizer(self) -> KeyedOptimizer:

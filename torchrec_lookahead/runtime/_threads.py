@@ -138,6 +138,8 @@ class LoaderStats:
         staged: plans whose rows the stager gathered.
         gathered_here: steps whose rows the training thread gathered itself (the stager had not started them).
         hot_batches: hot batches served, which read only pinned rows (a hot/cold lookahead loader).
+        training_thread_s: seconds the training thread spent in cache code (the session's apply, without its
+            wait for staged rows, and the cache kernels' backward hooks), filled in by the session.
 
     Example:
         >>> later = LoaderStats(stager_wait_s=0.5, planned=5, staged=4, gathered_here=1)
@@ -154,6 +156,7 @@ class LoaderStats:
     staged: int = 0
     gathered_here: int = 0
     hot_batches: int = 0
+    training_thread_s: float = 0.0
 
     def __add__(self, other: LoaderStats) -> LoaderStats:
         return LoaderStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))

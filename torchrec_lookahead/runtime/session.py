@@ -32,6 +32,7 @@ an iteration starts, since its fresh oracle plans from an empty cache.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -72,6 +73,7 @@ class CacheSession:
         self.modules: List[ShardedLookaheadEmbeddingBagCollection] = list(modules)
         self._loader: Optional[LookaheadLoader] = None
         self._hot_batches = 0
+        self._cache_s = 0.0  # the training thread's time in apply, without the wait for staged rows
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> Optional[CacheSession]:
@@ -104,7 +106,10 @@ class CacheSession:
     def stats(self) -> LoaderStats:
         """The planning loader's counters, with the hot batches (pinned rows only) this session applied."""
         base = LoaderStats() if self._loader is None else self._loader.stats()
-        return dataclasses.replace(base, hot_batches=self._hot_batches)
+        hooks = sum(m.backward_hook_s for m in self.modules)
+        return dataclasses.replace(
+            base, hot_batches=self._hot_batches, training_thread_s=self._cache_s + hooks
+        )
 
     def oracle_lead(self) -> int:
         """Batches planned but not yet applied."""
@@ -134,12 +139,19 @@ class CacheSession:
         Raises:
             SetupError: the planning loader was stopped before the batch's rows were gathered.
         """
+        t0 = time.perf_counter()
+        waited = self._apply(batch)
+        self._cache_s += time.perf_counter() - t0 - waited
+
+    def _apply(self, batch: LookaheadBatch) -> float:
+        """Steps 1-5 of :meth:`apply`; returns the seconds it waited for the staged rows."""
+        waited = 0.0
         if batch.pin is not None:
             for m in self.modules:
                 m.pin_rows(batch.pin)
         plan = batch.plan
         if plan is None:
-            return
+            return waited
         staged = None
         if batch.staged is None:  # pinned rows only: nothing moves, no gate
             self._hot_batches += 1
@@ -147,12 +159,15 @@ class CacheSession:
             staged = staged_result(plan, batch.staged)
         else:
             self._loader.progress.begin(plan.step)
+            t0 = time.perf_counter()
             staged = self._loader.staged_rows(plan, batch.staged)
+            waited = time.perf_counter() - t0
         for m in self.modules:
             # Plans from the planning loader's own oracle: the O(capacity) re-checks are skipped.
             m.apply_plan(plan, staged, batch.lrpp, trusted=True)
         if batch.staged is not None and self._loader is not None:
             self._loader.progress.applied(plan.step)
+        return waited
 
     def flush(self, barrier: bool = True) -> None:
         """Write every cached row and its optimizer state back to the host stores (``barrier=False`` on an
