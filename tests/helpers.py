@@ -103,6 +103,7 @@ def fit_cached(
     lookahead_kw: Optional[Dict[str, Any]] = None,
     sharder_kw: Optional[Dict[str, Any]] = None,
     model_cls: Type[DLRMModule] = DLRMModule,
+    strategy_kw: Optional[Dict[str, Any]] = None,
     **trainer_kw: Any,
 ) -> tuple[pl.Trainer, DLRMModule]:
     """Train the tiny model with ``capacity`` cached (resident when empty), as the CLI would."""
@@ -123,7 +124,11 @@ def fit_cached(
             )
     model = make_model(inner, emb=emb, model_cls=model_cls)
     trainer = _trainer(
-        tmp_path, max_steps, callbacks, strategy=TorchRecStrategy(sharders=sharders), **trainer_kw
+        tmp_path,
+        max_steps,
+        callbacks,
+        strategy=TorchRecStrategy(sharders=sharders, **(strategy_kw or {})),
+        **trainer_kw,
     )
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return trainer, model

@@ -110,35 +110,49 @@ def _load_whole(ckpt: Path) -> Dict[str, Any]:
 
 
 def _tables_from_files(ckpt: Path, state: Mapping[str, Any]) -> Dict[str, Any]:
-    """``state`` with every table the checkpoint keeps in copies of its disk store files (a
-    ``<collection>.<table>.store_files`` entry: its row count) read back in full from every rank's copies
-    (``stores/rank<r>/<key>/``)."""
+    """``state`` with every table the checkpoint keeps in disk store files (a ``<collection>.<table>.store_files``
+    entry: its row count) read back in full from every rank's chain of pieces (``stores/rank<r>/<key>/chain.json``,
+    the pieces beside the checkpoint), each read into a scratch store file beside the checkpoint."""
     from torchrec_lookahead.modules._checkpoint import FILES_KEY
     from torchrec_lookahead.store import DiskStore
-    from torchrec_lookahead.strategies._checkpoint import STORE_FILES_DIR
+    from torchrec_lookahead.store._disk_io import read_header
+    from torchrec_lookahead.strategies._checkpoint import STORE_FILES_DIR, read_chain
 
     out = dict(state)
     for key in [k for k in state if k.endswith("." + FILES_KEY)]:
         prefix, rows = key[: -len(FILES_KEY)], int(out.pop(key))
-        table = ".".join(prefix.split(".")[-3:-1])  # <collection>.<table name>: the copies' sub-directory
+        table = ".".join(prefix.split(".")[-3:-1])  # <collection>.<table name>: the chains' sub-directory
         columns: Dict[str, torch.Tensor] = {}
         covered = 0
-        for path in sorted(ckpt.glob(f"{STORE_FILES_DIR}/rank*/{table}/*.rows")):
-            try:
-                store = DiskStore.open(path, host_budget_bytes=1 << 20)
-            except Exception as e:  # noqa: BLE001 - a damaged copy: ConfigError, SetupError, StoreError
-                raise CheckpointError(f"cannot read {path}, a copy of a disk store in {ckpt}: {e}") from e
-            try:
-                lo, hi = store.row_offset, store.row_offset + store.num_embeddings
-                for name, value in {"weight": store.full_weights(), **store.full_states()}.items():
-                    column = columns.setdefault(name, torch.empty(rows, value.shape[1]))
-                    column[lo:hi] = value
-                covered += hi - lo
-            finally:
-                store.close()
+        for rank_dir in sorted(ckpt.glob(f"{STORE_FILES_DIR}/rank*")):
+            pieces = read_chain(ckpt, int(rank_dir.name[len("rank") :]), table)
+            if not pieces:  # a rank without rows of the table
+                continue
+            with tempfile.TemporaryDirectory(dir=ckpt.parent, prefix=".export-") as scratch:
+                try:
+                    meta = read_header(pieces[0])
+                    store = DiskStore(Path(scratch) / "t.rows", meta["num_embeddings"], meta["embedding_dim"],
+                                      meta["state_widths"], name=meta["name"], seed=meta["seed"],
+                                      row_offset=meta["row_offset"], table_rows=meta["table_rows"],
+                                      host_budget_bytes=1 << 20, preallocate=False)  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - a damaged piece: ConfigError, SetupError, StoreError
+                    raise CheckpointError(
+                        f"cannot read {pieces[0]}, a piece of a disk store of {ckpt}: {e}"
+                    ) from e
+                try:
+                    store.load_files(pieces)
+                    lo, hi = store.row_offset, store.row_offset + store.num_embeddings
+                    for name, value in {"weight": store.full_weights(), **store.full_states()}.items():
+                        column = columns.setdefault(name, torch.empty(rows, value.shape[1]))
+                        column[lo:hi] = value
+                    covered += hi - lo
+                except Exception as e:  # noqa: BLE001
+                    raise CheckpointError(f"cannot read the chain of pieces {pieces} of {ckpt}: {e}") from e
+                finally:
+                    store.close()
         if covered != rows:
             raise CheckpointError(
-                f"{ckpt}: the copies of table {table}'s disk store files hold {covered:,} of its {rows:,} rows "
+                f"{ckpt}: the pieces of table {table}'s disk store files hold {covered:,} of its {rows:,} rows "
                 f"(under {STORE_FILES_DIR}/rank*/{table}/); the checkpoint is incomplete"
             )
         out.update({prefix + name: value for name, value in columns.items()})

@@ -248,15 +248,15 @@ def test_no_direct_io_falls_back_with_a_warning_or_is_refused(
 def test_the_log_wraps_and_its_cleaner_keeps_every_row(tmp_path: Path) -> None:
     """Every row of a small table written over and over: the log fills, the cleaner moves the live rows off its
     tail and the ring wraps several times; the values equal a TensorStore's throughout, after a reopen, and after
-    restoring a copy made mid-way."""
+    reading back any checkpoint of a chain of incremental pieces made along the way (full every fourth)."""
     n = 3000
     disk = DiskStore(tmp_path / "t.rows", n, D, WIDTHS, name="t", seed=5, host_budget_bytes=200 * ROW_BYTES,
                      preallocate=False)  # fmt: skip
     ref = TensorStore(n, D, WIDTHS, name="t", seed=5)
-    mid = TensorStore(n, D, WIDTHS, name="t", seed=5)
+    kept: list = []  # (chain, the table then)
     g = torch.Generator().manual_seed(1)
     for step in range(60):
-        ids = torch.randint(0, n, (500,), generator=g)
+        ids = torch.randint(0, n // (4 if step % 10 < 5 else 1), (500,), generator=g)
         got, want = disk.gather(ids), ref.gather(ids)
         assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][k], want[1][k]) for k in WIDTHS)
         rows = ids.unique()
@@ -267,9 +267,10 @@ def test_the_log_wraps_and_its_cleaner_keeps_every_row(tmp_path: Path) -> None:
         }
         disk.scatter(rows, new, states)
         ref.scatter(rows, new, states)
-        if step == 30:
-            disk.save_files(str(tmp_path / "ckpt"))
-            mid.load(ref.full_weights(), ref.full_states())
+        if step % 5 == 4:
+            then = TensorStore(n, D, WIDTHS, name="t", seed=5)
+            then.load(ref.full_weights(), ref.full_states())
+            kept.append((disk.save_files(str(tmp_path / "ckpt"), max_chain=4), then))
     st = disk.stats()
     log_units = disk._file.num_units
     assert st["rows_moved"] > 0 and st["unit_writes"] > 2 * log_units, (
@@ -278,11 +279,44 @@ def test_the_log_wraps_and_its_cleaner_keeps_every_row(tmp_path: Path) -> None:
     )  # wrapped twice or more
     _equal(disk, ref)
     disk.close()
+    # a chain closes after 4 pieces, or once its deltas hold as many bytes as its full piece (most rows here)
+    lengths = [len(c) for c, _ in kept]
+    assert lengths[0] == 1 and max(lengths) in (2, 3, 4) and lengths.count(1) >= 3, lengths
+    assert all(b in (1, a + 1) for a, b in zip(lengths, lengths[1:])), lengths
     again = DiskStore.open(tmp_path / "t.rows", host_budget_bytes=200 * ROW_BYTES)
     _equal(again, ref)
-    again.load_files(str(tmp_path / "ckpt"))
-    _equal(again, mid)
+    for chain, then in kept[::-1]:  # newest first: each reads back over another state
+        again.load_files(chain)
+        _equal(again, then)
     again.close()
+
+
+def test_a_delta_piece_holds_what_changed_and_a_chain_grows_from_a_loaded_one(tmp_path: Path) -> None:
+    """A delta piece holds the units appended since the previous piece and the index pages changed (a few
+    here, against a full piece of every row on disk); a run that loads an older chain goes on from it."""
+    disk = _disk(tmp_path / "t.rows", budget_rows=50, preallocate=False)
+    ref = TensorStore(N, D, WIDTHS, name="t", seed=5)
+    for store in (disk, ref):
+        store.gather(torch.arange(N))
+        _write(store, torch.arange(N), 1.0)
+    full = disk.save_files(str(tmp_path / "ckpt"), max_chain=8)
+    for store in (disk, ref):
+        _write(store, torch.tensor([3, 4, 19000]), 2.0)
+    delta = disk.save_files(str(tmp_path / "ckpt"), max_chain=8)
+    assert delta[:1] == full and len(delta) == 2
+    full_blocks, delta_blocks = (os.stat(p).st_blocks for p in (full[0], delta[1]))
+    assert delta_blocks * 20 < full_blocks, (delta_blocks, full_blocks)
+    disk.load_files(full)  # back to the older checkpoint, then on
+    _write(disk, torch.tensor([3, 4, 19000]), 2.0)
+    again = disk.save_files(str(tmp_path / "ckpt"), max_chain=8)
+    assert again[0] == full[0] and again[1] != delta[1]
+    fresh = _disk(tmp_path / "fresh.rows", preallocate=False)
+    for chain in (delta, again):
+        fresh.load_files(chain)
+        _equal(fresh, ref)
+    assert len(disk.save_files(str(tmp_path / "other"), max_chain=8)) == 1  # another directory: a new chain
+    disk.close()
+    fresh.close()
 
 
 def test_a_damaged_index_is_refused(tmp_path: Path) -> None:
@@ -371,15 +405,16 @@ def test_a_copy_of_the_files_restores_the_store_as_it_was(tmp_path: Path) -> Non
     for store in (disk, ref):
         store.gather(ids)
         _write(store, ids, 2.0)
-    disk.save_files(str(tmp_path / "ckpt"))
-    copy = tmp_path / "ckpt" / disk.file_name()
-    assert copy.is_file() and not (tmp_path / "ckpt" / (disk.file_name() + ".partial")).exists()
+    (copy,) = disk.save_files(str(tmp_path / "ckpt"))
+    assert os.path.isfile(copy) and not any(
+        p.name.endswith(".partial") for p in (tmp_path / "ckpt").iterdir()
+    )
     assert (
         os.stat(copy).st_blocks * 512 < os.path.getsize(copy) // 2
     )  # a sparse copy: the unused log is holes
     _write(disk, torch.tensor([5, 9000, 19999]), 7.0)  # after the checkpoint: touches blocks 1 and 2 too
     disk.flush()
-    disk.load_files(str(tmp_path / "ckpt"))
+    disk.load_files([copy])
     _equal(disk, ref)
     assert disk.gather(torch.tensor([9000]))[0].tolist() == ref.gather(torch.tensor([9000]))[0].tolist()
     disk.close()
@@ -392,25 +427,36 @@ def test_a_copy_of_another_table_is_refused_and_changes_nothing(
     _write(disk, torch.tensor([1, 2]), 3.0)
     other = DiskStore(tmp_path / "u" / "t.rows", N, D, WIDTHS, name="t", seed=6, host_budget_bytes=ROW_BYTES,
                       preallocate=False)  # fmt: skip
-    other.save_files(str(tmp_path / "other_ckpt"))
+    theirs = other.save_files(str(tmp_path / "other_ckpt"))
     other.close()
-    with pytest.raises(ConfigError, match="seed: copy 6, store 5"):
-        disk.load_files(str(tmp_path / "other_ckpt"))
-    with pytest.raises(ConfigError, match="no disk store"):
-        disk.load_files(str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="seed: piece 6, store 5"):
+        disk.load_files(theirs)
+    with pytest.raises(ConfigError, match="piece '.*missing' is missing"):
+        disk.load_files([str(tmp_path / "missing")])
     assert disk.gather(torch.tensor([1]))[0].tolist() == [[3.0] * D]
-    disk.save_files(str(tmp_path / "ckpt"))
-    copy = tmp_path / "ckpt" / disk.file_name()
+    (copy,) = disk.save_files(str(tmp_path / "ckpt"))
+    _write(disk, torch.tensor([7]), 4.0)
+    chain = disk.save_files(str(tmp_path / "ckpt"), max_chain=2)
+    with open(chain[1] + ".npz", "r+b") as f:  # a damaged list
+        f.truncate(10)
+    with pytest.raises(ConfigError, match="list of the checkpoint piece .* is damaged"):
+        disk.load_files(chain)
+    os.unlink(chain[1])
+    with pytest.raises(ConfigError, match=f"piece '{chain[1]}' is missing"):
+        disk.load_files(chain)
+    with pytest.raises(ConfigError, match="one full piece then deltas"):
+        disk.load_files([copy, copy])
     with open(copy, "r+b") as f:  # truncated
         f.truncate(os.path.getsize(copy) - 4096)
     with pytest.raises(ConfigError, match="is truncated"):
-        disk.load_files(str(tmp_path / "ckpt"))
+        disk.load_files([copy])
+    assert disk.gather(torch.tensor([7]))[0].tolist() == [[4.0] * D]
 
     def full(fd: int, data: object, offset: int) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwrite", full)  # the disk of the checkpoint fills up while copying
-    with pytest.raises(StoreError, match="failed \\(No space left on device; .* bytes free there\\)"):
+    with pytest.raises(StoreError, match="failed \\(No space left on device; it needs .* bytes, .* are free"):
         disk.save_files(str(tmp_path / "full"))
     assert list((tmp_path / "full").iterdir()) == []  # no partial copy left
     monkeypatch.undo()

@@ -3,6 +3,7 @@ tables in disk stores are kept as copies of their files."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -61,14 +62,18 @@ def test_checkpoints_larger_than_memory_are_refused_before_the_first_step(
     steps = _Steps()
     trainer, _ = _fit(tmp_path / "disk", steps, "disk")
     assert trainer.global_step == 3 and steps.started == [0, 1, 2]
-    saved = list((tmp_path / "disk").glob("**/*.ckpt/stores/rank0/embedding_bags.t_cat_2/t_cat_2.0.rows"))
+    saved = list((tmp_path / "disk").glob("**/*.ckpt/stores/rank0/embedding_bags.t_cat_2/chain.json"))
     assert len(saved) == 1
+    assert (
+        len(list(saved[0].parents[4].glob(".store_pieces/rank0/embedding_bags.t_cat_2/t_cat_2.0.*.rows")))
+        == 1
+    )
 
 
 def test_a_missing_or_foreign_copy_of_a_disk_store_is_a_checkpoint_error(tmp_path: Path) -> None:
     from torchrec_lookahead.modules._checkpoint import StoreFiles
     from torchrec_lookahead.store import DiskStore
-    from torchrec_lookahead.strategies._checkpoint import STORE_FILES_DIR, load_store_files
+    from torchrec_lookahead.strategies._checkpoint import load_store_files, save_store_files
 
     def store(seed: int) -> DiskStore:
         return DiskStore(tmp_path / f"s{seed}" / "t.rows", 100, 4, name="t", seed=seed, host_budget_bytes=160,
@@ -76,12 +81,53 @@ def test_a_missing_or_foreign_copy_of_a_disk_store_is_a_checkpoint_error(tmp_pat
 
     files = StoreFiles()
     files.add("embedding_bags.t", store(0))
-    with pytest.raises(CheckpointError, match="could not be loaded \\(no disk store at"):
+    with pytest.raises(
+        CheckpointError, match="lacks .*chain.json: it holds no copy of table embedding_bags.t"
+    ):
         load_store_files(files, tmp_path / "ckpt", 0)
     other = StoreFiles()
     other.add("embedding_bags.t", store(1))
-    other.save(str(tmp_path / "ckpt" / STORE_FILES_DIR / "rank0"))
-    with pytest.raises(CheckpointError, match="seed: copy 1, store 0"):
+    save_store_files(other, tmp_path / "ckpt", 0, 1)
+    with pytest.raises(CheckpointError, match="seed: piece 1, store 0"):
         load_store_files(files, tmp_path / "ckpt", 0)
     with pytest.raises(CheckpointError, match="two cached tables are named 'embedding_bags.t'"):
         files.add("embedding_bags.t", store(2))
+
+
+def test_chains_survive_retention_and_resume_bit_for_bit_from_an_older_delta(tmp_path: Path) -> None:
+    """ModelCheckpoint deletes checkpoints through the strategy: every kept checkpoint's chain stays whole, the
+    pieces no kept checkpoint names go. Resuming from a delta of an older chain equals the uninterrupted run;
+    a chain with a missing piece is refused naming it."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ..helpers import weights
+
+    d = tmp_path / "ckpt"
+    keep = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1, filename="kept-{step}")
+    latest = ModelCheckpoint(dirpath=d, every_n_train_steps=1, save_top_k=1, save_last=True)
+    disk = {"store": "disk", "host_budget_bytes": 64 * 1024}
+    kw: Dict[str, Any] = {"capacity": {"t_cat_2": 140}, "strategy_kw": {"full_checkpoint_every": 3}}
+    _, full = fit_cached(tmp_path / "a", 6, sharder_kw={**disk, "store_dir": str(tmp_path / "a_st")},
+                         callbacks=[keep, latest], **kw)  # fmt: skip
+    kept = sorted(p.name for p in d.iterdir() if p.name.endswith(".ckpt"))
+    assert kept == [
+        "epoch=0-step=6.ckpt",
+        "kept-step=2.ckpt",
+        "kept-step=4.ckpt",
+        "kept-step=6.ckpt",
+        "last.ckpt",
+    ]
+    chains = {n: _checkpoint.read_chain(d / n, 0, "embedding_bags.t_cat_2") for n in kept}
+    # a tiny table: each delta is as large as a full piece, so a chain closes after one delta here
+    older = next(n for n in ("kept-step=2.ckpt", "kept-step=4.ckpt") if len(chains[n]) == 2)
+    named = {Path(p).name for c in chains.values() for p in c}
+    pool = d / ".store_pieces" / "rank0" / "embedding_bags.t_cat_2"
+    assert {p.name for p in pool.iterdir()} == named | {n + ".npz" for n in named}  # the deleted ones' went
+    _, resumed = fit_cached(tmp_path / "b", 6, sharder_kw={**disk, "store_dir": str(tmp_path / "b_st")},
+                            ckpt_path=str(d / older), **kw)  # fmt: skip
+    a, b = weights(full), weights(resumed)
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+    os.unlink(chains[older][0])
+    with pytest.raises(CheckpointError, match=f"piece '{chains[older][0]}' is missing"):
+        fit_cached(tmp_path / "c", 6, sharder_kw={**disk, "store_dir": str(tmp_path / "c_st")},
+                   ckpt_path=str(d / older), **kw)  # fmt: skip

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -398,11 +398,11 @@ class WriterFilteredStore(EmbeddingStore):
     def keeps_files(self) -> bool:
         return self.inner.keeps_files
 
-    def save_files(self, directory: str) -> None:
-        self.inner.save_files(directory)
+    def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
+        return self.inner.save_files(directory, max_chain)
 
-    def load_files(self, directory: str) -> None:
-        self.inner.load_files(directory)
+    def load_files(self, pieces: Sequence[str]) -> None:
+        self.inner.load_files(pieces)
 
 
 @contextmanager

@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -44,7 +43,8 @@ FILES_KEY = "store_files"
 class StoreFiles:
     """The cached tables a checkpoint keeps as copies of their store files (:attr:`EmbeddingStore.keeps_files`:
     disk stores, whose tables may be larger than memory), collected while a state dict is built under
-    :func:`store_files`; the caller copies them into (:meth:`save`) or out of (:meth:`load`) its checkpoint."""
+    :func:`store_files`; the caller writes their pieces (:meth:`EmbeddingStore.save_files`) and loads them back
+    (:meth:`load`)."""
 
     def __init__(self) -> None:
         self.stores: Dict[str, EmbeddingStore] = {}
@@ -61,15 +61,19 @@ class StoreFiles:
             )
         self.stores[table] = store
 
-    def save(self, directory: str) -> None:
-        """Copy every table's files on this rank into ``directory`` (one sub-directory per table)."""
-        for key, store in self.stores.items():
-            store.save_files(os.path.join(directory, key))
+    def load(self, chains: Mapping[str, Sequence[str]]) -> None:
+        """Load every table's files on this rank from its chain of pieces (``chains``: table -> piece paths,
+        oldest first).
 
-    def load(self, directory: str) -> None:
-        """Load every table's files on this rank from the copies :meth:`save` made in ``directory``."""
+        Raises:
+            CheckpointError: a table has no chain.
+        """
         for key, store in self.stores.items():
-            store.load_files(os.path.join(directory, key))
+            if key not in chains:
+                raise CheckpointError(
+                    f"the checkpoint holds no copy of table '{key}''s disk store on this rank"
+                )
+            store.load_files(chains[key])
 
 
 _collecting: Optional[StoreFiles] = None

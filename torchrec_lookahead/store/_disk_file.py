@@ -50,10 +50,8 @@ from torchrec_lookahead.store._disk_io import (
     aligned_buffer,
     each,
     free_bytes,
-    fsync_dir,
     pread_all,
     pwrite_all,
-    read_header,
     runs,
 )
 
@@ -114,6 +112,8 @@ class DiskFile:
         self.loc = np.frombuffer(self._index_buf, dtype=np.uint32, count=num_rows, offset=PAGE)
         self._row_buf = aligned_buffer(self.num_slots * 4)
         self._row_of = np.frombuffer(self._row_buf, dtype=np.uint32, count=self.num_slots)  # slot -> row + 1
+        # the pages of the index (page 0: the log's ends) changed since the last checkpoint piece (_disk_chain)
+        self.changed_pages = np.ones(index_pages, dtype=bool)
         self._threads = max(1, io_threads)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(1, io_threads), thread_name_prefix="disk-store-io"
@@ -428,6 +428,7 @@ class DiskFile:
             old = self.loc[rows[:n]].astype(np.int64) - 1
             self._row_of[old[old >= 0]] = 0
             self.loc[rows[:n]] = (slots + 1).astype(np.uint32)
+            self.changed_pages[1 + rows[:n] * 4 // PAGE] = True
             self._row_of[slots] = (rows[:n] + 1).astype(np.uint32)
             self._ends[0] = head + units.size
             written += units.size
@@ -438,6 +439,7 @@ class DiskFile:
         """Forget every row (none on disk, an empty log); the index is written at the next :meth:`write_index`."""
         self._index_buf.madvise(mmap.MADV_DONTNEED)  # zero again, without touching the pages
         self._row_buf.madvise(mmap.MADV_DONTNEED)
+        self.changed_pages[:] = True
 
     def live_units(self) -> np.ndarray:
         """The sorted distinct units holding a row on disk."""
@@ -453,7 +455,7 @@ class DiskFile:
                 f"writing the index of '{self.path}' failed ({e.strerror})", path=self.path
             ) from None
 
-    # -- copies (checkpoints) ----------------------------------------------------------------------------------
+    # -- copies (checkpoints: _disk_chain) ------------------------------------------------------------------
     def _copy_units(self, units: np.ndarray, src: int, dst: int, src_path: str) -> None:
         """Copy ``units`` from the file ``src`` to ``dst`` (file descriptors), runs of consecutive units at once."""
         buf = aligned_buffer(MAX_RUN_BYTES if self.unit_bytes <= MAX_RUN_BYTES else self.unit_bytes)
@@ -468,84 +470,6 @@ class DiskFile:
                     os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         finally:
             view.release()
-
-    def snapshot(self, dst: str) -> None:
-        """Copy this file to ``dst``, durably: the header, the index and the units holding rows on disk (the
-        others stay holes), a run of units at a time (the caller has written the host tier's dirty rows and the
-        index). Written under a temporary name and renamed, so ``dst`` is whole or absent.
-
-        Raises:
-            StoreError: ``dst`` cannot be written (the disk is full: the free bytes are named).
-        """
-        tmp = dst + ".partial"
-        head = aligned_buffer(PAGE)
-        out = -1
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.ftruncate(out, self.size)
-            self._read_exact(memoryview(head), 0)  # the header
-            pwrite_all(out, memoryview(head), 0)
-            pwrite_all(out, memoryview(self._index_buf), PAGE)
-            self._copy_units(self.live_units(), self._fd, out, self.path)
-            os.fsync(out)
-            os.close(out)
-            out = -1
-            os.replace(tmp, dst)
-            fsync_dir(os.path.dirname(os.path.abspath(dst)))
-        except OSError as e:
-            if out >= 0:
-                os.close(out)
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            free = free_bytes(dst)
-            raise StoreError(
-                f"copying disk store '{self.path}' to '{dst}' failed ({e.strerror}; {free:,} bytes free there): the "
-                "store itself is unchanged",
-                path=dst,
-            ) from None
-
-    def restore(self, src: str) -> None:
-        """Make this file hold what the copy ``src`` (:meth:`snapshot` of a file of this table, size, layout and
-        seed) holds: its index and the units of its rows on disk (a row not on disk in ``src`` holds its initial
-        value here), durably.
-
-        Raises:
-            ConfigError: ``src`` is not such a copy (the fields that differ are named); nothing is written then.
-            StoreError: reading ``src`` or writing this file failed.
-        """
-        found = read_header(src)
-        diffs = [
-            f"{k}: copy {found.get(k)!r}, store {v!r}" for k, v in self.meta.items() if found.get(k) != v
-        ]
-        if not diffs and os.path.getsize(src) != self.size:
-            diffs = [f"size: copy {os.path.getsize(src):,} bytes, store {self.size:,}"]
-        if diffs:
-            raise ConfigError(
-                f"'{src}' is not a copy of disk store '{self.path}' ({'; '.join(diffs)}): it was written for another "
-                "table, shard, layout or seed, or is truncated"
-            )
-        fd = -1
-        try:
-            fd = os.open(src, os.O_RDONLY)
-            index = aligned_buffer(self.index_bytes)
-            pread_all(fd, memoryview(index), PAGE, src)
-            self._check_index(src, index)
-            self.reset()
-            memoryview(self._index_buf)[:] = memoryview(index)
-            del index
-            self._index_rows()
-            self._copy_units(self.live_units(), fd, self._fd, src)
-        except OSError as e:
-            raise StoreError(
-                f"restoring disk store '{self.path}' from '{src}' failed ({e.strerror})", path=self.path
-            ) from None
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        self.sync()
-        self.write_index()
-        self.sync()
 
     def sync(self) -> None:
         """Make every write so far durable (fsync)."""

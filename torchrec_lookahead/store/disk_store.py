@@ -35,13 +35,16 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+import uuid
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.store._disk_file import DiskFile, read_header
+from torchrec_lookahead.store._disk_chain import Chain, read_chain, write_piece
+from torchrec_lookahead.store._disk_file import DiskFile
+from torchrec_lookahead.store._disk_io import read_header
 from torchrec_lookahead.store._disk_lookahead import LookaheadReads
 from torchrec_lookahead.store._host_tier import HostTier
 from torchrec_lookahead.store._row_store import _RowStore
@@ -207,6 +210,7 @@ class DiskStore(LookaheadReads, _RowStore):
         self._read_upto = -1  # the background thread has read every hinted step up to this one
         self._written: Optional[List[np.ndarray]] = None  # ids written to the file while a prefetch reads
         self._reset = False  # the tier was cleared (load) while a prefetch read
+        self._chain: Optional[Chain] = None  # the checkpoint pieces the file was last saved as or loaded from
         self._inflight: Optional[np.ndarray] = None  # the rows a background read is reading now
         self._wake = threading.Condition(self._lock)
         self._closing = False
@@ -509,6 +513,7 @@ class DiskStore(LookaheadReads, _RowStore):
             self._tier.clear()
             self._reset = True
             self._file.reset()
+            self._chain = None
             for a in range(0, self.num_embeddings, INIT_BLOCK_ROWS):
                 b = min(a + INIT_BLOCK_ROWS, self.num_embeddings)
                 records = np.zeros((b - a, self.row_width), dtype=np.float32)
@@ -541,33 +546,38 @@ class DiskStore(LookaheadReads, _RowStore):
         return True
 
     def file_name(self) -> str:
-        """The name of this store's copy in a checkpoint directory (:meth:`save_files`)."""
-        return f"{self.name}.{self._row_offset}.rows"
+        """The start of the names of this store's checkpoint pieces (:meth:`save_files`)."""
+        return f"{self.name}.{self._row_offset}"
 
-    def save_files(self, directory: str) -> None:
-        """Write the host tier's dirty rows, then copy the file into ``directory`` as :meth:`file_name`: the
-        header, the index and the units holding rows on disk (the others stay holes), durably.
+    def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
+        """Write the host tier's dirty rows, then a checkpoint piece of the file into ``directory``, durably: a
+        delta over the chain last saved or loaded while it has fewer than ``max_chain`` pieces, else a full piece
+        (:mod:`~torchrec_lookahead.store._disk_chain`).
+
+        Returns:
+            The chain (piece paths, the full one first) that holds the table now.
 
         Raises:
-            StoreError: the copy cannot be written (a full disk: the free bytes are named); the store is unchanged.
+            StoreError: the piece cannot be written (a full disk: free and needed bytes named); the store is unchanged.
         """
         self.flush()
         with self._lock:
             self._check_open()
-            self._file.snapshot(os.path.join(directory, self.file_name()))
+            dst = os.path.join(directory, f"{self.file_name()}.{uuid.uuid4().hex[:16]}.rows")
+            self._chain = write_piece(self._file, dst, self._chain, max(1, int(max_chain)))
+            return list(self._chain.pieces)
 
-    def load_files(self, directory: str) -> None:
-        """Make the store hold what :meth:`save_files` copied into ``directory``: the copy's rows on disk and
-        its index, with an empty host tier.
+    def load_files(self, pieces: Sequence[str]) -> None:
+        """Make the store hold what the chain ``pieces`` (:meth:`save_files`) stands for, with an empty host tier.
 
         Raises:
-            ConfigError: the copy is of another table, shard, layout or seed, or is missing; nothing is written.
-            StoreError: reading the copy or writing the file failed.
+            ConfigError: a piece is missing, damaged or of another table, shard, layout or seed (named); nothing
+                is written.
+            StoreError: reading a piece or writing the file failed.
         """
-        path = os.path.join(directory, self.file_name())
         with self._lock:
             self._check_open()
-            self._file.restore(path)
+            self._chain = read_chain(self._file, pieces)
             self._tier.clear()
             self._reset = True
 

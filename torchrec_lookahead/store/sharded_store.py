@@ -484,13 +484,13 @@ class RowShardedStore(ShapedStore):
         """Whether the shards are kept as files (the same on every rank)."""
         return self._local.keeps_files
 
-    def save_files(self, directory: str) -> None:
-        """Copy this rank's shard's files into ``directory`` (no messages; every rank copies its own)."""
-        self._local.save_files(directory)
+    def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
+        """Write a checkpoint piece of this rank's shard into ``directory`` (no messages; every rank its own)."""
+        return self._local.save_files(directory, max_chain)
 
-    def load_files(self, directory: str) -> None:
-        """Load this rank's shard from the copies in ``directory`` (no messages)."""
-        self._local.load_files(directory)
+    def load_files(self, pieces: Sequence[str]) -> None:
+        """Load this rank's shard from its chain of pieces (no messages)."""
+        self._local.load_files(pieces)
 
     def __repr__(self) -> str:
         return (
@@ -552,8 +552,9 @@ class EmptyShardStore(ShapedStore):
     def keeps_files(self) -> bool:
         return self._keeps_files
 
-    def save_files(self, directory: str) -> None:
-        """No rows, no file."""
+    def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
+        """No rows, no piece."""
+        return []
 
-    def load_files(self, directory: str) -> None:
-        """No rows, no file."""
+    def load_files(self, pieces: Sequence[str]) -> None:
+        """No rows, no piece."""

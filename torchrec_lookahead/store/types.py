@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -261,17 +261,23 @@ class EmbeddingStore(abc.ABC):
         its full tensors: a table on disk may be larger than memory. ``False`` here."""
         return False
 
-    def save_files(self, directory: str) -> None:
-        """Copy this rank's files of the table into ``directory`` (a checkpoint's), durably, holding at most a
-        block of it in memory; the host tier's unwritten rows are written first. Only where :attr:`keeps_files`.
+    def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
+        """Write a checkpoint piece of this rank's part of the table into ``directory``, durably, holding at most
+        a block of it in memory (the host tier's unwritten rows are written first): a delta over the chain of
+        pieces last saved or loaded while it has fewer than ``max_chain`` pieces, else a full piece. Only where
+        :attr:`keeps_files`.
+
+        Returns:
+            The chain (piece paths, the full one first) that holds this rank's part now (none: no rows).
         """
         raise NotImplementedError(f"{type(self).__name__} keeps no files to copy")
 
-    def load_files(self, directory: str) -> None:
-        """Make this rank's part of the table what :meth:`save_files` copied into ``directory``.
+    def load_files(self, pieces: Sequence[str]) -> None:
+        """Make this rank's part of the table what the chain ``pieces`` (:meth:`save_files`) stands for.
 
         Raises:
-            ConfigError: the copies are of another table, shard, layout or seed; nothing is written then.
+            ConfigError: a piece is missing, damaged, or of another table, shard, layout or seed; nothing is
+                written then.
         """
         raise NotImplementedError(f"{type(self).__name__} keeps no files to load")
 

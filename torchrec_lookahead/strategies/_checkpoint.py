@@ -3,8 +3,11 @@ the Lightning part and the rank count in a small file beside them (:data:`META_F
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -15,22 +18,122 @@ from torchrec_lookahead.modules._checkpoint import StoreFiles
 from torchrec_lookahead.store import EmbeddingStore
 
 __all__ = [
+    "CHAIN_FILE",
     "META_FILE",
+    "PIECES_DIR",
     "STORE_FILES_DIR",
     "WORLD_SIZE_KEY",
     "checkpoint_memory_shortfall",
+    "collect_pieces",
     "load_sharded",
     "load_store_files",
     "memory_available",
+    "read_chain",
     "read_checkpoint_meta",
+    "save_store_files",
 ]
 
 #: the Lightning part of a checkpoint directory (epoch, loops, callbacks), written by rank 0
 META_FILE = "meta.pt"
 #: the key of the rank count that wrote the checkpoint, in :data:`META_FILE`
 WORLD_SIZE_KEY = "torchrec_lookahead_world_size"
-#: the sub-directory of a checkpoint holding copies of disk stores' files: ``rank<r>/<collection>.<table>/``
+#: the sub-directory of a checkpoint naming the pieces of disk stores' files it needs:
+#: ``rank<r>/<collection>.<table>/`` :data:`CHAIN_FILE`
 STORE_FILES_DIR = "stores"
+#: the file naming a table's chain of pieces, oldest (the full piece) first
+CHAIN_FILE = "chain.json"
+#: beside the checkpoints (in their parent directory), the pieces of disk stores' files the checkpoints share:
+#: ``rank<r>/<collection>.<table>/<piece>``, each kept while a checkpoint there names it
+PIECES_DIR = ".store_pieces"
+
+
+def _pieces_dir(path: Path, rank: int, key: str) -> Path:
+    return path.parent / PIECES_DIR / f"rank{rank}" / key
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_store_files(files: StoreFiles, path: Path, rank: int, max_chain: int) -> None:
+    """Write a piece of every disk store's file on this rank (a delta over its chain while the chain has fewer
+    than ``max_chain`` pieces) beside checkpoint ``path``, under :data:`PIECES_DIR`, and name each table's chain
+    in ``path`` (:data:`STORE_FILES_DIR`).
+
+    Raises:
+        StoreError: a piece cannot be written (a full disk: the free and needed bytes are named); the pieces
+            this call wrote and this rank's part of ``path`` are removed.
+    """
+    mine = path / STORE_FILES_DIR / f"rank{rank}"
+    chains: Dict[str, List[str]] = {}
+    try:
+        for key, store in files.stores.items():
+            chains[key] = store.save_files(str(_pieces_dir(path, rank, key)), max_chain)
+            (mine / key).mkdir(parents=True, exist_ok=True)
+            _write_json(mine / key / CHAIN_FILE, {"pieces": [os.path.basename(p) for p in chains[key]]})
+    except BaseException:
+        shutil.rmtree(mine, ignore_errors=True)
+        for chain in chains.values():  # the new pieces (last of each chain): no checkpoint names them
+            for p in chain[-1:]:
+                for f in (p, p + ".npz"):
+                    if os.path.exists(f):
+                        os.unlink(f)
+        raise
+
+
+def read_chain(path: Path, rank: int, key: str) -> List[str]:
+    """The pieces (paths, the full one first) of table ``key``'s disk store on ``rank`` that checkpoint ``path``
+    needs.
+
+    Raises:
+        CheckpointError: the checkpoint names no chain for it, or its chain file is damaged.
+    """
+    file = path / STORE_FILES_DIR / f"rank{rank}" / key / CHAIN_FILE
+    try:
+        with open(file) as f:
+            names = json.load(f)["pieces"]
+        if not isinstance(names, list) or not all(isinstance(n, str) and "/" not in n for n in names):
+            raise ValueError("not a list of names")
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {path} lacks {file}: it holds no copy of table {key}'s disk store on rank {rank} (a "
+            "checkpoint of another configuration, or files lost in a copy); resume from an intact checkpoint"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"checkpoint {path}: {file} is damaged ({e}); resume from another checkpoint"
+        ) from None
+    return [str(_pieces_dir(path, rank, key) / n) for n in names]
+
+
+def collect_pieces(directory: Path) -> int:
+    """Remove the pieces under ``directory``/:data:`PIECES_DIR` that no checkpoint in ``directory`` names (and
+    partial ones): a deleted checkpoint's pieces go once no kept checkpoint's chain needs them. Nothing is
+    removed while a checkpoint's chain file cannot be read. Returns the bytes removed."""
+    pool = directory / PIECES_DIR
+    if not pool.is_dir():
+        return 0
+    named: Set[Tuple[str, str, str]] = set()
+    for file in directory.glob(f"*/{STORE_FILES_DIR}/rank*/*/{CHAIN_FILE}"):
+        try:
+            with open(file) as f:
+                names = json.load(f)["pieces"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+        rank, key = file.parent.parent.name, file.parent.name
+        named.update((rank, key, n) for n in names)
+    freed = 0
+    for piece in pool.glob("rank*/*/*"):
+        name = piece.name[: -len(".npz")] if piece.name.endswith(".npz") else piece.name
+        if (piece.parent.parent.name, piece.parent.name, name) not in named:
+            freed += piece.stat().st_blocks * 512
+            piece.unlink()
+    return freed
 
 
 def load_sharded(target: Dict[str, Any], path: Path) -> None:
@@ -55,18 +158,20 @@ def load_sharded(target: Dict[str, Any], path: Path) -> None:
 
 
 def load_store_files(files: StoreFiles, path: Path, rank: int) -> None:
-    """Load this rank's tables kept in files from checkpoint ``path`` (see :data:`STORE_FILES_DIR`).
+    """Load this rank's tables kept in files from the chains of pieces checkpoint ``path`` names (see
+    :data:`STORE_FILES_DIR` and :data:`PIECES_DIR`).
 
     Raises:
-        CheckpointError: a copy is missing, damaged or of another table, shard, layout or seed.
+        CheckpointError: a chain or a piece is missing, damaged, or of another table, shard, layout or seed (the
+            piece is named).
     """
-    directory = path / STORE_FILES_DIR / f"rank{rank}"
+    chains = {key: read_chain(path, rank, key) for key in files.stores}
     try:
-        files.load(str(directory))
+        files.load(chains)
     except (ConfigError, StoreError) as e:
         first = (str(e).strip().splitlines() or [""])[0]
         raise CheckpointError(
-            f"checkpoint {path}: the copies of the disk stores' files under {directory} could not be loaded "
+            f"checkpoint {path}: the pieces of the disk stores' files it needs could not be loaded "
             f"({first[:400]}); resume from an intact checkpoint of this configuration"
         ) from e
 

@@ -54,12 +54,13 @@ from torchrec_lookahead.modules._checkpoint import StoreFiles, store_files
 from torchrec_lookahead.runtime import CacheSession, LookaheadBatch
 from torchrec_lookahead.strategies._checkpoint import (
     META_FILE,
-    STORE_FILES_DIR,
     WORLD_SIZE_KEY,
     checkpoint_memory_shortfall,
+    collect_pieces,
     load_sharded,
     load_store_files,
     read_checkpoint_meta,
+    save_store_files,
 )
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
 from torchrec_lookahead.strategies._sharding import (
@@ -96,6 +97,10 @@ class TorchRecStrategy(DDPStrategy):
             :func:`~torchrec_lookahead.store.init_rows` into every resident table (the values the lookahead
             cache's stores start from), so cached and resident runs and any number of ranks start alike;
             ``None`` keeps TorchRec's random initialisation.
+        full_checkpoint_every: a checkpoint writes each disk store's rows changed since the previous one (a
+            delta over its chain of pieces, ``docs/disk_tier.md``); every this many checkpoints of a chain, or
+            once the deltas hold as many bytes as the chain's full piece, it writes a full one. 1: every
+            checkpoint is full.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ...).
 
@@ -117,9 +122,12 @@ class TorchRecStrategy(DDPStrategy):
         module_name: Optional[str] = None,
         plan: Optional[ShardingPlan] = None,
         init_seed: Optional[int] = 0,
+        full_checkpoint_every: int = 8,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        check_int("full_checkpoint_every", full_checkpoint_every, 1, "give 1 (every checkpoint full) or more")
+        self._full_every = int(full_checkpoint_every)
         self._sharders = sharders
         self._constraints = dict(constraints or {})
         self._compute_kernel = compute_kernel
@@ -502,19 +510,31 @@ class TorchRecStrategy(DDPStrategy):
         if self.is_global_zero:
             if path.is_file():
                 path.unlink()
-            path.mkdir(parents=True, exist_ok=True)
+            elif (
+                path.is_dir()
+            ):  # rewritten (last.ckpt): its chains' pieces stay until no checkpoint names them
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
         self.barrier("torchrec_ckpt_mkdir")
         files, self._store_files = self._store_files, None
-        if files:  # before the shards: a checkpoint killed while copying lacks .metadata and is refused
-            files.save(str(path / STORE_FILES_DIR / f"rank{self.global_rank}"))
-        sharded = {"state_dict": checkpoint.pop("state_dict")}
-        for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            sharded[f"optimizer_{i}"] = opt_state
-        dcp.save(sharded, checkpoint_id=path)
-        checkpoint[WORLD_SIZE_KEY] = self.world_size
-        if self.is_global_zero:
-            torch.save(checkpoint, path / META_FILE)
+        try:
+            if files:  # before the shards: a checkpoint killed while writing lacks .metadata and is refused
+                save_store_files(files, path, self.global_rank, self._full_every)
+            sharded = {"state_dict": checkpoint.pop("state_dict")}
+            for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+                sharded[f"optimizer_{i}"] = opt_state
+            dcp.save(sharded, checkpoint_id=path)
+            checkpoint[WORLD_SIZE_KEY] = self.world_size
+            if self.is_global_zero:
+                torch.save(checkpoint, path / META_FILE)
+        except BaseException:
+            if self.is_global_zero:  # a failed checkpoint leaves nothing behind
+                shutil.rmtree(path, ignore_errors=True)
+                collect_pieces(path.parent)
+            raise
         self.barrier("torchrec_ckpt_saved")
+        if self.is_global_zero:
+            collect_pieces(path.parent)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -560,6 +580,7 @@ class TorchRecStrategy(DDPStrategy):
             path = Path(filepath)
             if path.is_dir():
                 shutil.rmtree(path)
+                collect_pieces(path.parent)  # the pieces no kept checkpoint's chain needs
             elif path.exists():
                 path.unlink()
 
