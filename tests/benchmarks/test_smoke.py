@@ -112,7 +112,7 @@ def check_oracle_throughput(f: Dict[str, Any]) -> None:
     assert f["steps"] == 12 and f["batch"] == 512 and f["horizon"] == 8 and f["tables"] == 26
     assert f["plan_threads"] == 2
     threaded = {f"{p}, 2 threads" for p in ("belady", "ttl", "lru")}
-    untimed = {"belady, no num_embeddings", "belady, pooled"}  # wall clock only
+    untimed = {"belady, no num_embeddings", "belady, pooled", "belady, pooled, 2 threads"}  # wall clock only
     assert set(f["policies"]) == {"belady", "ttl", "lru"} | untimed | threaded
     samples = f["steps"] * f["batch"]
     for name, p in f["policies"].items():
@@ -121,6 +121,7 @@ def check_oracle_throughput(f: Dict[str, Any]) -> None:
     assert f["samples_per_s"] == f["policies"]["belady"]["samples_per_s"]
     assert positive(f["floor_samples_per_s"]) and positive(f["unsized_over_sized"])
     assert positive(f["pooled_over_per_table"])
+    assert f["pooled_samples_per_s"] == f["policies"]["belady, pooled, 2 threads"]["samples_per_s"]
     assert 0 < f["ttl_peak_rows_60_steps"] <= f["rows"]
 
 

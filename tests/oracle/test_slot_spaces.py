@@ -209,3 +209,37 @@ def test_a_shared_space_too_small_names_its_tables() -> None:
         CapacityError, match=r"shared by tables \['a', 'b'\] \(the sum of their capacities, 4 rows\)"
     ):
         list(LookaheadOracle(cfg).plan_stream([{"a": torch.tensor([1, 2, 3]), "b": torch.tensor([4, 5])}]))
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_a_space_read_on_several_threads_plans_the_same(num_ranks: int) -> None:
+    """The members' ids are read in groups on the planner threads: plans, counters and state do not move."""
+    traces = _traces(5, 30)
+    members = ("a", "b", "c")
+    runs = []
+    for threads in (1, 2, 3):
+        oracle = LookaheadOracle(
+            OracleConfig(
+                capacity={"a": 60, "b": 20, "c": 40},
+                horizon=8,
+                prefetch_depth=1,
+                num_embeddings=ROWS,
+                slot_spaces={"s": members},
+                plan_threads=threads,
+                num_ranks=num_ranks,
+            )
+        )
+        plans = list(oracle.plan_stream(batches_of(traces)))
+        runs.append((plans, oracle.stats(), oracle.state_dict()))
+    (want, stats, state), rest = runs[0], runs[1:]
+    for plans, got_stats, got_state in rest:
+        assert got_stats == stats
+        for p, w in zip(plans, want, strict=True):
+            for m in members:
+                a, b = p.tables[m], w.tables[m]
+                for field in ("evict_ids", "evict_slots", "fetch_ids", "fetch_slots", "slots"):
+                    assert torch.equal(getattr(a, field), getattr(b, field)), (m, field)
+                if num_ranks > 1:
+                    assert a.ranks is not None and b.ranks is not None
+                    assert torch.equal(a.ranks.reader_mask, b.ranks.reader_mask)
+        assert torch.equal(got_state["tables"]["s"]["id_of_slot"], state["tables"]["s"]["id_of_slot"])

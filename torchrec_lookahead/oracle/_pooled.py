@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Type
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ __all__: List[str] = []
 
 #: Parts of one table in one batch: (ids, sample index per id or None, batch size or None).
 Part = Tuple[np.ndarray, Optional[np.ndarray], Optional[int]]
+
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
 
 _COUNTED = ("steps", "lookups", "unique", "hits", "fetches", "evictions")
 
@@ -66,7 +70,14 @@ class _Unit:
 class _SharedUnit(_Unit):
     """Tables sharing one slot space, planned as one virtual table (see the module docstring)."""
 
-    def __init__(self, name: str, tables: Sequence[str], config: OracleConfig, cls: Type[_TablePlanner]):
+    def __init__(
+        self,
+        name: str,
+        tables: Sequence[str],
+        config: OracleConfig,
+        cls: Type[_TablePlanner],
+        threads: int = 1,
+    ):
         sizes = config.num_embeddings or {}
         missing = [t for t in tables if t not in sizes]
         if missing:
@@ -87,7 +98,9 @@ class _SharedUnit(_Unit):
         self.num_ranks = config.num_ranks
         self.counters = {t: dict.fromkeys(_COUNTED, 0) for t in self.tables}
         #: per batch in the lookahead window, the number of ids of each member (to split the plan's slots)
-        self._lengths: Deque[List[int]] = collections.deque()
+        self._lengths: Deque[Tuple[List[int], List[int]]] = collections.deque()
+        #: runs the members' per-id work of a batch (unique ids, next uses) on ``threads`` threads
+        self.groups = _MemberGroups(self.rows, threads)
 
     def check_ids(self, parts: Dict[str, Part], step: int) -> None:
         for t, rows in zip(self.tables, self.rows):
@@ -114,7 +127,8 @@ class _SharedUnit(_Unit):
 
     def _push(self, step: int, parts: Dict[str, Part]) -> None:
         got = [parts[t] for t in self.tables]
-        ids = np.concatenate([p[0] + off for p, off in zip(got, self.offsets[:-1])])
+        # each member's ids were checked (check_ids), so the offset ones lie within the space's sized arrays
+        pieces = [p[0] + off for p, off in zip(got, self.offsets[:-1])]
         samples: Optional[np.ndarray] = None
         size: Optional[int] = None
         if (
@@ -122,29 +136,31 @@ class _SharedUnit(_Unit):
         ):  # each id's rank from its own table's batch, passed as a sample of a batch of W
             samples = np.concatenate([_ranks(p, self.num_ranks) for p in got])
             size = self.num_ranks
-        # each member's ids were checked (check_ids), so the offset ones lie within the space's sized arrays
-        self.planner.push(step, ids, samples, size)
-        self._lengths.append([int(p[0].size) for p in got])
+        unique = self.planner.push_pieces(step, self.groups.pieces(pieces), samples, size, self.groups)
+        self._lengths.append(([int(p[0].size) for p in got], unique))
 
     def plan(self) -> Dict[str, TablePlan]:
-        direct = self.planner.direct
-        # a direct-mapped space keeps a batch's raw ids (it counts no unique ids), the others its unique ids
-        uniq = self.planner.recs[0].uniq
-        lengths = self._lengths.popleft()
+        # a direct-mapped space keeps a batch's raw ids and counts no unique ids
+        count_unique = not self.planner.direct
+        lengths, unique = self._lengths.popleft()
         try:
             whole = self.planner.plan()
         except CapacityError as err:
             raise self._too_small(err) from None
-        out: Dict[str, TablePlan] = {}
         ev_ids, ev_slots = whole.evict_ids.numpy(), whole.evict_slots.numpy()
         fe_ids, fe_slots = whole.fetch_ids.numpy(), whole.fetch_slots.numpy()
-        ev_of, fe_of = self._member(ev_ids), self._member(fe_ids)
-        uniq_of = None if direct else self._member(uniq)
+        # a plan's fetches come in the order of the batch's unique ids, so grouped by member; its evictions not
+        members = np.arange(len(self.tables) + 1)
+        fe_at = np.searchsorted(self._member(fe_ids), members)
+        ev_of = self._member(ev_ids)
+        order = np.argsort(ev_of, kind="stable")
+        ev_ids, ev_slots = ev_ids[order], ev_slots[order]
+        ev_at = np.searchsorted(ev_of[order], members)
+        out: Dict[str, TablePlan] = {}
         start = 0
         for i, t in enumerate(self.tables):
-            off = self.offsets[i]
-            ev, fe = ev_of == i, fe_of == i
-            n = lengths[i]
+            off, n = self.offsets[i], lengths[i]
+            ev, fe = slice(ev_at[i], ev_at[i + 1]), slice(fe_at[i], fe_at[i + 1])
             ranks = None if whole.ranks is None else _member_ranks(whole.ranks, off, self.offsets[i + 1])
             out[t] = TablePlan(
                 evict_ids=torch.from_numpy(ev_ids[ev] - off),
@@ -155,16 +171,15 @@ class _SharedUnit(_Unit):
                 ranks=ranks,
             )
             start += n
-            fetches = int(np.count_nonzero(fe))
+            fetches = int(fe_at[i + 1] - fe_at[i])
             c = self.counters[t]
             c["steps"] += 1
             c["lookups"] += n
             c["fetches"] += fetches
-            c["evictions"] += int(np.count_nonzero(ev))
-            if uniq_of is not None:
-                unique = int(np.count_nonzero(uniq_of == i))
-                c["unique"] += unique
-                c["hits"] += unique - fetches
+            c["evictions"] += int(ev_at[i + 1] - ev_at[i])
+            if count_unique:
+                c["unique"] += unique[i]
+                c["hits"] += unique[i] - fetches
         return out
 
     def _member(self, ids: np.ndarray) -> np.ndarray:
@@ -203,3 +218,44 @@ def _member_ranks(ranks: RankAnnotation, lo: int, hi: int) -> RankAnnotation:
         shared_next=ranks.shared_next[a:b],
         shared_delayed=ranks.shared_delayed[a:b],
     )
+
+
+class _MemberGroups:
+    """A shared space's members in ``threads`` contiguous groups, and the threads that read a batch's groups.
+
+    A group's ids are one contiguous range of the space, so a group is read as one piece (one pass over all its
+    members' ids: few large NumPy calls, which release the GIL, rather than many small ones). Groups are cut where
+    the members' summed weight (the log of their rows: a large table's random reads cost more) crosses an equal
+    share. The caller's thread reads the first group; the plans do not depend on the number of threads.
+    """
+
+    def __init__(self, rows: np.ndarray, threads: int) -> None:
+        threads = max(1, min(int(threads), rows.size))
+        weight = np.cumsum(np.log2(rows.astype(np.float64) + 2.0))
+        cuts = np.searchsorted(weight, weight[-1] * np.arange(1, threads) / threads, side="left") + 1
+        bounds = sorted({0, rows.size, *(int(c) for c in cuts if 0 < c < rows.size)})
+        #: member index ranges ``[a, b)`` of the groups
+        self.groups = list(zip(bounds[:-1], bounds[1:]))
+        self.pool = (
+            ThreadPoolExecutor(len(self.groups) - 1, thread_name_prefix="oracle-space")
+            if len(self.groups) > 1
+            else None
+        )
+
+    def pieces(self, ids: Sequence[np.ndarray]) -> List[Tuple[np.ndarray, Optional[np.ndarray]]]:
+        """Each group's ids, concatenated, with the cuts between its members."""
+        out: List[Tuple[np.ndarray, Optional[np.ndarray]]] = []
+        for a, b in self.groups:
+            sizes = [0] + [int(x.size) for x in ids[a:b]]
+            out.append((np.concatenate(ids[a:b]), np.cumsum(sizes)))
+        return out
+
+    def __call__(self, fn: Callable[[_In], _Out], items: Sequence[_In]) -> List[_Out]:
+        if self.pool is None or len(items) < 2:
+            return [fn(x) for x in items]
+        futures = [self.pool.submit(fn, x) for x in items[1:]]
+        try:
+            first = fn(items[0])
+        finally:
+            wait(futures)  # every thread is done with the planner's arrays before anything else touches them
+        return [first] + [f.result() for f in futures]

@@ -17,7 +17,7 @@ several times faster than a sort on CPU).
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import numpy as np
 import torch
@@ -53,6 +53,21 @@ def check_range(name: str, ids: np.ndarray, step: int, rows: Optional[int]) -> i
             num_rows=rows,
         )
     return high
+
+
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
+
+
+class Fanout(Protocol):
+    """Runs a function over items, possibly on several threads, and returns the results in item order."""
+
+    def __call__(self, fn: Callable[[_In], _Out], items: Sequence[_In]) -> List[_Out]: ...
+
+
+def serial_map(fn: Callable[[_In], _Out], items: Sequence[_In]) -> List[_Out]:
+    """The :data:`Fanout` of one thread."""
+    return [fn(x) for x in items]
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
@@ -184,6 +199,11 @@ class _TablePlanner:
 
     def dedup(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """Unique ids in order of first occurrence, and the index of each input id among them."""
+        uniq, inv, _ = self.dedup_first(ids)
+        return uniq, inv
+
+    def dedup_first(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`dedup`, and the position in ``ids`` of each unique id's first occurrence (ascending)."""
         n = ids.size
         pos = self.arange(n)
         scratch = self.scratch
@@ -191,7 +211,7 @@ class _TablePlanner:
         first = np.flatnonzero(scratch[ids] == pos)
         uniq = ids[first]
         scratch[uniq] = self.arange(uniq.size)
-        return uniq, scratch[ids]
+        return uniq, scratch[ids], first
 
     def _leave_direct(self) -> None:
         """A provisionally direct-mapped table read an id beyond its capacity: plan it by the policy from now on.
@@ -218,38 +238,97 @@ class _TablePlanner:
         self, step: int, ids: np.ndarray, samples: Optional[np.ndarray], batch_size: Optional[int]
     ) -> None:
         """Read batch ``step`` of this table into the lookahead window."""
+        self.push_pieces(step, [(ids, None)], samples, batch_size)
+
+    def push_pieces(
+        self,
+        step: int,
+        pieces: Sequence[Tuple[np.ndarray, Optional[np.ndarray]]],
+        samples: Optional[np.ndarray],
+        batch_size: Optional[int],
+        fanout: Fanout = serial_map,
+    ) -> List[int]:
+        """Read batch ``step``, the concatenation of the ids of ``pieces``, into the lookahead window.
+
+        A piece is ``(ids, cuts)``: the id ranges of the pieces are disjoint and increasing (groups of a shared
+        slot space's members); ``cuts`` (or ``None``) splits a piece's ids into parts (its members) whose unique
+        ids are counted apart. The per-id work of a piece (unique ids, last occurrences, next uses) touches its
+        own part of the per-id arrays, so ``fanout`` may run the pieces on several threads; the result does not
+        depend on it.
+
+        Returns:
+            The number of unique ids of each part, piece after piece (of each id, for a direct-mapped table).
+        """
         if self.direct:
+            ids = pieces[0][0] if len(pieces) == 1 else np.concatenate([p for p, _ in pieces])
             self.recs.append(_Record(step, ids, _EMPTY, _EMPTY, None))
-            return
-        uniq, inv = self.dedup(ids)
+            return [int(n) for p, cuts in pieces for n in (np.diff(cuts) if cuts is not None else [p.size])]
+        self.arange(max(int(p.size) for p, _ in pieces))  # grown here, never inside the fan-out
+        got = fanout(self._read_piece, pieces)
+        counts = [int(u.size) for u, _, _ in got]
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        n = int(starts[-1])
+        # the buffer may move when it grows: before the earlier batches' entries are written
+        base = self._alloc(n)
+        self.ring[step % self.ring.size] = base
+        marked = fanout(self._mark, [(step, u, i, int(a)) for (u, i, _), a in zip(got, starts)])
+        if len(got) == 1:
+            uniq, (inv, prev_step, changed) = got[0][0], marked[0]
+        else:
+            uniq = np.concatenate([u for u, _, _ in got])
+            inv, prev_step, changed = (np.concatenate([m[k] for m in marked]) for k in range(3))
+        if self.track_next and changed.size:
+            self.note_next_changed(changed)
+        ranks = readers(inv, samples, batch_size, n, self.num_ranks) if self.num_ranks > 1 else None
+        self.recs.append(_Record(step, uniq, inv, prev_step, ranks))
+        if self.fixed_capacity:
+            self._check_window(step)
+        return [c for _, _, parts in got for c in parts]
+
+    def _read_piece(
+        self, piece: Tuple[np.ndarray, Optional[np.ndarray]]
+    ) -> Tuple[np.ndarray, np.ndarray, List[int]]:
+        """The unique ids of a piece, the index of each of its ids among them, and each part's unique count."""
+        ids, cuts = piece
+        uniq, inv, first = self.dedup_first(ids)
+        parts = [int(uniq.size)] if cuts is None else np.diff(np.searchsorted(first, cuts)).tolist()
+        return uniq, inv, parts
+
+    def _mark(
+        self, job: Tuple[int, np.ndarray, np.ndarray, int]
+    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Record the unique ids ``uniq`` of batch ``step`` (positions from ``start`` on among the batch's unique
+        ids) as their ids' last occurrence, point their previous occurrences in the window at ``step``, and give
+        resident ids with no known next use this step. Returns the index ``inv`` among the batch's unique ids,
+        the steps of the previous occurrences, and the slots given this step."""
+        step, uniq, inv, start = job
         n = uniq.size
+        if start:
+            inv = inv + np.int64(start)
         prev = self.last_occ[uniq]
-        self.last_occ[uniq] = (np.int64(step) << np.int64(32)) | self.arange(n)
+        self.last_occ[uniq] = (np.int64(step) << np.int64(32)) | (
+            self.arange(n) + np.int64(start) if start else self.arange(n)
+        )
         prev_step = prev >> np.int64(32)
         inw = np.flatnonzero(prev_step >= self.next_step)
         if inw.size:
             p = prev[inw]
             self.occ[self.ring[prev_step[inw] % self.ring.size] + (p & _LOW32)] = step
-        base = self._alloc(n)
-        self.ring[step % self.ring.size] = base
-        if self.track_next and n:
-            slots = self.slot_of[uniq]
-            slots = slots[slots >= 0]
-            slots = slots[self.res_next[slots] == INF]
-            self.res_next[slots] = step
-            self.note_next_changed(slots)
-        ranks = readers(inv, samples, batch_size, n, self.num_ranks) if self.num_ranks > 1 else None
-        self.recs.append(_Record(step, uniq, inv, prev_step, ranks))
-        if self.fixed_capacity:
-            self._check_window(step)
+        if not (self.track_next and n):
+            return inv, prev_step, _EMPTY
+        slots = self.slot_of[uniq]
+        slots = slots[slots >= 0]
+        slots = slots[self.res_next[slots] == INF]
+        self.res_next[slots] = step
+        return inv, prev_step, slots
 
     def _alloc(self, n: int) -> int:
         if self.hi + n > self.occ.size:
             live = self.hi - self.lo
             if live + n <= self.occ.size // 2:  # shift in place: fresh memory costs page faults
                 self.occ[:live] = self.occ[self.lo : self.hi].copy()
-            else:
-                new = np.empty(4 * (live + n), dtype=np.int64)
+            else:  # twice what is live: a shift every horizon or so, and half the memory of more room
+                new = np.empty(2 * (live + n), dtype=np.int64)
                 new[:live] = self.occ[self.lo : self.hi]
                 self.occ = new
             self.ring -= self.lo

@@ -169,12 +169,10 @@ class BeladyPlanner(_TablePlanner):
         interval since its last read."""
         if not self.by_reuse:
             return
-        fetched = np.zeros(slots.size, dtype=bool)
-        fetched[miss] = True
-        hit = slots[~fetched]
-        self.predicted[hit] = 2 * np.int64(t) - (self.rk[hit] >> np.int64(32))
-        self.protected[hit] = True
-        self.protected[slots[fetched]] = False
+        # a fetched slot's prediction is never read while it is unprotected, and a later read rewrites it
+        self.predicted[slots] = 2 * np.int64(t) - (self.rk[slots] >> np.int64(32))
+        self.protected[slots] = True
+        self.protected[slots[miss]] = False
 
     def after_step(self, slots: np.ndarray, uniq: np.ndarray, rks: np.ndarray, next_use: np.ndarray) -> None:
         """Queue the unprotected ids with no use within the horizon; log the others as pool arrivals."""

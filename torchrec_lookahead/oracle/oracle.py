@@ -69,9 +69,14 @@ class LookaheadOracle:
         self.config = config
         planner = _PLANNERS[Policy(config.policy)]
         #: the planning units: a table alone, or the tables sharing a slot space
+        units = config.units()
+        # the planner threads go to the units, or, when one shared slot space is all there is, to its members
+        inner = int(config.plan_threads or 1) if len(units) == 1 else 1
         self._units: Dict[str, _Unit] = {
-            name: (_SharedUnit if len(tables) > 1 else _Unit)(name, tables, config, planner)
-            for name, tables in config.units().items()
+            name: _SharedUnit(name, tables, config, planner, inner)
+            if len(tables) > 1
+            else _Unit(name, tables, config, planner)
+            for name, tables in units.items()
         }
         self._tables = [t for u in self._units.values() for t in u.tables]
         self._read = 0
