@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._common import machine, parser, table, torchrun_worker, write_json  # noqa: E402
+from torchrec_lookahead.launch import shutdown_distributed  # noqa: E402
 
 WORLD = 2
 MIB = 1 << 20
@@ -108,6 +109,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         _worker(argv[1], int(argv[2]), int(argv[3]))
+        shutdown_distributed(exit_code=0)  # gloo's threads torn down by the interpreter can abort the rank
         return {}
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None, help="steps of each run (default 100; --quick 20)")

@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import machine, parser, table, torchrun_worker, write_json  # noqa: E402
+from torchrec_lookahead.launch import shutdown_distributed  # noqa: E402
 from torchrec_lookahead.models import DLRMModule  # noqa: E402
 from torchrec_lookahead.strategies._splits import (  # noqa: E402
     LayerPlacement,
@@ -234,5 +235,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
                 [int(x) for x in sys.argv[6].split(",")], float(sys.argv[7]))  # fmt: skip
+        shutdown_distributed(exit_code=0)  # gloo's threads torn down by the interpreter can abort the rank
     else:
         main()
