@@ -115,7 +115,7 @@ def _tables_from_files(ckpt: Path, state: Mapping[str, Any]) -> Dict[str, Any]:
     the pieces beside the checkpoint), each read into a scratch store file beside the checkpoint."""
     from torchrec_lookahead.modules._checkpoint import FILES_KEY
     from torchrec_lookahead.store import DiskStore
-    from torchrec_lookahead.store._disk_io import read_header
+    from torchrec_lookahead.store.pieces import open_pieces
     from torchrec_lookahead.strategies._checkpoint import STORE_FILES_DIR, read_chain
 
     out = dict(state)
@@ -130,26 +130,18 @@ def _tables_from_files(ckpt: Path, state: Mapping[str, Any]) -> Dict[str, Any]:
                 continue
             with tempfile.TemporaryDirectory(dir=ckpt.parent, prefix=".export-") as scratch:
                 try:
-                    meta = read_header(pieces[0])
-                    store = DiskStore(Path(scratch) / "t.rows", meta["num_embeddings"], meta["embedding_dim"],
-                                      meta["state_widths"], name=meta["name"], seed=meta["seed"],
-                                      row_offset=meta["row_offset"], table_rows=meta["table_rows"],
-                                      host_budget_bytes=1 << 20, preallocate=False)  # fmt: skip
+                    store = open_pieces(pieces, scratch)
                 except Exception as e:  # noqa: BLE001 - a damaged piece: ConfigError, SetupError, StoreError
-                    raise CheckpointError(
-                        f"cannot read {pieces[0]}, a piece of a disk store of {ckpt}: {e}"
-                    ) from e
+                    raise CheckpointError(f"cannot read the chain of pieces {pieces} of {ckpt}: {e}") from e
                 try:
-                    store.load_files(pieces)
-                    lo, hi = store.row_offset, store.row_offset + store.num_embeddings
+                    lo, hi = store.row_offset, store.row_offset + store.num_embeddings  # type: ignore[attr-defined]
                     for name, value in {"weight": store.full_weights(), **store.full_states()}.items():
                         column = columns.setdefault(name, torch.empty(rows, value.shape[1]))
                         column[lo:hi] = value
                     covered += hi - lo
-                except Exception as e:  # noqa: BLE001
-                    raise CheckpointError(f"cannot read the chain of pieces {pieces} of {ckpt}: {e}") from e
                 finally:
-                    store.close()
+                    if isinstance(store, DiskStore):
+                        store.close()
         if covered != rows:
             raise CheckpointError(
                 f"{ckpt}: the pieces of table {table}'s disk store files hold {covered:,} of its {rows:,} rows "

@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 from torchrec_lookahead.errors import CheckpointError
 from torchrec_lookahead.store import TensorStore
@@ -131,3 +132,34 @@ def test_chains_survive_retention_and_resume_bit_for_bit_from_an_older_delta(tmp
     with pytest.raises(CheckpointError, match=f"piece '{chains[older][0]}' is missing"):
         fit_cached(tmp_path / "c", 6, sharder_kw={**disk, "store_dir": str(tmp_path / "c_st")},
                    ckpt_path=str(d / older), **kw)  # fmt: skip
+
+
+def test_in_memory_stores_checkpoint_deltas_and_resume_and_export_from_an_older_one_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    """incremental_ram_stores: a RAM store's checkpoints are chains of the rows written between them; resuming
+    from a delta of an older chain equals the uninterrupted run, and `export` reads a chain into whole tables."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from torchrec_lookahead.export import _load_whole
+
+    from ..helpers import weights
+
+    def fit(name: str, **extra: Any) -> Any:
+        every = ModelCheckpoint(dirpath=tmp_path / f"{name}_ckpt", every_n_train_steps=1, save_top_k=-1)
+        return fit_cached(tmp_path / name, 6, capacity={"t_cat_2": 140}, sharder_kw={"store": "ram"},
+                          strategy_kw={"full_checkpoint_every": 3, "incremental_ram_stores": True},
+                          callbacks=[every], **extra)[1]  # fmt: skip
+
+    full = fit("a")
+    d = tmp_path / "a_ckpt"
+    lengths = [len(_checkpoint.read_chain(d / f"epoch=0-step={s}.ckpt", 0, "embedding_bags.t_cat_2")) for s in
+               range(1, 7)]  # fmt: skip
+    assert lengths == [1, 2, 3, 1, 2, 3], lengths
+    resumed = fit("b", ckpt_path=str(d / "epoch=0-step=3.ckpt"))
+    a, b = weights(full), weights(resumed)
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+    ends = [_load_whole(tmp_path / f"{r}_ckpt" / "epoch=0-step=6.ckpt")["state_dict"] for r in "ab"]
+    key = next(k for k in ends[0] if k.endswith("embedding_bags.t_cat_2.weight"))
+    assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    assert ends[0][key].shape[0] > 140  # the whole table, not the cache

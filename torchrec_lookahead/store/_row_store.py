@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import threading
-from typing import Dict, List, Mapping, Optional, Tuple
+import uuid
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from torchrec_lookahead.errors import ConfigError, DataError
+from torchrec_lookahead.store._disk_chain import Chain
+from torchrec_lookahead.store._row_chain import read_rows_chain, write_rows_piece
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
 from torchrec_lookahead.store.types import ShapedStore, StoreShape, check_load
 
@@ -71,6 +75,9 @@ class _RowStore(ShapedStore):
         self._num_chunks = -(-(self.num_embeddings + self._phase) // self._chunk_rows)
         self._init_lock = threading.Lock()
         self._all_init = False
+        self._keeps_files = False
+        self._since: Optional[np.ndarray] = None  # with keep_files(): the rows written since the last piece
+        self._row_chain: Optional[Chain] = None  # the checkpoint pieces last saved or loaded
 
     # -- to provide in subclasses -------------------------------------------------------------------------
     def _rows(self) -> torch.Tensor:
@@ -208,6 +215,47 @@ class _RowStore(ShapedStore):
             return
         self._ensure_init(ids)
         self._rows().index_copy_(0, ids, packed)
+        if self._since is not None:
+            self._since[ids.numpy()] = True
+
+    # -- checkpoint pieces (_row_chain) ----------------------------------------------------------------------
+    def keep_files(self) -> None:
+        """From now on, checkpoints keep this table as pieces of its rows (:meth:`save_files`): the rows
+        written since the previous piece are tracked as they are written, and a checkpoint writes those (a
+        delta) instead of the whole table."""
+        if not self.keeps_files:
+            self._keeps_files = True
+            self._since = np.zeros(self.num_embeddings, dtype=bool)
+
+    @property
+    def keeps_files(self) -> bool:
+        """Whether checkpoints keep this table as pieces of its rows (after :meth:`keep_files`)."""
+        return self._keeps_files
+
+    def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
+        """Write a checkpoint piece of the rows into ``directory``, durably: the rows written since the chain
+        last saved or loaded while it has fewer than ``max_chain`` pieces, else every row of the initialised
+        chunks (:mod:`~torchrec_lookahead.store._row_chain`). Returns the chain, the full piece first.
+
+        Raises:
+            ConfigError: :meth:`keep_files` was not called.
+            StoreError: the piece cannot be written (a full disk: free and needed bytes named).
+        """
+        if self._since is None:
+            raise ConfigError(f"table '{self.name}': call keep_files() before saving pieces of its rows")
+        dst = os.path.join(directory, f"{self.name}.{self._row_offset}.{uuid.uuid4().hex[:16]}.rows")
+        self._row_chain = write_rows_piece(self, dst, self._row_chain, max(1, int(max_chain)), self._since)
+        return list(self._row_chain.pieces)
+
+    def load_files(self, pieces: Sequence[str]) -> None:
+        """Make the store hold what the chain ``pieces`` (:meth:`save_files`) stands for.
+
+        Raises:
+            ConfigError: a piece is missing, damaged, or of another table, shard, layout or seed (named).
+        """
+        self._row_chain = read_rows_chain(self, pieces)
+        if self._since is not None:
+            self._since[:] = False
 
     def full_weights(self) -> torch.Tensor:
         self._ensure_init(None)
@@ -231,6 +279,7 @@ class _RowStore(ShapedStore):
                         rows[lo:hi, a:b] = 0.0
                 self._mark_init(chunk)
         self._all_init = True
+        self._row_chain = None
 
     def __repr__(self) -> str:
         return (

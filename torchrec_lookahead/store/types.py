@@ -261,6 +261,19 @@ class EmbeddingStore(abc.ABC):
         its full tensors: a table on disk may be larger than memory. ``False`` here."""
         return False
 
+    def keep_files(self) -> None:
+        """From now on, have checkpoints keep this table as pieces (:meth:`save_files`) instead of full tensors:
+        the in-memory stores then track the rows written since the previous piece. A no-op where
+        :attr:`keeps_files` already holds.
+
+        Raises:
+            ConfigError: this store cannot (a store shared by several processes, or one without rows of its own).
+        """
+        if not self.keeps_files:
+            raise ConfigError(
+                f"{type(self).__name__} of table '{self.name}' cannot keep its rows in checkpoint pieces"
+            )
+
     def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
         """Write a checkpoint piece of this rank's part of the table into ``directory``, durably, holding at most
         a block of it in memory (the host tier's unwritten rows are written first): a delta over the chain of

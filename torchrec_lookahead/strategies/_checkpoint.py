@@ -25,6 +25,7 @@ __all__ = [
     "WORLD_SIZE_KEY",
     "checkpoint_memory_shortfall",
     "collect_pieces",
+    "keep_store_files",
     "load_sharded",
     "load_store_files",
     "memory_available",
@@ -58,6 +59,22 @@ def _write_json(path: Path, value: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def keep_store_files(stores: Sequence[EmbeddingStore], world_size: int) -> None:
+    """Have checkpoints keep every cached table in ``stores`` as pieces, in-memory ones too (deltas of the rows
+    written since the previous checkpoint; ``incremental_ram_stores``).
+
+    Raises:
+        ConfigError: several ranks (one rank's in-memory stores only, for now), or a store that cannot.
+    """
+    if world_size > 1 and not all(s.keeps_files for s in stores):
+        raise ConfigError(
+            f"incremental_ram_stores=True is built for one rank; this run has {world_size}: drop it (checkpoints "
+            "then hold in-memory tables in full), or keep the tables in disk stores (store: disk)"
+        )
+    for store in stores:
+        store.keep_files()
 
 
 def save_store_files(files: StoreFiles, path: Path, rank: int, max_chain: int) -> None:

@@ -57,6 +57,7 @@ from torchrec_lookahead.strategies._checkpoint import (
     WORLD_SIZE_KEY,
     checkpoint_memory_shortfall,
     collect_pieces,
+    keep_store_files,
     load_sharded,
     load_store_files,
     read_checkpoint_meta,
@@ -101,6 +102,8 @@ class TorchRecStrategy(DDPStrategy):
             delta over its chain of pieces, ``docs/disk_tier.md``); every this many checkpoints of a chain, or
             once the deltas hold as many bytes as the chain's full piece, it writes a full one. 1: every
             checkpoint is full.
+        incremental_ram_stores: checkpoints keep in-memory (``ram``, ``mmap``) stores' tables in the same chains
+            (deltas of the rows written since the previous checkpoint) instead of full tensors (one rank).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ...).
 
@@ -123,11 +126,13 @@ class TorchRecStrategy(DDPStrategy):
         plan: Optional[ShardingPlan] = None,
         init_seed: Optional[int] = 0,
         full_checkpoint_every: int = 8,
+        incremental_ram_stores: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         check_int("full_checkpoint_every", full_checkpoint_every, 1, "give 1 (every checkpoint full) or more")
         self._full_every = int(full_checkpoint_every)
+        self._ram_pieces = bool(incremental_ram_stores)
         self._sharders = sharders
         self._constraints = dict(constraints or {})
         self._compute_kernel = compute_kernel
@@ -443,6 +448,8 @@ class TorchRecStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self._shard_lightning_module()
         self._ensure_session()
+        if self._ram_pieces and self._session is not None:
+            keep_store_files(list(self._session.target.stores.values()), self.world_size)
         self._check_checkpoint_memory(trainer)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -1,0 +1,83 @@
+"""Checkpoint pieces of in-memory stores: the rows written since the previous piece, tracked as they are
+written; any chain read back equals the store when it was saved; refusals name the piece."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+
+from torchrec_lookahead.errors import ConfigError, StoreError
+from torchrec_lookahead.store import MmapStore, TensorStore
+
+N, D = 20000, 4
+WIDTHS = {"momentum1": 1}
+
+
+def _same(a: Any, b: Any) -> bool:
+    return torch.equal(a.full_weights(), b.full_weights()) and torch.equal(
+        a.full_states()["momentum1"], b.full_states()["momentum1"]
+    )
+
+
+@pytest.mark.parametrize("kind", ["ram", "mmap"])
+def test_any_checkpoint_of_a_chain_reads_back_the_store_as_it_was(tmp_path: Path, kind: str) -> None:
+    def make(name: str) -> Any:
+        if kind == "mmap":
+            return MmapStore(tmp_path / f"{name}.bin", N, D, WIDTHS, name="t", seed=3)
+        return TensorStore(N, D, WIDTHS, name="t", seed=3)
+
+    store = make("run")
+    store.keep_files()
+    g = torch.Generator().manual_seed(0)
+    kept: List[Tuple[List[str], Any]] = []
+    for step in range(12):
+        ids = torch.randint(0, N // 8 if step % 3 else N, (300,), generator=g).unique()
+        store.scatter(
+            ids, torch.randn(ids.numel(), D, generator=g), {"momentum1": torch.rand(ids.numel(), 1)}
+        )
+        then = TensorStore(N, D, WIDTHS, name="t", seed=3)
+        then.load(store.full_weights(), store.full_states())
+        kept.append((store.save_files(str(tmp_path / "pieces"), max_chain=4), then))
+    lengths = [len(c) for c, _ in kept]
+    assert lengths == [1, 2, 3, 4] * 3, lengths
+    full, delta = os.path.getsize(kept[0][0][0]), os.path.getsize(kept[1][0][1])
+    assert delta * 5 < full, (delta, full)  # a delta holds the ~300 rows written, the full every row touched
+    fresh = make("fresh")
+    for chain, then in kept[::-1]:
+        fresh.load_files(chain)
+        assert _same(fresh, then)
+    assert (
+        store.save_files(str(tmp_path / "pieces"), max_chain=4) == kept[-1][0]
+    )  # nothing written: same chain
+
+
+def test_pieces_are_refused_when_missing_foreign_or_partial_and_a_full_disk_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = TensorStore(N, D, WIDTHS, name="t", seed=3)
+    with pytest.raises(ConfigError, match="call keep_files"):
+        store.save_files(str(tmp_path))
+    store.keep_files()
+    store.scatter(torch.tensor([1, 2]), torch.ones(2, D), {"momentum1": torch.ones(2, 1)})
+    chain = store.save_files(str(tmp_path / "p"), max_chain=2)
+    other = TensorStore(N, D, WIDTHS, name="t", seed=4)
+    with pytest.raises(ConfigError, match="seed: piece 3, store 4"):
+        other.load_files(chain)
+    os.unlink(chain[0] + ".npz")
+    with pytest.raises(ConfigError, match="is partial"):
+        store.load_files(chain)
+    os.unlink(chain[0])
+    with pytest.raises(ConfigError, match=f"piece '{chain[0]}' is missing"):
+        store.load_files(chain)
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(StoreError, match="No space left on device; it needs .* bytes"):
+        store.save_files(str(tmp_path / "full"), max_chain=2)
+    assert list((tmp_path / "full").iterdir()) == []

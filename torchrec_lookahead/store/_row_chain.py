@@ -1,0 +1,183 @@
+"""Checkpoint pieces of an in-memory store (:class:`~torchrec_lookahead.store.TensorStore`,
+:class:`~torchrec_lookahead.store.MmapStore`): the chain rules of :mod:`~torchrec_lookahead.store._disk_chain`
+over rows instead of log units.
+
+A piece is one file of records, and beside it ``<piece>.npz`` (its kind and bytes, written last: a piece
+without it is partial)::
+
+    page 0        magic, then the layout as JSON (table, rows, dim, state layout, seed, shard, kind, count)
+    then          count int64 local rows, sorted
+    then          count records [weight | states], float32
+
+A *full* piece holds every row of the initialised chunks (the rest hold their computed initial values); a
+*delta* piece holds the rows written since the previous piece of its chain (tracked as they are written). A
+chain is read back oldest first: a row holds the value of the newest piece holding it, else its initial value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from torchrec_lookahead.errors import ConfigError, StoreError
+from torchrec_lookahead.store._disk_chain import LIST_SUFFIX, Chain
+from torchrec_lookahead.store._disk_io import PAGE, free_bytes, fsync_dir
+
+if TYPE_CHECKING:
+    from torchrec_lookahead.store._row_store import _RowStore
+
+__all__: List[str] = []
+
+MAGIC = b"TRLROWS\x00"
+_BLOCK_ROWS = 1 << 16  # records copied at a time
+
+
+def _layout(store: _RowStore) -> Dict[str, Any]:
+    return {
+        **store._shape.fields(),
+        "seed": store.seed,
+        "row_offset": store.row_offset,
+        "table_rows": store.table_rows,
+    }
+
+
+def write_rows_piece(
+    store: _RowStore, dst: str, base: Optional[Chain], max_chain: int, written: np.ndarray
+) -> Chain:
+    """Write the piece ``dst`` of ``store``: a delta of the rows ``written`` (a bool per row) over ``base`` where
+    the chain may grow (:meth:`Chain.extends`), else a full piece. Durable, and whole or absent.
+
+    Returns:
+        The chain the store stands at now (``base`` itself where nothing was written since it).
+
+    Raises:
+        StoreError: the piece cannot be written (a full disk: the free and needed bytes are named); nothing of
+            it is left.
+    """
+    if base is not None and not written.any() and base.there(dst):
+        return base
+    delta = base is not None and base.extends(dst, max_chain)
+    rows = store._rows()
+    if delta:
+        ids = np.flatnonzero(written).astype(np.int64)
+    else:
+        flags = store._chunk_flags().numpy()
+        parts = [np.arange(*store._chunk_range(int(c)), dtype=np.int64) for c in np.flatnonzero(flags)]
+        ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    width = store.row_width
+    nbytes = PAGE + ids.size * (8 + width * 4)
+    head = json.dumps(
+        {**_layout(store), "kind": "delta" if delta else "full", "count": int(ids.size)}
+    ).encode()
+    page = bytearray(PAGE)
+    page[: len(MAGIC) + 4 + len(head)] = MAGIC + len(head).to_bytes(4, "little") + head
+    tmp, tmp_list = dst + ".partial", dst + LIST_SUFFIX + ".partial"
+    os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+    free = free_bytes(dst)
+    if 0 <= free < nbytes:
+        raise StoreError(
+            f"no room for the checkpoint piece '{dst}' of table '{store.name}': it needs {nbytes:,} bytes, "
+            f"{free:,} are free; the store is unchanged: free space, or checkpoint elsewhere",
+            path=dst,
+        )
+    try:
+        with open(tmp, "wb") as f:
+            f.write(page)
+            f.write(ids.tobytes())
+            for a in range(0, ids.size, _BLOCK_ROWS):
+                block = ids[a : a + _BLOCK_ROWS]
+                lo, hi = int(block[0]), int(block[-1]) + 1
+                if hi - lo == block.size:  # consecutive rows: a view of the store
+                    f.write(rows[lo:hi].numpy().tobytes())
+                else:
+                    f.write(rows.index_select(0, torch.from_numpy(block)).numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        with open(tmp_list, "wb") as f:
+            info = {"kind": "delta" if delta else "full", "bytes": nbytes}
+            np.savez(f, info=np.array(json.dumps(info)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+        os.replace(tmp_list, dst + LIST_SUFFIX)
+        fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    except OSError as e:
+        for p in (tmp, tmp_list, dst, dst + LIST_SUFFIX):
+            if os.path.exists(p):
+                os.unlink(p)
+        raise StoreError(
+            f"writing the checkpoint piece '{dst}' of table '{store.name}' failed ({e.strerror}; it needs "
+            f"{nbytes:,} bytes, {free_bytes(dst):,} are free there): nothing of it is left, the store is unchanged",
+            path=dst,
+        ) from None
+    written[:] = False
+    if delta:
+        assert base is not None
+        return Chain((*base.pieces, dst), 0, base.full_bytes, base.delta_bytes + nbytes)
+    return Chain((dst,), 0, nbytes, 0)
+
+
+def _read_head(store: _RowStore, path: str) -> Dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            page = f.read(PAGE)
+        length = int.from_bytes(page[len(MAGIC) : len(MAGIC) + 4], "little")
+        if not page.startswith(MAGIC) or len(page) < PAGE:
+            raise ValueError("no header")
+        head: Dict[str, Any] = json.loads(page[len(MAGIC) + 4 : len(MAGIC) + 4 + length].decode())
+    except FileNotFoundError:
+        raise ConfigError(f"the checkpoint piece '{path}' is missing: the chain of table '{store.name}' is "
+                          "incomplete") from None  # fmt: skip
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"'{path}' is not a checkpoint piece of an in-memory store ({e})") from None
+    if not os.path.exists(path + LIST_SUFFIX):
+        raise ConfigError(f"the checkpoint piece '{path + LIST_SUFFIX}' is missing: '{path}' is partial")
+    diffs = [
+        f"{k}: piece {head.get(k)!r}, store {v!r}" for k, v in _layout(store).items() if head.get(k) != v
+    ]
+    count = int(head.get("count", -1))
+    if not diffs and os.path.getsize(path) != PAGE + count * (8 + store.row_width * 4):
+        diffs = [f"size: piece {os.path.getsize(path):,} bytes for {count:,} rows"]
+    if diffs:
+        raise ConfigError(
+            f"'{path}' is not a checkpoint piece of table '{store.name}' ({'; '.join(diffs)}): it was written for "
+            "another table, shard, layout or seed, or is truncated"
+        )
+    return head
+
+
+def read_rows_chain(store: _RowStore, pieces: Sequence[str]) -> Chain:
+    """Make ``store`` hold what the chain ``pieces`` (oldest first, a full piece first) stands for.
+
+    Raises:
+        ConfigError: a piece is missing, partial, damaged, of another table, shard, layout or seed, or the chain
+            is not one full piece then deltas (named); nothing is written then.
+    """
+    if not pieces:
+        raise ConfigError(f"an empty chain of checkpoint pieces for table '{store.name}'")
+    heads = [_read_head(store, p) for p in pieces]
+    kinds = [h.get("kind") for h in heads]
+    if kinds[0] != "full" or any(k != "delta" for k in kinds[1:]):
+        raise ConfigError(f"a chain of checkpoint pieces must be one full piece then deltas; got {kinds}")
+    rows = store._rows()
+    store._chunk_flags().zero_()
+    store._all_init = False
+    width = store.row_width
+    for path, head in zip(pieces, heads):
+        count = int(head["count"])
+        with open(path, "rb") as f:
+            f.seek(PAGE)
+            ids = np.frombuffer(f.read(count * 8), dtype=np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= store.num_embeddings):
+                raise ConfigError(f"the checkpoint piece '{path}' is damaged (rows out of range)")
+            for a in range(0, count, _BLOCK_ROWS):
+                block = torch.from_numpy(ids[a : a + _BLOCK_ROWS].copy())
+                data = np.frombuffer(f.read(block.numel() * width * 4), dtype=np.float32)
+                store._ensure_init(block)
+                rows.index_copy_(0, block, torch.from_numpy(data.reshape(-1, width).copy()))
+    sizes = [os.path.getsize(p) for p in pieces]
+    return Chain(tuple(pieces), 0, sizes[0], sum(sizes[1:]))

@@ -1,0 +1,57 @@
+"""Reading a chain of checkpoint pieces back without the run that wrote it (``export``): the store the pieces
+describe, made from the layout the first piece records (:mod:`~torchrec_lookahead.store._disk_chain` for disk
+stores, :mod:`~torchrec_lookahead.store._row_chain` for in-memory ones)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Sequence
+
+from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.store._disk_io import MAGIC, PAGE, read_header
+from torchrec_lookahead.store._row_chain import MAGIC as ROWS_MAGIC
+from torchrec_lookahead.store.disk_store import DiskStore
+from torchrec_lookahead.store.tensor_store import TensorStore
+from torchrec_lookahead.store.types import EmbeddingStore
+
+__all__: List[str] = ["open_pieces"]
+
+
+def open_pieces(pieces: Sequence[str], scratch: str) -> EmbeddingStore:
+    """A store holding what the chain ``pieces`` (oldest first) stands for: a :class:`DiskStore` over a scratch
+    file in the directory ``scratch`` for disk stores' pieces (close it), a :class:`TensorStore` for in-memory
+    stores' pieces.
+
+    Raises:
+        ConfigError: a piece is missing, damaged, or the chain is not one table's (the piece is named).
+        StoreError: reading a piece or writing the scratch file failed.
+    """
+    if not pieces:
+        raise ConfigError("an empty chain of checkpoint pieces")
+    try:
+        with open(pieces[0], "rb") as f:
+            page = f.read(PAGE)
+    except OSError as e:
+        raise ConfigError(f"the checkpoint piece '{pieces[0]}' cannot be read ({e.strerror})") from None
+    if page.startswith(ROWS_MAGIC):
+        length = int.from_bytes(page[len(ROWS_MAGIC) : len(ROWS_MAGIC) + 4], "little")
+        m = json.loads(page[len(ROWS_MAGIC) + 4 : len(ROWS_MAGIC) + 4 + length].decode())
+        store: EmbeddingStore = TensorStore(m["num_embeddings"], m["embedding_dim"], m["state_widths"],
+                                            name=m["name"], seed=m["seed"], row_offset=m["row_offset"],
+                                            table_rows=m["table_rows"])  # fmt: skip
+        store.keep_files()
+    elif page.startswith(MAGIC):
+        m = read_header(pieces[0])
+        store = DiskStore(os.path.join(scratch, "scratch.rows"), m["num_embeddings"], m["embedding_dim"],
+                          m["state_widths"], name=m["name"], seed=m["seed"], row_offset=m["row_offset"],
+                          table_rows=m["table_rows"], host_budget_bytes=1 << 20, preallocate=False)  # fmt: skip
+    else:
+        raise ConfigError(f"'{pieces[0]}' is not a checkpoint piece (no header)")
+    try:
+        store.load_files(pieces)
+    except BaseException:
+        if isinstance(store, DiskStore):
+            store.close()
+        raise
+    return store
