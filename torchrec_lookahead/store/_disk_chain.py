@@ -79,6 +79,45 @@ def _remove(*paths: str) -> None:
             pass
 
 
+def room_for(dst: str, nbytes: int, what: str) -> None:
+    """Make ``dst``'s directory and check it has ``nbytes`` free for the checkpoint piece ``dst`` of ``what``.
+
+    Raises:
+        StoreError: too few bytes free (the free and needed bytes are named).
+    """
+    os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+    free = free_bytes(dst)
+    if 0 <= free < nbytes:
+        raise StoreError(
+            f"no room for the checkpoint piece '{dst}' of {what}: it needs {nbytes:,} bytes, {free:,} are free; the "
+            "store is unchanged: free space, or checkpoint elsewhere",
+            path=dst,
+        )
+
+
+def finish_piece(dst: str, info: Dict[str, Any], **arrays: np.ndarray) -> None:
+    """Write the list of the piece ``dst`` (``info`` and ``arrays``), then rename both into place, durably: the
+    piece (written to ``dst.partial``) is whole once its list is there."""
+    tmp_list = dst + LIST_SUFFIX + ".partial"
+    with open(tmp_list, "wb") as f:
+        np.savez(f, info=np.array(json.dumps(info)), **arrays)  # type: ignore[arg-type]
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(dst + ".partial", dst)
+    os.replace(tmp_list, dst + LIST_SUFFIX)
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+
+
+def failed_piece(dst: str, what: str, e: OSError, nbytes: int) -> StoreError:
+    """Remove what was written of the piece ``dst`` of ``what``; the error to raise."""
+    _remove(dst + ".partial", dst + LIST_SUFFIX + ".partial", dst, dst + LIST_SUFFIX)
+    return StoreError(
+        f"writing the checkpoint piece '{dst}' of {what} failed ({e.strerror}; it needs {nbytes:,} bytes, "
+        f"{free_bytes(dst):,} are free there): nothing of it is left, the store is unchanged",
+        path=dst,
+    )
+
+
 def write_piece(file: DiskFile, dst: str, base: Optional[Chain], max_chain: int) -> Chain:
     """Write the piece ``dst`` of ``file`` (flushed: the index on disk points at rows on disk): a delta over
     ``base`` where the chain may grow (:meth:`Chain.extends`), else a full piece. Durable, and whole or absent.
@@ -109,18 +148,11 @@ def write_piece(file: DiskFile, dst: str, base: Optional[Chain], max_chain: int)
         units = live
         pages = np.arange(file.index_bytes // PAGE, dtype=np.int64)
     nbytes = (1 + pages.size) * PAGE + units.size * file.unit_bytes
-    tmp, tmp_list = dst + ".partial", dst + LIST_SUFFIX + ".partial"
-    os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-    free = free_bytes(dst)
-    if 0 <= free < nbytes:
-        raise StoreError(
-            f"no room for the checkpoint piece '{dst}' of disk store '{file.path}': it needs {nbytes:,} bytes, "
-            f"{free:,} are free; the store is unchanged: free space, or checkpoint elsewhere",
-            path=dst,
-        )
+    what = f"disk store '{file.path}'"
+    room_for(dst, nbytes, what)
     out = -1
     try:
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        out = os.open(dst + ".partial", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.ftruncate(out, file.size)
         head_page = aligned_buffer(PAGE)
         file._read_exact(memoryview(head_page), 0)
@@ -135,22 +167,11 @@ def write_piece(file: DiskFile, dst: str, base: Optional[Chain], max_chain: int)
         os.close(out)
         out = -1
         info = {"kind": "delta" if delta else "full", "head": head, "bytes": nbytes}
-        with open(tmp_list, "wb") as f:
-            np.savez(f, pages=pages, units=units, info=np.array(json.dumps(info)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-        os.replace(tmp_list, dst + LIST_SUFFIX)
-        fsync_dir(os.path.dirname(os.path.abspath(dst)))
+        finish_piece(dst, info, pages=pages, units=units)
     except OSError as e:
         if out >= 0:
             os.close(out)
-        _remove(tmp, tmp_list, dst, dst + LIST_SUFFIX)
-        raise StoreError(
-            f"writing the checkpoint piece '{dst}' of disk store '{file.path}' failed ({e.strerror}; it needs "
-            f"{nbytes:,} bytes, {free_bytes(dst):,} are free there): nothing of it is left, the store is unchanged",
-            path=dst,
-        ) from None
+        raise failed_piece(dst, what, e, nbytes) from None
     file.changed_pages[:] = False
     if delta:
         assert base is not None

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from torchrec_lookahead.errors import ConfigError, StoreError
-from torchrec_lookahead.store._disk_chain import LIST_SUFFIX, Chain
-from torchrec_lookahead.store._disk_io import PAGE, free_bytes, fsync_dir
+from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.store._disk_chain import LIST_SUFFIX, Chain, failed_piece, finish_piece, room_for
+from torchrec_lookahead.store._disk_io import PAGE
 
 if TYPE_CHECKING:
     from torchrec_lookahead.store._row_store import _RowStore
@@ -75,17 +75,10 @@ def write_rows_piece(
     ).encode()
     page = bytearray(PAGE)
     page[: len(MAGIC) + 4 + len(head)] = MAGIC + len(head).to_bytes(4, "little") + head
-    tmp, tmp_list = dst + ".partial", dst + LIST_SUFFIX + ".partial"
-    os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-    free = free_bytes(dst)
-    if 0 <= free < nbytes:
-        raise StoreError(
-            f"no room for the checkpoint piece '{dst}' of table '{store.name}': it needs {nbytes:,} bytes, "
-            f"{free:,} are free; the store is unchanged: free space, or checkpoint elsewhere",
-            path=dst,
-        )
+    what = f"table '{store.name}'"
+    room_for(dst, nbytes, what)
     try:
-        with open(tmp, "wb") as f:
+        with open(dst + ".partial", "wb") as f:
             f.write(page)
             f.write(ids.tobytes())
             for a in range(0, ids.size, _BLOCK_ROWS):
@@ -97,23 +90,9 @@ def write_rows_piece(
                     f.write(rows.index_select(0, torch.from_numpy(block)).numpy().tobytes())
             f.flush()
             os.fsync(f.fileno())
-        with open(tmp_list, "wb") as f:
-            info = {"kind": "delta" if delta else "full", "bytes": nbytes}
-            np.savez(f, info=np.array(json.dumps(info)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-        os.replace(tmp_list, dst + LIST_SUFFIX)
-        fsync_dir(os.path.dirname(os.path.abspath(dst)))
+        finish_piece(dst, {"kind": "delta" if delta else "full", "bytes": nbytes})
     except OSError as e:
-        for p in (tmp, tmp_list, dst, dst + LIST_SUFFIX):
-            if os.path.exists(p):
-                os.unlink(p)
-        raise StoreError(
-            f"writing the checkpoint piece '{dst}' of table '{store.name}' failed ({e.strerror}; it needs "
-            f"{nbytes:,} bytes, {free_bytes(dst):,} are free there): nothing of it is left, the store is unchanged",
-            path=dst,
-        ) from None
+        raise failed_piece(dst, what, e, nbytes) from None
     written[:] = False
     if delta:
         assert base is not None
