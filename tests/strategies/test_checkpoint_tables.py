@@ -163,3 +163,35 @@ def test_in_memory_stores_checkpoint_deltas_and_resume_and_export_from_an_older_
     key = next(k for k in ends[0] if k.endswith("embedding_bags.t_cat_2.weight"))
     assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
     assert ends[0][key].shape[0] > 140  # the whole table, not the cache
+
+
+def test_a_checkpoint_that_fails_part_way_leaves_nothing_behind_and_the_earlier_one_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from torchrec_lookahead.errors import StoreError
+    from torchrec_lookahead.store import DiskStore
+
+    real = DiskStore.save_files
+    calls: List[int] = []
+
+    def fails_second(self: DiskStore, directory: str, max_chain: int = 1) -> List[str]:
+        calls.append(1)
+        if len(calls) == 2:  # a piece written, then the disk fills
+            chain = real(self, directory, max_chain)
+            open(chain[-1] + ".stray", "w").close()
+            raise StoreError("no room for the checkpoint piece (test)")
+        return real(self, directory, max_chain)
+
+    monkeypatch.setattr(DiskStore, "save_files", fails_second)
+    d = tmp_path / "ckpt"
+    every = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1)
+    disk = {"store": "disk", "store_dir": str(tmp_path / "stores"), "host_budget_bytes": 64 * 1024}
+    with pytest.raises(StoreError, match="no room"):
+        fit_cached(tmp_path / "run", 6, capacity={"t_cat_2": 140}, sharder_kw=disk, callbacks=[every])
+    assert sorted(p.name for p in d.iterdir()) == [".store_pieces", "epoch=0-step=2.ckpt"]
+    (chain,) = [_checkpoint.read_chain(d / "epoch=0-step=2.ckpt", 0, "embedding_bags.t_cat_2")]
+    left = {p.name for p in (d / ".store_pieces" / "rank0" / "embedding_bags.t_cat_2").iterdir()}
+    assert left == {Path(chain[0]).name, Path(chain[0]).name + ".npz"}
+    assert _checkpoint.read_checkpoint_meta(d / "epoch=0-step=2.ckpt", 1)
