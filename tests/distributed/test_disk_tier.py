@@ -275,8 +275,11 @@ def test_two_ranks_over_disk_stores_equal_torchrec_resident_training(tmp_path: P
 def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(
     tmp_path: Path, ranks: int
 ) -> None:
-    """A rank is SIGKILLed after step 6 of 12 (the last checkpoint at step 4); torchrun restarts the job, which
-    resumes over fresh disk stores from the checkpoint and ends with the uninterrupted run's weights, bit for bit."""
+    """A rank is SIGKILLed after step 10 of 12 (the last checkpoint at step 8, a delta over step 4's full pieces);
+    torchrun restarts the job, which resumes over fresh disk stores from the checkpoint's chains and ends with the
+    uninterrupted run's weights, bit for bit."""
+    from torchrec_lookahead.strategies._checkpoint import read_chain
+
     from ..conftest import free_port
     from ..strategies.test_torchrun import _ckpt_args, torchrun
 
@@ -291,17 +294,19 @@ def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(
 
     full = run("a")
     assert full.returncode == 0, full.stderr[-4000:]
-    killed = run("b", "--trainer.callbacks+=tests.strategies.faults.KillAtStep", "--trainer.callbacks.step=6",
+    killed = run("b", "--trainer.callbacks+=tests.strategies.faults.KillAtStep", "--trainer.callbacks.step=10",
                  f"--trainer.callbacks.rank={ranks - 1}")  # fmt: skip
     assert killed.returncode == 0, killed.stderr[-4000:]
     assert "Restored all states from the checkpoint" in killed.stdout + killed.stderr
     ends = [tmp_path / f"{r}_ckpt" / "epoch=0-step=12.ckpt" for r in "ab"]
-    # the checkpoints keep the disk-stored tables as copies of every rank's files, not as tensors
+    # the checkpoints keep the disk-stored tables as chains of pieces of every rank's files, not as tensors
     for end in ends:
         assert [k.split(".cache.")[1] for k in _stored_keys(end, "t_cat_2")] == [
             "embedding_bags.t_cat_2.store_files"
         ]
-        assert len(list(end.glob("stores/rank*/embedding_bags.t_cat_2/*.rows"))) == ranks
+        assert len(list(end.glob("stores/rank*/embedding_bags.t_cat_2/chain.json"))) == ranks
+    mid = tmp_path / "a_ckpt" / "epoch=0-step=8.ckpt"
+    assert read_chain(mid, 0, "embedding_bags.t_cat_2")  # step 8: its chain (a delta where the table allows)
     a, b = (_whole_tables(e) for e in ends)
     assert any(".cache.embedding_bags." in k and k.endswith(".weight") for k in a) and a.keys() == b.keys()
     for k in a:
