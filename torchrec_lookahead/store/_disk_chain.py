@@ -1,20 +1,21 @@
 """Checkpoint copies of a disk store file (:mod:`torchrec_lookahead.store._disk_file`): full and incremental
 pieces, and a chain of them read back.
 
-A *piece* is a sparse file of the store file's size (the same offsets: unit ``u`` at the same byte in both)
-holding the header, some pages of the index and some log units, with beside it ``<piece>.npz``, the list of
-the pages and units it holds (written last: a piece without its list is partial)::
+A *piece* is a file with the store file's header, and beside it ``<piece>.npz``, its list (written last: a piece
+without its list is partial)::
 
-    full piece    the whole index (with the log's ends) and every unit holding a row on disk
-    delta piece   the index pages changed since the previous piece of its chain (page 0, the log's ends,
-                  always), and the units appended since then that still hold a row on disk
+    full piece    the store file's size, its offsets: the index (with the log's ends) and every unit holding a
+                  row on disk, the rest holes; its list names those units
+    delta piece   the header page, then the records of the rows written since the previous piece of its chain
+                  (tracked as they are appended; the rows the cleaner moved are not written again), packed; its
+                  list names those rows
 
-A *chain* is a full piece and the deltas written after it, oldest first. The state a chain stands for is its
-index pages applied oldest first, and each unit holding a row on disk in it read from the newest piece holding
-that unit: a unit still live was written once since it last changed, and the piece written after that write
-holds it. Pieces are copies: a chain never refers to the live store file, so the log's cleaner reuses units
-freely. A chain is closed (the next piece is full) after ``max_chain`` pieces, or when its deltas hold as many
-bytes as its full piece (a full piece is then cheaper to read back than the chain).
+A *chain* is a full piece and the deltas written after it, oldest first. Read back, the full piece's index and
+units are copied into the store file, then each delta's rows are appended to its log, oldest first: the file
+then holds the values the chain stands for (its layout may differ from the file's that wrote the chain). Pieces
+are copies: a chain never refers to the live store file, so the log's cleaner reuses units freely. A chain is
+closed (the next piece is full) after ``max_chain`` pieces, or when its deltas hold as many bytes as its full
+piece (a full piece is then cheaper to read back than the chain).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from torchrec_lookahead.store._disk_io import (
     pread_all,
     pwrite_all,
     read_header,
-    runs,
 )
 
 __all__: List[str] = []
@@ -118,69 +118,82 @@ def failed_piece(dst: str, what: str, e: OSError, nbytes: int) -> StoreError:
     )
 
 
+_BLOCK_ROWS = 1 << 16  # records read or written at a time
+
+
+def _write_delta(file: DiskFile, out: Any, rows: np.ndarray) -> None:
+    """Write to ``out`` (after the header page) the records of ``rows`` (sorted), a block at a time."""
+    for a in range(0, rows.size, _BLOCK_ROWS):
+        block = rows[a : a + _BLOCK_ROWS]
+        records, _ = file.read_rows(file.slots_of(block))
+        out.write(np.ascontiguousarray(records).tobytes())
+
+
+def _write_full(file: DiskFile, dst: str, units: np.ndarray) -> None:
+    """Write ``dst.partial``: the header, the index and ``units``, at the store file's offsets (the rest holes)."""
+    out = os.open(dst + ".partial", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(out, file.size)
+        head_page = aligned_buffer(PAGE)
+        file._read_exact(memoryview(head_page), 0)
+        pwrite_all(out, memoryview(head_page), 0)
+        pwrite_all(out, memoryview(file._index_buf), PAGE)
+        file._copy_units(units, file._fd, out, file.path)
+        os.fsync(out)
+    finally:
+        os.close(out)
+
+
 def write_piece(file: DiskFile, dst: str, base: Optional[Chain], max_chain: int) -> Chain:
     """Write the piece ``dst`` of ``file`` (flushed: the index on disk points at rows on disk): a delta over
     ``base`` where the chain may grow (:meth:`Chain.extends`), else a full piece. Durable, and whole or absent.
 
     Returns:
         The chain the file stands at now: ``dst`` last, or ``base`` itself (no piece written) where nothing was
-        written since ``base`` and its pieces are there.
+        written since ``base``, it has at most ``max_chain`` pieces and they are there.
 
     Raises:
         StoreError: the piece cannot be written (a full disk: the free and needed bytes are named); nothing of
             it is left, the store and ``base`` are unchanged.
     """
     head = int(file._ends[0])
-    live = file.live_units()
-    if base is not None and head == base.head and not file.changed_pages.any() and base.there(dst):
-        return base  # nothing written since: the same chain holds the table
+    if base is not None and head == base.head and len(base.pieces) <= max_chain and base.there(dst):
+        return base  # nothing written since (every write appends): the same chain holds the table
     delta = base is not None and base.extends(dst, max_chain)
+    rows = np.flatnonzero(file.changed_rows)
+    units = np.empty(0, dtype=np.int64)
     if delta:
-        assert base is not None
-        if head - base.head < file.num_units:
-            appended = np.unique(np.arange(base.head, head, dtype=np.int64) % file.num_units)
-            units = np.intersect1d(live, appended, assume_unique=True)
-        else:
-            units = live
-        pages = np.flatnonzero(file.changed_pages)
-        pages = np.union1d(pages, [0]).astype(np.int64)
+        nbytes = PAGE + rows.size * (file.record_bytes + 8)
     else:
-        units = live
-        pages = np.arange(file.index_bytes // PAGE, dtype=np.int64)
-    nbytes = (1 + pages.size) * PAGE + units.size * file.unit_bytes
+        units = file.live_units()
+        nbytes = PAGE + file.index_bytes + units.size * file.unit_bytes
     what = f"disk store '{file.path}'"
     room_for(dst, nbytes, what)
-    out = -1
     try:
-        out = os.open(dst + ".partial", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(out, file.size)
-        head_page = aligned_buffer(PAGE)
-        file._read_exact(memoryview(head_page), 0)
-        pwrite_all(out, memoryview(head_page), 0)
-        index = memoryview(file._index_buf)
-        for i, n in runs(pages, PAGE):
-            p = int(pages[i])
-            pwrite_all(out, index[p * PAGE : (p + n) * PAGE], PAGE + p * PAGE)
-        index.release()
-        file._copy_units(units, file._fd, out, file.path)
-        os.fsync(out)
-        os.close(out)
-        out = -1
-        info = {"kind": "delta" if delta else "full", "head": head, "bytes": nbytes}
-        finish_piece(dst, info, pages=pages, units=units)
+        if delta:
+            with open(dst + ".partial", "wb") as f:
+                head_page = aligned_buffer(PAGE)
+                file._read_exact(memoryview(head_page), 0)
+                f.write(head_page)
+                _write_delta(file, f, rows)
+                f.flush()
+                os.fsync(f.fileno())
+            finish_piece(dst, {"kind": "delta", "head": head, "bytes": nbytes}, rows=rows)
+        else:
+            _write_full(file, dst, units)
+            finish_piece(dst, {"kind": "full", "head": head, "bytes": nbytes}, units=units)
     except OSError as e:
-        if out >= 0:
-            os.close(out)
         raise failed_piece(dst, what, e, nbytes) from None
-    file.changed_pages[:] = False
+    file.changed_rows[:] = False
     if delta:
         assert base is not None
         return Chain((*base.pieces, dst), head, base.full_bytes, base.delta_bytes + nbytes)
     return Chain((dst,), head, nbytes, 0)
 
 
-def _piece_list(file: DiskFile, path: str) -> Tuple[np.ndarray, np.ndarray, Dict[str, Any]]:
-    """The pages, units and info of the piece ``path``, after checking it is a whole piece of ``file``.
+def _piece_list(file: DiskFile, path: str) -> Dict[str, Any]:
+    """The list of the piece ``path`` (``info``, and ``units`` of a full piece or ``rows`` of a delta), after
+    checking it is a whole piece of ``file``.
 
     Raises:
         ConfigError: the piece or its list is missing, damaged, or of another table, shard, layout or seed.
@@ -192,29 +205,31 @@ def _piece_list(file: DiskFile, path: str) -> Tuple[np.ndarray, np.ndarray, Dict
         )
     found = read_header(path)
     diffs = [f"{k}: piece {found.get(k)!r}, store {v!r}" for k, v in file.meta.items() if found.get(k) != v]
-    if not diffs and os.path.getsize(path) != file.size:
-        diffs = [f"size: piece {os.path.getsize(path):,} bytes, store {file.size:,}"]
+    try:
+        with open(path + LIST_SUFFIX, "rb") as f:
+            data = np.load(io.BytesIO(f.read()), allow_pickle=False)
+            out: Dict[str, Any] = {k: data[k].astype(np.int64) for k in data.files if k != "info"}
+            out["info"] = json.loads(str(data["info"]))
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        raise ConfigError(
+            f"the list of the checkpoint piece '{path}' is damaged ({type(e).__name__})"
+        ) from None
+    delta = out["info"].get("kind") == "delta"
+    size = PAGE + out["rows"].size * file.record_bytes if delta and "rows" in out else file.size
+    if not diffs and os.path.getsize(path) != size:
+        diffs = [f"size: piece {os.path.getsize(path):,} bytes, expected {size:,}"]
     if diffs:
         raise ConfigError(
             f"'{path}' is not a checkpoint piece of disk store '{file.path}' ({'; '.join(diffs)}): it was written "
             "for another table, shard, layout or seed, or is truncated"
         )
-    try:
-        with open(path + LIST_SUFFIX, "rb") as f:
-            data = np.load(io.BytesIO(f.read()), allow_pickle=False)
-            pages, units = data["pages"].astype(np.int64), data["units"].astype(np.int64)
-            info: Dict[str, Any] = json.loads(str(data["info"]))
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+    key, top = ("rows", file.num_rows) if delta else ("units", file.num_units)
+    v = out.get(key)
+    if v is None or (v.size and (v.min() < 0 or v.max() >= top)):
         raise ConfigError(
-            f"the list of the checkpoint piece '{path}' is damaged ({type(e).__name__})"
-        ) from None
-    index_pages = file.index_bytes // PAGE
-    bad = pages.size and (pages.min() < 0 or pages.max() >= index_pages)
-    if bad or (units.size and (units.min() < 0 or units.max() >= file.num_units)):
-        raise ConfigError(
-            f"the list of the checkpoint piece '{path}' is damaged (pages or units out of range)"
+            f"the list of the checkpoint piece '{path}' is damaged ({key} missing or out of range)"
         )
-    return pages, units, info
+    return out
 
 
 def read_chain(file: DiskFile, pieces: Sequence[str]) -> Chain:
@@ -229,54 +244,52 @@ def read_chain(file: DiskFile, pieces: Sequence[str]) -> Chain:
     if not pieces:
         raise ConfigError(f"an empty chain of checkpoint pieces for disk store '{file.path}'")
     lists = [_piece_list(file, p) for p in pieces]
-    if lists[0][2].get("kind") != "full" or any(info.get("kind") != "delta" for _, _, info in lists[1:]):
+    kinds = [lst["info"].get("kind") for lst in lists]
+    if kinds[0] != "full" or any(k != "delta" for k in kinds[1:]):
         raise ConfigError(
-            f"the chain of checkpoint pieces of '{file.path}' must be one full piece then deltas; got "
-            f"{[info.get('kind') for _, _, info in lists]} for {list(pieces)}"
+            f"the chain of checkpoint pieces of '{file.path}' must be one full piece then deltas; got {kinds} for "
+            f"{list(pieces)}"
         )
     index = aligned_buffer(file.index_bytes)
-    view = memoryview(index)
-    fds: List[int] = []
+    fd = -1
     try:
-        for path in pieces:
-            fds.append(os.open(path, os.O_RDONLY))
-        for fd, path, (pages, _, _) in zip(fds, pieces, lists):
-            for i, n in runs(pages, PAGE):
-                p = int(pages[i])
-                pread_all(fd, view[p * PAGE : (p + n) * PAGE], PAGE + p * PAGE, path)
-        file._check_index(pieces[-1], index)
+        fd = os.open(pieces[0], os.O_RDONLY)
+        pread_all(fd, memoryview(index), PAGE, pieces[0])
+        file._check_index(pieces[0], index)
         loc = np.frombuffer(index, dtype=np.uint32, count=file.num_rows, offset=PAGE)
-        rows = np.flatnonzero(loc)
-        live = file.units_of(loc[rows].astype(np.int64) - 1)
-        owner = np.full(file.num_units, -1, dtype=np.int64)
-        for k, (_, units, _) in enumerate(lists):
-            owner[units] = k
-        lacking = live[owner[live] < 0]
+        live = file.units_of(loc[np.flatnonzero(loc)].astype(np.int64) - 1)
+        lacking = np.setdiff1d(live, lists[0]["units"])
         if lacking.size:
             raise ConfigError(
-                f"the chain of checkpoint pieces {list(pieces)} lacks unit {int(lacking[0])} of its index "
-                f"({lacking.size} units in all): a piece is damaged or from another chain"
+                f"the checkpoint piece '{pieces[0]}' lacks unit {int(lacking[0])} of its index ({lacking.size} units "
+                "in all): it is damaged"
             )
         del loc
         file.reset()
-        memoryview(file._index_buf)[:] = view
+        memoryview(file._index_buf)[:] = memoryview(index)
         file._index_rows()
-        for k, (fd, path) in enumerate(zip(fds, pieces)):
-            file._copy_units(live[owner[live] == k], fd, file._fd, path)
+        file._copy_units(live, fd, file._fd, pieces[0])
+        for path, lst in zip(pieces[1:], lists[1:]):
+            rows = lst["rows"]
+            records = np.memmap(
+                path, dtype=np.float32, mode="r", offset=PAGE, shape=(rows.size, file.record_floats)
+            )
+            for a in range(0, rows.size, _BLOCK_ROWS):
+                file.append(rows[a : a + _BLOCK_ROWS], np.array(records[a : a + _BLOCK_ROWS]))
+            del records
     except OSError as e:
         raise StoreError(
             f"restoring disk store '{file.path}' from the chain {list(pieces)} failed ({e.strerror})",
             path=file.path,
         ) from None
     finally:
-        view.release()
-        for fd in fds:
+        if fd >= 0:
             os.close(fd)
     file.sync()
     file.write_index()
     file.sync()
-    file.changed_pages[:] = False
-    infos = [info for _, _, info in lists]
+    file.changed_rows[:] = False
+    infos = [lst["info"] for lst in lists]
     return Chain(
         tuple(pieces),
         int(file._ends[0]),

@@ -112,8 +112,8 @@ class DiskFile:
         self.loc = np.frombuffer(self._index_buf, dtype=np.uint32, count=num_rows, offset=PAGE)
         self._row_buf = aligned_buffer(self.num_slots * 4)
         self._row_of = np.frombuffer(self._row_buf, dtype=np.uint32, count=self.num_slots)  # slot -> row + 1
-        # the pages of the index (page 0: the log's ends) changed since the last checkpoint piece (_disk_chain)
-        self.changed_pages = np.ones(index_pages, dtype=bool)
+        # rows whose values were written (appended, not moved by the cleaner) since the last checkpoint piece
+        self.changed_rows = np.zeros(num_rows, dtype=bool)
         self._threads = max(1, io_threads)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(1, io_threads), thread_name_prefix="disk-store-io"
@@ -372,6 +372,7 @@ class DiskFile:
             if moved_rows.size:
                 moved.append(moved_rows)
             written += self._put(r, rec)
+            self.changed_rows[r] = True
         return written, read, np.concatenate(moved) if moved else np.empty(0, dtype=np.int64)
 
     def _free_units(self) -> int:
@@ -394,17 +395,13 @@ class DiskFile:
                     f"disk store '{self.path}': no room in its log for {need} units", path=self.path
                 )
             units = np.arange(pos, pos + k, dtype=np.int64)
-            slots = (units[:, None] * rpu + np.arange(rpu)[None, :]).reshape(-1)
-            owner = self._row_of[slots].astype(np.int64) - 1
-            live = owner >= 0
-            live[live] = self.loc[owner[live]].astype(np.int64) - 1 == slots[live]
-            if live.any():
+            live, rows = self.live_slots(units)
+            if live.size:
                 _, flat = self.read_units(units)
                 read += k
-                rows = owner[live]
-                written += self._put(rows, flat[self.record_index(units, slots[live])])
+                written += self._put(rows, flat[self.record_index(units, live)])
                 moved.append(rows)
-            self._row_of[slots] = 0
+            self._row_of[pos * rpu : (pos + k) * rpu] = 0
             self._ends[1] = tail + k
             cleaned += k
         return read, written, np.concatenate(moved) if moved else np.empty(0, dtype=np.int64)
@@ -428,7 +425,6 @@ class DiskFile:
             old = self.loc[rows[:n]].astype(np.int64) - 1
             self._row_of[old[old >= 0]] = 0
             self.loc[rows[:n]] = (slots + 1).astype(np.uint32)
-            self.changed_pages[1 + rows[:n] * 4 // PAGE] = True
             self._row_of[slots] = (rows[:n] + 1).astype(np.uint32)
             self._ends[0] = head + units.size
             written += units.size
@@ -439,7 +435,14 @@ class DiskFile:
         """Forget every row (none on disk, an empty log); the index is written at the next :meth:`write_index`."""
         self._index_buf.madvise(mmap.MADV_DONTNEED)  # zero again, without touching the pages
         self._row_buf.madvise(mmap.MADV_DONTNEED)
-        self.changed_pages[:] = True
+
+    def live_slots(self, units: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """The slots of sorted distinct ``units`` that hold a row on disk (sorted), and those rows."""
+        slots = (units[:, None] * self.rows_per_unit + np.arange(self.rows_per_unit)[None, :]).reshape(-1)
+        owner = self._row_of[slots].astype(np.int64) - 1
+        live = owner >= 0
+        live[live] = self.loc[owner[live]].astype(np.int64) - 1 == slots[live]
+        return slots[live], owner[live]
 
     def live_units(self) -> np.ndarray:
         """The sorted distinct units holding a row on disk."""

@@ -58,7 +58,7 @@ def write_rows_piece(
         StoreError: the piece cannot be written (a full disk: the free and needed bytes are named); nothing of
             it is left.
     """
-    if base is not None and not written.any() and base.there(dst):
+    if base is not None and not written.any() and len(base.pieces) <= max_chain and base.there(dst):
         return base
     delta = base is not None and base.extends(dst, max_chain)
     rows = store._rows()
