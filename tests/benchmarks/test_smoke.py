@@ -334,6 +334,19 @@ def check_disk_tier(f: Dict[str, Any]) -> None:
     )
 
 
+def check_checkpoint(f: Dict[str, Any]) -> None:
+    assert f["checkpoints"] == 3 and f["interval"] == 10
+    for kind in ("ram", "disk"):
+        run = f["runs"][kind]
+        assert close(f["incremental_bytes_over_full"][kind], run["incremental_bytes"] / run["full_bytes"])
+        assert close(f["stall_s_over_full"][kind], run["incremental_s"] / run["full_s"])
+        assert 0 < f["incremental_bytes_over_full"][kind] < 0.2  # --quick: a full one holds >= 10x the rows
+        assert f["full_rows_over_written_rows"][kind] >= 10
+        # the rows written back and their ids, a page of header: the bytes do not depend on the machine
+        assert 1.0 < f["incremental_bytes_over_written"][kind] <= 1.5
+        assert positive(run["incremental_s"]) and positive(run["full_s"]) and len(run["checkpoints"]) == 3
+
+
 @dataclass
 class Smoke:
     args: List[str]
@@ -368,6 +381,7 @@ SMOKE: Dict[str, Smoke] = {
         ["--quick", "--config", TINY_LOOKAHEAD, "--steps", "3", "--budget-frac", "0.6"], check_memory
     ),
     "baseline": Smoke(["--quick", "--config", TINY, "--runs", "1", "--steps", "3"], check_baseline),
+    "checkpoint": Smoke(["--quick"], check_checkpoint),
     "sharded_store": Smoke(
         ["--quick", "--rows", "20000", "--batch", "1024", "--trials", "2"], check_sharded_store
     ),
