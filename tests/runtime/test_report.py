@@ -7,7 +7,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from torchrec_lookahead.runtime._report import report_text, scan_progress
+from torchrec_lookahead.runtime.report import report_text, scan_progress
 
 
 def trainer(tmp_path, progress_bar: bool = True, loggers=None) -> pl.Trainer:

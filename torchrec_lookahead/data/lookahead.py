@@ -21,11 +21,17 @@ from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.oracle import LookaheadSettings, Policy
 from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_DEPTH
-from torchrec_lookahead.runtime import CacheHost, CacheSession, CapacityCheck, LookaheadLoader, prescan
-from torchrec_lookahead.runtime._report import report_text, scan_progress, sigterm_pending
-from torchrec_lookahead.runtime._threads import _check_nice
+from torchrec_lookahead.runtime import (
+    CacheHost,
+    CacheSession,
+    CapacityCheck,
+    LookaheadLoader,
+    check_nice,
+    prescan,
+)
 from torchrec_lookahead.runtime.adapter import BatchAdapter
 from torchrec_lookahead.runtime.capacity import DEFAULT_SCAN_SECONDS, check_scan_bounds
+from torchrec_lookahead.runtime.report import report_text, scan_progress, sigterm_pending
 from torchrec_lookahead.runtime.types import (
     CachedTrainingLoader,
     PinnedLoaderOptions,
@@ -131,8 +137,7 @@ class LookaheadDataModule(WrappedDataModule):
                 "BatchAdapter(split=<batch -> (dense, KJT, labels)>)"
             )
         self.batch_adapter = batch_adapter
-        _check_nice(planner_nice)
-        self.planner_nice = int(planner_nice)
+        self.planner_nice = check_nice(planner_nice)
         if capacity_check not in (CapacityCheck.EPOCH, CapacityCheck.LOOKAHEAD):
             raise ConfigError(f"Expected capacity_check 'epoch' or 'lookahead' but got {capacity_check!r}")
         #: the most batches the ``"epoch"`` pre-scan reads, and its time bound in seconds (``None``: no bound)

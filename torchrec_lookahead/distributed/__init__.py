@@ -8,6 +8,7 @@ from torchrec_lookahead.distributed.ec_sharder import LookaheadEmbeddingCollecti
 from torchrec_lookahead.distributed.fused_optimizer import CacheFusedOptimizer
 from torchrec_lookahead.distributed.plan import (
     check_all_sharded,
+    embedding_table_configs,
     embedding_tables,
     lookahead_sharding_plan,
     with_default_sharders,
@@ -24,6 +25,7 @@ __all__ = [
     "CacheFusedOptimizer",
     "lookahead_sharding_plan",
     "embedding_tables",
+    "embedding_table_configs",
     "cache_optimizer_from_module",
     "with_default_sharders",
     "check_all_sharded",

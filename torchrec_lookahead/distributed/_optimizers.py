@@ -15,7 +15,7 @@ from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from torchrec_lookahead.distributed._tables import table_parameters
+from torchrec_lookahead.distributed._tables import in_backward_optimizer, table_parameters
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.modules import CacheOptimizerConfig
 
@@ -44,10 +44,10 @@ def cache_optimizer_from_module(module: nn.Module, tables: List[str]) -> Optiona
     found: Dict[str, CacheOptimizerConfig] = {}
     for name, p in table_parameters(module).named_parameters():
         table = name.split(".")[0]
-        if table not in tables or not getattr(p, "_optimizer_classes", None):
+        declared = in_backward_optimizer(p)
+        if table not in tables or declared is None:
             continue
-        cls = p._optimizer_classes[0]  # type: ignore[attr-defined]
-        kw = dict(p._optimizer_kwargs[0])  # type: ignore[attr-defined]
+        cls, kw = declared
         try:
             opt: EmbOptimType = optimizer_type_to_emb_opt_type(cls)  # type: ignore[assignment]
         except ValueError:
@@ -82,20 +82,19 @@ def _table_optimizer(module: EmbeddingBagCollection, name: str, fused_params: Di
     """The optimizer TorchRec's fused kernel would train table ``name`` with: its ``apply_optimizer_in_backward``
     declaration over the sharder's ``fused_params`` (as TorchRec merges them), else ``fused_params`` alone.
     Returns a :class:`CacheOptimizerConfig`, or the reason there is none the cache can reproduce."""
-    p: Any = table_parameters(module)[name].weight
-    classes = getattr(p, "_optimizer_classes", None)
-    if not classes:
+    declared = in_backward_optimizer(table_parameters(module)[name].weight)
+    if declared is None:
         if "optimizer" not in fused_params:
             return f"table '{name}' declares no optimizer and the sharder has none in fused_params"
         return cache_optimizer_from_kwargs(fused_params["optimizer"], fused_params)
-    kw = dict(p._optimizer_kwargs[0])
+    cls, kw = declared
     unknown = sorted(set(kw) - _FUSABLE_OPTIMIZER_KEYS)
     if unknown:
         return f"table '{name}' declares optimizer arguments {unknown} the cache's kernel does not take"
     try:
-        opt = optimizer_type_to_emb_opt_type(classes[0])
+        opt = optimizer_type_to_emb_opt_type(cls)
     except ValueError:
-        return f"table '{name}' declares optimizer {classes[0].__name__}, which the cache does not support"
+        return f"table '{name}' declares optimizer {cls.__name__}, which the cache does not support"
     return cache_optimizer_from_kwargs(opt, {**fused_params, **kw})
 
 

@@ -18,6 +18,7 @@ from torchrec.distributed.types import (
     ParameterSharding,
     ShardingPlan,
 )
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingBagCollectionInterface,
@@ -90,7 +91,13 @@ def check_all_sharded(module: nn.Module) -> None:
 
 def embedding_tables(module: nn.Module) -> List[str]:
     """Names of every table of every EmbeddingBagCollection and EmbeddingCollection in ``module``."""
-    return [c.name for m in module.modules() if isinstance(m, _COLLECTIONS) for c in table_configs(m)]
+    return [c.name for c in embedding_table_configs(module)]
+
+
+def embedding_table_configs(module: nn.Module) -> List[BaseEmbeddingConfig]:
+    """The table configs of every EmbeddingBagCollection and EmbeddingCollection in ``module``, in module order
+    (list them before ``DistributedModelParallel`` replaces the collections)."""
+    return [c for m in module.modules() if isinstance(m, _COLLECTIONS) for c in table_configs(m)]
 
 
 _COLLECTIONS = (EmbeddingBagCollection, EmbeddingCollection)

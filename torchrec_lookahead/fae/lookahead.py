@@ -39,9 +39,15 @@ from torchrec_lookahead.fae.stream import BatchKind, HotColdStream
 from torchrec_lookahead.modules import remap_kjt
 from torchrec_lookahead.oracle import Policy
 from torchrec_lookahead.oracle.types import BatchPlan
-from torchrec_lookahead.runtime import CacheSession, CapacityCheck, LoaderStats, LookaheadBatch, prescan
-from torchrec_lookahead.runtime._host_windows import cold_host_windows
-from torchrec_lookahead.runtime._report import report_text, scan_progress, sigterm_pending
+from torchrec_lookahead.runtime import (
+    CacheSession,
+    CapacityCheck,
+    LoaderStats,
+    LookaheadBatch,
+    cold_host_windows,
+    prescan,
+)
+from torchrec_lookahead.runtime.report import report_text, scan_progress, sigterm_pending
 from torchrec_lookahead.runtime.types import LookaheadFactory, PinnedLoaderOptions
 
 __all__ = ["ColdBatches", "HotColdLookaheadLoader", "pinned_lookahead_loader"]

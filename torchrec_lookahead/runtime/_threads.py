@@ -21,9 +21,10 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from torchrec_lookahead._checks import is_int
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["single_threaded_ops", "lower_thread_priority", "ApplyProgress", "LoaderStats"]
+__all__ = ["single_threaded_ops", "lower_thread_priority", "check_nice", "ApplyProgress", "LoaderStats"]
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,15 @@ def single_threaded_ops() -> None:
     restore.join()
 
 
-def _check_nice(nice: int) -> None:
-    if not 0 <= int(nice) <= 19:
-        raise ConfigError(f"Expected planner_nice in [0, 19] but got {nice}")
+def check_nice(nice: int) -> int:
+    """``planner_nice`` as an ``int`` in [0, 19] (the nice value the planner thread adds to its own).
+
+    Raises:
+        ConfigError: it is not an integer in that range.
+    """
+    if not is_int(nice) or not 0 <= int(nice) <= 19:
+        raise ConfigError(f"Expected planner_nice in [0, 19] but got {nice!r}")
+    return int(nice)
 
 
 def lower_thread_priority(nice: int) -> None:

@@ -49,8 +49,8 @@ from torchrec_lookahead.runtime._threads import (
     _END,
     ApplyProgress,
     LoaderStats,
-    _check_nice,
     _Run,
+    check_nice,
     lower_thread_priority,
     single_threaded_ops,
 )
@@ -106,7 +106,7 @@ class LookaheadLoader:
         if not stop_timeout_s > 0:
             raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s}")
         settings = settings if settings is not None else LookaheadSettings()
-        _check_nice(planner_nice)
+        check_nice(planner_nice)
         self.planner_nice = int(planner_nice)
         self.loader = loader
         self.stop_timeout_s = float(stop_timeout_s)

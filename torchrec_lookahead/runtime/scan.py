@@ -107,7 +107,7 @@ def prescan(
     the bounds are rank 0's, and so is the decision that the time is up (exchanged before each batch through
     the same lockstep gathers), so every rank stops at the same batch. ``on_batch`` is called after each batch
     is read (a progress bar's tick). ``signalled`` tells whether this rank received SIGTERM
-    (:func:`~torchrec_lookahead.runtime._report.sigterm_pending`): with several ranks it is exchanged before each
+    (:func:`~torchrec_lookahead.runtime.report.sigterm_pending`): with several ranks it is exchanged before each
     batch with the time decision, and once some rank has it every rank ends the scan before the same batch and
     raises Lightning's ``SIGTERMException`` (one process stops through ``on_batch`` instead).
 

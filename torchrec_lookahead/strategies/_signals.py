@@ -8,7 +8,7 @@ signal to the processes Lightning launched), and the strategy agrees on the flag
 start of the step, with one all-reduce of a host tensor on a gloo group (:meth:`agree`): every rank then
 ends after the same step (Lightning's ``SIGTERMException``), flushes its caches and exits, whichever of them the
 signal reached. With one process the flag stops training at once, and the lookahead pre-scans poll it
-(:func:`~torchrec_lookahead.runtime._report.scan_progress`).
+(:func:`~torchrec_lookahead.runtime.report.scan_progress`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from torch import nn
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
 from torchrec_lookahead.distributed.lockstep import gather_global_kjt
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.runtime._report import report_text, scan_progress
 from torchrec_lookahead.runtime.adapter import as_torchrec_batch
+from torchrec_lookahead.runtime.report import report_text, scan_progress
 from torchrec_lookahead.runtime.types import PinnedRowsSource
 
 __all__ = ["size_caches"]

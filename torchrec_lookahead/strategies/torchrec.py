@@ -34,7 +34,6 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from typing_extensions import override
 
 from torchrec_lookahead._checks import check_int
@@ -43,11 +42,11 @@ from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
     ShardedLookaheadEmbeddingBagCollection,
     check_all_sharded,
+    embedding_table_configs,
     embedding_tables,
     lookahead_sharding_plan,
     with_default_sharders,
 )
-from torchrec_lookahead.distributed._tables import table_configs
 from torchrec_lookahead.distributed.topology import make_topology, sharding_planner
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules._checkpoint import StoreFiles, store_files
@@ -276,12 +275,7 @@ class TorchRecStrategy(DDPStrategy):
             planner = sharding_planner(topology, self._constraints_for(module))
             plan = planner.collective_plan(module, sharders, pg)
         # DistributedModelParallel replaces the collections in place: list the tables first.
-        tables = [
-            c
-            for m in module.modules()
-            if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
-            for c in table_configs(m)
-        ]
+        tables = embedding_table_configs(module)
         dmp = DistributedModelParallelKeys(
             module,
             env=ShardingEnv.from_process_group(pg),  # type: ignore[arg-type]
