@@ -95,10 +95,14 @@ def test_a_missing_or_foreign_copy_of_a_disk_store_is_a_checkpoint_error(tmp_pat
         files.add("embedding_bags.t", store(2))
 
 
-def test_chains_survive_retention_and_resume_bit_for_bit_from_an_older_delta(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_chains_survive_retention_and_resume_bit_for_bit_from_an_older_delta(
+    tmp_path: Path, background: bool
+) -> None:
     """ModelCheckpoint deletes checkpoints through the strategy: every kept checkpoint's chain stays whole, the
     pieces no kept checkpoint names go. Resuming from a delta of an older chain equals the uninterrupted run;
-    a chain with a missing piece is refused naming it."""
+    a chain with a missing piece is refused naming it. With the deltas written in the background
+    (``async_checkpoints``), every checkpoint is whole when fit returns."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from ..helpers import weights
@@ -107,7 +111,8 @@ def test_chains_survive_retention_and_resume_bit_for_bit_from_an_older_delta(tmp
     keep = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1, filename="kept-{step}")
     latest = ModelCheckpoint(dirpath=d, every_n_train_steps=1, save_top_k=1, save_last=True)
     disk = {"store": "disk", "host_budget_bytes": 64 * 1024}
-    kw: Dict[str, Any] = {"capacity": {"t_cat_2": 140}, "strategy_kw": {"full_checkpoint_every": 3}}
+    strategy_kw = {"full_checkpoint_every": 3, "async_checkpoints": background}
+    kw: Dict[str, Any] = {"capacity": {"t_cat_2": 140}, "strategy_kw": strategy_kw}
     _, full = fit_cached(tmp_path / "a", 6, sharder_kw={**disk, "store_dir": str(tmp_path / "a_st")},
                          callbacks=[keep, latest], **kw)  # fmt: skip
     kept = sorted(p.name for p in d.iterdir() if p.name.endswith(".ckpt"))
@@ -119,6 +124,7 @@ def test_chains_survive_retention_and_resume_bit_for_bit_from_an_older_delta(tmp
         "last.ckpt",
     ]
     chains = {n: _checkpoint.read_chain(d / n, 0, "embedding_bags.t_cat_2") for n in kept}
+    assert all(_checkpoint.read_checkpoint_meta(d / n, 1) is not None for n in kept)
     # a tiny table: each delta is as large as a full piece, so a chain closes after one delta here
     older = next(n for n in ("kept-step=2.ckpt", "kept-step=4.ckpt") if len(chains[n]) == 2)
     named = {Path(p).name for c in chains.values() for p in c}
@@ -173,18 +179,20 @@ def test_a_checkpoint_that_fails_part_way_leaves_nothing_behind_and_the_earlier_
     from torchrec_lookahead.errors import StoreError
     from torchrec_lookahead.store import DiskStore
 
-    real = DiskStore.save_files
+    real = DiskStore.snapshot_files
     calls: List[int] = []
 
-    def fails_second(self: DiskStore, directory: str, max_chain: int = 1) -> List[str]:
+    def fails_second(self: DiskStore, directory: str, max_chain: int = 1) -> Any:
         calls.append(1)
+        chain, write = real(self, directory, max_chain)
         if len(calls) == 2:  # a piece written, then the disk fills
-            chain = real(self, directory, max_chain)
+            if write is not None:
+                write()
             open(chain[-1] + ".stray", "w").close()
             raise StoreError("no room for the checkpoint piece (test)")
-        return real(self, directory, max_chain)
+        return chain, write
 
-    monkeypatch.setattr(DiskStore, "save_files", fails_second)
+    monkeypatch.setattr(DiskStore, "snapshot_files", fails_second)
     d = tmp_path / "ckpt"
     every = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1)
     disk = {"store": "disk", "store_dir": str(tmp_path / "stores"), "host_budget_bytes": 64 * 1024}
@@ -195,3 +203,25 @@ def test_a_checkpoint_that_fails_part_way_leaves_nothing_behind_and_the_earlier_
     left = {p.name for p in (d / ".store_pieces" / "rank0" / "embedding_bags.t_cat_2").iterdir()}
     assert left == {Path(chain[0]).name, Path(chain[0]).name + ".npz"}
     assert _checkpoint.read_checkpoint_meta(d / "epoch=0-step=2.ckpt", 1)
+
+
+def test_a_background_writer_runs_one_checkpoint_at_a_time_and_raises_its_failure_at_the_next_wait() -> None:
+    import threading
+
+    from torchrec_lookahead.errors import StoreError
+    from torchrec_lookahead.strategies._checkpoint_writer import PiecesWriter
+
+    writer, order, gate = PiecesWriter(), [], threading.Event()
+    writer.start(lambda: (gate.wait(5), order.append(1)))
+    gate.set()
+    writer.start(lambda: order.append(2))  # waits for the first
+    writer.wait()
+    assert order == [1, 2]
+
+    def fails() -> None:
+        raise StoreError("no room for the checkpoint piece (test)")
+
+    writer.start(fails)
+    with pytest.raises(StoreError, match="no room"):
+        writer.wait()
+    writer.wait()  # raised once

@@ -401,6 +401,11 @@ class WriterFilteredStore(EmbeddingStore):
     def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
         return self.inner.save_files(directory, max_chain)
 
+    def snapshot_files(
+        self, directory: str, max_chain: int = 1
+    ) -> Tuple[List[str], Optional[Callable[[], None]]]:
+        return self.inner.snapshot_files(directory, max_chain)
+
     def load_files(self, pieces: Sequence[str]) -> None:
         self.inner.load_files(pieces)
 

@@ -25,7 +25,7 @@ import io
 import json
 import os
 import zipfile
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -121,14 +121,6 @@ def failed_piece(dst: str, what: str, e: OSError, nbytes: int) -> StoreError:
 _BLOCK_ROWS = 1 << 16  # records read or written at a time
 
 
-def _write_delta(file: DiskFile, out: Any, rows: np.ndarray) -> None:
-    """Write to ``out`` (after the header page) the records of ``rows`` (sorted), a block at a time."""
-    for a in range(0, rows.size, _BLOCK_ROWS):
-        block = rows[a : a + _BLOCK_ROWS]
-        records, _ = file.read_rows(file.slots_of(block))
-        out.write(np.ascontiguousarray(records).tobytes())
-
-
 def _write_full(file: DiskFile, dst: str, units: np.ndarray) -> None:
     """Write ``dst.partial``: the header, the index and ``units``, at the store file's offsets (the rest holes)."""
     out = os.open(dst + ".partial", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -144,51 +136,64 @@ def _write_full(file: DiskFile, dst: str, units: np.ndarray) -> None:
         os.close(out)
 
 
-def write_piece(file: DiskFile, dst: str, base: Optional[Chain], max_chain: int) -> Chain:
-    """Write the piece ``dst`` of ``file`` (flushed: the index on disk points at rows on disk): a delta over
-    ``base`` where the chain may grow (:meth:`Chain.extends`), else a full piece. Durable, and whole or absent.
+#: what a piece still to be written needs done (``None``: nothing, it is written or no piece is needed)
+Writer = Optional[Callable[[], None]]
+
+
+def prepare_piece(file: DiskFile, dst: str, base: Optional[Chain], max_chain: int) -> Tuple[Chain, Writer]:
+    """The piece ``dst`` of ``file`` (flushed: the index on disk points at rows on disk): a delta over ``base``
+    where the chain may grow (:meth:`Chain.extends`), else a full piece. A full piece is written here; of a
+    delta, the records of its rows are read here (a snapshot, in memory) and the returned writer writes them, on
+    any thread, durably, whole or not at all.
 
     Returns:
-        The chain the file stands at now: ``dst`` last, or ``base`` itself (no piece written) where nothing was
-        written since ``base``, it has at most ``max_chain`` pieces and they are there.
+        The chain the file stands at now (``dst`` last, or ``base`` itself where nothing was written since
+        ``base``, it has at most ``max_chain`` pieces and they are there), and the writer.
 
     Raises:
         StoreError: the piece cannot be written (a full disk: the free and needed bytes are named); nothing of
-            it is left, the store and ``base`` are unchanged.
+            it is left, the store and ``base`` are unchanged. The writer raises it too.
     """
     head = int(file._ends[0])
     if base is not None and head == base.head and len(base.pieces) <= max_chain and base.there(dst):
-        return base  # nothing written since (every write appends): the same chain holds the table
+        return base, None  # nothing written since (every write appends): the same chain holds the table
     delta = base is not None and base.extends(dst, max_chain)
-    rows = np.flatnonzero(file.changed_rows)
-    units = np.empty(0, dtype=np.int64)
-    if delta:
-        nbytes = PAGE + rows.size * (file.record_bytes + 8)
-    else:
+    what = f"disk store '{file.path}'"
+    if not delta:
         units = file.live_units()
         nbytes = PAGE + file.index_bytes + units.size * file.unit_bytes
-    what = f"disk store '{file.path}'"
+        room_for(dst, nbytes, what)
+        try:
+            _write_full(file, dst, units)
+            finish_piece(dst, {"kind": "full", "head": head, "bytes": nbytes}, units=units)
+        except OSError as e:
+            raise failed_piece(dst, what, e, nbytes) from None
+        file.changed_rows[:] = False
+        return Chain((dst,), head, nbytes, 0), None
+    assert base is not None
+    rows = np.flatnonzero(file.changed_rows)
+    nbytes = PAGE + rows.size * (file.record_bytes + 8)
     room_for(dst, nbytes, what)
-    try:
-        if delta:
+    head_page = aligned_buffer(PAGE)
+    file._read_exact(memoryview(head_page), 0)
+    records = [
+        file.read_rows(file.slots_of(rows[a : a + _BLOCK_ROWS]))[0] for a in range(0, rows.size, _BLOCK_ROWS)
+    ]
+    file.changed_rows[:] = False
+
+    def write() -> None:
+        try:
             with open(dst + ".partial", "wb") as f:
-                head_page = aligned_buffer(PAGE)
-                file._read_exact(memoryview(head_page), 0)
                 f.write(head_page)
-                _write_delta(file, f, rows)
+                for block in records:
+                    f.write(np.ascontiguousarray(block).tobytes())
                 f.flush()
                 os.fsync(f.fileno())
             finish_piece(dst, {"kind": "delta", "head": head, "bytes": nbytes}, rows=rows)
-        else:
-            _write_full(file, dst, units)
-            finish_piece(dst, {"kind": "full", "head": head, "bytes": nbytes}, units=units)
-    except OSError as e:
-        raise failed_piece(dst, what, e, nbytes) from None
-    file.changed_rows[:] = False
-    if delta:
-        assert base is not None
-        return Chain((*base.pieces, dst), head, base.full_bytes, base.delta_bytes + nbytes)
-    return Chain((dst,), head, nbytes, 0)
+        except OSError as e:
+            raise failed_piece(dst, what, e, nbytes) from None
+
+    return Chain((*base.pieces, dst), head, base.full_bytes, base.delta_bytes + nbytes), write
 
 
 def _piece_list(file: DiskFile, path: str) -> Dict[str, Any]:

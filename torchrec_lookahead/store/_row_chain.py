@@ -18,13 +18,20 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.store._disk_chain import LIST_SUFFIX, Chain, failed_piece, finish_piece, room_for
+from torchrec_lookahead.store._disk_chain import (
+    LIST_SUFFIX,
+    Chain,
+    Writer,
+    failed_piece,
+    finish_piece,
+    room_for,
+)
 from torchrec_lookahead.store._disk_io import PAGE
 
 if TYPE_CHECKING:
@@ -45,21 +52,22 @@ def _layout(store: _RowStore) -> Dict[str, Any]:
     }
 
 
-def write_rows_piece(
+def prepare_rows_piece(
     store: _RowStore, dst: str, base: Optional[Chain], max_chain: int, written: np.ndarray
-) -> Chain:
-    """Write the piece ``dst`` of ``store``: a delta of the rows ``written`` (a bool per row) over ``base`` where
-    the chain may grow (:meth:`Chain.extends`), else a full piece. Durable, and whole or absent.
+) -> Tuple[Chain, Writer]:
+    """The piece ``dst`` of ``store``: a delta of the rows ``written`` (a bool per row) over ``base`` where the
+    chain may grow (:meth:`Chain.extends`), else a full piece. A full piece is written here; of a delta, the rows
+    are copied here (a snapshot) and the returned writer writes them, on any thread, durably, whole or not at all.
 
     Returns:
-        The chain the store stands at now (``base`` itself where nothing was written since it).
+        The chain the store stands at now (``base`` itself where nothing was written since it), and the writer.
 
     Raises:
         StoreError: the piece cannot be written (a full disk: the free and needed bytes are named); nothing of
-            it is left.
+            it is left. The writer raises it too.
     """
     if base is not None and not written.any() and len(base.pieces) <= max_chain and base.there(dst):
-        return base
+        return base, None
     delta = base is not None and base.extends(dst, max_chain)
     rows = store._rows()
     if delta:
@@ -68,8 +76,7 @@ def write_rows_piece(
         flags = store._chunk_flags().numpy()
         parts = [np.arange(*store._chunk_range(int(c)), dtype=np.int64) for c in np.flatnonzero(flags)]
         ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-    width = store.row_width
-    nbytes = PAGE + ids.size * (8 + width * 4)
+    nbytes = PAGE + ids.size * (8 + store.row_width * 4)
     head = json.dumps(
         {**_layout(store), "kind": "delta" if delta else "full", "count": int(ids.size)}
     ).encode()
@@ -77,27 +84,34 @@ def write_rows_piece(
     page[: len(MAGIC) + 4 + len(head)] = MAGIC + len(head).to_bytes(4, "little") + head
     what = f"table '{store.name}'"
     room_for(dst, nbytes, what)
-    try:
-        with open(dst + ".partial", "wb") as f:
-            f.write(page)
-            f.write(ids.tobytes())
-            for a in range(0, ids.size, _BLOCK_ROWS):
-                block = ids[a : a + _BLOCK_ROWS]
-                lo, hi = int(block[0]), int(block[-1]) + 1
-                if hi - lo == block.size:  # consecutive rows: a view of the store
-                    f.write(rows[lo:hi].numpy().tobytes())
+    # a delta's rows copied now; a full piece's are read from the store while it is written, here
+    blocks = range(0, ids.size if delta else 0, _BLOCK_ROWS)
+    copies = [rows.index_select(0, torch.from_numpy(ids[a : a + _BLOCK_ROWS])) for a in blocks]
+
+    def write() -> None:
+        try:
+            with open(dst + ".partial", "wb") as f:
+                f.write(page)
+                f.write(ids.tobytes())
+                if delta:
+                    for block in copies:
+                        f.write(block.numpy().tobytes())
                 else:
-                    f.write(rows.index_select(0, torch.from_numpy(block)).numpy().tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        finish_piece(dst, {"kind": "delta" if delta else "full", "bytes": nbytes})
-    except OSError as e:
-        raise failed_piece(dst, what, e, nbytes) from None
+                    for c in np.flatnonzero(store._chunk_flags().numpy()):
+                        lo, hi = store._chunk_range(int(c))
+                        f.write(rows[lo:hi].numpy().tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            finish_piece(dst, {"kind": "delta" if delta else "full", "bytes": nbytes})
+        except OSError as e:
+            raise failed_piece(dst, what, e, nbytes) from None
+
     written[:] = False
     if delta:
         assert base is not None
-        return Chain((*base.pieces, dst), 0, base.full_bytes, base.delta_bytes + nbytes)
-    return Chain((dst,), 0, nbytes, 0)
+        return Chain((*base.pieces, dst), 0, base.full_bytes, base.delta_bytes + nbytes), write
+    write()
+    return Chain((dst,), 0, nbytes, 0), None
 
 
 def _read_head(store: _RowStore, path: str) -> Dict[str, Any]:

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from torchrec_lookahead.errors import ConfigError, DataError
-from torchrec_lookahead.store._disk_chain import Chain
-from torchrec_lookahead.store._row_chain import read_rows_chain, write_rows_piece
+from torchrec_lookahead.store._disk_chain import Chain, Writer
+from torchrec_lookahead.store._row_chain import prepare_rows_piece, read_rows_chain
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
 from torchrec_lookahead.store.types import ShapedStore, StoreShape, check_load
 
@@ -232,10 +232,9 @@ class _RowStore(ShapedStore):
         """Whether checkpoints keep this table as pieces of its rows (after :meth:`keep_files`)."""
         return self._keeps_files
 
-    def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
-        """Write a checkpoint piece of the rows into ``directory``, durably: the rows written since the chain
-        last saved or loaded while it has fewer than ``max_chain`` pieces, else every row of the initialised
-        chunks (:mod:`~torchrec_lookahead.store._row_chain`). Returns the chain, the full piece first.
+    def snapshot_files(self, directory: str, max_chain: int = 1) -> Tuple[List[str], Writer]:
+        """:meth:`save_files`, the writing of a delta piece left to the returned writer (the rows it holds are
+        copied here): the chain, and the writer (``None``: nothing left to write).
 
         Raises:
             ConfigError: :meth:`keep_files` was not called.
@@ -244,8 +243,25 @@ class _RowStore(ShapedStore):
         if self._since is None:
             raise ConfigError(f"table '{self.name}': call keep_files() before saving pieces of its rows")
         dst = os.path.join(directory, f"{self.name}.{self._row_offset}.{uuid.uuid4().hex[:16]}.rows")
-        self._row_chain = write_rows_piece(self, dst, self._row_chain, max(1, int(max_chain)), self._since)
-        return list(self._row_chain.pieces)
+        self._row_chain, write = prepare_rows_piece(
+            self, dst, self._row_chain, max(1, int(max_chain)), self._since
+        )
+        return list(self._row_chain.pieces), write
+
+    def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
+        """Write a checkpoint piece of the rows into ``directory``, durably: the rows written since the chain
+        last saved or loaded while it has fewer than ``max_chain`` pieces, else every row of the initialised
+        chunks (:mod:`~torchrec_lookahead.store._row_chain`; a disk store's, :mod:`~torchrec_lookahead.store.
+        _disk_chain`). Returns the chain, the full piece first.
+
+        Raises:
+            ConfigError: :meth:`keep_files` was not called.
+            StoreError: the piece cannot be written (a full disk: free and needed bytes named).
+        """
+        chain, write = self.snapshot_files(directory, max_chain)
+        if write is not None:
+            write()
+        return chain
 
     def load_files(self, pieces: Sequence[str]) -> None:
         """Make the store hold what the chain ``pieces`` (:meth:`save_files`) stands for.

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.store._disk_chain import Chain, read_chain, write_piece
+from torchrec_lookahead.store._disk_chain import Chain, Writer, prepare_piece, read_chain
 from torchrec_lookahead.store._disk_file import DiskFile
 from torchrec_lookahead.store._disk_io import read_header
 from torchrec_lookahead.store._disk_lookahead import LookaheadReads
@@ -549,13 +549,10 @@ class DiskStore(LookaheadReads, _RowStore):
         """The start of the names of this store's checkpoint pieces (:meth:`save_files`)."""
         return f"{self.name}.{self._row_offset}"
 
-    def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
-        """Write the host tier's dirty rows, then a checkpoint piece of the file into ``directory``, durably: a
-        delta over the chain last saved or loaded while it has fewer than ``max_chain`` pieces, else a full piece
-        (:mod:`~torchrec_lookahead.store._disk_chain`).
-
-        Returns:
-            The chain (piece paths, the full one first) that holds the table now.
+    def snapshot_files(self, directory: str, max_chain: int = 1) -> Tuple[List[str], Writer]:
+        """Write the host tier's dirty rows, then a checkpoint piece of the file into ``directory``: a delta over
+        the chain last saved or loaded while it has fewer than ``max_chain`` pieces (its rows read here, written
+        by the returned writer), else a full piece, written here (:mod:`~torchrec_lookahead.store._disk_chain`).
 
         Raises:
             StoreError: the piece cannot be written (a full disk: free and needed bytes named); the store is unchanged.
@@ -564,8 +561,8 @@ class DiskStore(LookaheadReads, _RowStore):
         with self._lock:
             self._check_open()
             dst = os.path.join(directory, f"{self.file_name()}.{uuid.uuid4().hex[:16]}.rows")
-            self._chain = write_piece(self._file, dst, self._chain, max(1, int(max_chain)))
-            return list(self._chain.pieces)
+            self._chain, write = prepare_piece(self._file, dst, self._chain, max(1, int(max_chain)))
+            return list(self._chain.pieces), write
 
     def load_files(self, pieces: Sequence[str]) -> None:
         """Make the store hold what the chain ``pieces`` (:meth:`save_files`) stands for, with an empty host tier.

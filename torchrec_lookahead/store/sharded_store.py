@@ -488,6 +488,12 @@ class RowShardedStore(ShapedStore):
         """Write a checkpoint piece of this rank's shard into ``directory`` (no messages; every rank its own)."""
         return self._local.save_files(directory, max_chain)
 
+    def snapshot_files(
+        self, directory: str, max_chain: int = 1
+    ) -> Tuple[List[str], Optional[Callable[[], None]]]:
+        """:meth:`save_files`, a delta's writing left to the returned writer (this rank's shard)."""
+        return self._local.snapshot_files(directory, max_chain)
+
     def load_files(self, pieces: Sequence[str]) -> None:
         """Load this rank's shard from its chain of pieces (no messages)."""
         self._local.load_files(pieces)

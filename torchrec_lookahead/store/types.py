@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -284,6 +284,13 @@ class EmbeddingStore(abc.ABC):
             The chain (piece paths, the full one first) that holds this rank's part now (none: no rows).
         """
         raise NotImplementedError(f"{type(self).__name__} keeps no files to copy")
+
+    def snapshot_files(
+        self, directory: str, max_chain: int = 1
+    ) -> Tuple[List[str], Optional[Callable[[], None]]]:
+        """:meth:`save_files`, leaving to the returned writer what may be written while training goes on (a delta
+        piece, its rows copied here): the chain, and the writer (``None``: everything is written)."""
+        return self.save_files(directory, max_chain), None
 
     def load_files(self, pieces: Sequence[str]) -> None:
         """Make this rank's part of the table what the chain ``pieces`` (:meth:`save_files`) stands for.

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -46,6 +47,7 @@ CHAIN_FILE = "chain.json"
 #: beside the checkpoints (in their parent directory), the pieces of disk stores' files the checkpoints share:
 #: ``rank<r>/<collection>.<table>/<piece>``, each kept while a checkpoint there names it
 PIECES_DIR = ".store_pieces"
+_PARTIAL_AGE_S = 3600.0  # a partial piece younger than this may still be being written
 
 
 def _pieces_dir(path: Path, rank: int, key: str) -> Path:
@@ -77,10 +79,11 @@ def keep_store_files(stores: Sequence[EmbeddingStore], world_size: int) -> None:
         store.keep_files()
 
 
-def save_store_files(files: StoreFiles, path: Path, rank: int, max_chain: int) -> None:
-    """Write a piece of every disk store's file on this rank (a delta over its chain while the chain has fewer
+def save_store_files(files: StoreFiles, path: Path, rank: int, max_chain: int) -> List[Callable[[], None]]:
+    """Take a piece of every disk store's file on this rank (a delta over its chain while the chain has fewer
     than ``max_chain`` pieces) beside checkpoint ``path``, under :data:`PIECES_DIR`, and name each table's chain
-    in ``path`` (:data:`STORE_FILES_DIR`).
+    in ``path`` (:data:`STORE_FILES_DIR`). Full pieces are written here; the deltas' rows are copied here and
+    written by the returned writers (:meth:`EmbeddingStore.snapshot_files`), on any thread.
 
     Raises:
         StoreError: a piece cannot be written (a full disk: the free and needed bytes are named); the pieces
@@ -88,9 +91,12 @@ def save_store_files(files: StoreFiles, path: Path, rank: int, max_chain: int) -
     """
     mine = path / STORE_FILES_DIR / f"rank{rank}"
     chains: Dict[str, List[str]] = {}
+    writers: List[Callable[[], None]] = []
     try:
         for key, store in files.stores.items():
-            chains[key] = store.save_files(str(_pieces_dir(path, rank, key)), max_chain)
+            chains[key], write = store.snapshot_files(str(_pieces_dir(path, rank, key)), max_chain)
+            if write is not None:
+                writers.append(write)
             (mine / key).mkdir(parents=True, exist_ok=True)
             _write_json(mine / key / CHAIN_FILE, {"pieces": [os.path.basename(p) for p in chains[key]]})
     except BaseException:
@@ -101,6 +107,7 @@ def save_store_files(files: StoreFiles, path: Path, rank: int, max_chain: int) -
                     if os.path.exists(f):
                         os.unlink(f)
         raise
+    return writers
 
 
 def read_chain(path: Path, rank: int, key: str) -> List[str]:
@@ -147,9 +154,16 @@ def collect_pieces(directory: Path) -> int:
     freed = 0
     for piece in pool.glob("rank*/*/*"):
         name = piece.name[: -len(".npz")] if piece.name.endswith(".npz") else piece.name
-        if (piece.parent.parent.name, piece.parent.name, name) not in named:
-            freed += piece.stat().st_blocks * 512
+        if (piece.parent.parent.name, piece.parent.name, name) in named:
+            continue
+        try:
+            st = piece.stat()
+            if piece.name.endswith(".partial") and time.time() - st.st_mtime < _PARTIAL_AGE_S:
+                continue  # being written (a background checkpoint); a killed writer's goes later
             piece.unlink()
+            freed += st.st_blocks * 512
+        except FileNotFoundError:  # renamed into place, or removed, meanwhile
+            continue
     return freed
 
 

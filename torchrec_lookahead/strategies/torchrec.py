@@ -24,7 +24,6 @@ from typing import Any, Dict, List, Mapping, Optional
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -52,16 +51,14 @@ from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules._checkpoint import StoreFiles, store_files
 from torchrec_lookahead.runtime import CacheSession, LookaheadBatch
 from torchrec_lookahead.strategies._checkpoint import (
-    META_FILE,
-    WORLD_SIZE_KEY,
     checkpoint_memory_shortfall,
     collect_pieces,
     keep_store_files,
     load_sharded,
     load_store_files,
     read_checkpoint_meta,
-    save_store_files,
 )
+from torchrec_lookahead.strategies._checkpoint_writer import PiecesWriter, write_checkpoint
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
 from torchrec_lookahead.strategies._sharding import (
     DistributedModelParallelKeys,
@@ -101,6 +98,9 @@ class TorchRecStrategy(DDPStrategy):
             delta over its chain of pieces, ``docs/disk_tier.md``); every this many checkpoints of a chain, or
             once the deltas hold as many bytes as the chain's full piece, it writes a full one. 1: every
             checkpoint is full.
+        async_checkpoints: write the delta pieces in the background, the training thread stopping for the
+            flush and a copy of their rows (``strategies/_checkpoint_writer.py``); the next checkpoint and the end
+            of fit wait for them.
         incremental_ram_stores: checkpoints keep in-memory (``ram``, ``mmap``) stores' tables in the same chains
             (deltas of the rows written since the previous checkpoint) instead of full tensors (one rank).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
@@ -126,12 +126,14 @@ class TorchRecStrategy(DDPStrategy):
         init_seed: Optional[int] = 0,
         full_checkpoint_every: int = 8,
         incremental_ram_stores: bool = False,
+        async_checkpoints: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         check_int("full_checkpoint_every", full_checkpoint_every, 1, "give 1 (every checkpoint full) or more")
         self._full_every = int(full_checkpoint_every)
         self._ram_pieces = bool(incremental_ram_stores)
+        self._writer = PiecesWriter() if async_checkpoints else None
         self._sharders = sharders
         self._constraints = dict(constraints or {})
         self._compute_kernel = compute_kernel
@@ -358,6 +360,8 @@ class TorchRecStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self.flush_caches()
+        if self._writer is not None:  # the end of fit waits for the last checkpoint
+            self._writer.wait()
         super().on_train_end()
 
     @override
@@ -508,37 +512,27 @@ class TorchRecStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
+        if self._writer is not None:  # the previous checkpoint is written first
+            self._writer.wait()
         if self.is_global_zero:
             if path.is_file():
                 path.unlink()
-            elif (
-                path.is_dir()
-            ):  # rewritten (last.ckpt): its chains' pieces stay until no checkpoint names them
+            elif path.is_dir():  # rewritten (last.ckpt): its pieces stay while a checkpoint names them
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         self.barrier("torchrec_ckpt_mkdir")
         files, self._store_files = self._store_files, None
-        try:
-            if files:  # before the shards: a checkpoint killed while writing lacks .metadata and is refused
-                save_store_files(files, path, self.global_rank, self._full_every)
-            sharded = {"state_dict": checkpoint.pop("state_dict")}
-            for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
-                sharded[f"optimizer_{i}"] = opt_state
-            dcp.save(sharded, checkpoint_id=path)
-            checkpoint[WORLD_SIZE_KEY] = self.world_size
-            if self.is_global_zero:
-                torch.save(checkpoint, path / META_FILE)
-        except BaseException:
-            if self.is_global_zero:  # a failed checkpoint leaves nothing behind
-                shutil.rmtree(path, ignore_errors=True)
-                collect_pieces(path.parent)
-            raise
+        write_checkpoint(
+            checkpoint, path, files, self.global_rank, self.world_size, self._full_every, self._writer
+        )
         self.barrier("torchrec_ckpt_saved")
         if self.is_global_zero:
             collect_pieces(path.parent)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        if self._writer is not None:
+            self._writer.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
         meta = read_checkpoint_meta(path, self.world_size)
         lm = self.lightning_module

@@ -1,0 +1,142 @@
+"""Writing a checkpoint directory of :class:`~torchrec_lookahead.strategies.TorchRecStrategy`, in the foreground
+or with its store pieces in the background (``async_checkpoints``).
+
+In the background, the training thread stops for what consistency needs: the flush of the cached rows and the
+host tiers (when the state dict is built), full pieces, a copy of the rows each delta piece holds, the chains'
+files, and the dense part (``torch.distributed.checkpoint``, small). The deltas are then written by one thread
+per rank; each rank marks its part written (:data:`WRITTEN`), and rank 0 writes the Lightning part
+(:data:`~torchrec_lookahead.strategies._checkpoint.META_FILE`) once every rank's is: until then the checkpoint
+is refused as incomplete. A second checkpoint waits for the first; the end of fit waits for the last; a failure
+is raised at the next checkpoint or at the end of fit, the failed checkpoint's directory removed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchrec_lookahead.errors import CheckpointError
+from torchrec_lookahead.modules._checkpoint import StoreFiles
+from torchrec_lookahead.strategies._checkpoint import (
+    META_FILE,
+    STORE_FILES_DIR,
+    WORLD_SIZE_KEY,
+    collect_pieces,
+    save_store_files,
+)
+
+__all__ = ["WRITTEN", "PiecesWriter", "write_checkpoint"]
+
+#: in ``stores/rank<r>/`` of a checkpoint written in the background: rank r's pieces are written (or ``FAILED``)
+WRITTEN = "WRITTEN"
+_FAILED = "FAILED"
+_WAIT_S = 1800.0  # rank 0 waits this long for the other ranks' pieces
+
+
+class PiecesWriter:
+    """One background thread writing one checkpoint's pieces at a time."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def wait(self) -> None:
+        """Wait for the checkpoint being written, and raise what made it fail."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def start(self, work: Callable[[], None]) -> None:
+        """Run ``work`` in the background, after the previous checkpoint is written."""
+        self.wait()
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as e:  # raised at the next wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="checkpoint-pieces", daemon=True)
+        self._thread.start()
+
+
+def _wait_for_ranks(path: Path, world_size: int) -> None:
+    deadline = time.monotonic() + _WAIT_S
+    for r in range(world_size):
+        mine = path / STORE_FILES_DIR / f"rank{r}"
+        while not (mine / WRITTEN).exists():
+            if (mine / _FAILED).exists() or time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"checkpoint {path}: rank {r} did not write its store pieces; the checkpoint is removed, the "
+                    "earlier ones are whole"
+                )
+            time.sleep(0.02)
+
+
+def write_checkpoint(
+    checkpoint: Dict[str, Any],
+    path: Path,
+    files: Optional[StoreFiles],
+    rank: int,
+    world_size: int,
+    max_chain: int,
+    background: Optional[PiecesWriter],
+) -> None:
+    """Write checkpoint ``path`` (made, empty, by rank 0) on this rank: the store pieces and chains, the sharded
+    state (``torch.distributed.checkpoint``, collective) and, on rank 0, the Lightning part last. With
+    ``background``, the deltas' pieces and the Lightning part are written by its thread.
+
+    Raises:
+        StoreError: a piece cannot be written; the checkpoint's directory (rank 0) and this rank's new pieces
+            are removed.
+    """
+    try:
+        writers = save_store_files(files, path, rank, max_chain) if files else []
+        if background is None:  # before the shards: a checkpoint killed while writing lacks .metadata
+            for write in writers:
+                write()
+        sharded = {"state_dict": checkpoint.pop("state_dict")}
+        for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            sharded[f"optimizer_{i}"] = opt_state
+        dcp.save(sharded, checkpoint_id=path)
+        checkpoint[WORLD_SIZE_KEY] = world_size
+        if background is None:
+            if rank == 0:
+                torch.save(checkpoint, path / META_FILE)
+            return
+    except BaseException:
+        _remove(path, rank)
+        raise
+    mine = path / STORE_FILES_DIR / f"rank{rank}"
+    mine.mkdir(parents=True, exist_ok=True)
+
+    def finish(writers: List[Callable[[], None]] = writers) -> None:
+        try:
+            for write in writers:
+                write()
+            (mine / WRITTEN).touch()
+            if rank == 0:
+                _wait_for_ranks(path, world_size)
+                torch.save(checkpoint, path / META_FILE)
+        except BaseException:
+            (mine / _FAILED).touch()
+            _remove(path, rank)
+            raise
+
+    background.start(finish)
+
+
+def _remove(path: Path, rank: int) -> None:
+    """A failed checkpoint leaves nothing behind: rank 0 removes its directory, then the pieces no kept one names."""
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        collect_pieces(path.parent)
