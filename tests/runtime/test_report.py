@@ -27,7 +27,8 @@ def test_scan_progress_draws_a_bar_only_where_the_trainer_shows_progress(capsys,
             tick()
     err = capsys.readouterr().err
     assert "Scanning: 100%" in err and "3/3" in err and " s]" in err  # the bar ends with the scan's time
-    for quiet in (trainer(tmp_path, progress_bar=False), SimpleNamespace(is_global_zero=False), None):
+    other_rank = SimpleNamespace(is_global_zero=False, world_size=2, received_sigterm=False)
+    for quiet in (trainer(tmp_path, progress_bar=False), other_rank, None):
         with scan_progress(quiet, "Scanning", total=3) as tick:
             tick()
         assert "Scanning" not in capsys.readouterr().err

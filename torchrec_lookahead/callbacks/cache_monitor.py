@@ -37,6 +37,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
+from torchrec_lookahead.data import batch_adapter_of, trainer_datamodules
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.runtime import CacheHost, CacheSession, LoaderStats
 
@@ -159,9 +160,7 @@ class CacheMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._samples += _batch_size(
-            batch, getattr(getattr(trainer, "datamodule", None), "batch_adapter", None)
-        )
+        self._samples += _batch_size(batch, batch_adapter_of(trainer_datamodules(trainer)[0]))
         every = self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 50))
         if trainer.global_step % max(every, 1) != 0:
             return

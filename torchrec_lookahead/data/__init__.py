@@ -10,15 +10,17 @@ from torchrec_lookahead.data.datamodules import (
     TaobaoDataModule,
 )
 from torchrec_lookahead.data.history import MovieLensHistoryDataModule, MovieLensHistoryParser
-from torchrec_lookahead.data.lookahead import LookaheadDataModule
+from torchrec_lookahead.data.lookahead import LookaheadDataModule, batch_adapter_of
 from torchrec_lookahead.data.readers import CriteoTSVParser, MovieLensParser, TaobaoParser
 from torchrec_lookahead.data.resumable import ResumableBatchLoader
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig
 from torchrec_lookahead.data.text import LineBatchDataset
-from torchrec_lookahead.data.wrapper import WrappedDataModule
+from torchrec_lookahead.data.wrapper import WrappedDataModule, trainer_datamodules
 
 __all__ = [
     "WrappedDataModule",
+    "trainer_datamodules",
+    "batch_adapter_of",
     "CRITEO_KAGGLE_CARDINALITIES",
     "scaled_cardinalities",
     "RecDataModule",

@@ -39,7 +39,7 @@ from torchrec_lookahead.runtime.types import (
     PinnedRowsSource,
 )
 
-__all__ = ["LookaheadDataModule"]
+__all__ = ["LookaheadDataModule", "batch_adapter_of"]
 
 
 def check_cdlrm_schedule(policy: str, window: int, average_every: Optional[int]) -> None:
@@ -278,3 +278,14 @@ class LookaheadDataModule(WrappedDataModule):
         lines = [f"{head}; the largest windows read need, of each cached table's rows:"]
         lines += [f"  {t}: {scan.need[t]:,} of {target.capacity[t]:,} cache rows" for t in sorted(scan.need)]
         report_text(self.trainer, "lookahead/capacity_check", "\n".join(lines))
+
+
+def batch_adapter_of(datamodule: object) -> Optional[BatchAdapter]:
+    """How the training batches of ``datamodule`` are read: a :class:`LookaheadDataModule`'s ``batch_adapter``,
+    ``None`` for any other DataModule (TorchRec ``Batch`` es).
+
+    Example:
+        >>> batch_adapter_of(None) is None
+        True
+    """
+    return datamodule.batch_adapter if isinstance(datamodule, LookaheadDataModule) else None

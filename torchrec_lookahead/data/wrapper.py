@@ -8,12 +8,12 @@ sizes and dense width are read from it (the CLI links them).
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
-__all__ = ["WrappedDataModule"]
+__all__ = ["WrappedDataModule", "trainer_datamodules"]
 
 
 class WrappedDataModule(pl.LightningDataModule):
@@ -78,3 +78,17 @@ class WrappedDataModule(pl.LightningDataModule):
     @override
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.datamodule.load_state_dict(state_dict.get("datamodule", {}))
+
+
+def trainer_datamodules(
+    trainer: Optional[pl.Trainer],
+) -> Tuple[Optional[pl.LightningDataModule], Optional[pl.LightningDataModule]]:
+    """The DataModule ``trainer`` trains on and the one it wraps (the same DataModule when it is not a
+    :class:`WrappedDataModule`; ``None`` without a Trainer or a DataModule).
+
+    Example:
+        >>> trainer_datamodules(None)
+        (None, None)
+    """
+    dm = getattr(trainer, "datamodule", None)  # set on the Trainer by Lightning's data connector
+    return dm, (dm.datamodule if isinstance(dm, WrappedDataModule) else dm)

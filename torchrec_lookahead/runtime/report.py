@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
+import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -20,11 +21,11 @@ ScanTicker = Callable[[], None]
 """Called once per batch read by a pre-scan."""
 
 
-def _is_global_zero(trainer: Any) -> bool:
-    return trainer is None or bool(getattr(trainer, "is_global_zero", True))
+def _is_global_zero(trainer: Optional[pl.Trainer]) -> bool:
+    return trainer is None or trainer.is_global_zero
 
 
-def report_text(trainer: Any, tag: str, text: str) -> None:
+def report_text(trainer: Optional[pl.Trainer], tag: str, text: str) -> None:
     """Print ``text`` on rank 0 and add it to each TensorBoard logger of ``trainer`` under ``tag``.
 
     TensorBoard renders text as Markdown: the text is sent as a preformatted block, so that tables keep their
@@ -37,13 +38,15 @@ def report_text(trainer: Any, tag: str, text: str) -> None:
     if trainer is None or not _is_global_zero(trainer):
         return
     block = "\n".join("    " + line for line in text.splitlines())
-    for logger in getattr(trainer, "loggers", []):
+    for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
             logger.experiment.add_text(tag, block, global_step=int(trainer.global_step))
 
 
 @contextlib.contextmanager
-def scan_progress(trainer: Any, description: str, total: Optional[int]) -> Iterator[ScanTicker]:
+def scan_progress(
+    trainer: Optional[pl.Trainer], description: str, total: Optional[int]
+) -> Iterator[ScanTicker]:
     """A progress bar over a pre-scan of ``total`` batches (``None``: unknown) while the block runs, on rank 0
     where the Trainer shows progress bars (``enable_progress_bar``). Yields the ticker to call once per batch; it
     also ends the scan of a single process that received SIGTERM (``SIGTERMException``).
@@ -52,11 +55,7 @@ def scan_progress(trainer: Any, description: str, total: Optional[int]) -> Itera
         >>> with scan_progress(None, "scan", total=2) as tick:
         ...     tick(); tick()
     """
-    shows = (
-        trainer is not None
-        and _is_global_zero(trainer)
-        and getattr(trainer, "progress_bar_callback", None) is not None
-    )
+    shows = trainer is not None and trainer.is_global_zero and trainer.progress_bar_callback is not None
     if not shows:
         yield lambda: _stop_if_terminated(trainer)
         return
@@ -75,7 +74,7 @@ def scan_progress(trainer: Any, description: str, total: Optional[int]) -> Itera
         bar.set_postfix_str(f"{time.perf_counter() - t0:.1f} s", refresh=True)
 
 
-def _stop_if_terminated(trainer: Any) -> None:
+def _stop_if_terminated(trainer: Optional[pl.Trainer]) -> None:
     """End a pre-scan of one process that received SIGTERM (a scan of a large dataset takes minutes). With
     several ranks the scan shares the signal through its lockstep gathers instead (:func:`sigterm_pending`), so
     that every rank stops at the same batch.
@@ -83,15 +82,11 @@ def _stop_if_terminated(trainer: Any) -> None:
     Raises:
         SIGTERMException: Lightning's, as its loops raise it.
     """
-    if (
-        trainer is not None
-        and getattr(trainer, "world_size", 1) == 1
-        and getattr(trainer, "received_sigterm", False)
-    ):
+    if trainer is not None and trainer.world_size == 1 and trainer.received_sigterm:
         raise SIGTERMException()
 
 
-def sigterm_pending(trainer: Any) -> Callable[[], bool]:
+def sigterm_pending(trainer: Optional[pl.Trainer]) -> Callable[[], bool]:
     """A test of whether this rank received SIGTERM, agreed with its peers or not yet (the ``pending`` flag of
     the strategy's :class:`~torchrec_lookahead.strategies._signals.LockstepSignalConnector`). A multi-rank
     pre-scan shares it through its lockstep gathers (:func:`~torchrec_lookahead.runtime.scan.prescan`), so that
@@ -103,7 +98,9 @@ def sigterm_pending(trainer: Any) -> Callable[[], bool]:
     """
 
     def pending() -> bool:
-        connector = getattr(trainer, "_signal_connector", None)
-        return bool(getattr(connector, "pending", False) or getattr(connector, "received_sigterm", False))
+        if trainer is None:
+            return False
+        connector = trainer._signal_connector  # Lightning's; the strategy's lockstep one adds ``pending``
+        return bool(getattr(connector, "pending", False) or connector.received_sigterm)
 
     return pending

@@ -19,11 +19,18 @@ __all__ = ["collective_channel", "current_channel", "current_wait", "CollectiveW
 STAGE_CHANNEL = "stage"
 """Channel of the lookahead stager thread (its gathers run on a process group of their own)."""
 
-_local = threading.local()
-
-
 CollectiveWait = Callable[[Any, str], None]
 """Waits for an asynchronous collective (a ``torch.distributed`` work handle) and names it for errors."""
+
+
+class _Channel(threading.local):
+    """This thread's channel and wait (the class attributes are every thread's start)."""
+
+    name: Optional[str] = None
+    wait: Optional[CollectiveWait] = None
+
+
+_local = _Channel()
 
 
 @contextlib.contextmanager
@@ -45,7 +52,7 @@ def collective_channel(name: Optional[str], wait: Optional[CollectiveWait] = Non
         >>> current_channel() is None
         True
     """
-    prev = getattr(_local, "name", None), getattr(_local, "wait", None)
+    prev = _local.name, _local.wait
     _local.name, _local.wait = name, wait
     try:
         yield
@@ -55,9 +62,9 @@ def collective_channel(name: Optional[str], wait: Optional[CollectiveWait] = Non
 
 def current_channel() -> Optional[str]:
     """The channel set by the innermost :func:`collective_channel` of this thread (``None`` outside)."""
-    return getattr(_local, "name", None)
+    return _local.name
 
 
 def current_wait() -> Optional[CollectiveWait]:
     """The wait set by the innermost :func:`collective_channel` of this thread (``None``: unbounded)."""
-    return getattr(_local, "wait", None)
+    return _local.wait

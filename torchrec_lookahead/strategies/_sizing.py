@@ -4,10 +4,11 @@ off the budget, and the set-up report (:func:`size_caches`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from torch import nn
 
+from torchrec_lookahead.data import batch_adapter_of, trainer_datamodules
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
 from torchrec_lookahead.distributed.lockstep import gather_global_kjt
 from torchrec_lookahead.errors import ConfigError
@@ -65,16 +66,10 @@ def _use_loader_settings(sharders: List[LookaheadEmbeddingBagCollectionSharder],
     """
     from torchrec_lookahead.data.lookahead import LookaheadDataModule
 
-    dm, _ = _datamodules(trainer)
+    dm, _ = trainer_datamodules(trainer)
     if isinstance(dm, LookaheadDataModule):
         for s in sharders:
             s.use_lookahead_settings(dm.settings, type(dm).__name__)
-
-
-def _datamodules(trainer: Any) -> Tuple[Any, Any]:
-    """The Trainer's DataModule and the one it wraps (the same when it wraps none)."""
-    dm = getattr(trainer, "datamodule", None)
-    return dm, getattr(dm, "datamodule", dm)
 
 
 def _pinned_rows_source(trainer: Any) -> Optional[PinnedRowsSource]:
@@ -82,7 +77,7 @@ def _pinned_rows_source(trainer: Any) -> Optional[PinnedRowsSource]:
     ``LookaheadDataModule``), else ``None``."""
     from torchrec_lookahead.data.lookahead import LookaheadDataModule
 
-    dm, inner = _datamodules(trainer)
+    dm, inner = trainer_datamodules(trainer)
     if isinstance(dm, LookaheadDataModule) and isinstance(inner, PinnedRowsSource):
         return inner
     return None
@@ -98,8 +93,8 @@ def _sample_batches(
     is called after each batch is read (a progress bar's tick). With ``pinning`` (the DataModule pins rows in
     the caches), its cold batches (:meth:`~torchrec_lookahead.runtime.types.PinnedRowsSource.cold_batches`): the
     dynamic caches see only them."""
-    dm, inner = _datamodules(trainer)
-    adapter = getattr(dm, "batch_adapter", None)
+    dm, inner = trainer_datamodules(trainer)
+    adapter = batch_adapter_of(dm)
     if inner is None:
         raise ConfigError(
             "The lookahead sharder has a device budget but no DataModule to sample batches from; pass a "

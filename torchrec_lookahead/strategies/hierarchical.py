@@ -48,6 +48,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from typing_extensions import override
 
+from torchrec_lookahead.data import trainer_datamodules
 from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.optim import _enum
 from torchrec_lookahead.strategies._averaging import Averaging, ReplicaAverager
@@ -308,8 +309,7 @@ class HierarchicalStrategy(TorchRecStrategy):
 
     def _batch_size(self) -> int:
         lm = self.lightning_module
-        dm = getattr(lm._trainer, "datamodule", None) if lm is not None else None
-        dm = getattr(dm, "datamodule", dm)
+        _, dm = trainer_datamodules(lm._trainer if lm is not None else None)
         return int(getattr(dm, "batch_size", 1024) or 1024)
 
     def split_layers(self, model: nn.Module) -> List[SplitLayer]:
