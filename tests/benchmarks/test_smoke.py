@@ -339,7 +339,9 @@ def check_checkpoint(f: Dict[str, Any]) -> None:
     for kind in ("ram", "disk"):
         run = f["runs"][kind]
         assert close(f["incremental_bytes_over_full"][kind], run["incremental_bytes"] / run["full_bytes"])
-        assert close(f["stall_s_over_full"][kind], run["incremental_s"] / run["full_s"])
+        assert close(f["stall_s_over_full"][kind], run["incremental_stall_s"] / run["full_s"])
+        assert close(f["sync_stall_s_over_full"][kind], run["incremental_s"] / run["full_s"])
+        assert run["incremental_stall_s"] <= run["incremental_s"]
         assert 0 < f["incremental_bytes_over_full"][kind] < 0.2  # --quick: a full one holds >= 10x the rows
         assert f["full_rows_over_written_rows"][kind] >= 10
         # the rows written back and their ids, a page of header: the bytes do not depend on the machine
