@@ -284,22 +284,25 @@ class LookaheadPlanner:
             )
         specs: List[_Table] = []
         for cfg in tables:
-            name = getattr(cfg, "name", None)
-            rows: Any = getattr(cfg, "num_embeddings", None)
-            dim: Any = getattr(cfg, "embedding_dim", None)
-            if not isinstance(name, str) or not is_int(rows) or not is_int(dim):
+            if not (
+                isinstance(cfg, BaseEmbeddingConfig)
+                and isinstance(cfg.name, str)
+                and is_int(cfg.num_embeddings)
+                and is_int(cfg.embedding_dim)
+            ):
                 raise ConfigError(
                     f"tables must be TorchRec EmbeddingBagConfigs (name, num_embeddings, embedding_dim) but got "
                     f"{cfg!r}; build them with torchrec.EmbeddingBagConfig"
                 )
-            if int(rows) < 1 or int(dim) < 1:
+            name, rows, dim = cfg.name, int(cfg.num_embeddings), int(cfg.embedding_dim)
+            if rows < 1 or dim < 1:
                 raise ConfigError(
                     f"table {name!r} must have num_embeddings >= 1 and embedding_dim >= 1 but got {rows} and {dim}; "
                     "fix the table config"
                 )
             if any(s.name == name for s in specs):
                 raise ConfigError(f"table name {name!r} appears twice; table names must be unique")
-            specs.append(_Table(name, int(rows), int(dim), row_bytes(int(dim), optimizer)))
+            specs.append(_Table(name, rows, dim, row_bytes(dim, optimizer)))
         if not specs:
             raise ConfigError("tables is empty; pass the model's EmbeddingBagConfigs")
         return specs
@@ -313,7 +316,7 @@ class LookaheadPlanner:
         mapping = dict(feature_to_table) if feature_to_table is not None else None
         derived: Dict[str, str] = {}
         for cfg in tables:
-            for feature in list(getattr(cfg, "feature_names", None) or [cfg.name]):
+            for feature in list(cfg.feature_names or [cfg.name]):
                 derived[str(feature)] = cfg.name
         for index, batch in enumerate(batches):
             if mapping is None and isinstance(batch, Mapping):
