@@ -57,7 +57,7 @@ def _enum(cls: Type[enum.Enum], value: Any, arg: str) -> Any:
     try:
         return cls(value.value if isinstance(value, enum.Enum) else value)
     except ValueError:
-        valid = [m.value for m in cls]  # type: ignore[attr-defined]
+        valid = [m.value for m in list(cls)]
         raise ConfigError(f"Expected {arg} to be one of {valid} but got {value!r}") from None
 
 

@@ -8,10 +8,11 @@ through :attr:`RecDataModule.num_embeddings_per_feature` and :attr:`RecDataModul
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 from torch.utils.data import IterableDataset
+from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
 from torchrec_lookahead._checks import check_int
@@ -26,7 +27,7 @@ from torchrec_lookahead.data.readers import (
 )
 from torchrec_lookahead.data.resumable import ResumableBatchLoader
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig
-from torchrec_lookahead.data.text import LineBatchDataset, check_files
+from torchrec_lookahead.data.text import LineBatchDataset, Row, check_files
 from torchrec_lookahead.errors import ConfigError, DataError
 
 __all__ = [
@@ -36,6 +37,10 @@ __all__ = [
     "MovieLensDataModule",
     "TaobaoDataModule",
 ]
+
+
+#: builds a batch from parsed rows (this rank's slice of a global batch)
+RowParser = Callable[[List[Row]], Batch]
 
 
 class RecDataModule(pl.LightningDataModule, abc.ABC):
@@ -208,7 +213,7 @@ class _FileDataModule(RecDataModule):
         self._files = {"train": _files(train_files), "val": _files(val_files), "test": _files(test_files)}
 
     @abc.abstractmethod
-    def _parser(self):  # type: ignore[no-untyped-def]
+    def _parser(self) -> RowParser:
         """The row parser."""
 
     def _dataset(self, *args: Any, **kwargs: Any) -> LineBatchDataset:
@@ -309,7 +314,7 @@ class MovieLensDataModule(_FileDataModule):
         val_files: Union[None, str, List[str]] = None,
         test_files: Union[None, str, List[str]] = None,
         movies_file: Optional[str] = None,
-        num_embeddings: Union[List[int], Dict[str, int]] = (1024, 200_000, 32),  # type: ignore[assignment]
+        num_embeddings: Union[Sequence[int], Dict[str, int]] = (1024, 200_000, 32),
         batch_size: int = 512,
         drop_last: Optional[bool] = None,
     ) -> None:
@@ -320,7 +325,7 @@ class MovieLensDataModule(_FileDataModule):
             list(num_embeddings) if not isinstance(num_embeddings, dict) else num_embeddings, genres
         )
 
-    def _parser(self) -> MovieLensParser:
+    def _parser(self) -> RowParser:
         return self._parse
 
     @property
@@ -349,7 +354,7 @@ class TaobaoDataModule(_FileDataModule):
         train_files: Union[str, List[str]],
         val_files: Union[None, str, List[str]] = None,
         test_files: Union[None, str, List[str]] = None,
-        num_embeddings: Union[List[int], Dict[str, int]] = (1_048_576, 5_242_880, 16_384),  # type: ignore[assignment]
+        num_embeddings: Union[Sequence[int], Dict[str, int]] = (1_048_576, 5_242_880, 16_384),
         batch_size: int = 512,
         drop_last: Optional[bool] = None,
     ) -> None:

@@ -121,7 +121,7 @@ class MovieLensHistoryDataModule(MovieLensDataModule):
         val_files: Union[None, str, List[str]] = None,
         test_files: Union[None, str, List[str]] = None,
         movies_file: Optional[str] = None,
-        num_embeddings: Union[List[int], Dict[str, int]] = (1024, 200_000, 32),  # type: ignore[assignment]
+        num_embeddings: Union[Sequence[int], Dict[str, int]] = (1024, 200_000, 32),
         history_length: int = 20,
         batch_size: int = 512,
         drop_last: Optional[bool] = None,
@@ -133,7 +133,7 @@ class MovieLensHistoryDataModule(MovieLensDataModule):
         self.history_length = history_length
         self._history_parse = MovieLensHistoryParser(self._parse.sizes, self._parse.genres)
 
-    def _parser(self) -> MovieLensHistoryParser:  # type: ignore[override]
+    def _parser(self) -> MovieLensHistoryParser:
         return self._history_parse
 
     def _dataset(self, *args: object, **kwargs: object) -> LineBatchDataset:

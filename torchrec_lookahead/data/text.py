@@ -39,9 +39,7 @@ def check_files(paths: Sequence[str]) -> List[str]:
     Raises:
         DataError: a path does not exist, is a directory, or cannot be read.
     """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]  # type: ignore[list-item]
-    out = [os.fspath(p) for p in paths]
+    out = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
     if not out:
         raise ConfigError("Expected at least one data file but got none")
     for p in out:

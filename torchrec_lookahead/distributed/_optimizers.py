@@ -35,6 +35,14 @@ def cache_optimizer_from_kwargs(optimizer: Any, kw: Dict[str, Any]) -> CacheOpti
     )
 
 
+def _emb_opt_type(cls: Any) -> Optional[EmbOptimType]:
+    """FBGEMM's optimizer type for a ``torch.optim`` class as TorchRec maps it, ``None`` where it has none."""
+    try:
+        return optimizer_type_to_emb_opt_type(cls)
+    except ValueError:
+        return None
+
+
 def cache_optimizer_from_module(module: nn.Module, tables: List[str]) -> Optional[CacheOptimizerConfig]:
     """The cache optimizer declared on the tables with ``apply_optimizer_in_backward`` (``None`` if none).
 
@@ -48,12 +56,11 @@ def cache_optimizer_from_module(module: nn.Module, tables: List[str]) -> Optiona
         if table not in tables or declared is None:
             continue
         cls, kw = declared
-        try:
-            opt: EmbOptimType = optimizer_type_to_emb_opt_type(cls)  # type: ignore[assignment]
-        except ValueError:
+        opt = _emb_opt_type(cls)
+        if opt is None:
             raise ConfigError(
                 f"Table '{table}' declares optimizer {cls.__name__}, which the cache does not support"
-            ) from None
+            )
         found[table] = cache_optimizer_from_kwargs(opt, kw)
     distinct = set(found.values())
     if len(distinct) > 1:
@@ -91,9 +98,8 @@ def _table_optimizer(module: EmbeddingBagCollection, name: str, fused_params: Di
     unknown = sorted(set(kw) - _FUSABLE_OPTIMIZER_KEYS)
     if unknown:
         return f"table '{name}' declares optimizer arguments {unknown} the cache's kernel does not take"
-    try:
-        opt = optimizer_type_to_emb_opt_type(cls)
-    except ValueError:
+    opt = _emb_opt_type(cls)
+    if opt is None:
         return f"table '{name}' declares optimizer {cls.__name__}, which the cache does not support"
     return cache_optimizer_from_kwargs(opt, {**fused_params, **kw})
 
