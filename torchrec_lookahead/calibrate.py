@@ -18,10 +18,10 @@ import sys
 import tempfile
 from typing import Any, Dict, Optional, Sequence
 
-import lightning.pytorch as pl
 import yaml
 
 from torchrec_lookahead._checks import check_output_file
+from torchrec_lookahead.data import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.fae import (
     CalibrationConfig,
@@ -110,9 +110,7 @@ def run_calibration(
 
     cli = build_cli(["--config", config_path, *overrides], run=False)
     dm, model = cli.datamodule, cli.model
-    while not isinstance(dm, HotColdDataModule) and isinstance(
-        getattr(dm, "datamodule", None), pl.LightningDataModule
-    ):
+    while not isinstance(dm, HotColdDataModule) and isinstance(dm, WrappedDataModule):
         dm = dm.datamodule  # a LookaheadDataModule (pinned hot rows) around the hot/cold DataModule
     if isinstance(dm, HotColdDataModule):
         if save is None and dm.hot_set_path:
