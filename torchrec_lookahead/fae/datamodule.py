@@ -292,8 +292,7 @@ class HotColdDataModule(WrappedDataModule):
     def state_dict(self) -> Dict[str, Any]:
         state = super().state_dict()
         if self.recalibrate is not None:
-            for key in ("hot_set", "next_hot_set"):
-                hs = getattr(self, key)
+            for key, hs in (("hot_set", self.hot_set), ("next_hot_set", self.next_hot_set)):
                 if hs is not None:
                     state[key] = hs.to_dict()
         return state

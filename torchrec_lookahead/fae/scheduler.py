@@ -38,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from torchrec_lookahead.data.lookahead import LookaheadDataModule
+from torchrec_lookahead.data.wrapper import trainer_datamodules
 from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.fae.datamodule import HotColdDataModule
 from torchrec_lookahead.fae.loader import HotColdLoader
@@ -126,7 +127,7 @@ class HotColdScheduler(pl.Callback):
 
     @staticmethod
     def _loader(trainer: pl.Trainer) -> HotColdLoader:
-        dm = getattr(trainer, "datamodule", None)
+        dm, _ = trainer_datamodules(trainer)
         loader = dm.loader if isinstance(dm, (HotColdDataModule, LookaheadDataModule)) else None
         if isinstance(loader, HotColdLookaheadLoader):  # pinned hot rows: the lookahead loader wraps it
             loader = loader.hotcold

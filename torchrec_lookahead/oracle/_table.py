@@ -191,11 +191,17 @@ class _TablePlanner:
         # a quarter to spare past the largest id: hashed ids reach near the table's end in the first batches
         n = max(n + (n >> 2), 2 * self.slot_of.size)
         old = self.slot_of.size
-        for attr, fill in (("slot_of", -1), ("last_occ", -1), ("scratch", -1)):
-            arr = getattr(self, attr)
-            new = np.full(n, fill, dtype=arr.dtype)
+
+        def grown(arr: np.ndarray) -> np.ndarray:
+            new = np.full(n, -1, dtype=arr.dtype)
             new[:old] = arr
-            setattr(self, attr, new)
+            return new
+
+        self.slot_of, self.last_occ, self.scratch = (
+            grown(self.slot_of),
+            grown(self.last_occ),
+            grown(self.scratch),
+        )
 
     def dedup(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """Unique ids in order of first occurrence, and the index of each input id among them."""

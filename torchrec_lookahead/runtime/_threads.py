@@ -16,7 +16,7 @@ import os
 import queue
 import sys
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -166,10 +166,10 @@ class LoaderStats:
     training_thread_s: float = 0.0
 
     def __add__(self, other: LoaderStats) -> LoaderStats:
-        return LoaderStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        return LoaderStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
     def __sub__(self, other: LoaderStats) -> LoaderStats:
-        return LoaderStats(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+        return LoaderStats(*(a - b for a, b in zip(astuple(self), astuple(other))))
 
 
 class _Run:
