@@ -306,7 +306,7 @@ def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(
         ]
         assert len(list(end.glob("stores/rank*/embedding_bags.t_cat_2/chain.json"))) == ranks
     mid = tmp_path / "a_ckpt" / "epoch=0-step=8.ckpt"
-    assert len(read_chain(mid, 0, "embedding_bags.t_cat_2")) >= 2  # step 8: deltas over step 4.s full piece
+    assert len(read_chain(mid, 0, "embedding_bags.t_cat_2")) >= 2  # step 8: deltas over step 4's full piece
     a, b = (_whole_tables(e) for e in ends)
     assert any(".cache.embedding_bags." in k and k.endswith(".weight") for k in a) and a.keys() == b.keys()
     for k in a:

@@ -81,3 +81,23 @@ def test_pieces_are_refused_when_missing_foreign_or_partial_and_a_full_disk_leav
     with pytest.raises(StoreError, match="No space left on device; it needs .* bytes"):
         store.save_files(str(tmp_path / "full"), max_chain=2)
     assert list((tmp_path / "full").iterdir()) == []
+
+
+def test_too_little_room_is_refused_before_writing_naming_the_needed_and_free_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchrec_lookahead.store import DiskStore, _disk_chain
+
+    disk = DiskStore(
+        tmp_path / "t.rows", N, D, WIDTHS, name="t", seed=3, host_budget_bytes=4096, preallocate=False
+    )
+    ram = TensorStore(N, D, WIDTHS, name="t", seed=3)
+    ram.keep_files()
+    monkeypatch.setattr(_disk_chain, "free_bytes", lambda path: 1000)
+    for store in (disk, ram):
+        store.scatter(torch.tensor([1, 2]), torch.ones(2, D), {"momentum1": torch.ones(2, 1)})
+        with pytest.raises(StoreError, match="needs [0-9,]+ bytes, 1,000 are free"):
+            store.save_files(str(tmp_path / "p"))
+    assert not (tmp_path / "p").exists() or list((tmp_path / "p").iterdir()) == []
+    assert disk.gather(torch.tensor([1]))[0].tolist() == [[1.0] * D]
+    disk.close()
