@@ -42,7 +42,7 @@ from torchrec_lookahead.distributed.exact_sync import ExchangeSpec
 from torchrec_lookahead.distributed.fused_optimizer import CacheFusedOptimizer, fused_optimizers
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore, writing_only
 from torchrec_lookahead.errors import ConfigError, InvalidIdError, SetupError
-from torchrec_lookahead.modules import CachedEmbeddingBagCollection
+from torchrec_lookahead.modules import CachedEmbeddingBagCollection, PreparedPlan
 from torchrec_lookahead.modules._kernels import BackwardHook
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan
@@ -206,14 +206,23 @@ class ShardedLookaheadEmbeddingBagCollection(
         staged: Optional[StagedRows] = None,
         lrpp: Optional[LRPPPlan] = None,
         trusted: bool = False,
+        prepared: Optional[PreparedPlan] = None,
+        defer_write_backs: bool = False,
     ) -> None:
         """Apply the cached tables' part of a step's plan (write-backs, then loads; with several ranks also
-        the refresh of invalid replicas, and the gradient synchronisation of the coming backward)."""
+        the refresh of invalid replicas, and the gradient synchronisation of the coming backward).
+
+        ``prepared`` (the cache's :meth:`prepare_plan` of this part, built ahead) and ``defer_write_backs`` are
+        the cache's ``apply_plan`` arguments; with several ranks the write-backs are never deferred."""
         mine = {t: p for t, p in plan.tables.items() if t in self.cache.capacity}
         sub = BatchPlan(plan.step, mine)
         sub_staged = None
         if staged is not None:
-            sub_staged = StagedRows(staged.step, {t: r for t, r in staged.tables.items() if t in mine})
+            sub_staged = StagedRows(
+                staged.step,
+                {t: r for t, r in staged.tables.items() if t in mine},
+                {s: r for s, r in staged.spaces.items() if s.split("+")[0] in mine},
+            )
         if self.world_size > 1:
             if lrpp is None or lrpp.step != plan.step:
                 raise SetupError(f"multi-rank step {plan.step} has no LRPP synchronisation plan")
@@ -235,17 +244,26 @@ class ShardedLookaheadEmbeddingBagCollection(
                 else:
                     evict_mine[t] = tp.evict_ids[lrpp.tables[t].evict_writer == self.rank]
             with writing_only(stores, evict_mine):
-                self.cache.apply_plan(sub, sub_staged, trusted=trusted)
+                self.cache.apply_plan(sub, sub_staged, trusted=trusted, prepared=prepared)
             if not averaging:
                 self._rank_sync().refresh(lrpp)
             self.step_state.lrpp = lrpp
             for k, v in lrpp.counters(self.delayed_sync).items():
                 self.sync_counters[k] = self.sync_counters.get(k, 0) + v
         else:
-            self.cache.apply_plan(sub, sub_staged, trusted=trusted)
+            self.cache.apply_plan(
+                sub, sub_staged, trusted=trusted, prepared=prepared, defer_write_backs=defer_write_backs
+            )
         self.step_state.planned = True
         self.step_state.eval_flushed = False
         self.step_state.dirty = True
+
+    def prepare_plan(self, plan: BatchPlan) -> PreparedPlan:
+        """The cache's :meth:`~torchrec_lookahead.modules.CachedEmbeddingBagCollection.prepare_plan` of its part
+        of ``plan`` (safe on the planning thread)."""
+        return self.cache.prepare_plan(
+            BatchPlan(plan.step, {t: p for t, p in plan.tables.items() if t in self.cache.capacity})
+        )
 
     def pin_rows(self, plan: BatchPlan) -> None:
         """Load pinned rows (a :meth:`~torchrec_lookahead.fae.PinnedRows.pin_plan`) into the emptied caches:

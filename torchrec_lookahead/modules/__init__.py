@@ -5,6 +5,7 @@
   :class:`~torchrec_lookahead.oracle.types.BatchPlan` s.
 * :class:`CachedEmbeddingCollection`: the same for an EmbeddingCollection (unpooled, per-id embeddings).
 * :class:`AppliedPlan`: the plan a cache applied last, which its next forward covers.
+* :class:`PreparedPlan`: a plan as a cache applies it, one move per slot space (``prepare_plan``, ahead).
 * :class:`CacheLayout`: one cache per kernel and dimension shared by its tables (default), or one per table.
 * :class:`CacheOptimizerConfig`: the fused sparse optimizer (also the resident baseline's ``fused_params``).
 * :class:`StagedRows` / :func:`stage_rows`: fetch rows gathered ahead of their step.
@@ -13,6 +14,7 @@
 * :func:`init_embedding_bag_tables_`: give a resident TorchRec model the stores' initial values.
 """
 
+from torchrec_lookahead.modules._moves import PreparedPlan
 from torchrec_lookahead.modules._plans import AppliedPlan
 from torchrec_lookahead.modules.cached_ebc import CachedEmbeddingBagCollection
 from torchrec_lookahead.modules.cached_ec import CachedEmbeddingCollection
@@ -33,6 +35,7 @@ __all__ = [
     "CachedEmbeddingBagCollection",
     "CachedEmbeddingCollection",
     "AppliedPlan",
+    "PreparedPlan",
     "CacheLayout",
     "CacheOptimizerConfig",
     "KernelChoice",

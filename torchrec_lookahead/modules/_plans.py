@@ -1,9 +1,9 @@
-"""Plan validation and row movement of :class:`~torchrec_lookahead.modules.CachedEmbeddingBagCollection`.
+"""Plan validation of :class:`~torchrec_lookahead.modules.CachedEmbeddingBagCollection`.
 
 :func:`validate_plan` checks one table's part of a :class:`~torchrec_lookahead.oracle.types.BatchPlan` against
-the cache without changing anything and returns a :class:`CheckedPlan`; :func:`move_rows` then writes back the
-evicted rows and loads the fetched ones. ``apply_plan`` validates every table before it moves any, so a refused
-plan leaves cache and stores unchanged.
+the cache without changing anything and returns a :class:`CheckedPlan`; ``modules/_moves.py`` then writes back
+the evicted rows and loads the fetched ones, one slot space at a time. ``apply_plan`` validates every table
+before it moves any, so a refused plan leaves cache and stores unchanged.
 
 Example:
     >>> import torch
@@ -28,12 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional
 
-import numpy as np
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from torchrec_lookahead.errors import CapacityError, DataError, InvalidIdError, SetupError
-from torchrec_lookahead.modules._kernels import _CacheKernel
+from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError, SetupError
 from torchrec_lookahead.modules.config import CacheOptimizerConfig
 from torchrec_lookahead.modules.types import StagedRows, StagedTable
 from torchrec_lookahead.oracle.types import TablePlan
@@ -46,8 +44,7 @@ __all__ = [
     "validate_plan",
     "check_staged",
     "check_shared_slots",
-    "write_back_rows",
-    "load_rows",
+    "cached_table",
 ]
 
 #: the per-table counters of ``CachedEmbeddingBagCollection.stats()``
@@ -120,6 +117,20 @@ class CheckedPlan:
     slots: torch.Tensor
     after: Optional[torch.Tensor]
     staged: Optional[StagedTable]
+
+
+def cached_table(tables: Mapping[str, _Table], step: int, name: str) -> _Table:
+    """The cached table ``name`` a plan of step ``step`` names.
+
+    Raises:
+        ConfigError: the table is unknown or resident.
+    """
+    t = tables.get(name)
+    if t is None or t.slot_to_id is None:
+        what = "resident (it has no capacity)" if t is not None else "unknown"
+        cached = sorted(n for n, t in tables.items() if t.cached)
+        raise ConfigError(f"plan step {step} names table '{name}' which is {what}; cached tables: {cached}")
+    return t
 
 
 def _as_index(name: str, what: str, t: torch.Tensor) -> torch.Tensor:
@@ -320,59 +331,3 @@ def check_shared_slots(step: int, tables: Mapping[str, _Table], checked: Mapping
                 "tables; plan a pooled cache with its slot spaces (cache.oracle_config(), or "
                 f"OracleConfig(slot_spaces=cache.slot_spaces)), or build it with cache_layout='per_table'; {_SYNC_HINT}"
             )
-
-
-@torch.no_grad()
-def write_back_rows(t: _Table, kernel: _CacheKernel, device: torch.device, c: CheckedPlan) -> None:
-    """Write ``c``'s evicted rows (with their optimizer state) from ``kernel``'s slots back to ``t``'s store and
-    free their slots in the slot map. The tables of a slot space write back before any of them loads."""
-    store = t.store
-    assert store is not None and t.slot_to_id is not None
-    ev_ids, ev_slots = c.evict_ids, c.evict_slots
-    if ev_ids.numel():
-        weights, states = kernel.weights(t.local), kernel.states(t.local)
-        dev_slots = ev_slots.to(device)
-        store.write_back(  # the ids this cache loaded (checked then), so the store's checks are skipped
-            ev_ids,
-            weights.index_select(0, dev_slots).cpu(),
-            {k: v.index_select(0, dev_slots).cpu() for k, v in states.items()},
-        )
-        if c.after is None:  # trusted plan: the slot map is updated in place
-            t.slot_to_id[ev_slots] = -1
-
-
-@torch.no_grad()
-def load_rows(t: _Table, kernel: _CacheKernel, device: torch.device, c: CheckedPlan) -> None:
-    """Load ``c``'s fetched rows (with their optimizer state) into ``kernel``'s slots on ``device``, update the
-    slot map and count the step's traffic in ``t.counters`` (after :func:`write_back_rows`)."""
-    store = t.store
-    assert store is not None and t.slot_to_id is not None
-    ev_ids, fe_ids, fe_slots = c.evict_ids, c.fetch_ids, c.fetch_slots
-    if fe_ids.numel():
-        weights, states = kernel.weights(t.local), kernel.states(t.local)
-        if c.staged is not None:
-            fw, fs = c.staged.weights, c.staged.states
-        else:
-            fw, fs = store.gather(fe_ids)
-        dev_slots = fe_slots.to(device)
-        weights.index_copy_(0, dev_slots, fw.to(device, weights.dtype, non_blocking=True))
-        for k, v in states.items():
-            v.index_copy_(0, dev_slots, fs[k].reshape(-1, v.shape[1]).to(device, v.dtype, non_blocking=True))
-    if c.after is not None:
-        t.slot_to_id.copy_(c.after)
-    else:
-        t.slot_to_id[fe_slots] = fe_ids
-    slots = c.slots
-    row_bytes = store.row_width * 4
-    cnt = t.counters
-    cnt["steps"] += 1
-    cnt["lookups"] += slots.numel()
-    if fe_slots.numel():  # lookups of a slot loaded at this step are misses
-        loaded = np.zeros(t.rows, dtype=bool)
-        loaded[fe_slots.numpy()] = True
-        cnt["hits"] += slots.numel() - int(np.count_nonzero(loaded[slots.numpy()]))
-    else:
-        cnt["hits"] += slots.numel()
-    cnt["rows_fetched"] += fe_ids.numel()
-    cnt["rows_written_back"] += ev_ids.numel()
-    cnt["bytes_moved"] += (fe_ids.numel() + ev_ids.numel()) * row_bytes

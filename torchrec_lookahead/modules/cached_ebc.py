@@ -26,6 +26,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
@@ -33,18 +34,27 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead._checks import check_choice, is_int
-from torchrec_lookahead.errors import ConfigError, DataError
+from torchrec_lookahead.errors import ConfigError, DataError, SetupError
 from torchrec_lookahead.modules._checkpoint import load_tables, save_tables
 from torchrec_lookahead.modules._kernels import _CacheKernel, make_kernel
+from torchrec_lookahead.modules._moves import (
+    MOVED,
+    PreparedPlan,
+    WriteBacks,
+    check_prepared_staged,
+    counted,
+    flush_rows,
+    move,
+    prepare,
+)
 from torchrec_lookahead.modules._plans import (
     COUNTERS,
     AppliedPlan,
     CheckedPlan,
     _Table,
+    cached_table,
     check_shared_slots,
-    load_rows,
     validate_plan,
-    write_back_rows,
 )
 from torchrec_lookahead.modules._spaces import SlotSpaceViews, kernel_tables, slot_spaces
 from torchrec_lookahead.modules._values import check_configs, check_values
@@ -186,6 +196,11 @@ class CachedEmbeddingBagCollection(SlotSpaceViews, nn.Module):
                 self._tables[c.name] = _Table(
                     c, g, i, rows[i], store, slot_to_id, dict.fromkeys(COUNTERS, 0), spaces[i]
                 )
+        self._cached = [n for n, t in self._tables.items() if t.cached]
+        #: per cached table (``_cached``'s order), the counters of :data:`MOVED` that applied plans added
+        self._moved = np.zeros((len(self._cached), len(MOVED)), dtype=np.int64)
+        #: evicted rows whose store writes the stager thread lands (``apply_plan(defer_write_backs=True)``)
+        self._write_backs = WriteBacks()
         self._output_order_matches = [f for fs in self._group_features for f in fs] == self._feature_names
         self._dims = [
             self._tables[self._feature_to_table[f]].config.embedding_dim for f in self._feature_names
@@ -403,11 +418,42 @@ class CachedEmbeddingBagCollection(SlotSpaceViews, nn.Module):
     # plans
     # ------------------------------------------------------------------------------------------------------
     def stage(self, plan: BatchPlan, pin_memory: bool = False) -> StagedRows:
-        """Gather the rows ``plan`` fetches from the stores (see :func:`~.staging.stage_rows`)."""
-        return stage_rows(plan, self.stores, pin_memory=pin_memory)
+        """Gather the rows ``plan`` fetches from the stores (see :func:`~.staging.stage_rows`), every slot space's
+        as one, once the write-backs of the plans applied before it have landed."""
+        self.land_write_backs()
+        return stage_rows(plan, self.stores, pin_memory=pin_memory, spaces=self._spaces)
 
-    def apply_plan(self, plan: BatchPlan, staged: Optional[StagedRows] = None, trusted: bool = False) -> None:
-        """Write back the plan's evicted rows and load its fetched rows, with their optimizer state.
+    def land_write_backs(self) -> None:
+        """Write to the stores the evicted rows whose writes were left to another thread (see :meth:`apply_plan`'s
+        ``defer_write_backs``); what reads a store calls it first."""
+        self._write_backs.land()
+
+    def prepare_plan(self, plan: BatchPlan) -> PreparedPlan:
+        """``plan``, from this cache's own oracle, checked as ``apply_plan(trusted=True)`` checks it and turned
+        into one move per slot space, with the step's counts; nothing changes, and only what is fixed when the
+        cache is built is read, so the planning thread can call it ahead of the step (``apply_plan(prepared=)``).
+
+        Raises:
+            as :meth:`apply_plan` with ``trusted=True``, for everything but the staged rows.
+        """
+        checked = {
+            name: validate_plan(
+                plan.step, cached_table(self._tables, plan.step, name), tp, None, self._optimizer_config, True
+            )
+            for name, tp in plan.tables.items()
+        }
+        return prepare(plan.step, True, checked, self._tables, self._spaces, self._cached)
+
+    def apply_plan(
+        self,
+        plan: BatchPlan,
+        staged: Optional[StagedRows] = None,
+        trusted: bool = False,
+        prepared: Optional[PreparedPlan] = None,
+        defer_write_backs: bool = False,
+    ) -> None:
+        """Write back the plan's evicted rows and load its fetched rows, with their optimizer state: one gather
+        and one scatter per slot space (the tables sharing one storage), weights and each state.
 
         The whole plan is validated before anything moves, so a refused plan leaves cache and stores unchanged.
 
@@ -422,6 +468,11 @@ class CachedEmbeddingBagCollection(SlotSpaceViews, nn.Module):
                 contents, which the oracle's property tests guarantee; the next forward (and only that one, see
                 :attr:`applied_plan`) then skips its checks of the cached features' slots (the loader remapped
                 them with the same plan).
+            prepared: ``plan`` as :meth:`prepare_plan` returned it (planned ahead, on another thread); with
+                ``trusted`` only.
+            defer_write_backs: leave the store writes of the evicted rows (of in-memory stores) to whoever reads
+                a store next (:meth:`land_write_backs`: the planning loader's stager, before it gathers); the
+                cache keeps only its copy of the rows.
 
         Raises:
             ConfigError: the plan names an unknown or resident table.
@@ -433,25 +484,38 @@ class CachedEmbeddingBagCollection(SlotSpaceViews, nn.Module):
                 occupied slot or an id already cached, reading an empty slot) or staged rows do not match the
                 plan.
         """
-        checked: Dict[str, CheckedPlan] = {}
-        for name, table_plan in plan.tables.items():
-            t = self._tables.get(name)
-            if t is None or t.slot_to_id is None:
-                what = "resident (it has no capacity)" if t is not None else "unknown"
-                raise ConfigError(
-                    f"plan step {plan.step} names table '{name}' which is {what}; "
-                    f"cached tables: {sorted(self.capacity)}"
+        if prepared is None:
+            checked: Dict[str, CheckedPlan] = {
+                name: validate_plan(
+                    plan.step,
+                    cached_table(self._tables, plan.step, name),
+                    tp,
+                    staged,
+                    self._optimizer_config,
+                    trusted,
                 )
-            checked[name] = validate_plan(plan.step, t, table_plan, staged, self._optimizer_config, trusted)
-        if not trusted:
-            check_shared_slots(plan.step, self._tables, checked)
-        # a slot space's members share slots: every write-back leaves before any fetched row comes in
-        for name, c in checked.items():
-            t = self._tables[name]
-            write_back_rows(t, self._kernels[t.group], self._device, c)
-        for name, c in checked.items():
-            t = self._tables[name]
-            load_rows(t, self._kernels[t.group], self._device, c)
+                for name, tp in plan.tables.items()
+            }
+            if not trusted:
+                check_shared_slots(plan.step, self._tables, checked)
+            prepared = prepare(plan.step, trusted, checked, self._tables, self._spaces, self._cached)
+        elif not trusted or prepared.step != plan.step:
+            raise SetupError(
+                f"plan step {plan.step}: a prepared plan (step {prepared.step}) is applied trusted, at its own step"
+            )
+        elif staged is not None:
+            check_prepared_staged(prepared, staged, self._tables, self._optimizer_config)
+        if staged is None:
+            self.land_write_backs()  # the fetched rows are gathered from the stores below
+        move(
+            prepared,
+            staged,
+            self._tables,
+            self._kernels,
+            self._device,
+            self._write_backs if defer_write_backs else None,
+        )
+        self._moved += prepared.counts
         self._applied = AppliedPlan(plan.step, trusted)
 
     @property
@@ -474,21 +538,8 @@ class CachedEmbeddingBagCollection(SlotSpaceViews, nn.Module):
 
         Rows stay cached: training continues with the same plan stream.
         """
-        for t in self._tables.values():
-            if t.store is None or t.slot_to_id is None:
-                continue
-            occupied = (t.slot_to_id >= 0).nonzero().flatten()
-            if occupied.numel():
-                kernel = self._kernels[t.group]
-                dev = occupied.to(self._device)
-                t.store.scatter(
-                    t.slot_to_id.index_select(0, occupied),
-                    kernel.weights(t.local).index_select(0, dev).cpu(),
-                    {k: v.index_select(0, dev).cpu() for k, v in kernel.states(t.local).items()},
-                )
-                t.counters["rows_flushed"] += occupied.numel()
-                t.counters["bytes_moved"] += occupied.numel() * t.store.row_width * 4
-            t.store.flush()
+        self.land_write_backs()
+        flush_rows(self._tables, self._kernels, self._device)
 
     def invalidate(self) -> None:
         """Forget every cached row WITHOUT writing it back (call :meth:`flush` first to keep updates).
@@ -507,12 +558,13 @@ class CachedEmbeddingBagCollection(SlotSpaceViews, nn.Module):
         ``hits`` counts lookups served by a row already cached before the step's fetches; ``lookups - hits``
         were served by a row fetched for the step.
         """
-        return {n: dict(t.counters) for n, t in self._tables.items() if t.cached}
+        return counted(self._tables, self._cached, self._moved)
 
     def reset_stats(self) -> None:
         """Zero every counter."""
         for t in self._tables.values():
             t.counters = dict.fromkeys(COUNTERS, 0)
+        self._moved.fill(0)
 
     # ------------------------------------------------------------------------------------------------------
     # checkpoints: full tables
@@ -532,6 +584,7 @@ class CachedEmbeddingBagCollection(SlotSpaceViews, nn.Module):
         unexpected_keys: List[str],
         error_msgs: List[str],
     ) -> None:
+        self.land_write_backs()  # before the stores are loaded, not over them
         if load_tables(
             self._tables,
             self._kernels,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Optional, Sequence, Tuple
+
+import torch
 
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.modules.types import StagedRows, StagedTable
@@ -12,7 +14,12 @@ from torchrec_lookahead.store.types import EmbeddingStore
 __all__ = ["stage_rows"]
 
 
-def stage_rows(plan: BatchPlan, stores: Mapping[str, EmbeddingStore], pin_memory: bool = False) -> StagedRows:
+def stage_rows(
+    plan: BatchPlan,
+    stores: Mapping[str, EmbeddingStore],
+    pin_memory: bool = False,
+    spaces: Optional[Mapping[str, Sequence[str]]] = None,
+) -> StagedRows:
     """Gather the rows a plan fetches, from the stores (safe to call from a background thread).
 
     The caller must make sure every write-back that could change those rows (evictions of earlier steps) has
@@ -23,6 +30,8 @@ def stage_rows(plan: BatchPlan, stores: Mapping[str, EmbeddingStore], pin_memory
         plan: the step's plan.
         stores: table name -> store, for every table the plan names.
         pin_memory: copy the rows into pinned memory (for asynchronous host-to-device copies).
+        spaces: the cache's slot spaces (``slot_spaces``): the rows are also gathered as one per space
+            (:attr:`StagedRows.spaces`), so that the cache loads each space with one scatter.
 
     Returns:
         The staged rows.
@@ -55,4 +64,22 @@ def stage_rows(plan: BatchPlan, stores: Mapping[str, EmbeddingStore], pin_memory
             weights = weights.contiguous().pin_memory()
             states = {k: v.contiguous().pin_memory() for k, v in states.items()}
         tables[name] = StagedTable(ids=table_plan.fetch_ids, weights=weights, states=states)
-    return StagedRows(step=plan.step, tables=tables)
+    joined: Dict[str, StagedTable] = {}
+    for members in (spaces or {}).values():
+        named = [m for m in members if m in plan.tables]
+        parts = [tables[m] for m in named if m in tables]
+        if len(parts) > 1:
+            joined["+".join(named)] = _joined(parts, pin_memory)
+        elif parts:
+            joined["+".join(named)] = parts[0]
+    return StagedRows(step=plan.step, tables=tables, spaces=joined)
+
+
+def _joined(parts: Sequence[StagedTable], pin_memory: bool) -> StagedTable:
+    """The rows of ``parts`` as one, concatenated in order (in pinned memory with ``pin_memory``)."""
+    names: Tuple[str, ...] = tuple(parts[0].states)
+    weights = torch.cat([p.weights for p in parts])
+    states = {k: torch.cat([p.states[k] for p in parts]) for k in names}
+    if pin_memory:
+        weights, states = weights.pin_memory(), {k: v.pin_memory() for k, v in states.items()}
+    return StagedTable(ids=torch.cat([p.ids for p in parts]), weights=weights, states=states)

@@ -32,7 +32,11 @@ class StagedRows:
     Attributes:
         step: the plan's step.
         tables: table name -> rows (tables without fetches may be absent).
+        spaces: the same rows by slot space, each space's gathered as one (its tables the plan names, joined by
+            ``+``, in the space's order -> their fetched rows, concatenated in that order): the cache loads
+            each with one scatter. Empty: the cache concatenates ``tables`` itself.
     """
 
     step: int
     tables: Dict[str, StagedTable] = field(default_factory=dict)
+    spaces: Dict[str, StagedTable] = field(default_factory=dict)

@@ -8,13 +8,13 @@ and this rank's slice of the global batch. :meth:`LookaheadLoader._plan_stream
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.distributed.lrpp import LRPPTracker, slice_samples
-from torchrec_lookahead.modules import remap_kjt
+from torchrec_lookahead.modules import PreparedPlan, remap_kjt
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle import BatchPlan, LookaheadOracle, OracleConfig, UnknownFeatures, table_ids
 from torchrec_lookahead.runtime._host_windows import HostWindowCheck, cold_host_windows
@@ -33,12 +33,19 @@ class StepPlanner:
         oracle_fields: the :class:`~torchrec_lookahead.oracle.OracleConfig` arguments (capacity, horizon,
             policy, ...); features of tables the cache does not plan are ignored.
         pinned: rows pinned in the caches for the whole stream (the oracle plans the rest).
+        prepare: builds each cached collection's moves of a plan (``CacheSession.prepare``), here rather than on
+            the training thread; ``None``: the collections build them when they apply the plan.
     """
 
     def __init__(
-        self, target: CacheTarget, oracle_fields: Dict[str, Any], pinned: Optional[PinnedPart]
+        self,
+        target: CacheTarget,
+        oracle_fields: Dict[str, Any],
+        pinned: Optional[PinnedPart],
+        prepare: Optional[Callable[[BatchPlan], Tuple[PreparedPlan, ...]]] = None,
     ) -> None:
         self.target = target
+        self._prepare = prepare
         self.pinned = pinned
         self.oracle = LookaheadOracle(
             OracleConfig(
@@ -105,7 +112,7 @@ class StepPlanner:
     ) -> LookaheadBatch:
         """Batch ``b`` planned: its cached ids remapped to slots by ``plan`` (with several ranks, from the global
         batch, with the step's LRPP plan and its exchange indices, then this rank's slice), with the future of
-        its staged rows."""
+        its staged rows and the collections' moves of the plan."""
         kjt = remap_kjt(global_kjt, plan, self._f2t, self._cached)
         lrpp = None
         if self._tracker is not None:
@@ -126,4 +133,5 @@ class StepPlanner:
             lrpp=lrpp,
             source=b.source if adapted else None,
             adapter=b.adapter if adapted else None,
+            prepared=None if self._prepare is None else self._prepare(plan),
         )

@@ -8,13 +8,14 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.distributed.lrpp import LRPPPlan
 from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.modules import PreparedPlan
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan
 
@@ -42,6 +43,8 @@ class LookaheadBatch(Batch):
         source: the user's own batch this one was read from through ``adapter`` (``None`` for a TorchRec
             ``Batch``); the model trains on :meth:`user_batch`.
         adapter: the :class:`~torchrec_lookahead.runtime.BatchAdapter` that read ``source``.
+        prepared: ``plan`` as each cached collection of the session applies it (one move per slot space, with
+            the step's counts), built on the planner thread; ``None``: the collections build it themselves.
 
     Example:
         >>> from torchrec import KeyedJaggedTensor
@@ -59,6 +62,7 @@ class LookaheadBatch(Batch):
     pin: Optional[BatchPlan] = field(default=None, repr=False)
     source: Optional[Any] = field(default=None, repr=False)
     adapter: Optional[BatchAdapter] = field(default=None, repr=False)
+    prepared: Optional[Tuple[PreparedPlan, ...]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_built", True)
@@ -88,6 +92,7 @@ class LookaheadBatch(Batch):
             pin=self.pin,
             source=self.source,
             adapter=self.adapter,
+            prepared=self.prepared,
         )
 
 

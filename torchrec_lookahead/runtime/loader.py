@@ -174,7 +174,8 @@ class LookaheadLoader:
         t0 = time.perf_counter()
         here = 0
         if plan is not None and not staged.done() and self.may_gather_here and staged.cancel():
-            rows = stage_rows(plan, self.target.stores)
+            self.session.land_write_backs()
+            rows = stage_rows(plan, self.target.stores, spaces=self.target.slot_spaces)
             here = 1
         else:
             rows = staged_result(plan, staged)
@@ -322,7 +323,7 @@ class LookaheadLoader:
             self.loader, gatherer, lambda: run.stopped, self.batch_adapter, source
         ):
             if planner is None:
-                planner = StepPlanner(self.target, self._oracle_kwargs, self.pinned)
+                planner = StepPlanner(self.target, self._oracle_kwargs, self.pinned, self.session.prepare)
             read.append((b, global_kjt))
             if not self._hand_out(run, planner, planner.feed(global_kjt), read):
                 return
@@ -394,8 +395,11 @@ class LookaheadLoader:
                     # A row-sharded store's gathers are collectives: on a process group of the stager's own,
                     # so they never interleave with the training thread's write-backs, and in lockstep.
                     cpu = time.thread_time()
+                    # the evicted rows of the plans applied so far land first (the training thread left
+                    # their store writes to this thread)
+                    self.session.land_write_backs()
                     with collective_channel(STAGE_CHANNEL, wait):
-                        rows = stage_rows(plan, self.target.stores)
+                        rows = stage_rows(plan, self.target.stores, spaces=self.target.slot_spaces)
                     self._count(LoaderStats(stager_cpu_s=time.thread_time() - cpu, staged=1))
                     fut.set_result(rows)
                 except BaseException as e:

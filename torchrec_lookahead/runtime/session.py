@@ -10,14 +10,18 @@ top-down; nothing below calls back up::
     planner thread   LookaheadLoader._plan: batch t + h read, gathered (W ranks), planned by the oracle,
                      ids remapped to slots, LRPP plan with each cache kernel's exchange index (which bags or
                      ids' gradients go where, the exchange batches' indices), stores told which rows step
-                     t + h reads
-    stager thread    LookaheadLoader._stage: rows of plan t gathered once plan t - depth - 1 is applied
+                     t + h reads, each collection's moves of the plan (prepare: one per slot space, with the
+                     step's counts, hits included)
+    stager thread    LookaheadLoader._stage: rows of plan t gathered, each slot space's as one, once plan
+                     t - depth - 1 is applied and the store writes of the rows evicted so far have landed
+                     (one rank: the training thread leaves them here, land_write_backs)
     training thread  strategy.batch_to_device (or the pipeline's _wait_for_batch) -> CacheSession.apply(t):
                        1. pinned rows (FAE, first batch of a plan stream)     module.pin_rows
                        2. the apply gate opens step t                         loader.progress.begin
                        3. step t's staged rows (wait, or gather them here)    loader.staged_rows
                        4. each cached collection applies plan t               module.apply_plan
-                          (W ranks: step t - 1's delayed rows land, replicas refresh, the backward's plan armed)
+                          (per slot space: its evicted rows copied out of the cache, then its fetched rows in;
+                          W ranks: step t - 1's delayed rows land, replicas refresh, the backward's plan armed)
                        5. the gate records plan t applied                     loader.progress.applied
                      -> forward (the module consumes its one-forward plan)
                      -> backward (the cache kernel's backward hook: the exact gradient exchange, which only
@@ -33,12 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.modules import PreparedPlan
+from torchrec_lookahead.oracle import BatchPlan
 from torchrec_lookahead.runtime._threads import LoaderStats
 from torchrec_lookahead.runtime.batch import LookaheadBatch, staged_result
 from torchrec_lookahead.runtime.target import CacheTarget, cached_modules
@@ -162,12 +168,25 @@ class CacheSession:
             t0 = time.perf_counter()
             staged = self._loader.staged_rows(plan, batch.staged)
             waited = time.perf_counter() - t0
-        for m in self.modules:
+        # the stager lands the evicted rows' store writes (one rank: none of them is a collective)
+        defer = self._loader is not None and self.target.num_ranks == 1
+        for i, m in enumerate(self.modules):
             # Plans from the planning loader's own oracle: the O(capacity) re-checks are skipped.
-            m.apply_plan(plan, staged, batch.lrpp, trusted=True)
+            prepared = None if batch.prepared is None else batch.prepared[i]
+            m.apply_plan(plan, staged, batch.lrpp, True, prepared, defer)
         if batch.staged is not None and self._loader is not None:
             self._loader.progress.applied(plan.step)
         return waited
+
+    def prepare(self, plan: BatchPlan) -> Tuple[PreparedPlan, ...]:
+        """Each cached collection's moves of ``plan`` (its ``prepare_plan``), for the planner thread."""
+        return tuple(m.prepare_plan(plan) for m in self.modules)
+
+    def land_write_backs(self) -> None:
+        """Write the evicted rows that :meth:`apply` left to the stager to the stores (the stager calls it before
+        it gathers, the training thread before it gathers itself)."""
+        for m in self.modules:
+            m.cache.land_write_backs()
 
     def flush(self, barrier: bool = True) -> None:
         """Write every cached row and its optimizer state back to the host stores (``barrier=False`` on an
