@@ -275,9 +275,9 @@ def test_two_ranks_over_disk_stores_equal_torchrec_resident_training(tmp_path: P
 def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(
     tmp_path: Path, ranks: int
 ) -> None:
-    """A rank is SIGKILLed after step 10 of 12 (the last checkpoint at step 8, a delta over step 4's full pieces);
-    torchrun restarts the job, which resumes over fresh disk stores from the checkpoint's chains and ends with the
-    uninterrupted run's weights, bit for bit."""
+    """A rank is SIGKILLed after step 10 of 12 (the last checkpoint at step 8, deltas over step 4's full pieces,
+    written in the background); torchrun restarts the job, which resumes over fresh disk stores from the
+    checkpoint's chains and ends with the uninterrupted run's weights, bit for bit."""
     from torchrec_lookahead.strategies._checkpoint import read_chain
 
     from ..conftest import free_port
@@ -294,8 +294,10 @@ def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(
 
     full = run("a")
     assert full.returncode == 0, full.stderr[-4000:]
+    # the killed run writes its checkpoints' deltas in the background (every rank, rank 0 finishing them)
     killed = run("b", "--trainer.callbacks+=tests.strategies.faults.KillAtStep", "--trainer.callbacks.step=10",
-                 f"--trainer.callbacks.rank={ranks - 1}")  # fmt: skip
+                 f"--trainer.callbacks.rank={ranks - 1}",
+                 "--trainer.strategy.init_args.async_checkpoints=true")  # fmt: skip
     assert killed.returncode == 0, killed.stderr[-4000:]
     assert "Restored all states from the checkpoint" in killed.stdout + killed.stderr
     ends = [tmp_path / f"{r}_ckpt" / "epoch=0-step=12.ckpt" for r in "ab"]
