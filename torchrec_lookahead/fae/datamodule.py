@@ -169,7 +169,7 @@ class HotColdDataModule(WrappedDataModule):
         self._num_samples: Optional[tuple[int, int]] = None
         self._source_batch = 0
 
-    def calibration_config(self, model: Optional[Any] = None) -> CalibrationConfig:
+    def calibration_config(self, model: Optional[pl.LightningModule] = None) -> CalibrationConfig:
         """The calibrator's settings, with the embedding width and optimizer taken from ``model`` unless given.
 
         Raises:
@@ -177,15 +177,16 @@ class HotColdDataModule(WrappedDataModule):
         """
         dim = self.embedding_dim
         if dim is None and model is not None:
-            dim = getattr(model, "hparams", {}).get("embedding_dim")
+            dim = model.hparams.get("embedding_dim")
         if dim is None:
             raise ConfigError(
                 "HotColdDataModule needs the embedding width to size the hot set: pass embedding_dim or train a "
                 "model with an 'embedding_dim' hyper-parameter"
             )
         opt = self.optimizer
-        if opt is None and model is not None and hasattr(model, "embedding_optimizer"):
-            opt = str(model.embedding_optimizer.name)
+        declared = getattr(model, "embedding_optimizer", None)  # the package's models name theirs
+        if opt is None and declared is not None:
+            opt = str(declared.name)
         return CalibrationConfig(
             **self.calibration, embedding_dim=int(dim), optimizer=opt or "rowwise_adagrad"
         )

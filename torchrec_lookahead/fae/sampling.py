@@ -178,7 +178,7 @@ class SampledAccesses:
 
         names = list(self.num_embeddings)
         for b in range(self.batches_read):
-            yield sum(  # type: ignore[misc]
-                (cold_ids_per_sample(self.values[f][b], self.lengths[f][b], hot[f]) for f in names),
-                torch.zeros(self.lengths[names[0]][b].numel(), dtype=torch.int64),
-            )
+            total = torch.zeros(self.lengths[names[0]][b].numel(), dtype=torch.int64)
+            for f in names:
+                total = total + cold_ids_per_sample(self.values[f][b], self.lengths[f][b], hot[f])
+            yield total
