@@ -134,7 +134,7 @@ def _tables_from_files(ckpt: Path, state: Mapping[str, Any]) -> Dict[str, Any]:
                 except Exception as e:  # noqa: BLE001 - a damaged piece: ConfigError, SetupError, StoreError
                     raise CheckpointError(f"cannot read the chain of pieces {pieces} of {ckpt}: {e}") from e
                 try:
-                    lo, hi = store.row_offset, store.row_offset + store.num_embeddings  # type: ignore[attr-defined]
+                    lo, hi = store.row_offset, store.row_offset + store.num_embeddings
                     for name, value in {"weight": store.full_weights(), **store.full_states()}.items():
                         column = columns.setdefault(name, torch.empty(rows, value.shape[1]))
                         column[lo:hi] = value

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import List, Sequence
+from typing import List, Sequence, Union
 
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.store._disk_io import MAGIC, PAGE, read_header
 from torchrec_lookahead.store._row_chain import MAGIC as ROWS_MAGIC
 from torchrec_lookahead.store.disk_store import DiskStore
 from torchrec_lookahead.store.tensor_store import TensorStore
-from torchrec_lookahead.store.types import EmbeddingStore
 
 __all__: List[str] = ["open_pieces"]
 
 
-def open_pieces(pieces: Sequence[str], scratch: str) -> EmbeddingStore:
+def open_pieces(pieces: Sequence[str], scratch: str) -> Union[DiskStore, TensorStore]:
     """A store holding what the chain ``pieces`` (oldest first) stands for: a :class:`DiskStore` over a scratch
     file in the directory ``scratch`` for disk stores' pieces (close it), a :class:`TensorStore` for in-memory
     stores' pieces.
@@ -37,7 +36,7 @@ def open_pieces(pieces: Sequence[str], scratch: str) -> EmbeddingStore:
     if page.startswith(ROWS_MAGIC):
         length = int.from_bytes(page[len(ROWS_MAGIC) : len(ROWS_MAGIC) + 4], "little")
         m = json.loads(page[len(ROWS_MAGIC) + 4 : len(ROWS_MAGIC) + 4 + length].decode())
-        store: EmbeddingStore = TensorStore(m["num_embeddings"], m["embedding_dim"], m["state_widths"],
+        store: Union[DiskStore, TensorStore] = TensorStore(m["num_embeddings"], m["embedding_dim"], m["state_widths"],
                                             name=m["name"], seed=m["seed"], row_offset=m["row_offset"],
                                             table_rows=m["table_rows"])  # fmt: skip
         store.keep_files()
