@@ -203,6 +203,9 @@ def test_a_checkpoint_that_fails_part_way_leaves_nothing_behind_and_the_earlier_
     left = {p.name for p in (d / ".store_pieces" / "rank0" / "embedding_bags.t_cat_2").iterdir()}
     assert left == {Path(chain[0]).name, Path(chain[0]).name + ".npz"}
     assert _checkpoint.read_checkpoint_meta(d / "epoch=0-step=2.ckpt", 1)
+    os.unlink(d / "epoch=0-step=2.ckpt" / "meta.pt")  # as a process killed before its last file
+    with pytest.raises(CheckpointError, match="epoch=0-step=2.ckpt is incomplete: its meta.pt, written last"):
+        _checkpoint.read_checkpoint_meta(d / "epoch=0-step=2.ckpt", 1)
 
 
 def test_a_background_writer_runs_one_checkpoint_at_a_time_and_raises_its_failure_at_the_next_wait() -> None:

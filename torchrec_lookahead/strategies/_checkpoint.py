@@ -227,6 +227,13 @@ def read_checkpoint_meta(path: Path, world_size: int) -> Dict[str, Any]:
             "(of `export`, or of the resident model trained with strategy='auto') is read by the plain model; "
             "run with --trainer.strategy=auto (in Python, Trainer(strategy='auto')) to evaluate or serve it"
         )
+    if not (path / META_FILE).is_file() and (
+        (path / ".metadata").is_file() or (path / STORE_FILES_DIR).is_dir()
+    ):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: its {META_FILE}, written last, is missing (the process was killed, "
+            "or the writing failed, while the checkpoint was being written); resume from another checkpoint"
+        )
     if not (path / META_FILE).is_file():
         raise CheckpointError(
             f"{path} is not a checkpoint written by TorchRecStrategy (no {META_FILE} inside); checkpoints of "
