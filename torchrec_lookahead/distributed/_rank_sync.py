@@ -28,8 +28,8 @@ from torchrec_lookahead.distributed.exact_sync import (
 from torchrec_lookahead.distributed.lrpp import LRPPPlan
 from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection
-from torchrec_lookahead.modules._kernels import BackwardHook
 from torchrec_lookahead.modules.cached_ebc import KernelGroup
+from torchrec_lookahead.modules.types import BackwardHook
 
 __all__ = ["RankSync", "StepState"]
 

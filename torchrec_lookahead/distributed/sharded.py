@@ -43,8 +43,7 @@ from torchrec_lookahead.distributed.fused_optimizer import CacheFusedOptimizer, 
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore, writing_only
 from torchrec_lookahead.errors import ConfigError, InvalidIdError, SetupError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, PreparedPlan
-from torchrec_lookahead.modules._kernels import BackwardHook
-from torchrec_lookahead.modules.types import StagedRows
+from torchrec_lookahead.modules.types import BackwardHook, StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan
 
 __all__ = ["ShardedLookaheadEmbeddingBagCollection", "CUSTOMIZED"]

@@ -22,7 +22,7 @@ holds with exactly the gradients TorchRec's sharded kernel would accumulate, and
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torch import nn
 
 from torchrec_lookahead.modules.config import CacheOptimizerConfig
+from torchrec_lookahead.modules.types import BackwardHook
 
 __all__: List[str] = []
 
@@ -42,10 +43,6 @@ __all__: List[str] = []
 _TBE_BUFFERS = tuple(
     f"{p}_{loc}" for p in ("weights", "momentum1", "momentum2") for loc in ("dev", "host", "uvm")
 )
-
-
-BackwardHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], None]
-"""A kernel's backward handed elsewhere: (gradient of the output, indices, offsets, weights) -> None."""
 
 
 class _CacheKernel(abc.ABC):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
-__all__ = ["StagedTable", "StagedRows"]
+__all__ = ["StagedTable", "StagedRows", "BackwardHook"]
+
+BackwardHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], None]
+"""A kernel's backward handed elsewhere: (gradient of the output, indices, offsets, weights) -> None."""
 
 
 @dataclass(frozen=True)
