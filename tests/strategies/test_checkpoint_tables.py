@@ -228,3 +228,14 @@ def test_a_background_writer_runs_one_checkpoint_at_a_time_and_raises_its_failur
     with pytest.raises(StoreError, match="no room"):
         writer.wait()
     writer.wait()  # raised once
+
+
+def test_an_in_memory_store_the_ranks_of_a_host_share_cannot_keep_pieces() -> None:
+    from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
+    from torchrec_lookahead.errors import ConfigError
+
+    shared = WriterFilteredStore(
+        TensorStore(100, 4, {"momentum1": 1}, name="t")
+    )  # as one host's shared store
+    with pytest.raises(ConfigError, match="ranks of this host share.*store_sharding: row_wise"):
+        _checkpoint.keep_store_files([shared])

@@ -270,3 +270,35 @@ def test_a_rank_killed_under_max_restarts_resumes_from_the_last_checkpoint_with_
     assert re.search(r"failed \(exitcode: (-9|1)\) local_rank", killed.stderr), killed.stderr[-6000:]
     assert "Restored all states from the checkpoint" in killed.stdout + killed.stderr
     _assert_same_final_weights(uninterrupted / "a_ckpt", tmp_path / "b_ckpt", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_checkpoint_in_memory_row_shards_as_deltas_and_resume_from_an_older_one(tmp_path):
+    """incremental_ram_stores over row-sharded RAM stores: each rank's checkpoints are a chain of deltas of its
+    shard; resuming from an older checkpoint of the chain ends where the uninterrupted run ends, table by table
+    (`export` reads both ranks' chains)."""
+    from torchrec_lookahead.export import _load_whole
+    from torchrec_lookahead.strategies._checkpoint import read_chain
+
+    common = ["fit", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
+              "--trainer.limit_val_batches=0", "--trainer.max_steps=12", _ROW_WISE,
+              "--trainer.strategy.init_args.incremental_ram_stores=true",
+              "--trainer.strategy.init_args.full_checkpoint_every=4"]  # fmt: skip
+    full = torchrun(
+        2, *common, f"--trainer.default_root_dir={tmp_path}/a", *_ckpt_args(tmp_path / "a_ckpt", 4)
+    )
+    assert full.returncode == 0, full.stderr[-4000:]
+    older = tmp_path / "a_ckpt" / "epoch=0-step=8.ckpt"
+    assert [len(read_chain(older, r, "embedding_bags.t_cat_2")) for r in (0, 1)] == [
+        2,
+        2,
+    ]  # deltas over step 4
+    resumed = torchrun(2, *common, f"--trainer.default_root_dir={tmp_path}/b", f"--ckpt_path={older}",
+                       *_ckpt_args(tmp_path / "b_ckpt", 4))  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    a, b = (_load_whole(tmp_path / f"{r}_ckpt" / "epoch=0-step=12.ckpt")["state_dict"] for r in "ab")
+    assert any(k.endswith("embedding_bags.t_cat_2.weight") for k in a) and a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.distributed.exact_sync import ExchangeIndex, ExchangeSpec, exchange_index
-from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.oracle.types import BatchPlan, RankAnnotation
 from torchrec_lookahead.store.types import EmbeddingStore, HostWindow
 
@@ -397,6 +397,14 @@ class WriterFilteredStore(EmbeddingStore):
     @property
     def keeps_files(self) -> bool:
         return self.inner.keeps_files
+
+    def keep_files(self) -> None:
+        if not self.inner.collective and not self.inner.keeps_files:  # one store the ranks of a host share
+            raise ConfigError(
+                f"table '{self.name}' is in a store the ranks of this host share; checkpoints keep in-memory "
+                "tables as pieces with one row shard per rank (store_sharding: row_wise)"
+            )
+        self.inner.keep_files()
 
     def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
         return self.inner.save_files(directory, max_chain)

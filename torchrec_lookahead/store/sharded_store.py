@@ -484,6 +484,20 @@ class RowShardedStore(ShapedStore):
         """Whether the shards are kept as files (the same on every rank)."""
         return self._local.keeps_files
 
+    def keep_files(self) -> None:
+        """Have checkpoints keep this rank's shard as pieces (each rank its own, no messages).
+
+        Raises:
+            ConfigError: the shard is served by several ranks (one memory-mapped file per host).
+        """
+        if self._shard_of_rank.count(self._shard) > 1 and not self._local.keeps_files:
+            raise ConfigError(
+                f"table '{self.name}': shard {self._shard} is shared by {self._shard_of_rank.count(self._shard)} "
+                "ranks; checkpoints keep in-memory shards as pieces with one rank per shard "
+                "(store_sharding: row_wise)"
+            )
+        self._local.keep_files()
+
     def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
         """Write a checkpoint piece of this rank's shard into ``directory`` (no messages; every rank its own)."""
         return self._local.save_files(directory, max_chain)
@@ -557,6 +571,10 @@ class EmptyShardStore(ShapedStore):
     @property
     def keeps_files(self) -> bool:
         return self._keeps_files
+
+    def keep_files(self) -> None:
+        """No rows: nothing to track."""
+        self._keeps_files = True
 
     def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
         """No rows, no piece."""

@@ -63,18 +63,13 @@ def _write_json(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
-def keep_store_files(stores: Sequence[EmbeddingStore], world_size: int) -> None:
+def keep_store_files(stores: Sequence[EmbeddingStore]) -> None:
     """Have checkpoints keep every cached table in ``stores`` as pieces, in-memory ones too (deltas of the rows
     written since the previous checkpoint; ``incremental_ram_stores``).
 
     Raises:
-        ConfigError: several ranks (one rank's in-memory stores only, for now), or a store that cannot.
+        ConfigError: a store that cannot (one the ranks of a host share: ``store_sharding: row_wise`` can).
     """
-    if world_size > 1 and not all(s.keeps_files for s in stores):
-        raise ConfigError(
-            f"incremental_ram_stores=True is built for one rank; this run has {world_size}: drop it (checkpoints "
-            "then hold in-memory tables in full), or keep the tables in disk stores (store: disk)"
-        )
     for store in stores:
         store.keep_files()
 

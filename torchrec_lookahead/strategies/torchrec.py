@@ -102,7 +102,8 @@ class TorchRecStrategy(DDPStrategy):
             flush and a copy of their rows (``strategies/_checkpoint_writer.py``); the next checkpoint and the end
             of fit wait for them.
         incremental_ram_stores: checkpoints keep in-memory (``ram``, ``mmap``) stores' tables in the same chains
-            (deltas of the rows written since the previous checkpoint) instead of full tensors (one rank).
+            (deltas of the rows written since the previous checkpoint) instead of full tensors (several ranks: with
+            ``store_sharding: row_wise``).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ...).
 
@@ -447,7 +448,7 @@ class TorchRecStrategy(DDPStrategy):
         self._shard_lightning_module()
         self._ensure_session()
         if self._ram_pieces and self._session is not None:
-            keep_store_files(list(self._session.target.stores.values()), self.world_size)
+            keep_store_files(list(self._session.target.stores.values()))
         self._check_checkpoint_memory(trainer)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
