@@ -466,6 +466,11 @@ class TorchRecStrategy(DDPStrategy):
         # be gone or inside a collective.
         if self._session is not None:
             self._session.flush(barrier=False)
+        if self._writer is not None:  # after an exception: the checkpoint in writing is finished or removed
+            try:
+                self._writer.wait()
+            except Exception as e:  # noqa: BLE001 - the run already failed; the checkpoint was removed
+                log.warning("the checkpoint being written in the background failed: %s", e)
         lm = self.lightning_module
         unmaterialised = lm is not None and any(p.is_meta for p in lm.parameters())
         on_cpu = all(d.type == "cpu" for d in self.parallel_devices or [])
