@@ -31,8 +31,11 @@ Each cache also reports ``link_rows_per_step`` and ``link_bytes_per_step``: rows
 ``--equal-hbm`` adds ``ours_equal_hbm``: the pooled cache given the HBM bytes FBGEMM's whole footprint takes (its
 cache, and the row-wise state of every row and its cache index, which live in HBM).
 
+``--taobao`` replays the Taobao UserBehavior sample in time order (its three tables at TaobaoDataModule's default
+sizes, batches of 512: 164 batches of which the first ``warmup + 1`` are left out) instead of the synthetic stream.
+
     python benchmarks/rows_gap.py [--scale 1.0] [--fraction 0.01] [--steps 200] [--warmup 5] [--zipf 1.05]
-        [--equal-hbm] [--json PATH]
+        [--taobao [CSV]] [--batch-size N] [--equal-hbm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -73,6 +76,29 @@ def stream(
         d = b.sparse_features.to_dict()
         out.append({f"t_{f}": d[f].values().numpy().astype(np.int64) for f in d})
     return rows, out
+
+
+#: the Taobao sample beside the repository (``../shared/data``), and TaobaoDataModule's default table sizes
+TAOBAO_CSV = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "..",
+    "shared",
+    "data",
+    "taobao_userbehavior_head",
+    "UserBehavior_head.csv",
+)
+TAOBAO_ROWS = {"t_user": 1_048_576, "t_item": 5_242_880, "t_category": 16_384}
+
+
+def taobao_stream(path: str, batch_size: int) -> Tuple[Dict[str, int], List[Dict[str, np.ndarray]]]:
+    """Table rows and per batch each table's ids of a Taobao UserBehavior file in time order (a stable sort by
+    timestamp; ids modulo TaobaoDataModule's default sizes, as its parser takes them), whole batches only."""
+    data = np.loadtxt(path, delimiter=",", dtype=np.int64, usecols=(0, 1, 2, 4), ndmin=2)
+    data = data[np.argsort(data[:, 3], kind="stable")]
+    ids = {t: data[:, i] % n for i, (t, n) in enumerate(TAOBAO_ROWS.items())}
+    full = data.shape[0] // batch_size
+    out = [{t: v[b * batch_size : (b + 1) * batch_size] for t, v in ids.items()} for b in range(full)]
+    return dict(TAOBAO_ROWS), out
 
 
 def capacities(
@@ -263,6 +289,17 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--fraction", type=float, default=0.01)
     p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the synthetic ids")
     p.add_argument(
+        "--taobao",
+        nargs="?",
+        const=TAOBAO_CSV,
+        default=None,
+        help="replay a Taobao UserBehavior file in time order instead (default: the sample in ../shared/data); "
+        "--steps is cut to the batches it holds",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="rows per batch (default 2048; 512 with --taobao)"
+    )
+    p.add_argument(
         "--equal-hbm",
         action="store_true",
         help="also run the pooled cache with the HBM bytes FBGEMM's whole footprint takes (ours_equal_hbm)",
@@ -280,7 +317,17 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     nb = args.steps + args.warmup + 2
-    rows, batches = stream(args.scale, nb, zipf=args.zipf)
+    if args.taobao is not None:
+        if not os.path.isfile(args.taobao):
+            raise SystemExit(f"rows_gap.py: no Taobao file at {args.taobao}; give its path after --taobao")
+        rows, batches = taobao_stream(args.taobao, args.batch_size or 512)
+        if len(batches) < args.warmup + 52:
+            raise SystemExit(f"rows_gap.py: {args.taobao} holds {len(batches)} batches, too few to measure")
+        batches = batches[:nb]
+        args.steps = min(args.steps, len(batches) - args.warmup - 2)
+        nb = len(batches)
+    else:
+        rows, batches = stream(args.scale, nb, batch_size=args.batch_size or 2048, zipf=args.zipf)
     cap, bumped = capacities(rows, batches, args.fraction, args.min_cached_rows)
     tables = sorted(cap)
     offsets, acc = {}, 0

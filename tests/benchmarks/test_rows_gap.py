@@ -1,6 +1,9 @@
 """benchmarks/rows_gap.py on a small stream: its simulated caches against each other and against the oracle."""
 
+import os
+
 import numpy as np
+import pytest
 
 from benchmarks import rows_gap
 
@@ -29,3 +32,24 @@ def test_lru_and_min_on_a_hand_stream():
     assert opt.tolist() == [3, 1, 1, 0] and lru.sum() >= opt.sum()
     fetched, evicted, conflicts = rows_gap.set_assoc(us, 5, 64, ways=32)  # 64 ways for 5 ids: no eviction
     assert fetched.tolist() == [3, 1, 1, 0] and evicted.sum() == 0 and conflicts.sum() == 0
+
+
+@pytest.mark.skipif(
+    not os.path.isfile(rows_gap.TAOBAO_CSV), reason="the Taobao sample (../shared/data) is absent"
+)
+def test_the_taobao_sample_in_time_order(tmp_path):
+    rows, batches = rows_gap.taobao_stream(rows_gap.TAOBAO_CSV, 512)
+    assert set(rows) == {"t_user", "t_item", "t_category"} and len(batches) == 84_475 // 512
+    assert all(b[t].size == 512 and b[t].max() < rows[t] for b in batches[:3] for t in rows)
+    r = rows_gap.main(
+        ["--taobao", "--fraction", "0.001", "--steps", "60", "--skip", "ours_planned", "min_table"]
+    )
+    assert r["window"] == [6, 66]
+    c = {k: v["fetched_per_step"] for k, v in r["caches"].items()}
+    assert c["ours"] == c["ours_shared"] and c["compulsory"] <= c["min_shared"] <= c["ours"]
+    assert c["ours"] < c["setassoc_shared"]  # a cache that plans fetches fewer rows than one that guesses
+
+
+def test_a_missing_taobao_file_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="no Taobao file"):
+        rows_gap.main(["--taobao", str(tmp_path / "none.csv")])
