@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import numbers
-from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -81,6 +81,7 @@ def check_stream(
     num_embeddings: Mapping[str, int],
     prefetch_depth: int,
     host_windows: Optional[Mapping[str, HostWindow]] = None,
+    slot_spaces: Optional[Mapping[str, Sequence[str]]] = None,
 ) -> Dict[str, int]:
     """Scan a stream of sparse features (KJTs or mappings) and fail at the first window a cache cannot hold.
 
@@ -93,6 +94,8 @@ def check_stream(
         host_windows: per cached table in a disk store, what its host tier must hold at once (a batch and the
             next ``depth`` batches' rows on each shard, :class:`~torchrec_lookahead.store.types.HostWindow`);
             checked after the device caches.
+        slot_spaces: slot space -> the cached tables that share one cache of the sum of their capacities
+            (:attr:`CacheTarget.slot_spaces`): a window must fit in the space, whatever each member's share.
 
     Returns:
         The largest window working set per table (the smallest capacity that would do).
@@ -112,6 +115,11 @@ def check_stream(
     names = sorted(capacity)
     best = {n: 0 for n in names}
     first: Dict[str, Tuple[int, int, int]] = {}
+    # a cache: a table alone, or the tables of a shared slot space (their id ranges are disjoint, so the space's
+    # window needs the sum of theirs)
+    shared = [tuple(m) for m in (slot_spaces or {}).values() if len(m) > 1 and all(t in capacity for t in m)]
+    in_space = {t for members in shared for t in members}
+    caches = [(n,) for n in names if n not in in_space] + shared
     host = HostWindowCheck({t: w for t, w in (host_windows or {}).items() if t in capacity})
     host_first: Dict[str, HostShortfall] = {}
 
@@ -133,24 +141,34 @@ def check_stream(
                     num_rows=int(num_embeddings[n]),
                 )
             best[n] = max(best[n], need)
-            if need > int(capacity[n]) and n not in first:
-                first[n] = (max(step - prefetch_depth, 0), step, need)
+        for members in caches:
+            need = sum(sets[t][1] for t in members)
+            if need > sum(int(capacity[t]) for t in members) and members[0] not in first:
+                first[members[0]] = (max(step - prefetch_depth, 0), step, need)
         if host:
             for found in host.push({n: sets[n][0] for n in host.tables}):
                 host_first.setdefault(found.table, found)
     if first:
         n = sorted(first)[0]
         lo, hi, need = first[n]
-        short = {t: best[t] for t in sorted(first)}
+        members = next(m for m in caches if m[0] == n)
+        short_tables = sorted(t for m in caches if m[0] in first for t in m)
+        short = {t: best[t] for t in short_tables}
+        available = sum(int(capacity[t]) for t in members)
+        where = (
+            f"capacity[{n!r}] is {available}"
+            if len(members) == 1
+            else f"the cache tables {list(members)} share (the sum of their capacities) holds {available}"
+        )
         raise CapacityError(
             f"table {n!r}: {describe_window(lo, hi, prefetch_depth)} need{'s' if lo == hi else ''} {need} "
-            f"cache rows but capacity[{n!r}] is {int(capacity[n])}; the scanned batches' largest windows need "
+            f"cache rows but {where}; the scanned batches' largest windows need "
             f"{short} rows: raise those capacities, lower prefetch_depth, or use smaller batches (found before "
             "training by LookaheadDataModule(capacity_check='epoch'))",
             table=n,
             batch=hi,
             needed=need,
-            available=int(capacity[n]),
+            available=available,
         )
     if host_first:
         largest = host.largest

@@ -191,6 +191,7 @@ def prescan(
                 target.num_embeddings,
                 prefetch_depth,
                 target.host_windows,
+                target.slot_spaces,
             )
     finally:
         stream.close()

@@ -1,0 +1,41 @@
+"""The capacity pre-scan's check of a stream: a table alone, and the tables of a shared slot space."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrec_lookahead.errors import CapacityError
+from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+from torchrec_lookahead.runtime.capacity import check_stream
+
+# window of batches 0..1 (prefetch depth 1): "a" reads 4 distinct ids, "b" 2
+STREAM = [
+    {"fa": torch.tensor([0, 1, 2]), "fb": torch.tensor([0])},
+    {"fa": torch.tensor([3, 1]), "fb": torch.tensor([1, 1])},
+]
+FEATURES = {"fa": "a", "fb": "b"}
+ROWS = {"a": 10, "b": 10}
+
+
+def test_a_space_needs_room_for_its_members_together_not_each_its_share() -> None:
+    capacity = {"a": 3, "b": 3}  # "a" alone is short, the space of both holds the window
+    with pytest.raises(CapacityError, match="capacity\\['a'\\] is 3"):
+        check_stream(STREAM, capacity, FEATURES, ROWS, 1)
+    need = check_stream(STREAM, capacity, FEATURES, ROWS, 1, slot_spaces={"s": ("a", "b")})
+    assert need == {"a": 4, "b": 2}
+    # the oracle plans that space: the pre-scan accepts what the loader can plan
+    cfg = OracleConfig(
+        capacity=capacity,
+        num_embeddings=ROWS,
+        feature_to_table=FEATURES,
+        horizon=1,
+        slot_spaces={"s": ("a", "b")},
+    )
+    assert len(list(LookaheadOracle(cfg).plan_stream(STREAM))) == 2
+
+
+def test_a_space_too_small_is_refused_naming_its_tables() -> None:
+    with pytest.raises(CapacityError, match=r"the cache tables \['a', 'b'\] share .* holds 5") as err:
+        check_stream(STREAM, {"a": 3, "b": 2}, FEATURES, ROWS, 1, slot_spaces={"s": ("a", "b")})
+    assert err.value.needed == 6 and err.value.available == 5
