@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
 import torch
 
 from torchrec_lookahead.errors import CapacityError, ConfigError
+from torchrec_lookahead.oracle._fanout import MemberGroups
 from torchrec_lookahead.oracle._table import _TablePlanner, check_range
 from torchrec_lookahead.oracle.config import OracleConfig
 from torchrec_lookahead.oracle.ranks import rank_of_sample
@@ -29,9 +29,6 @@ __all__: List[str] = []
 
 #: Parts of one table in one batch: (ids, sample index per id or None, batch size or None).
 Part = Tuple[np.ndarray, Optional[np.ndarray], Optional[int]]
-
-_In = TypeVar("_In")
-_Out = TypeVar("_Out")
 
 _COUNTED = ("steps", "lookups", "unique", "hits", "fetches", "evictions")
 
@@ -100,7 +97,7 @@ class _SharedUnit(_Unit):
         #: per batch in the lookahead window, the number of ids of each member (to split the plan's slots)
         self._lengths: Deque[Tuple[List[int], List[int]]] = collections.deque()
         #: runs the members' per-id work of a batch (unique ids, next uses) on ``threads`` threads
-        self.groups = _MemberGroups(self.rows, threads)
+        self.groups = MemberGroups(self.rows, threads)
 
     def check_ids(self, parts: Dict[str, Part], step: int) -> None:
         for t, rows in zip(self.tables, self.rows):
@@ -218,44 +215,3 @@ def _member_ranks(ranks: RankAnnotation, lo: int, hi: int) -> RankAnnotation:
         shared_next=ranks.shared_next[a:b],
         shared_delayed=ranks.shared_delayed[a:b],
     )
-
-
-class _MemberGroups:
-    """A shared space's members in ``threads`` contiguous groups, and the threads that read a batch's groups.
-
-    A group's ids are one contiguous range of the space, so a group is read as one piece (one pass over all its
-    members' ids: few large NumPy calls, which release the GIL, rather than many small ones). Groups are cut where
-    the members' summed weight (the log of their rows: a large table's random reads cost more) crosses an equal
-    share. The caller's thread reads the first group; the plans do not depend on the number of threads.
-    """
-
-    def __init__(self, rows: np.ndarray, threads: int) -> None:
-        threads = max(1, min(int(threads), rows.size))
-        weight = np.cumsum(np.log2(rows.astype(np.float64) + 2.0))
-        cuts = np.searchsorted(weight, weight[-1] * np.arange(1, threads) / threads, side="left") + 1
-        bounds = sorted({0, rows.size, *(int(c) for c in cuts if 0 < c < rows.size)})
-        #: member index ranges ``[a, b)`` of the groups
-        self.groups = list(zip(bounds[:-1], bounds[1:]))
-        self.pool = (
-            ThreadPoolExecutor(len(self.groups) - 1, thread_name_prefix="oracle-space")
-            if len(self.groups) > 1
-            else None
-        )
-
-    def pieces(self, ids: Sequence[np.ndarray]) -> List[Tuple[np.ndarray, Optional[np.ndarray]]]:
-        """Each group's ids, concatenated, with the cuts between its members."""
-        out: List[Tuple[np.ndarray, Optional[np.ndarray]]] = []
-        for a, b in self.groups:
-            sizes = [0] + [int(x.size) for x in ids[a:b]]
-            out.append((np.concatenate(ids[a:b]), np.cumsum(sizes)))
-        return out
-
-    def __call__(self, fn: Callable[[_In], _Out], items: Sequence[_In]) -> List[_Out]:
-        if self.pool is None or len(items) < 2:
-            return [fn(x) for x in items]
-        futures = [self.pool.submit(fn, x) for x in items[1:]]
-        try:
-            first = fn(items[0])
-        finally:
-            wait(futures)  # every thread is done with the planner's arrays before anything else touches them
-        return [first] + [f.result() for f in futures]

@@ -17,12 +17,13 @@ several times faster than a sort on CPU).
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from torchrec_lookahead.errors import CapacityError, InvalidIdError
+from torchrec_lookahead.oracle._fanout import Fanout, serial_map
 from torchrec_lookahead.oracle.config import OracleConfig
 from torchrec_lookahead.oracle.ranks import RankInfo, annotate, readers
 from torchrec_lookahead.oracle.types import TablePlan, describe_window
@@ -53,21 +54,6 @@ def check_range(name: str, ids: np.ndarray, step: int, rows: Optional[int]) -> i
             num_rows=rows,
         )
     return high
-
-
-_In = TypeVar("_In")
-_Out = TypeVar("_Out")
-
-
-class Fanout(Protocol):
-    """Runs a function over items, possibly on several threads, and returns the results in item order."""
-
-    def __call__(self, fn: Callable[[_In], _Out], items: Sequence[_In]) -> List[_Out]: ...
-
-
-def serial_map(fn: Callable[[_In], _Out], items: Sequence[_In]) -> List[_Out]:
-    """The :data:`Fanout` of one thread."""
-    return [fn(x) for x in items]
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
