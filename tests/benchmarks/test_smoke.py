@@ -70,6 +70,8 @@ def check_cache_overhead(f: Dict[str, Any]) -> None:
     assert k["warmup_steps"] == 20 and k["steps"] == 3 and k["occupancy_at_warmup_end"] == 1.0
     assert positive(k["training_thread_ms"]) and positive(k["cached_step_ms"])
     assert k["rows_written_back_per_step"] > 0  # every timed step evicts
+    r = k["replay"]
+    assert r["steps"] == 3 and r["occupancy"] == 1.0 and 0 < r["apply_min_ms"] <= r["apply_median_ms"]
     # the cached tables (more than 100 rows) at half their rows, unless the oracle's minimum raised them
     cap, rows = f["capacity"], f["cached_table_rows"]
     assert set(cap) == set(rows) == {t for t, n in tiny_rows().items() if n > 100}
