@@ -113,7 +113,7 @@ def _tables_from_files(ckpt: Path, state: Mapping[str, Any]) -> Dict[str, Any]:
     """``state`` with every table the checkpoint keeps in disk store files (a ``<collection>.<table>.store_files``
     entry: its row count) read back in full from every rank's chain of pieces (``stores/rank<r>/<key>/chain.json``,
     the pieces beside the checkpoint), each read into a scratch store file beside the checkpoint."""
-    from torchrec_lookahead.modules._checkpoint import FILES_KEY
+    from torchrec_lookahead.modules.checkpoint_files import FILES_KEY
     from torchrec_lookahead.store import DiskStore
     from torchrec_lookahead.store.pieces import open_pieces
     from torchrec_lookahead.strategies._checkpoint import STORE_FILES_DIR, read_chain

@@ -72,7 +72,7 @@ def test_checkpoints_larger_than_memory_are_refused_before_the_first_step(
 
 
 def test_a_missing_or_foreign_copy_of_a_disk_store_is_a_checkpoint_error(tmp_path: Path) -> None:
-    from torchrec_lookahead.modules._checkpoint import StoreFiles
+    from torchrec_lookahead.modules.checkpoint_files import StoreFiles
     from torchrec_lookahead.store import DiskStore
     from torchrec_lookahead.strategies._checkpoint import load_store_files, save_store_files
 

@@ -35,7 +35,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead._checks import check_choice, is_int
 from torchrec_lookahead.errors import ConfigError, DataError, SetupError
-from torchrec_lookahead.modules._checkpoint import load_tables, save_tables
 from torchrec_lookahead.modules._kernels import _CacheKernel, make_kernel
 from torchrec_lookahead.modules._moves import (
     MOVED,
@@ -58,6 +57,7 @@ from torchrec_lookahead.modules._plans import (
 )
 from torchrec_lookahead.modules._spaces import SlotSpaceViews, kernel_tables, slot_spaces
 from torchrec_lookahead.modules._values import check_configs, check_values
+from torchrec_lookahead.modules.checkpoint_files import load_tables, save_tables
 from torchrec_lookahead.modules.config import CacheLayout, CacheOptimizerConfig
 from torchrec_lookahead.modules.remap import refuse_variable_batch, remap_kjt
 from torchrec_lookahead.modules.staging import stage_rows

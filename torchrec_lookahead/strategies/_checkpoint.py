@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrec_lookahead.errors import CheckpointError, ConfigError, StoreError
-from torchrec_lookahead.modules._checkpoint import StoreFiles
+from torchrec_lookahead.modules.checkpoint_files import StoreFiles
 from torchrec_lookahead.store import EmbeddingStore
 
 __all__ = [

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchrec_lookahead.errors import CheckpointError
-from torchrec_lookahead.modules._checkpoint import StoreFiles
+from torchrec_lookahead.modules.checkpoint_files import StoreFiles
 from torchrec_lookahead.strategies._checkpoint import (
     META_FILE,
     STORE_FILES_DIR,

@@ -48,7 +48,7 @@ from torchrec_lookahead.distributed import (
 )
 from torchrec_lookahead.distributed.topology import make_topology, sharding_planner
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
-from torchrec_lookahead.modules._checkpoint import StoreFiles, store_files
+from torchrec_lookahead.modules.checkpoint_files import StoreFiles, store_files
 from torchrec_lookahead.runtime import CacheSession, LookaheadBatch
 from torchrec_lookahead.strategies._checkpoint import (
     checkpoint_memory_shortfall,
