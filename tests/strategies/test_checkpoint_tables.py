@@ -239,3 +239,35 @@ def test_an_in_memory_store_the_ranks_of_a_host_share_cannot_keep_pieces() -> No
     )  # as one host's shared store
     with pytest.raises(ConfigError, match="ranks of this host share.*store_sharding: row_wise"):
         _checkpoint.keep_store_files([shared])
+
+
+def test_a_checkpoint_of_an_earlier_release_still_loads(tmp_path: Path) -> None:
+    """Before chains, a checkpoint kept a copy of each disk store's whole file in the table's directory
+    (``stores/rank<r>/<key>/<table>.<row offset>.rows``, no chain file): it loads as a chain of that one copy."""
+    import shutil
+
+    from torchrec_lookahead.modules.checkpoint_files import StoreFiles
+    from torchrec_lookahead.store import DiskStore
+    from torchrec_lookahead.strategies._checkpoint import load_store_files
+
+    def store(where: str) -> DiskStore:
+        return DiskStore(tmp_path / where / "t.rows", 100, 4, name="t", seed=0, host_budget_bytes=160,
+                         preallocate=False)  # fmt: skip
+
+    old = store("old")
+    old.load(torch.arange(400, dtype=torch.float32).view(100, 4))
+    old.flush()
+    table = tmp_path / "ckpt" / "stores" / "rank0" / "embedding_bags.t"
+    table.mkdir(parents=True)
+    shutil.copyfile(old.path, table / "t.0.rows")  # what the earlier release copied: the flushed file
+    files = StoreFiles()
+    new = store("new")
+    files.add("embedding_bags.t", new)
+    load_store_files(files, tmp_path / "ckpt", 0)
+    assert torch.equal(new.full_weights(), old.full_weights())
+    with open(table / "t.0.rows", "r+b") as f:  # a damaged copy is refused, named
+        f.truncate(4096)
+    with pytest.raises(CheckpointError, match="t.0.rows' is not a copy of disk store"):
+        load_store_files(files, tmp_path / "ckpt", 0)
+    old.close()
+    new.close()

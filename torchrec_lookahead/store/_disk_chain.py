@@ -196,6 +196,13 @@ def prepare_piece(file: DiskFile, dst: str, base: Optional[Chain], max_chain: in
     return Chain((*base.pieces, dst), head, base.full_bytes, base.delta_bytes + nbytes), write
 
 
+def _legacy_copy(file: DiskFile, path: str) -> bool:
+    """``path`` is a copy of the whole store file as checkpoints kept it before chains (``<table>.<row offset>.rows``,
+    no list): a full piece whose units are those its index points at."""
+    name = f"{file.meta.get('name')}.{file.meta.get('row_offset')}.rows"
+    return os.path.basename(path) == name and not os.path.exists(path + LIST_SUFFIX)
+
+
 def _piece_list(file: DiskFile, path: str) -> Dict[str, Any]:
     """The list of the piece ``path`` (``info``, and ``units`` of a full piece or ``rows`` of a delta), after
     checking it is a whole piece of ``file``.
@@ -203,13 +210,23 @@ def _piece_list(file: DiskFile, path: str) -> Dict[str, Any]:
     Raises:
         ConfigError: the piece or its list is missing, damaged, or of another table, shard, layout or seed.
     """
-    if not os.path.exists(path) or not os.path.exists(path + LIST_SUFFIX):
+    legacy = _legacy_copy(file, path)
+    if not os.path.exists(path) or not (legacy or os.path.exists(path + LIST_SUFFIX)):
         missing = path if not os.path.exists(path) else path + LIST_SUFFIX
         raise ConfigError(
             f"the checkpoint piece '{missing}' is missing: the chain of '{file.path}' is incomplete"
         )
     found = read_header(path)
     diffs = [f"{k}: piece {found.get(k)!r}, store {v!r}" for k, v in file.meta.items() if found.get(k) != v]
+    if legacy:  # the units its index points at are its rows (checked against the index by read_chain)
+        if not diffs and os.path.getsize(path) != file.size:
+            diffs = [f"size: copy {os.path.getsize(path):,} bytes, expected {file.size:,}"]
+        if diffs:
+            raise ConfigError(
+                f"'{path}' is not a copy of disk store '{file.path}' ({'; '.join(diffs)}): it was written for "
+                "another table, shard, layout or seed, or is truncated"
+            )
+        return {"info": {"kind": "full", "legacy": True}, "units": None}
     try:
         with open(path + LIST_SUFFIX, "rb") as f:
             data = np.load(io.BytesIO(f.read()), allow_pickle=False)
@@ -263,7 +280,7 @@ def read_chain(file: DiskFile, pieces: Sequence[str]) -> Chain:
         file._check_index(pieces[0], index)
         loc = np.frombuffer(index, dtype=np.uint32, count=file.num_rows, offset=PAGE)
         live = file.units_of(loc[np.flatnonzero(loc)].astype(np.int64) - 1)
-        lacking = np.setdiff1d(live, lists[0]["units"])
+        lacking = live[:0] if lists[0]["units"] is None else np.setdiff1d(live, lists[0]["units"])
         if lacking.size:
             raise ConfigError(
                 f"the checkpoint piece '{pieces[0]}' lacks unit {int(lacking[0])} of its index ({lacking.size} units "

@@ -119,6 +119,11 @@ def read_chain(path: Path, rank: int, key: str) -> List[str]:
         if not isinstance(names, list) or not all(isinstance(n, str) and "/" not in n for n in names):
             raise ValueError("not a list of names")
     except FileNotFoundError:
+        # a checkpoint written before chains: a copy of the whole store file in the table's directory (the next
+        # checkpoint of a run resumed from it writes a full piece: a chain never refers into another checkpoint)
+        legacy = sorted(file.parent.glob("*.rows"))
+        if len(legacy) == 1:
+            return [str(legacy[0])]
         raise CheckpointError(
             f"checkpoint {path} lacks {file}: it holds no copy of table {key}'s disk store on rank {rank} (a "
             "checkpoint of another configuration, or files lost in a copy); resume from an intact checkpoint"
