@@ -129,12 +129,15 @@ def prepare(
         cached: the cached tables in the order of ``counts``' rows.
     """
     moves: List[SpaceMove] = []
+    counts = np.zeros((len(cached), len(MOVED)), dtype=np.int64)
+    row = {n: i for i, n in enumerate(cached)}
     for members in spaces.values():
         named = [m for m in members if m in checked]
         if not named:
             continue
         cs = [checked[m] for m in named]
         first = tables[members[0]]
+        fetch_slots = _cat([c.fetch_slots for c in cs])
         moves.append(
             SpaceMove(
                 group=first.group,
@@ -143,22 +146,20 @@ def prepare(
                 evict_ids=tuple(c.evict_ids for c in cs),
                 evict_slots=_cat([c.evict_slots for c in cs]),
                 fetch_ids=tuple(c.fetch_ids for c in cs),
-                fetch_slots=_cat([c.fetch_slots for c in cs]),
+                fetch_slots=fetch_slots,
                 slot_updates=tuple((c.evict_slots, c.fetch_slots) for c in cs),
             )
         )
-    counts = np.zeros((len(cached), len(MOVED)), dtype=np.int64)
-    for i, name in enumerate(cached):
-        c = checked.get(name)
-        if c is None:
-            continue
-        slots, fetched = c.slots.numpy(), c.fetch_slots.numpy()
-        # lookups of a slot loaded at this step are misses
-        misses = int(np.count_nonzero(np.isin(slots, fetched))) if fetched.size else 0
-        store = tables[name].store
-        assert store is not None
-        f, e = c.fetch_ids.numel(), c.evict_ids.numel()
-        counts[i] = (1, slots.size, slots.size - misses, f, e, (f + e) * store.row_width * 4)
+        # lookups of a slot loaded at this step are misses (the members' fetched slots are distinct)
+        loaded = np.zeros(first.rows, dtype=bool)
+        loaded[fetch_slots.numpy()] = True
+        for name, c in zip(named, cs):
+            slots = c.slots.numpy()
+            misses = int(np.count_nonzero(loaded[slots])) if fetch_slots.numel() else 0
+            store = tables[name].store
+            assert store is not None
+            f, e = c.fetch_ids.numel(), c.evict_ids.numel()
+            counts[row[name]] = (1, slots.size, slots.size - misses, f, e, (f + e) * store.row_width * 4)
     return PreparedPlan(step, trusted, tuple(moves), counts)
 
 
