@@ -35,7 +35,7 @@ def plan_capacity(
         ConfigError: pinned rows name a table the module does not have.
         CapacityError: the budget cannot hold the pinned rows and the smallest feasible caches.
     """
-    from torchrec_lookahead.distributed.planner import LookaheadPlanner
+    from torchrec_lookahead.distributed.planner import LookaheadPlanner, row_bytes
 
     ebcs = [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     tables = [c for m in ebcs for c in table_configs(m)]
@@ -52,8 +52,7 @@ def plan_capacity(
     unknown = sorted(set(hot) - set(names))
     if unknown:
         raise ConfigError(f"pinned rows name tables {unknown} the model does not have; its tables: {names}")
-    probe = LookaheadPlanner(device_budget_bytes, **options)
-    bpr = {t.name: t.bpr for t in probe._tables(tables, optimizer)}
+    bpr = {c.name: row_bytes(int(c.embedding_dim), optimizer) for c in tables}
     pinned_rows = {t: int(ids.numel()) for t, ids in hot.items()}
     pinned_bytes = sum(n * bpr[t] for t, n in pinned_rows.items())
     if pinned_bytes >= device_budget_bytes:
