@@ -243,3 +243,19 @@ def test_a_space_read_on_several_threads_plans_the_same(num_ranks: int) -> None:
                     assert a.ranks is not None and b.ranks is not None
                     assert torch.equal(a.ranks.reader_mask, b.ranks.reader_mask)
         assert torch.equal(got_state["tables"]["s"]["id_of_slot"], state["tables"]["s"]["id_of_slot"])
+
+
+def test_a_space_under_the_window_policy_splits_its_fetches_by_member() -> None:
+    """The window policy lists a window's fetches set by set, the members interleaved: each member's plan holds
+    its own ids (a replay of the shared cache checks every slot)."""
+    traces = _traces(7, 24)
+    members = ("c", "a")
+    cap = {"a": 200, "c": 100, "b": ROWS["b"]}
+    common = dict(horizon=4, prefetch_depth=1, policy="window", window=2, ways=4)
+    plans = list(
+        LookaheadOracle(
+            OracleConfig(capacity=cap, num_embeddings=ROWS, slot_spaces={"s": members}, **common)
+        ).plan_stream(batches_of(traces))
+    )
+    assert any(p.tables["a"].fetch_ids.numel() and p.tables["c"].fetch_ids.numel() for p in plans)
+    _replay_shared(traces, plans, members, cap["a"] + cap["c"], 1)

@@ -146,13 +146,11 @@ class _SharedUnit(_Unit):
             raise self._too_small(err) from None
         ev_ids, ev_slots = whole.evict_ids.numpy(), whole.evict_slots.numpy()
         fe_ids, fe_slots = whole.fetch_ids.numpy(), whole.fetch_slots.numpy()
-        # a plan's fetches come in the order of the batch's unique ids, so grouped by member; its evictions not
+        # each member's fetches and evictions in the plan's order (a policy may interleave the members: the window
+        # policy lists its fetches set by set)
         members = np.arange(len(self.tables) + 1)
-        fe_at = np.searchsorted(self._member(fe_ids), members)
-        ev_of = self._member(ev_ids)
-        order = np.argsort(ev_of, kind="stable")
-        ev_ids, ev_slots = ev_ids[order], ev_slots[order]
-        ev_at = np.searchsorted(ev_of[order], members)
+        fe_ids, fe_slots, fe_at = self._by_member(fe_ids, fe_slots, members)
+        ev_ids, ev_slots, ev_at = self._by_member(ev_ids, ev_slots, members)
         out: Dict[str, TablePlan] = {}
         start = 0
         for i, t in enumerate(self.tables):
@@ -182,6 +180,17 @@ class _SharedUnit(_Unit):
     def _member(self, ids: np.ndarray) -> np.ndarray:
         """The member table of each virtual id."""
         return np.searchsorted(self.offsets, ids, side="right") - 1
+
+    def _by_member(
+        self, ids: np.ndarray, slots: np.ndarray, members: np.ndarray
+    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``ids`` and ``slots`` grouped by member (stably: each member's in the plan's order), and where each
+        member's group starts (``members``: ``0 .. len(tables)``)."""
+        of = self._member(ids)
+        if of.size > 1 and (of[1:] < of[:-1]).any():
+            order = np.argsort(of, kind="stable")
+            ids, slots, of = ids[order], slots[order], of[order]
+        return ids, slots, np.searchsorted(of, members)
 
     def stats(self) -> Dict[str, Dict[str, int]]:
         peak = int(self.planner.stats["peak_rows"])
