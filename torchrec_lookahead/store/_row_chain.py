@@ -114,17 +114,29 @@ def prepare_rows_piece(
     return Chain((dst,), 0, nbytes, 0), None
 
 
+def rows_header(page: bytes) -> Dict[str, Any]:
+    """The header of an in-memory store's checkpoint piece from its first page.
+
+    Raises:
+        ValueError: the page holds no such header (or is damaged).
+    """
+    if not page.startswith(MAGIC):
+        raise ValueError("no header")
+    length = int.from_bytes(page[len(MAGIC) : len(MAGIC) + 4], "little")
+    head: Dict[str, Any] = json.loads(page[len(MAGIC) + 4 : len(MAGIC) + 4 + length].decode())
+    return head
+
+
 def _read_head(store: _RowStore, path: str) -> Dict[str, Any]:
     try:
         with open(path, "rb") as f:
             page = f.read(PAGE)
-        length = int.from_bytes(page[len(MAGIC) : len(MAGIC) + 4], "little")
-        if not page.startswith(MAGIC) or len(page) < PAGE:
+        if len(page) < PAGE:
             raise ValueError("no header")
-        head: Dict[str, Any] = json.loads(page[len(MAGIC) + 4 : len(MAGIC) + 4 + length].decode())
+        head = rows_header(page)
     except FileNotFoundError:
-        raise ConfigError(f"the checkpoint piece '{path}' is missing: the chain of table '{store.name}' is "
-                          "incomplete") from None  # fmt: skip
+        missing = f"the checkpoint piece '{path}' is missing: the chain of table '{store.name}' is incomplete"
+        raise ConfigError(missing) from None
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"'{path}' is not a checkpoint piece of an in-memory store ({e})") from None
     if not os.path.exists(path + LIST_SUFFIX):

@@ -4,13 +4,13 @@ stores, :mod:`~torchrec_lookahead.store._row_chain` for in-memory ones)."""
 
 from __future__ import annotations
 
-import json
 import os
-from typing import List, Sequence, Union
+from typing import Any, Dict, List, Sequence, Union
 
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.store._disk_io import MAGIC, PAGE, read_header
 from torchrec_lookahead.store._row_chain import MAGIC as ROWS_MAGIC
+from torchrec_lookahead.store._row_chain import rows_header
 from torchrec_lookahead.store.disk_store import DiskStore
 from torchrec_lookahead.store.tensor_store import TensorStore
 
@@ -33,18 +33,15 @@ def open_pieces(pieces: Sequence[str], scratch: str) -> Union[DiskStore, TensorS
             page = f.read(PAGE)
     except OSError as e:
         raise ConfigError(f"the checkpoint piece '{pieces[0]}' cannot be read ({e.strerror})") from None
+    store: Union[DiskStore, TensorStore]
     if page.startswith(ROWS_MAGIC):
-        length = int.from_bytes(page[len(ROWS_MAGIC) : len(ROWS_MAGIC) + 4], "little")
-        m = json.loads(page[len(ROWS_MAGIC) + 4 : len(ROWS_MAGIC) + 4 + length].decode())
-        store: Union[DiskStore, TensorStore] = TensorStore(m["num_embeddings"], m["embedding_dim"], m["state_widths"],
-                                            name=m["name"], seed=m["seed"], row_offset=m["row_offset"],
-                                            table_rows=m["table_rows"])  # fmt: skip
+        store = TensorStore(**_layout(rows_header(page)))
         store.keep_files()
     elif page.startswith(MAGIC):
-        m = read_header(pieces[0])
-        store = DiskStore(os.path.join(scratch, "scratch.rows"), m["num_embeddings"], m["embedding_dim"],
-                          m["state_widths"], name=m["name"], seed=m["seed"], row_offset=m["row_offset"],
-                          table_rows=m["table_rows"], host_budget_bytes=1 << 20, preallocate=False)  # fmt: skip
+        path = os.path.join(scratch, "scratch.rows")
+        store = DiskStore(
+            path, **_layout(read_header(pieces[0])), host_budget_bytes=1 << 20, preallocate=False
+        )
     else:
         raise ConfigError(f"'{pieces[0]}' is not a checkpoint piece (no header)")
     try:
@@ -54,3 +51,9 @@ def open_pieces(pieces: Sequence[str], scratch: str) -> Union[DiskStore, TensorS
             store.close()
         raise
     return store
+
+
+def _layout(header: Dict[str, Any]) -> Dict[str, Any]:
+    """The store arguments a piece's header records (the table's shape, name, seed and shard)."""
+    keys = ("num_embeddings", "embedding_dim", "state_widths", "name", "seed", "row_offset", "table_rows")
+    return {k: header[k] for k in keys}
