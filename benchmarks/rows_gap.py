@@ -41,6 +41,7 @@ sizes, batches of 512: 164 batches of which the first ``warmup + 1`` are left ou
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -50,6 +51,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torchrec_lookahead.data import TaobaoDataModule  # noqa: E402
+from torchrec_lookahead.data.readers import TAOBAO_FEATURES  # noqa: E402
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig  # noqa: E402
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, min_capacity  # noqa: E402
 
@@ -87,7 +90,10 @@ TAOBAO_CSV = os.path.join(
     "taobao_userbehavior_head",
     "UserBehavior_head.csv",
 )
-TAOBAO_ROWS = {"t_user": 1_048_576, "t_item": 5_242_880, "t_category": 16_384}
+TAOBAO_ROWS = {
+    f"t_{f}": int(n)
+    for f, n in zip(TAOBAO_FEATURES, inspect.signature(TaobaoDataModule).parameters["num_embeddings"].default)
+}
 
 
 def taobao_stream(path: str, batch_size: int) -> Tuple[Dict[str, int], List[Dict[str, np.ndarray]]]:
