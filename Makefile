@@ -10,6 +10,9 @@ PYTEST_ARGS ?=
 # twice that, so that a slower machine (the 2-core AMD EPYC takes about 1.6x this Intel one) does not fail a test
 # the fast tier's own bound admits here.
 FULL_RUN_FAST_LIMIT_S ?= 20
+# pytest-xdist workers: the modules that launch several processes run one after another on one worker, the
+# single-process modules on the others beside them (tests/conftest.py); 0 runs everything in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup train test test-fast lint typecheck configs bench clean
 
@@ -26,10 +29,10 @@ test: setup
 	$(PYTHON) -m ruff check torchrec_lookahead tests benchmarks examples
 	$(PYTHON) -m ruff format --check torchrec_lookahead tests benchmarks examples
 	$(PYTHON) -m mypy
-	TRL_FAST_LIMIT_S=$(FULL_RUN_FAST_LIMIT_S) $(PYTHON) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	TRL_FAST_LIMIT_S=$(FULL_RUN_FAST_LIMIT_S) $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PYTHON) -m pytest -q -m "not slow and not distributed" $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not distributed" $(PYTEST_ARGS)
 
 lint: setup
 	$(PYTHON) -m ruff check torchrec_lookahead tests benchmarks examples

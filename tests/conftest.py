@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
 import socket
@@ -131,3 +132,29 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
             f"{FAST_LIMIT_S:g} s per test: mark it @pytest.mark.slow (or make it shorter) so that `make test-fast` "
             "stays within 5 minutes"
         )
+
+
+def _launches(path: Path) -> bool:
+    """Whether a test module has tests marked ``distributed`` (read from its text: the controller of an xdist run
+    does not import the tests)."""
+    return path.suffix == ".py" and "mark.distributed" in path.read_text()
+
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        """``make test`` runs two pytest-xdist workers. Each module's tests run on one worker, so a module-scoped
+        run is made once and shared as it is in a serial run; and every module with ``distributed`` tests runs on
+        one worker, one module after another: a torchrun launch already uses every core, and its timing-sensitive
+        tests (signals, kill -9, restarts) see the machine as they do serially, while the other worker runs the
+        single-process modules beside it."""
+        from xdist.scheduler import LoadScopeScheduling
+
+        root = config.rootpath
+
+        class ModuleScheduling(LoadScopeScheduling):  # type: ignore[misc]
+            def _split_scope(self, nodeid: str) -> str:
+                module = nodeid.split("::", 1)[0]
+                return "launches" if _launches(root / module) else module
+
+        return ModuleScheduling(config, log)
