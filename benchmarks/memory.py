@@ -125,7 +125,7 @@ def measure(
     stores = {n: s for m in mods for n, s in m.cache.stores.items()}
     opt = mods[0].cache.optimizer_config
     rows = table_rows(cli.datamodule.datamodule if hasattr(cli.datamodule, "datamodule") else cli.datamodule)
-    dim = mods[0].cache.embedding_bag_configs()[0].embedding_dim
+    dim = mods[0].cache.table_configs()[0].embedding_dim
     rb = row_bytes(dim, opt)
     cap = {n: c for m in mods for n, c in m.cache.capacity.items()}
     nominal_cache = sum(c * rb for c in cap.values())

@@ -38,7 +38,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineBase
 
-from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.distributed import ShardedLookaheadCollection
 from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.oracle import LookaheadSettings, Policy
 from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_DEPTH
@@ -163,7 +163,7 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         )
 
     @property
-    def cached(self) -> List[ShardedLookaheadEmbeddingBagCollection]:
+    def cached(self) -> List[ShardedLookaheadCollection[Any, Any]]:
         """The model's collections with cached tables."""
         return [] if self.session is None else list(self.session.modules)
 
@@ -218,7 +218,7 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
     def flush(self, barrier: bool = True) -> None:
         """Write every cached row and its optimizer state back to the host stores (``barrier=False`` on an
         exception path, where another rank may be gone: see
-        :meth:`~torchrec_lookahead.distributed.ShardedLookaheadEmbeddingBagCollection.flush`)."""
+        :meth:`~torchrec_lookahead.distributed.ShardedLookaheadCollection.flush`)."""
         if self.session is not None:
             self.session.flush(barrier=barrier)
 

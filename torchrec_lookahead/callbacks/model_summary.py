@@ -22,7 +22,7 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from typing_extensions import override
 
-from torchrec_lookahead.distributed import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.distributed import ShardedLookaheadCollection
 
 __all__ = [
     "EmbeddingModelSummary",
@@ -72,9 +72,9 @@ def table_summaries(model: nn.Module) -> List[TableSummary]:
     out: List[TableSummary] = []
     cached = set()
     for name, m in model.named_modules():
-        if isinstance(m, ShardedLookaheadEmbeddingBagCollection):
+        if isinstance(m, ShardedLookaheadCollection):
             capacity, stores = m.cache.capacity, m.cache.stores
-            for c in m.cache.embedding_bag_configs():
+            for c in m.cache.table_configs():
                 if c.name in capacity:
                     where = f"host store ({type(stores[c.name]).__name__}), device cache of {capacity[c.name]:,} rows"
                     out.append(TableSummary(name, c.name, c.num_embeddings, c.embedding_dim, where))

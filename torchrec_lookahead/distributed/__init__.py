@@ -1,6 +1,7 @@
 """TorchRec integration: the lookahead sharders (EmbeddingBagCollection and EmbeddingCollection), their sharded
-modules, sharding plans with cached tables, and
-(:mod:`torchrec_lookahead.distributed.planner`) the planner that sizes caches for a device budget."""
+modules (siblings over :class:`ShardedLookaheadCollection`, what code taking either uses), sharding plans with
+cached tables, and (:mod:`torchrec_lookahead.distributed.planner`) the planner that sizes caches for a device
+budget."""
 
 from torchrec_lookahead.distributed._optimizers import cache_optimizer_from_module
 from torchrec_lookahead.distributed._stores import STORE_KINDS, STORE_SHARDINGS, StoreKind, StoreSharding
@@ -14,6 +15,7 @@ from torchrec_lookahead.distributed.plan import (
     with_default_sharders,
 )
 from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.distributed.sharded_collection import ShardedLookaheadCollection
 from torchrec_lookahead.distributed.sharded_ec import ShardedLookaheadEmbeddingCollection
 from torchrec_lookahead.distributed.sharder import LookaheadEmbeddingBagCollectionSharder, lookahead_planning
 
@@ -22,6 +24,7 @@ __all__ = [
     "ShardedLookaheadEmbeddingBagCollection",
     "LookaheadEmbeddingCollectionSharder",
     "ShardedLookaheadEmbeddingCollection",
+    "ShardedLookaheadCollection",
     "CacheFusedOptimizer",
     "lookahead_sharding_plan",
     "embedding_tables",

@@ -2,7 +2,7 @@
 replicas, the exact gradient exchange of every backward (with its delayed part), cDLRM's averaging; and the
 state a collection keeps of the step in flight (:class:`StepState`).
 
-The sharded collection (:class:`~torchrec_lookahead.distributed.ShardedLookaheadEmbeddingBagCollection`) calls
+The sharded collection (:class:`~torchrec_lookahead.distributed.ShardedLookaheadCollection`) calls
 it from ``apply_plan`` and ``flush``, and hands it each cache kernel's backward (``set_backward_hook``).
 """
 
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from torchrec_lookahead.distributed.exact_sync import (
     ExchangeIndex,
@@ -27,8 +28,8 @@ from torchrec_lookahead.distributed.exact_sync import (
 )
 from torchrec_lookahead.distributed.lrpp import LRPPPlan
 from torchrec_lookahead.errors import SetupError
-from torchrec_lookahead.modules import CachedEmbeddingBagCollection
-from torchrec_lookahead.modules.cached_ebc import KernelGroup
+from torchrec_lookahead.modules import CachedCollection
+from torchrec_lookahead.modules.cached_collection import KernelGroup
 from torchrec_lookahead.modules.types import BackwardHook
 
 __all__ = ["RankSync", "StepState"]
@@ -38,7 +39,7 @@ __all__ = ["RankSync", "StepState"]
 class StepState:
     """The state a sharded collection keeps of the cached step in flight, in one place.
 
-    :meth:`ShardedLookaheadEmbeddingBagCollection.apply_plan` sets ``planned``, ``dirty`` and (several ranks)
+    :meth:`ShardedLookaheadCollection.apply_plan` sets ``planned``, ``dirty`` and (several ranks)
     ``lrpp``; the training forward consumes ``planned`` (one forward per applied plan); the backward hook reads
     ``lrpp`` and appends the step's delayed exchanges to ``pending``; the next ``apply_plan``, ``flush`` or
     ``invalidate`` lands them first; ``flush`` clears ``dirty``; an evaluation flushes once (``eval_flushed``).
@@ -77,7 +78,7 @@ class RankSync:
 
     def __init__(
         self,
-        cache: CachedEmbeddingBagCollection,
+        cache: CachedCollection[BaseEmbeddingConfig, object],
         rank: int,
         world_size: int,
         group: Optional[dist.ProcessGroup],

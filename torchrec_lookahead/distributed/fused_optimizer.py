@@ -7,11 +7,12 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.optim.keyed import KeyedOptimizer
 
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.modules import CachedEmbeddingBagCollection
+from torchrec_lookahead.modules import CachedCollection
 
 __all__ = ["CacheFusedOptimizer", "fused_optimizers"]
 
@@ -31,7 +32,7 @@ class CacheFusedOptimizer(FusedOptimizer):
         cache: the cached collection.
     """
 
-    def __init__(self, cache: CachedEmbeddingBagCollection) -> None:
+    def __init__(self, cache: CachedCollection[BaseEmbeddingConfig, object]) -> None:
         self._cache = cache
         anchor = torch.empty(0)
         super().__init__({"learning_rate": anchor}, {}, [{"params": [anchor], "lr": cache.learning_rate}])

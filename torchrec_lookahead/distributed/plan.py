@@ -28,7 +28,7 @@ from torchrec.modules.embedding_modules import (
 
 from torchrec_lookahead.distributed._tables import copy_in_backward_optimizers, table_configs
 from torchrec_lookahead.distributed.ec_sharder import LookaheadEmbeddingCollectionSharder
-from torchrec_lookahead.distributed.sharded import CUSTOMIZED
+from torchrec_lookahead.distributed.sharded_collection import CUSTOMIZED
 from torchrec_lookahead.distributed.sharder import LookaheadEmbeddingBagCollectionSharder, lookahead_planning
 from torchrec_lookahead.distributed.topology import sharding_planner
 from torchrec_lookahead.errors import ConfigError

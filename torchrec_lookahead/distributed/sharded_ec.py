@@ -2,10 +2,13 @@
 the cache.
 
 ``ShardedLookaheadEmbeddingCollection`` replaces a TorchRec ``EmbeddingCollection`` (unpooled, sequence
-features) inside ``DistributedModelParallel``. It is :class:`ShardedLookaheadEmbeddingBagCollection` (plans,
-flushes, evaluation from the stores, the fused-optimizer view) with the collection's output: a dict feature ->
-``JaggedTensor`` of per-id embeddings, the resident features' from TorchRec's own ``ShardedEmbeddingCollection``
-and the cached ones' from a :class:`~torchrec_lookahead.modules.CachedEmbeddingCollection`.
+features) inside ``DistributedModelParallel``. It is a
+:class:`~torchrec_lookahead.distributed.ShardedLookaheadCollection` (plans, flushes, several ranks, evaluation
+from the stores, the fused-optimizer view), as its sibling
+:class:`~torchrec_lookahead.distributed.ShardedLookaheadEmbeddingBagCollection` is, with the collection's
+output: a dict feature -> ``JaggedTensor`` of per-id embeddings, the resident features' from TorchRec's own
+``ShardedEmbeddingCollection`` and the cached ones' from a
+:class:`~torchrec_lookahead.modules.CachedEmbeddingCollection`.
 """
 
 from __future__ import annotations
@@ -14,27 +17,20 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
-from torchrec.distributed.types import LazyAwaitable, NullShardedModuleContext
+from torchrec.distributed.types import NullShardedModuleContext
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.distributed.sharded_collection import ShardedLookaheadCollection
 from torchrec_lookahead.modules.cached_ec import CachedEmbeddingCollection
 
 __all__ = ["ShardedLookaheadEmbeddingCollection"]
 
 
-class _Ready(LazyAwaitable[Dict[str, JaggedTensor]]):
-    def __init__(self, value: Dict[str, JaggedTensor]) -> None:
-        super().__init__()
-        self._value = value
-
-    def _wait_impl(self) -> Dict[str, JaggedTensor]:
-        return self._value
-
-
-class ShardedLookaheadEmbeddingCollection(ShardedLookaheadEmbeddingBagCollection):
+class ShardedLookaheadEmbeddingCollection(
+    ShardedLookaheadCollection[EmbeddingConfig, Dict[str, JaggedTensor]]
+):
     """An EmbeddingCollection whose large tables train through the lookahead cache.
 
     With several ranks it is an LRPP cache like the EBC's: each rank's backward runs its unpooled kernel over
@@ -47,7 +43,8 @@ class ShardedLookaheadEmbeddingCollection(ShardedLookaheadEmbeddingBagCollection
         cache: the cached tables' collection.
         rank: this rank.
         world_size: W.
-        kwargs: as :class:`ShardedLookaheadEmbeddingBagCollection` (process groups, cDLRM, delayed sync).
+        kwargs: as :class:`~torchrec_lookahead.distributed.ShardedLookaheadCollection` (process groups, cDLRM,
+            delayed sync).
     """
 
     def __init__(
@@ -59,13 +56,13 @@ class ShardedLookaheadEmbeddingCollection(ShardedLookaheadEmbeddingBagCollection
         world_size: int = 1,
         **kwargs: Any,
     ) -> None:
-        super().__init__(tables, resident, cache, False, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
+        super().__init__(tables, resident, cache, False, rank=rank, world_size=world_size, **kwargs)
 
     @property
     def unsharded_module_type(self) -> type:
         return EmbeddingCollection
 
-    def compute(  # type: ignore[override]
+    def compute(
         self, ctx: NullShardedModuleContext, dist_input: KeyedJaggedTensor
     ) -> Dict[str, JaggedTensor]:
         found: Dict[str, JaggedTensor] = {}
@@ -73,17 +70,8 @@ class ShardedLookaheadEmbeddingCollection(ShardedLookaheadEmbeddingBagCollection
             found.update(out)
         return {f: found[f] for f in self._feature_names}
 
-    def output_dist(  # type: ignore[override]
-        self, ctx: NullShardedModuleContext, output: Dict[str, JaggedTensor]
-    ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
-        return _Ready(output)
-
-    @torch.no_grad()
-    def _eval_lookup(self, kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:  # type: ignore[override]
-        """Per-id embeddings of ids (not slots), read from the stores after one flush per evaluation."""
-        if not self.step_state.eval_flushed:
-            self.flush()
-            self.step_state.eval_flushed = True
+    def _eval_lookup(self, kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        """Per-id embeddings of ids (not slots), read from the stores."""
         stores = self.cache.stores
         f2t = self.cache.feature_to_table
         device = self.cache.device

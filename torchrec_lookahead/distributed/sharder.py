@@ -51,7 +51,8 @@ from torchrec_lookahead.distributed._stores import (
     store_kind,
 )
 from torchrec_lookahead.distributed._tables import copy_in_backward_optimizers
-from torchrec_lookahead.distributed.sharded import CUSTOMIZED, ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.distributed.sharded_collection import CUSTOMIZED
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheLayout, CacheOptimizerConfig
 from torchrec_lookahead.oracle import LookaheadSettings, Policy

@@ -4,6 +4,7 @@
   device and the rest (with optimizer state) in host stores; applies
   :class:`~torchrec_lookahead.oracle.types.BatchPlan` s.
 * :class:`CachedEmbeddingCollection`: the same for an EmbeddingCollection (unpooled, per-id embeddings).
+* :class:`CachedCollection`: what the two share (everything but the output); what code that takes either uses.
 * :class:`AppliedPlan`: the plan a cache applied last, which its next forward covers.
 * :class:`PreparedPlan`: a plan as a cache applies it, one move per slot space (``prepare_plan``, ahead).
 * :class:`CacheLayout`: one cache per kernel and dimension shared by its tables (default), or one per table.
@@ -16,6 +17,7 @@
 
 from torchrec_lookahead.modules._moves import PreparedPlan
 from torchrec_lookahead.modules._plans import AppliedPlan
+from torchrec_lookahead.modules.cached_collection import CachedCollection
 from torchrec_lookahead.modules.cached_ebc import CachedEmbeddingBagCollection
 from torchrec_lookahead.modules.cached_ec import CachedEmbeddingCollection
 from torchrec_lookahead.modules.config import (
@@ -34,6 +36,7 @@ from torchrec_lookahead.modules.types import StagedRows, StagedTable
 __all__ = [
     "CachedEmbeddingBagCollection",
     "CachedEmbeddingCollection",
+    "CachedCollection",
     "AppliedPlan",
     "PreparedPlan",
     "CacheLayout",

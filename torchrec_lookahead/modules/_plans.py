@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional
 
 import torch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from torchrec_lookahead.errors import CapacityError, ConfigError, DataError, InvalidIdError, SetupError
 from torchrec_lookahead.modules.config import CacheOptimizerConfig
@@ -81,7 +81,7 @@ class AppliedPlan:
 class _Table:
     """Bookkeeping of one table."""
 
-    config: EmbeddingBagConfig
+    config: BaseEmbeddingConfig
     group: int
     local: int
     rows: int

@@ -1,11 +1,13 @@
 """CachedEmbeddingCollection: a TorchRec ``EmbeddingCollection`` (unpooled, sequence embeddings) whose large
 tables live in host stores.
 
-Everything but the lookup's output is :class:`~torchrec_lookahead.modules.CachedEmbeddingBagCollection`'s:
-the same slots, stores, plans, staging, checks, statistics and checkpoints. The kernel is FBGEMM's TBE with
-``PoolingMode.NONE`` (what TorchRec's FUSED kernel runs for an ``EmbeddingCollection``; one TBE per embedding
-dimension, as TorchRec groups them), which returns one row per id and applies the fused sparse optimizer in
-backward, so a row's gradients are summed and applied exactly as TorchRec's resident collection does.
+Everything but the lookup's output is :class:`~torchrec_lookahead.modules.CachedCollection`'s, as for its
+sibling :class:`~torchrec_lookahead.modules.CachedEmbeddingBagCollection`: the same slots, stores, plans,
+staging, checks, statistics and checkpoints (``embeddings.<table>.weight`` and its state). The kernel is
+FBGEMM's TBE with ``PoolingMode.NONE`` (what TorchRec's FUSED kernel runs for an ``EmbeddingCollection``; one
+TBE per embedding dimension, as TorchRec groups them), which returns one row per id and applies the fused
+sparse optimizer in backward, so a row's gradients are summed and applied exactly as TorchRec's resident
+collection does.
 
 Output: as ``EmbeddingCollection.forward``, a dict feature name -> ``JaggedTensor`` whose values are the
 (number of ids, D) embeddings of the feature's ids, with the batch's lengths::
@@ -24,14 +26,14 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.modules.cached_ebc import CachedEmbeddingBagCollection
+from torchrec_lookahead.modules.cached_collection import CachedCollection
 from torchrec_lookahead.modules.config import CacheLayout, CacheOptimizerConfig
 from torchrec_lookahead.store import EmbeddingStore
 
 __all__ = ["CachedEmbeddingCollection"]
 
 
-class CachedEmbeddingCollection(CachedEmbeddingBagCollection):
+class CachedEmbeddingCollection(CachedCollection[EmbeddingConfig, Dict[str, JaggedTensor]]):
     """EmbeddingCollection with a bounded device cache per large table, exactly equal to resident training.
 
     Args:
@@ -43,11 +45,11 @@ class CachedEmbeddingCollection(CachedEmbeddingBagCollection):
         seed: seed of the initial values, for stores created here and for resident tables.
         device: device of the cache (default CPU).
         cache_layout: ``"pooled"`` (default, the cached tables of one dimension share one cache) or
-            ``"per_table"``, as :class:`CachedEmbeddingBagCollection`'s.
+            ``"per_table"``, as :class:`~torchrec_lookahead.modules.CachedEmbeddingBagCollection`'s.
 
     Raises:
-        ConfigError: as :class:`CachedEmbeddingBagCollection`, and a table config that is an
-            ``EmbeddingBagConfig`` (pooled: use :class:`CachedEmbeddingBagCollection`).
+        ConfigError: as :class:`~torchrec_lookahead.modules.CachedCollection`, and a table config that is an
+            ``EmbeddingBagConfig`` (pooled: use :class:`~torchrec_lookahead.modules.CachedEmbeddingBagCollection`).
 
     Example:
         >>> from torchrec import EmbeddingConfig
@@ -82,7 +84,7 @@ class CachedEmbeddingCollection(CachedEmbeddingBagCollection):
         cache_layout: Union[CacheLayout, str] = CacheLayout.POOLED,
     ) -> None:
         super().__init__(
-            tables,  # type: ignore[arg-type]
+            tables,
             capacity,
             optimizer=optimizer,
             stores=stores,
@@ -105,9 +107,9 @@ class CachedEmbeddingCollection(CachedEmbeddingBagCollection):
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
         """The table configs, as ``EmbeddingCollection.embedding_configs()``."""
-        return list(self._configs)
+        return self.table_configs()
 
-    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:  # type: ignore[override]
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         """Per feature, the embeddings of its ids; cached features' values must already be slots.
 
         Args:
@@ -120,7 +122,7 @@ class CachedEmbeddingCollection(CachedEmbeddingBagCollection):
 
         Raises:
             DataError, InvalidIdError, CapacityError, SetupError: as
-                :meth:`CachedEmbeddingBagCollection.forward`.
+                :meth:`~torchrec_lookahead.modules.CachedEmbeddingBagCollection.forward`.
         """
         found: Dict[str, JaggedTensor] = {}
         for kjt, rows in self._lookups(features):

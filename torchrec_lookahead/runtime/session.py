@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.distributed.sharded_collection import ShardedLookaheadCollection
 from torchrec_lookahead.modules import PreparedPlan
 from torchrec_lookahead.oracle import BatchPlan
 from torchrec_lookahead.runtime._threads import LoaderStats
@@ -73,10 +73,10 @@ class CacheSession:
     """
 
     def __init__(
-        self, target: CacheTarget, modules: Sequence[ShardedLookaheadEmbeddingBagCollection] = ()
+        self, target: CacheTarget, modules: Sequence[ShardedLookaheadCollection[Any, Any]] = ()
     ) -> None:
         self.target = target
-        self.modules: List[ShardedLookaheadEmbeddingBagCollection] = list(modules)
+        self.modules: List[ShardedLookaheadCollection[Any, Any]] = list(modules)
         self._loader: Optional[LookaheadLoader] = None
         self._hot_batches = 0
         self._cache_s = 0.0  # the training thread's time in apply, without the wait for staged rows

@@ -11,23 +11,23 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from torchrec_lookahead.distributed.exact_sync import ExchangeSpec
-from torchrec_lookahead.distributed.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.distributed.sharded_collection import ShardedLookaheadCollection
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.store.types import EmbeddingStore, HostWindow
 
 __all__ = ["CacheTarget", "cached_modules"]
 
 
-def cached_modules(model: torch.nn.Module) -> List[ShardedLookaheadEmbeddingBagCollection]:
+def cached_modules(model: torch.nn.Module) -> List[ShardedLookaheadCollection[Any, Any]]:
     """The collections of ``model`` (a ``DistributedModelParallel`` model, or any module holding one) with
     cached tables, in module order."""
-    return [m for m in model.modules() if isinstance(m, ShardedLookaheadEmbeddingBagCollection)]
+    return [m for m in model.modules() if isinstance(m, ShardedLookaheadCollection)]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class CacheTarget:
     @classmethod
     def from_modules(
         cls,
-        modules: Sequence[ShardedLookaheadEmbeddingBagCollection],
+        modules: Sequence[ShardedLookaheadCollection[Any, Any]],
         num_ranks: int = 1,
         rank: int = 0,
         group: Optional[dist.ProcessGroup] = None,
@@ -111,9 +111,7 @@ class CacheTarget:
             capacity.update(cache.capacity)
             stores.update(cache.stores)
             f2t.update({f: t for f, t in cache.feature_to_table.items() if t in cache.capacity})
-            rows.update(
-                {c.name: c.num_embeddings for c in cache.embedding_bag_configs() if c.name in cache.capacity}
-            )
+            rows.update({c.name: c.num_embeddings for c in cache.table_configs() if c.name in cache.capacity})
             exchanges += m.exchange_specs()
             spaces.update(cache.slot_spaces)
         return cls(

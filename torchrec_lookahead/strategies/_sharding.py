@@ -15,7 +15,7 @@ from torchrec.distributed.model_parallel import get_module
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.modules import CachedEmbeddingBagCollection, init_embedding_bag_tables_
+from torchrec_lookahead.modules import CachedCollection, init_embedding_bag_tables_
 from torchrec_lookahead.store.init import init_embedding_weights
 
 __all__ = [
@@ -101,7 +101,7 @@ def init_resident_tables(dmp: nn.Module, resident: List[Any], seed: int) -> None
     for m in dmp.modules():
         if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
             init_embedding_bag_tables_(m, resident, seed=seed)
-        elif isinstance(m, CachedEmbeddingBagCollection):  # resident tables in the cache's kernel
-            for c in m.embedding_bag_configs():
+        elif isinstance(m, CachedCollection):  # resident tables in the cache's kernel
+            for c in m.table_configs():
                 if c.name not in m.capacity:
                     init_embedding_weights(m.cache_weights(c.name), c.name, seed)

@@ -39,7 +39,7 @@ from torchrec_lookahead._checks import check_int
 from torchrec_lookahead._rng import preserved_rng
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
-    ShardedLookaheadEmbeddingBagCollection,
+    ShardedLookaheadCollection,
     check_all_sharded,
     embedding_table_configs,
     embedding_tables,
@@ -306,7 +306,7 @@ class TorchRecStrategy(DDPStrategy):
         applies every training batch through."""
         return self._session
 
-    def cached_modules(self) -> List[ShardedLookaheadEmbeddingBagCollection]:
+    def cached_modules(self) -> List[ShardedLookaheadCollection[Any, Any]]:
         """The model's collections with cached tables (the session's; none before set-up)."""
         return [] if self._session is None else list(self._session.modules)
 
