@@ -141,18 +141,24 @@ def weights(model: DLRMModule) -> Dict[str, torch.Tensor]:
     return comparable_state(model)
 
 
-def check_mid_epoch_resume(fit: Any, tmp_path: Any) -> None:
-    """``fit(path, max_steps, ckpt_path=None, callbacks=None) -> (trainer, model, scheduler, dm)`` stopped at
-    step 5 and resumed to step 10 equals 10 uninterrupted steps: weights bit for bit, the scheduler's counts."""
+def check_mid_epoch_resume(fit: Any, tmp_path: Any, every: int = 5, steps: int = 10, **fit_kw: Any) -> Any:
+    """``fit(path, max_steps, ckpt_path=None, callbacks=None, **fit_kw) -> (trainer, model, scheduler, dm)``
+    checkpointed every ``every`` steps and resumed from each of those checkpoints before ``steps`` (the latest and
+    the older ones) to step ``steps`` equals ``steps`` uninterrupted steps: weights bit for bit, the scheduler's
+    counts. Returns the uninterrupted run's checkpoint directory."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
-    _, full, sched_full, _ = fit(tmp_path / "full", max_steps=10, callbacks=[ckpt])
-    path = tmp_path / "ckpt" / "epoch=0-step=5.ckpt"
-    trainer, resumed, sched, _ = fit(tmp_path / "resumed", max_steps=10, ckpt_path=str(path))
-    assert trainer.global_step == 10
-    assert sched.trained == sched_full.trained and sched.swaps == sched_full.swaps
-    assert max_abs_diff(local_state(full.model), local_state(resumed.model)) == 0.0
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1)
+    _, full, sched_full, _ = fit(tmp_path / "full", max_steps=steps, callbacks=[ckpt], **fit_kw)
+    for at in range(every, steps, every):
+        path = tmp_path / "ckpt" / f"epoch=0-step={at}.ckpt"
+        trainer, resumed, sched, _ = fit(
+            tmp_path / f"resumed{at}", max_steps=steps, ckpt_path=str(path), **fit_kw
+        )
+        assert trainer.global_step == steps
+        assert sched.trained == sched_full.trained and sched.swaps == sched_full.swaps
+        assert max_abs_diff(local_state(full.model), local_state(resumed.model)) == 0.0, at
+    return tmp_path / "ckpt"
 
 
 def small_sequence_config(

@@ -116,6 +116,7 @@ def _fit(
     callbacks: Optional[List[Any]] = None,
     capacity: Optional[Dict[str, int]] = None,
     recalibrate: Optional[str] = None,
+    strategy_args: Optional[Dict[str, Any]] = None,
     **kw: Any,
 ) -> Any:
     import lightning.pytorch as pl
@@ -126,7 +127,8 @@ def _fit(
     if cached:
         dm = LookaheadDataModule(dm, horizon=8)
         strategy: Any = TorchRecStrategy(
-            sharders=[LookaheadEmbeddingBagCollectionSharder(capacity=capacity or CAPACITY)]
+            sharders=[LookaheadEmbeddingBagCollectionSharder(capacity=capacity or CAPACITY)],
+            **(strategy_args or {}),
         )
     else:
         strategy = TorchRecStrategy()
@@ -191,7 +193,15 @@ def test_a_training_order_left_behind_the_shared_read_reads_on_its_own_and_stays
 
 
 def test_mid_epoch_resume_equals_uninterrupted(tmp_path: Path) -> None:
-    check_mid_epoch_resume(_fit, tmp_path)
+    """Checkpoints at steps 4 and 8 of the 12-step epoch keep the cached tables, pinned rows flushed into them, as
+    chains (``incremental_ram_stores``, written in the background): step 4's full pieces, step 8's deltas over
+    them. Resumed from either, the run ends at step 12 with the uninterrupted run's weights, bit for bit."""
+    from torchrec_lookahead.strategies._checkpoint import read_chain
+
+    chains = dict(incremental_ram_stores=True, full_checkpoint_every=4, async_checkpoints=True)
+    ckpt = check_mid_epoch_resume(_fit, tmp_path, every=4, steps=12, strategy_args=chains)
+    for table in CAPACITY:
+        assert len(read_chain(ckpt / "epoch=0-step=8.ckpt", 0, f"embedding_bags.{table}")) == 2
 
 
 def test_a_cache_too_small_for_the_hot_rows_is_refused_before_training(tmp_path: Path) -> None:

@@ -78,25 +78,47 @@ def test_two_ranks_default_fae_job_whole_epoch_bit_exact(
     assert result["steps"] == 300, result
 
 
-def test_two_ranks_fae_mid_epoch_checkpoint_resumes_the_same_weights(tmp_path: Path) -> None:
-    """A checkpoint at step 5 of the 12-step epoch (pinned rows flushed into the stores, the hot/cold position and
-    the scheduler saved) resumed on two ranks ends at step 10 with the uninterrupted run's weights, bit for bit."""
-    from ..strategies.test_torchrun import _ckpt_args, _full_state
+def test_two_ranks_fae_checkpoint_chain_killed_and_resumed_from_either_piece_ends_with_the_same_weights(
+    tmp_path: Path,
+) -> None:
+    """Over disk stores, checkpoints at steps 4 and 8 of the 12-step epoch (pinned rows flushed into the stores,
+    the hot/cold position and the scheduler saved) keep each rank's tables as chains: step 4's full pieces, step
+    8's deltas over them. A run whose rank 1 is SIGKILLed after step 10 (its deltas written in the background)
+    resumes from the latest, step 8; another resumes from the older, step 4: both end at step 12 with the
+    uninterrupted run's weights, bit for bit."""
+    from torchrec_lookahead.strategies._checkpoint import read_chain
 
-    common = ["fit", "--config", TINY, "--trainer.devices=2", "--trainer.max_steps=10"]
-    full = torchrun(
-        2, *common, f"--trainer.default_root_dir={tmp_path}/a", *_ckpt_args(tmp_path / "a_ckpt", 5)
-    )
+    from ..conftest import free_port
+    from ..distributed.test_disk_tier import _whole_tables, disk_sharder
+    from ..strategies.test_torchrun import _ckpt_args
+
+    capacity = "{t_cat_2: 200, t_cat_11: 160, t_cat_15: 150}"  # the config's
+
+    def run(name: str, *extra: str) -> Any:
+        ckpt = [*_ckpt_args(tmp_path / f"{name}_ckpt", 4), "--trainer.callbacks.save_last=true"]
+        return torchrun(2, "fit", "--config", TINY, "--trainer.devices=2", "--trainer.max_steps=12",
+                        f"--trainer.default_root_dir={tmp_path}/{name}", *ckpt,
+                        "--trainer.strategy.init_args.full_checkpoint_every=4",
+                        disk_sharder(tmp_path / f"{name}_stores", 8000, capacity), *extra,
+                        launcher=[f"--master_port={free_port()}", "--max-restarts=1"])  # fmt: skip
+
+    full = run("a")
     assert full.returncode == 0, full.stderr[-4000:]
-    mid = tmp_path / "a_ckpt" / "epoch=0-step=5.ckpt"
-    resumed = torchrun(2, *common, f"--trainer.default_root_dir={tmp_path}/b", f"--ckpt_path={mid}",
-                       *_ckpt_args(tmp_path / "b_ckpt", 5))  # fmt: skip
+    older = tmp_path / "a_ckpt" / "epoch=0-step=4.ckpt"
+    latest = tmp_path / "a_ckpt" / "epoch=0-step=8.ckpt"
+    for r in (0, 1):  # step 8's deltas over step 4's full piece
+        assert len(read_chain(older, r, "embedding_bags.t_cat_2")) == 1
+        assert len(read_chain(latest, r, "embedding_bags.t_cat_2")) >= 2
+    killed = run("b", "--ckpt_path=last", "--trainer.strategy.init_args.async_checkpoints=true",
+                 "--trainer.callbacks+=tests.strategies.faults.KillAtStep", "--trainer.callbacks.step=10")  # fmt: skip
+    assert killed.returncode == 0, killed.stderr[-4000:]
+    assert "Restored all states from the checkpoint" in killed.stdout + killed.stderr
+    resumed = run("c", f"--ckpt_path={older}")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    a = _full_state(tmp_path / "a_ckpt" / "epoch=0-step=10.ckpt", tmp_path)
-    b = _full_state(tmp_path / "b_ckpt" / "epoch=0-step=10.ckpt", tmp_path)
-    cached = [k for k in a if ".cache.embedding_bags." in k and k.endswith(".weight")]
-    assert cached and a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    a, b, c = (_whole_tables(tmp_path / f"{r}_ckpt" / "epoch=0-step=12.ckpt") for r in "abc")
+    assert any(".cache.embedding_bags." in k and k.endswith(".weight") for k in a)
+    assert a.keys() == b.keys() == c.keys()
+    assert [k for k in a if not (torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]))] == []
 
 
 def test_two_ranks_recalibrating_fae_cached_equals_resident(

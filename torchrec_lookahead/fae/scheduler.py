@@ -155,6 +155,13 @@ class HotColdScheduler(pl.Callback):
         loader.request(self.kind)
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Resumed mid-epoch, Lightning skips on_train_epoch_start: the loader, made anew, must still be asked for
+        # the kind the checkpoint's run was in (unasked, it serves the fuller queue, and the run diverges).
+        if self.epoch == trainer.current_epoch:
+            self._loader(trainer).request(self.kind)
+
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loader = self._loader(trainer)
         if self.epoch != trainer.current_epoch:  # a fresh epoch (not one resumed from a checkpoint)
