@@ -18,10 +18,13 @@ training thread stops (a checkpoint written on it: the flush, timed once and cou
 which is also the time until durable), and the bytes of the rows written back in the interval
 (distinct rows x row bytes). An incremental checkpoint is taken as ``async_checkpoints`` takes it: the training
 thread stops for the flush and the copy of the delta's rows (``incremental_stall_s``), the rest is written after
-(``incremental_s``: until durable, as with the default, synchronous checkpoints); a full piece is written on the
-training thread either way. Reported: medians over the checkpoints; ``incremental_bytes_over_full`` and
-``stall_s_over_full`` (background writing; ``sync_stall_s_over_full``: written on the training thread) per store
-kind; ``incremental_bytes_over_written`` (the target is at most 1.5);
+(``incremental_s``: until durable, as with the default, synchronous checkpoints). A full checkpoint is taken the
+same way: ``full_stall_s``, the flush and the piece's snapshot (a disk store's index copied and its units held,
+an in-memory store's rows held, copied on write), then ``full_s`` until durable, which is also what a full
+checkpoint written on the training thread stops it for. Reported: medians over the checkpoints;
+``incremental_bytes_over_full`` and ``stall_s_over_full`` (background writing, against a full checkpoint written
+on the training thread; ``sync_stall_s_over_full``: both written on it) and ``full_stall_s`` per store kind;
+``incremental_bytes_over_written`` (the target is at most 1.5);
 ``chain_disk_over_full``, the disk a chain of one full piece and every delta of the run uses against one full
 checkpoint; and ``full_rows_over_written_rows`` (at least 10 for the ratios to mean what a long run's do:
 ``--quick`` is sized for it).
@@ -123,11 +126,17 @@ def run_kind(kind: str, sizes: List[int], args: Any, base: Path) -> Dict[str, An
             inc = [chain for chain, _ in snaps]
             inc_used = _disk_used([c[-1:] for c in inc])
             t0 = time.perf_counter()
-            full = [s.save_files(str(base / "pieces" / s.name), max_chain=1) for s in stores]
+            snaps = [s.snapshot_files(str(base / "pieces" / s.name), max_chain=1) for s in stores]
+            full_stall_s = flush_s + time.perf_counter() - t0  # async_checkpoints: the rest is written behind
+            for _, write in snaps:
+                if write is not None:
+                    write()
             full_s = flush_s + time.perf_counter() - t0
+            full = [chain for chain, _ in snaps]
             rows = int(sum(w.sum() for w in written))
             per.append({"inc_bytes": _piece_bytes(inc), "full_bytes": _piece_bytes(full), "inc_s": inc_s,
-                        "inc_stall_s": inc_stall_s, "full_s": full_s, "written_rows": rows,
+                        "inc_stall_s": inc_stall_s, "full_s": full_s, "full_stall_s": full_stall_s,
+                        "written_rows": rows,
                         "written_bytes": rows * row_bytes, "inc_used": inc_used,
                         "full_used": _disk_used(full)})  # fmt: skip
             for s, c in zip(stores, full):  # the next delta extends this full piece: the rest goes
@@ -153,6 +162,7 @@ def run_kind(kind: str, sizes: List[int], args: Any, base: Path) -> Dict[str, An
         "written_rows": med("written_rows"),
         "incremental_s": med("inc_s"),
         "full_s": med("full_s"),
+        "full_stall_s": med("full_stall_s"),
         "incremental_bytes_over_full": med("inc_bytes") / med("full_bytes"),
         "incremental_stall_s": med("inc_stall_s"),
         "stall_s_over_full": med("inc_stall_s") / med("full_s"),
@@ -199,8 +209,8 @@ def main() -> None:
         finally:
             shutil.rmtree(base, ignore_errors=True)
     cols = ["kind", "rows", "written_rows", "incremental_bytes", "full_bytes", "incremental_bytes_over_full",
-            "incremental_bytes_over_written", "incremental_stall_s", "incremental_s", "full_s", "stall_s_over_full",
-            "chain_disk_over_full", "full_rows_over_written_rows"]  # fmt: skip
+            "incremental_bytes_over_written", "incremental_stall_s", "incremental_s", "full_stall_s", "full_s",
+            "stall_s_over_full", "chain_disk_over_full", "full_rows_over_written_rows"]  # fmt: skip
     print(table([{"kind": k, **r} for k, r in results.items()], cols))
     write_json(
         args.json,
@@ -214,6 +224,7 @@ def main() -> None:
             "incremental_bytes_over_full": {k: r["incremental_bytes_over_full"] for k, r in results.items()},
             "stall_s_over_full": {k: r["stall_s_over_full"] for k, r in results.items()},
             "sync_stall_s_over_full": {k: r["sync_stall_s_over_full"] for k, r in results.items()},
+            "full_stall_s": {k: r["full_stall_s"] for k, r in results.items()},
             "incremental_bytes_over_written": {
                 k: r["incremental_bytes_over_written"] for k, r in results.items()
             },

@@ -344,6 +344,7 @@ def check_checkpoint(f: Dict[str, Any]) -> None:
         assert close(f["stall_s_over_full"][kind], run["incremental_stall_s"] / run["full_s"])
         assert close(f["sync_stall_s_over_full"][kind], run["incremental_s"] / run["full_s"])
         assert run["incremental_stall_s"] <= run["incremental_s"]
+        assert f["full_stall_s"][kind] == run["full_stall_s"] <= run["full_s"]  # a full one taken behind
         assert 0 < f["incremental_bytes_over_full"][kind] < 0.2  # --quick: a full one holds >= 10x the rows
         assert f["full_rows_over_written_rows"][kind] >= 10
         # the rows written back and their ids, a page of header: the bytes do not depend on the machine

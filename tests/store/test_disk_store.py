@@ -319,6 +319,29 @@ def test_a_delta_piece_holds_what_changed_and_a_chain_grows_from_a_loaded_one(tm
     fresh.close()
 
 
+def test_a_full_piece_written_while_the_store_goes_on_reads_back_the_store_as_it_was(tmp_path: Path) -> None:
+    """A full piece taken (its index copied, its units held) and written on another thread, late, while the
+    table is rewritten four times over: the log wraps past the units the piece has still to copy, so the
+    appends wait for them, and the piece reads back the store as it was when taken."""
+    disk = _disk(tmp_path / "t.rows", budget_rows=50, preallocate=False)
+    ref = TensorStore(N, D, WIDTHS, name="t", seed=5)
+    for store in (disk, ref):
+        _write(store, torch.arange(N), 1.0)
+    chain, pending = disk.snapshot_files(str(tmp_path / "ckpt"))
+    assert pending is not None and not os.path.exists(chain[0])  # taken, not written
+    late = threading.Timer(0.2, pending)
+    late.start()
+    for value in (2.0, 3.0, 4.0, 5.0):
+        _write(disk, torch.arange(N), value)
+    late.join()
+    assert torch.equal(disk.gather(torch.arange(N))[0], torch.full((N, D), 5.0))
+    fresh = _disk(tmp_path / "fresh.rows", preallocate=False)
+    fresh.load_files(chain)
+    _equal(fresh, ref)
+    for store in (disk, fresh):
+        store.close()
+
+
 def test_a_damaged_index_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "t.rows"
     disk = _disk(path)

@@ -4,6 +4,7 @@ written; any chain read back equals the store when it was saved; refusals name t
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any, List, Tuple
 
@@ -12,6 +13,7 @@ import torch
 
 from torchrec_lookahead.errors import ConfigError, StoreError
 from torchrec_lookahead.store import MmapStore, TensorStore
+from torchrec_lookahead.store import _row_chain as row_chain
 
 N, D = 20000, 4
 WIDTHS = {"momentum1": 1}
@@ -53,6 +55,48 @@ def test_any_checkpoint_of_a_chain_reads_back_the_store_as_it_was(tmp_path: Path
     assert (
         store.save_files(str(tmp_path / "pieces"), max_chain=4) == kept[-1][0]
     )  # nothing written: same chain
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_a_piece_written_while_the_store_goes_on_reads_back_the_store_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, concurrent: bool
+) -> None:
+    """Pieces taken, then written after (or while) the next rows are written: a full piece saves the old value
+    of a row written before it has copied the row's block, so every piece reads back the store as it was when
+    taken."""
+    monkeypatch.setattr(row_chain, "_BLOCK_ROWS", 1000)  # pieces of many blocks
+    store = TensorStore(N, D, WIDTHS, name="t", seed=3)
+    store.keep_files()
+    g = torch.Generator().manual_seed(0)
+    kept: List[Tuple[List[str], Any]] = []
+
+    def write(batches: int) -> None:
+        for _ in range(batches):
+            ids = torch.randint(0, N, (200,), generator=g).unique()
+            store.scatter(
+                ids, torch.randn(ids.numel(), D, generator=g), {"momentum1": torch.rand(ids.numel(), 1)}
+            )
+
+    for _ in range(6):
+        write(4)
+        chain, pending = store.snapshot_files(str(tmp_path / "pieces"), max_chain=3)
+        then = TensorStore(N, D, WIDTHS, name="t", seed=3)
+        then.load(store.full_weights(), store.full_states())
+        kept.append((chain, then))
+        writer = threading.Thread(target=pending) if pending is not None and concurrent else None
+        if writer is not None:
+            writer.start()
+        write(8)  # meanwhile
+        if writer is not None:
+            writer.join()
+        elif pending is not None:
+            pending()
+        assert store._snapshot is None  # the piece let go of the rows
+    assert [len(c) for c, _ in kept] == [1, 2, 3, 1, 2, 3]
+    fresh = TensorStore(N, D, WIDTHS, name="t", seed=3)
+    for chain, then in kept:
+        fresh.load_files(chain)
+        assert _same(fresh, then)
 
 
 def test_pieces_are_refused_when_missing_foreign_or_partial_and_a_full_disk_leaves_nothing(

@@ -88,7 +88,8 @@ def test_a_missing_or_foreign_copy_of_a_disk_store_is_a_checkpoint_error(tmp_pat
         load_store_files(files, tmp_path / "ckpt", 0)
     other = StoreFiles()
     other.add("embedding_bags.t", store(1))
-    save_store_files(other, tmp_path / "ckpt", 0, 1)
+    for write in save_store_files(other, tmp_path / "ckpt", 0, 1):  # the pieces, taken, then written
+        write()
     with pytest.raises(CheckpointError, match="seed: piece 1, store 0"):
         load_store_files(files, tmp_path / "ckpt", 0)
     with pytest.raises(CheckpointError, match="two cached tables are named 'embedding_bags.t'"):

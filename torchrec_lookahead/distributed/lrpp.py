@@ -32,7 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lookahead.distributed.exact_sync import ExchangeIndex, ExchangeSpec, exchange_index
 from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.oracle.types import BatchPlan, RankAnnotation
-from torchrec_lookahead.store.types import EmbeddingStore, HostWindow
+from torchrec_lookahead.store.types import EmbeddingStore, HostWindow, PendingPiece
 
 __all__ = [
     "LRPPTablePlan",
@@ -409,9 +409,7 @@ class WriterFilteredStore(EmbeddingStore):
     def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
         return self.inner.save_files(directory, max_chain)
 
-    def snapshot_files(
-        self, directory: str, max_chain: int = 1
-    ) -> Tuple[List[str], Optional[Callable[[], None]]]:
+    def snapshot_files(self, directory: str, max_chain: int = 1) -> Tuple[List[str], Optional[PendingPiece]]:
         return self.inner.snapshot_files(directory, max_chain)
 
     def load_files(self, pieces: Sequence[str]) -> None:

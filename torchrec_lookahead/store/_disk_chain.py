@@ -13,9 +13,10 @@ without its list is partial)::
 A *chain* is a full piece and the deltas written after it, oldest first. Read back, the full piece's index and
 units are copied into the store file, then each delta's rows are appended to its log, oldest first: the file
 then holds the values the chain stands for (its layout may differ from the file's that wrote the chain). Pieces
-are copies: a chain never refers to the live store file, so the log's cleaner reuses units freely. A chain is
-closed (the next piece is full) after ``max_chain`` pieces, or when its deltas hold as many bytes as its full
-piece (a full piece is then cheaper to read back than the chain).
+are copies: a chain never refers to the live store file, so the log's cleaner reuses units freely (a full piece
+still being written holds the units it has yet to copy: ``DiskFile.hold``). A chain is closed (the next piece
+is full) after ``max_chain`` pieces, or when its deltas hold as many bytes as its full piece (a full piece is
+then cheaper to read back than the chain).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import mmap
 import os
 import zipfile
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -40,6 +42,7 @@ from torchrec_lookahead.store._disk_io import (
     pwrite_all,
     read_header,
 )
+from torchrec_lookahead.store.types import PendingPiece
 
 __all__: List[str] = []
 
@@ -121,30 +124,36 @@ def failed_piece(dst: str, what: str, e: OSError, nbytes: int) -> StoreError:
 _BLOCK_ROWS = 1 << 16  # records read or written at a time
 
 
-def _write_full(file: DiskFile, dst: str, units: np.ndarray) -> None:
-    """Write ``dst.partial``: the header, the index and ``units``, at the store file's offsets (the rest holes)."""
+def _write_full(
+    file: DiskFile, dst: str, src: int, first: mmap.mmap, units: np.ndarray, counters: np.ndarray
+) -> None:
+    """Write ``dst.partial``: ``first`` (the header page and the index, as they were), then ``units`` (held, in
+    log order, their log ``counters``) read through ``src``, at the store file's offsets (the rest holes),
+    releasing each unit once copied."""
     out = os.open(dst + ".partial", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(out, file.size)
-        head_page = aligned_buffer(PAGE)
-        file._read_exact(memoryview(head_page), 0)
-        pwrite_all(out, memoryview(head_page), 0)
-        pwrite_all(out, memoryview(file._index_buf), PAGE)
-        file._copy_units(units, file._fd, out, file.path)
+        pwrite_all(out, memoryview(first), 0)
+
+        def copied(k: int) -> None:
+            file.release_held(int(counters[k]) if k < counters.size else None)
+
+        file._copy_units(units, src, out, file.path, copied)
         os.fsync(out)
     finally:
         os.close(out)
 
 
 #: what a piece still to be written needs done (``None``: nothing, it is written or no piece is needed)
-Writer = Optional[Callable[[], None]]
+Writer = Optional[PendingPiece]
 
 
 def prepare_piece(file: DiskFile, dst: str, base: Optional[Chain], max_chain: int) -> Tuple[Chain, Writer]:
     """The piece ``dst`` of ``file`` (flushed: the index on disk points at rows on disk): a delta over ``base``
-    where the chain may grow (:meth:`Chain.extends`), else a full piece. A full piece is written here; of a
-    delta, the records of its rows are read here (a snapshot, in memory) and the returned writer writes them, on
-    any thread, durably, whole or not at all.
+    where the chain may grow (:meth:`Chain.extends`), else a full piece. Of a delta, the records of its rows are
+    read here (a snapshot, in memory); of a full piece, the index is copied here and the units it points at are
+    held (:meth:`DiskFile.hold`: the log goes on around them). The returned writer writes the piece, on any
+    thread, durably, whole or not at all.
 
     Returns:
         The chain the file stands at now (``dst`` last, or ``base`` itself where nothing was written since
@@ -163,13 +172,29 @@ def prepare_piece(file: DiskFile, dst: str, base: Optional[Chain], max_chain: in
         units = file.live_units()
         nbytes = PAGE + file.index_bytes + units.size * file.unit_bytes
         room_for(dst, nbytes, what)
-        try:
-            _write_full(file, dst, units)
-            finish_piece(dst, {"kind": "full", "head": head, "bytes": nbytes}, units=units)
-        except OSError as e:
-            raise failed_piece(dst, what, e, nbytes) from None
+        first = aligned_buffer(PAGE + file.index_bytes)  # the header page and the index as they are now
+        file._read_exact(memoryview(first)[:PAGE], 0)
+        memoryview(first)[PAGE:] = memoryview(file._index_buf)
+        src = os.dup(file._fd)  # the units are read through it even if the store is closed meanwhile
+        ordered, counters = file.hold(units)
         file.changed_rows[:] = False
-        return Chain((dst,), head, nbytes, 0), None
+
+        def write_full() -> None:
+            try:
+                _write_full(file, dst, src, first, ordered, counters)
+                finish_piece(dst, {"kind": "full", "head": head, "bytes": nbytes}, units=units)
+            except OSError as e:
+                raise failed_piece(dst, what, e, nbytes) from None
+
+        closed: List[int] = []
+
+        def release() -> None:
+            file.release_held(None)
+            if not closed:
+                closed.append(src)
+                os.close(src)
+
+        return Chain((dst,), head, nbytes, 0), PendingPiece(write_full, release)
     assert base is not None
     rows = np.flatnonzero(file.changed_rows)
     nbytes = PAGE + rows.size * (file.record_bytes + 8)
@@ -193,7 +218,8 @@ def prepare_piece(file: DiskFile, dst: str, base: Optional[Chain], max_chain: in
         except OSError as e:
             raise failed_piece(dst, what, e, nbytes) from None
 
-    return Chain((*base.pieces, dst), head, base.full_bytes, base.delta_bytes + nbytes), write
+    chain = Chain((*base.pieces, dst), head, base.full_bytes, base.delta_bytes + nbytes)
+    return chain, PendingPiece(write, lambda: None)
 
 
 def _legacy_copy(file: DiskFile, path: str) -> bool:

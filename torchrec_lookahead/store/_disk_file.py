@@ -37,7 +37,7 @@ import logging
 import mmap
 import os
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -114,6 +114,10 @@ class DiskFile:
         self._row_of = np.frombuffer(self._row_buf, dtype=np.uint32, count=self.num_slots)  # slot -> row + 1
         # rows whose values were written (appended, not moved by the cleaner) since the last checkpoint piece
         self.changed_rows = np.zeros(num_rows, dtype=bool)
+        # a full checkpoint piece copied in the background holds the units it copies (hold()): no append writes
+        # over the oldest not yet copied (its log counter: _held_low) until it is copied
+        self._held = threading.Condition()
+        self._held_low: Optional[int] = None
         self._threads = max(1, io_threads)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(1, io_threads), thread_name_prefix="disk-store-io"
@@ -417,6 +421,7 @@ class DiskFile:
             # up to the end of the ring, the rest from its start
             n = min(rows.size, (self.num_units - pos) * rpu)
             units = pos + np.arange(-(-n // rpu), dtype=np.int64)
+            self._wait_for_held(head + units.size)
             buf = aligned_buffer(units.size * self.unit_bytes)
             flat = np.frombuffer(buf, dtype=np.float32)
             slots = pos * rpu + np.arange(n, dtype=np.int64)
@@ -459,8 +464,16 @@ class DiskFile:
             ) from None
 
     # -- copies (checkpoints: _disk_chain) ------------------------------------------------------------------
-    def _copy_units(self, units: np.ndarray, src: int, dst: int, src_path: str) -> None:
-        """Copy ``units`` from the file ``src`` to ``dst`` (file descriptors), runs of consecutive units at once."""
+    def _copy_units(
+        self,
+        units: np.ndarray,
+        src: int,
+        dst: int,
+        src_path: str,
+        copied: Optional[Callable[[int], None]] = None,
+    ) -> None:
+        """Copy ``units`` from the file ``src`` to ``dst`` (file descriptors), runs of consecutive units at once,
+        calling ``copied`` with the count of ``units`` copied so far after each run."""
         buf = aligned_buffer(MAX_RUN_BYTES if self.unit_bytes <= MAX_RUN_BYTES else self.unit_bytes)
         view = memoryview(buf)
         try:
@@ -471,8 +484,32 @@ class DiskFile:
                 pwrite_all(dst, view[:nbytes], offset)
                 for fd in (src, dst):
                     os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+                if copied is not None:
+                    copied(i + n)
         finally:
             view.release()
+
+    def hold(self, units: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Hold the live ``units`` for a copy made while the log goes on (a checkpoint's full piece written in the
+        background): until :meth:`release_held` passes a unit, no append writes over it (one that would waits).
+        Returns the units in log order, oldest first (the order to copy them in), and their log counters."""
+        tail = int(self._ends[1])
+        order = np.argsort((units - tail) % self.num_units, kind="stable")
+        counters = tail + (units[order] - tail) % self.num_units
+        self.release_held(int(counters[0]) if counters.size else None)
+        return units[order], counters
+
+    def release_held(self, counter: Optional[int]) -> None:
+        """Hold the units from log counter ``counter`` on only (``None``: none)."""
+        with self._held:
+            self._held_low = counter
+            self._held.notify_all()
+
+    def _wait_for_held(self, head: int) -> None:
+        """Wait until the log may grow to counter ``head`` without writing over a held unit."""
+        with self._held:
+            while self._held_low is not None and head > self._held_low + self.num_units:
+                self._held.wait()
 
     def sync(self) -> None:
         """Make every write so far durable (fsync)."""

@@ -9,8 +9,9 @@ without it is partial)::
     then          count int64 local rows, sorted
     then          count records [weight | states], float32
 
-A *full* piece holds every row of the initialised chunks (the rest hold their computed initial values); a
-*delta* piece holds the rows written since the previous piece of its chain (tracked as they are written). A
+A *full* piece holds every row of the initialised chunks (the rest hold their computed initial values), as they
+were when it was taken, though it is written while the store is (:class:`RowsSnapshot`); a *delta* piece holds
+the rows written since the previous piece of its chain (tracked as they are written). A
 chain is read back oldest first: a row holds the value of the newest piece holding it, else its initial value.
 """
 
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+import threading
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -33,6 +35,7 @@ from torchrec_lookahead.store._disk_chain import (
     room_for,
 )
 from torchrec_lookahead.store._disk_io import PAGE
+from torchrec_lookahead.store.types import PendingPiece
 
 if TYPE_CHECKING:
     from torchrec_lookahead.store._row_store import _RowStore
@@ -52,12 +55,55 @@ def _layout(store: _RowStore) -> Dict[str, Any]:
     }
 
 
+class RowsSnapshot:
+    """The rows ``ids`` (sorted) of ``rows`` as they are when taken, copied out a block at a time while the store
+    goes on being written (copy on write: :meth:`keep` saves the old value of a row not yet copied before it is
+    written; memory: the rows written meanwhile)."""
+
+    def __init__(self, rows: torch.Tensor, ids: np.ndarray) -> None:
+        self._rows = rows
+        self._ids = ids
+        self._lock = threading.Lock()
+        self._done = 0  # the rows below this one are copied (or not in the snapshot)
+        self._kept = np.zeros(rows.shape[0], dtype=bool)
+        self._saved: Dict[int, List[Tuple[np.ndarray, torch.Tensor]]] = {}  # block -> (positions, old values)
+
+    def keep(self, written: np.ndarray) -> None:
+        """Before the rows ``written`` are written: save the old values of those still to be copied."""
+        with self._lock:
+            rows = written[(written >= self._done) & ~self._kept[written]]
+            pos = np.searchsorted(self._ids, rows)
+            inside = pos < self._ids.size
+            inside[inside] = self._ids[pos[inside]] == rows[inside]
+            rows, pos = rows[inside], pos[inside]
+            if not rows.size:
+                return
+            self._kept[rows] = True
+            values = self._rows.index_select(0, torch.from_numpy(rows))
+            blocks = pos // _BLOCK_ROWS
+            for b in np.unique(blocks).tolist():
+                at = blocks == b
+                self._saved.setdefault(b, []).append((pos[at], values[torch.from_numpy(at)]))
+
+    def blocks(self) -> Iterator[torch.Tensor]:
+        """The snapshot's rows, a block of :data:`_BLOCK_ROWS` at a time, in ``ids`` order."""
+        for b, a in enumerate(range(0, self._ids.size, _BLOCK_ROWS)):
+            z = min(a + _BLOCK_ROWS, self._ids.size)
+            with self._lock:
+                block = self._rows.index_select(0, torch.from_numpy(self._ids[a:z]))
+                for pos, values in self._saved.pop(b, []):
+                    block[torch.from_numpy(pos - a)] = values
+                self._done = int(self._ids[z]) if z < self._ids.size else self._rows.shape[0]
+            yield block
+
+
 def prepare_rows_piece(
     store: _RowStore, dst: str, base: Optional[Chain], max_chain: int, written: np.ndarray
 ) -> Tuple[Chain, Writer]:
     """The piece ``dst`` of ``store``: a delta of the rows ``written`` (a bool per row) over ``base`` where the
-    chain may grow (:meth:`Chain.extends`), else a full piece. A full piece is written here; of a delta, the rows
-    are copied here (a snapshot) and the returned writer writes them, on any thread, durably, whole or not at all.
+    chain may grow (:meth:`Chain.extends`), else a full piece. Of a delta, the rows are copied here; of a full
+    piece, the store's rows are held as they are now (:class:`RowsSnapshot`, through ``store._snapshot``); the
+    returned writer writes the piece, on any thread, durably, whole or not at all.
 
     Returns:
         The chain the store stands at now (``base`` itself where nothing was written since it), and the writer.
@@ -77,41 +123,46 @@ def prepare_rows_piece(
         parts = [np.arange(*store._chunk_range(int(c)), dtype=np.int64) for c in np.flatnonzero(flags)]
         ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
     nbytes = PAGE + ids.size * (8 + store.row_width * 4)
-    head = json.dumps(
-        {**_layout(store), "kind": "delta" if delta else "full", "count": int(ids.size)}
-    ).encode()
+    kind = "delta" if delta else "full"
+    head = json.dumps({**_layout(store), "kind": kind, "count": int(ids.size)}).encode()
     page = bytearray(PAGE)
     page[: len(MAGIC) + 4 + len(head)] = MAGIC + len(head).to_bytes(4, "little") + head
     what = f"table '{store.name}'"
     room_for(dst, nbytes, what)
-    # a delta's rows copied now; a full piece's are read from the store while it is written, here
-    blocks = range(0, ids.size if delta else 0, _BLOCK_ROWS)
-    copies = [rows.index_select(0, torch.from_numpy(ids[a : a + _BLOCK_ROWS])) for a in blocks]
+    snapshot: Optional[RowsSnapshot] = None
+    if delta:  # the rows copied now
+        blocks = range(0, ids.size, _BLOCK_ROWS)
+        copies: Iterable[torch.Tensor] = [
+            rows.index_select(0, torch.from_numpy(ids[a : a + _BLOCK_ROWS])) for a in blocks
+        ]
+    else:  # the rows read while the piece is written, those written meanwhile saved first
+        snapshot = store._snapshot = RowsSnapshot(rows, ids)
+        copies = snapshot.blocks()
 
     def write() -> None:
         try:
             with open(dst + ".partial", "wb") as f:
                 f.write(page)
                 f.write(ids.tobytes())
-                if delta:
-                    for block in copies:
-                        f.write(block.numpy().tobytes())
-                else:
-                    for c in np.flatnonzero(store._chunk_flags().numpy()):
-                        lo, hi = store._chunk_range(int(c))
-                        f.write(rows[lo:hi].numpy().tobytes())
+                for block in copies:
+                    f.write(block.numpy().tobytes())
                 f.flush()
                 os.fsync(f.fileno())
-            finish_piece(dst, {"kind": "delta" if delta else "full", "bytes": nbytes})
+            finish_piece(dst, {"kind": kind, "bytes": nbytes})
         except OSError as e:
             raise failed_piece(dst, what, e, nbytes) from None
+
+    def drop() -> None:
+        if snapshot is not None and store._snapshot is snapshot:
+            store._snapshot = None
 
     written[:] = False
     if delta:
         assert base is not None
-        return Chain((*base.pieces, dst), 0, base.full_bytes, base.delta_bytes + nbytes), write
-    write()
-    return Chain((dst,), 0, nbytes, 0), None
+        return Chain((*base.pieces, dst), 0, base.full_bytes, base.delta_bytes + nbytes), PendingPiece(
+            write, drop
+        )
+    return Chain((dst,), 0, nbytes, 0), PendingPiece(write, drop)
 
 
 def rows_header(page: bytes) -> Dict[str, Any]:

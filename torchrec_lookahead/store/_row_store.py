@@ -12,7 +12,7 @@ import torch
 
 from torchrec_lookahead.errors import ConfigError, DataError
 from torchrec_lookahead.store._disk_chain import Chain, Writer
-from torchrec_lookahead.store._row_chain import prepare_rows_piece, read_rows_chain
+from torchrec_lookahead.store._row_chain import RowsSnapshot, prepare_rows_piece, read_rows_chain
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS, init_rows
 from torchrec_lookahead.store.types import ShapedStore, StoreShape, check_load
 
@@ -78,6 +78,7 @@ class _RowStore(ShapedStore):
         self._keeps_files = False
         self._since: Optional[np.ndarray] = None  # with keep_files(): the rows written since the last piece
         self._row_chain: Optional[Chain] = None  # the checkpoint pieces last saved or loaded
+        self._snapshot: Optional[RowsSnapshot] = None  # a full piece being written: the rows it holds
 
     # -- to provide in subclasses -------------------------------------------------------------------------
     def _rows(self) -> torch.Tensor:
@@ -214,6 +215,9 @@ class _RowStore(ShapedStore):
         if ids.numel() == 0:
             return
         self._ensure_init(ids)
+        snapshot = self._snapshot
+        if snapshot is not None:  # a full piece still to be written holds the rows' values before this write
+            snapshot.keep(ids.numpy())
         self._rows().index_copy_(0, ids, packed)
         if self._since is not None:
             self._since[ids.numpy()] = True
@@ -233,8 +237,9 @@ class _RowStore(ShapedStore):
         return self._keeps_files
 
     def snapshot_files(self, directory: str, max_chain: int = 1) -> Tuple[List[str], Writer]:
-        """:meth:`save_files`, the writing of a delta piece left to the returned writer (the rows it holds are
-        copied here): the chain, and the writer (``None``: nothing left to write).
+        """:meth:`save_files`, the writing of the piece left to the returned writer (a delta's rows are copied
+        here; a full piece holds the rows as they are, those written before it is written saved first): the
+        chain, and the writer (``None``: nothing left to write).
 
         Raises:
             ConfigError: :meth:`keep_files` was not called.

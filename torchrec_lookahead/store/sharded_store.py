@@ -43,7 +43,14 @@ import torch.distributed as dist
 
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
 from torchrec_lookahead.store.channels import STAGE_CHANNEL, current_channel, current_wait
-from torchrec_lookahead.store.types import EmbeddingStore, HostWindow, ShapedStore, StoreShape, check_load
+from torchrec_lookahead.store.types import (
+    EmbeddingStore,
+    HostWindow,
+    PendingPiece,
+    ShapedStore,
+    StoreShape,
+    check_load,
+)
 
 __all__ = ["RowShardedStore", "EmptyShardStore", "row_bounds"]
 
@@ -502,10 +509,8 @@ class RowShardedStore(ShapedStore):
         """Write a checkpoint piece of this rank's shard into ``directory`` (no messages; every rank its own)."""
         return self._local.save_files(directory, max_chain)
 
-    def snapshot_files(
-        self, directory: str, max_chain: int = 1
-    ) -> Tuple[List[str], Optional[Callable[[], None]]]:
-        """:meth:`save_files`, a delta's writing left to the returned writer (this rank's shard)."""
+    def snapshot_files(self, directory: str, max_chain: int = 1) -> Tuple[List[str], Optional[PendingPiece]]:
+        """:meth:`save_files`, the piece's writing left to the returned writer (this rank's shard)."""
         return self._local.snapshot_files(directory, max_chain)
 
     def load_files(self, pieces: Sequence[str]) -> None:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
 
-__all__ = ["EmbeddingStore", "HostWindow", "StoreShape", "ShapedStore", "check_load"]
+__all__ = ["EmbeddingStore", "HostWindow", "PendingPiece", "StoreShape", "ShapedStore", "check_load"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +105,22 @@ class HostWindow:
             return self
         below = np.searchsorted(removed, np.asarray(self.bounds, dtype=np.int64))
         return dataclasses.replace(self, bounds=tuple(int(b - n) for b, n in zip(self.bounds, below)))
+
+
+class PendingPiece:
+    """A checkpoint piece still to be written (:meth:`EmbeddingStore.snapshot_files`): call it to write it, on any
+    thread, once, or :meth:`drop` it unwritten; either lets go of what the piece holds of its store (the rows it
+    saves from later writes, the log units it keeps from reuse)."""
+
+    def __init__(self, write: Callable[[], None], drop: Callable[[], None]) -> None:
+        self._write = write
+        self.drop = drop
+
+    def __call__(self) -> None:
+        try:
+            self._write()
+        finally:
+            self.drop()
 
 
 class EmbeddingStore(abc.ABC):
@@ -285,11 +301,9 @@ class EmbeddingStore(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} keeps no files to copy")
 
-    def snapshot_files(
-        self, directory: str, max_chain: int = 1
-    ) -> Tuple[List[str], Optional[Callable[[], None]]]:
-        """:meth:`save_files`, leaving to the returned writer what may be written while training goes on (a delta
-        piece, its rows copied here): the chain, and the writer (``None``: everything is written)."""
+    def snapshot_files(self, directory: str, max_chain: int = 1) -> Tuple[List[str], Optional[PendingPiece]]:
+        """:meth:`save_files`, leaving to the returned writer what may be written while training goes on (the
+        piece, what it holds taken here): the chain, and the writer (``None``: everything is written)."""
         return self.save_files(directory, max_chain), None
 
     def load_files(self, pieces: Sequence[str]) -> None:

@@ -8,7 +8,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrec_lookahead.errors import CheckpointError, ConfigError, StoreError
 from torchrec_lookahead.modules.checkpoint_files import StoreFiles
 from torchrec_lookahead.store import EmbeddingStore
+from torchrec_lookahead.store.types import PendingPiece
 
 __all__ = [
     "CHAIN_FILE",
@@ -74,19 +75,19 @@ def keep_store_files(stores: Sequence[EmbeddingStore]) -> None:
         store.keep_files()
 
 
-def save_store_files(files: StoreFiles, path: Path, rank: int, max_chain: int) -> List[Callable[[], None]]:
+def save_store_files(files: StoreFiles, path: Path, rank: int, max_chain: int) -> List[PendingPiece]:
     """Take a piece of every disk store's file on this rank (a delta over its chain while the chain has fewer
     than ``max_chain`` pieces) beside checkpoint ``path``, under :data:`PIECES_DIR`, and name each table's chain
-    in ``path`` (:data:`STORE_FILES_DIR`). Full pieces are written here; the deltas' rows are copied here and
-    written by the returned writers (:meth:`EmbeddingStore.snapshot_files`), on any thread.
+    in ``path`` (:data:`STORE_FILES_DIR`). The pieces are taken here (:meth:`EmbeddingStore.snapshot_files`: a
+    delta's rows copied, a full piece's held) and written by the returned writers, on any thread.
 
     Raises:
-        StoreError: a piece cannot be written (a full disk: the free and needed bytes are named); the pieces
-            this call wrote and this rank's part of ``path`` are removed.
+        StoreError: a piece cannot be taken (a full disk: the free and needed bytes are named); the pieces this
+            call took are dropped and this rank's part of ``path`` removed.
     """
     mine = path / STORE_FILES_DIR / f"rank{rank}"
     chains: Dict[str, List[str]] = {}
-    writers: List[Callable[[], None]] = []
+    writers: List[PendingPiece] = []
     try:
         for key, store in files.stores.items():
             chains[key], write = store.snapshot_files(str(_pieces_dir(path, rank, key)), max_chain)
@@ -96,6 +97,8 @@ def save_store_files(files: StoreFiles, path: Path, rank: int, max_chain: int) -
             _write_json(mine / key / CHAIN_FILE, {"pieces": [os.path.basename(p) for p in chains[key]]})
     except BaseException:
         shutil.rmtree(mine, ignore_errors=True)
+        for pending in writers:
+            pending.drop()
         for chain in chains.values():  # the new pieces (last of each chain): no checkpoint names them
             for p in chain[-1:]:
                 for f in (p, p + ".npz"):

@@ -2,9 +2,11 @@
 or with its store pieces in the background (``async_checkpoints``).
 
 In the background, the training thread stops for what consistency needs: the flush of the cached rows and the
-host tiers (when the state dict is built), full pieces, a copy of the rows each delta piece holds, the chains'
-files, and the dense part (``torch.distributed.checkpoint``, small). The deltas are then written by one thread
-per rank; each rank marks its part written (:data:`WRITTEN`), and rank 0 writes the Lightning part
+host tiers (when the state dict is built), a snapshot of each piece (a copy of the rows a delta holds; a full
+piece holds its store as it is: an in-memory store saves the old value of a row written before the piece has
+copied it, a disk store keeps the log units the piece still has to copy from reuse, and copies its index), the
+chains' files, and the dense part (``torch.distributed.checkpoint``, small). The pieces are then written by one
+thread per rank; each rank marks its part written (:data:`WRITTEN`), and rank 0 writes the Lightning part
 (:data:`~torchrec_lookahead.strategies._checkpoint.META_FILE`) once every rank's is: until then the checkpoint
 is refused as incomplete. A second checkpoint waits for the first; the end of fit waits for the last; a failure
 is raised at the next checkpoint or at the end of fit, the failed checkpoint's directory removed.
@@ -23,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchrec_lookahead.errors import CheckpointError
 from torchrec_lookahead.modules.checkpoint_files import StoreFiles
+from torchrec_lookahead.store.types import PendingPiece
 from torchrec_lookahead.strategies._checkpoint import (
     META_FILE,
     STORE_FILES_DIR,
@@ -93,17 +96,17 @@ def write_checkpoint(
 ) -> None:
     """Write checkpoint ``path`` (made, empty, by rank 0) on this rank: the store pieces and chains, the sharded
     state (``torch.distributed.checkpoint``, collective) and, on rank 0, the Lightning part last. With
-    ``background``, the deltas' pieces and the Lightning part are written by its thread.
+    ``background``, the pieces and the Lightning part are written by its thread.
 
     Raises:
         StoreError: a piece cannot be written; the checkpoint's directory (rank 0) and this rank's new pieces
             are removed.
     """
+    writers: List[PendingPiece] = []
     try:
         writers = save_store_files(files, path, rank, max_chain) if files else []
         if background is None:  # before the shards: a checkpoint killed while writing lacks .metadata
-            for write in writers:
-                write()
+            _write_all(writers)
         sharded = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             sharded[f"optimizer_{i}"] = opt_state
@@ -114,15 +117,16 @@ def write_checkpoint(
                 torch.save(checkpoint, path / META_FILE)
             return
     except BaseException:
+        for pending in writers:  # those not written let go of what they hold
+            pending.drop()
         _remove(path, rank)
         raise
     mine = path / STORE_FILES_DIR / f"rank{rank}"
     mine.mkdir(parents=True, exist_ok=True)
 
-    def finish(writers: List[Callable[[], None]] = writers) -> None:
+    def finish(writers: List[PendingPiece] = writers) -> None:
         try:
-            for write in writers:
-                write()
+            _write_all(writers)
             (mine / WRITTEN).touch()
             if rank == 0:
                 _wait_for_ranks(path, world_size)
@@ -133,6 +137,16 @@ def write_checkpoint(
             raise
 
     background.start(finish)
+
+
+def _write_all(writers: List[PendingPiece]) -> None:
+    """Write the pieces in order; after a failure, drop the rest."""
+    try:
+        for write in writers:
+            write()
+    finally:
+        for pending in writers:
+            pending.drop()
 
 
 def _remove(path: Path, rank: int) -> None:

@@ -98,9 +98,9 @@ class TorchRecStrategy(DDPStrategy):
             delta over its chain of pieces, ``docs/disk_tier.md``); every this many checkpoints of a chain, or
             once the deltas hold as many bytes as the chain's full piece, it writes a full one. 1: every
             checkpoint is full.
-        async_checkpoints: write the delta pieces in the background, the training thread stopping for the
-            flush and a copy of their rows (``strategies/_checkpoint_writer.py``); the next checkpoint and the end
-            of fit wait for them.
+        async_checkpoints: write the store pieces (deltas and full ones) in the background, the training thread
+            stopping for the flush and their snapshots (``strategies/_checkpoint_writer.py``); the next checkpoint
+            and the end of fit wait for them.
         incremental_ram_stores: checkpoints keep in-memory (``ram``, ``mmap``) stores' tables in the same chains
             (deltas of the rows written since the previous checkpoint) instead of full tensors (several ranks: with
             ``store_sharding: row_wise``).
