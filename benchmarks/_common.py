@@ -282,6 +282,7 @@ class LoaderWindow(pl.Callback):
         return {
             "stager wait ms/step": d.stager_wait_s / steps * 1e3,
             "batch wait ms/step": d.batch_wait_s / steps * 1e3,
+            "reader cpu ms/batch": d.reader_cpu_s / max(d.read, 1) * 1e3,
             "planner cpu ms/batch": d.planner_cpu_s / max(d.planned, 1) * 1e3,
             "stager cpu ms/batch": d.stager_cpu_s / max(d.staged, 1) * 1e3,
             "training thread cache ms/step": d.training_thread_s / steps * 1e3,

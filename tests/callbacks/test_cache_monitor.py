@@ -57,6 +57,7 @@ def test_cache_monitor_logs_the_counters_deltas_through_lightning(tmp_path):
     assert m["cache/training_thread_ms"] > 0  # every step applied a plan
     counters = trainer.datamodule.loader.stats()
     assert counters.planned >= 6 and counters.planner_cpu_s > 0
+    assert counters.read >= counters.planned and counters.reader_cpu_s > 0  # the reader thread read them
     assert counters.batch_wait_s >= d_loader.batch_wait_s  # the run's total holds the waits of steps 4-5
     assert counters.staged + counters.gathered_here >= 5  # every step's rows were gathered somewhere
     # through Lightning: in callback_metrics, and in every logger (a CSV one here) at train/loss's steps

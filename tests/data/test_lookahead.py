@@ -159,6 +159,41 @@ def test_a_model_left_in_eval_mode_during_fit_is_refused(tmp_path):
         fit_cached(tmp_path, 3, callbacks=[EvalOnStart()])
 
 
+def test_the_reader_thread_reads_ahead_and_hands_a_loading_error_to_training_in_order():
+    """The wrapped loader is read on a thread of its own, ahead of the planner; an error while reading reaches
+    the training thread after the batches read before it, and every lookahead thread ends."""
+    import threading
+
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    readers = set()
+
+    class Broken:
+        def __iter__(self):
+            for i in range(8):
+                readers.add(threading.current_thread().name if i else "first")
+                kjt = KeyedJaggedTensor(
+                    keys=["f"], values=torch.tensor([i]), lengths=torch.ones(1, dtype=torch.int32)
+                )
+                yield Batch(torch.zeros(1, 1), kjt, torch.zeros(1))
+            raise OSError("disk gone at batch 8")
+
+        def __len__(self):
+            return 9
+
+    loader = _loader(Broken(), {"t": 4}, {"t": TensorStore(10, 4, name="t")}, 10)
+    got = []
+    with pytest.raises(OSError, match="disk gone at batch 8"):
+        for b in loader:
+            got.append(b.plan.step)
+            loader.progress.applied(b.plan.step)
+    # the batches planned before the error (horizon 4: those the oracle could plan), then the error
+    assert got and got == list(range(len(got))) and readers == {"first", "lookahead-reader"}
+    assert loader.stats().read == 8
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("lookahead-")]
+
+
 def test_stopping_mid_epoch_stops_the_background_threads(tmp_path, caplog):
     import logging
     import threading

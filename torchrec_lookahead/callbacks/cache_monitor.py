@@ -9,8 +9,9 @@ pooled layout share); over every cached table
 (the stores' rows and state), ``cache/samples_per_s`` (this rank's training samples per second since the last
 log); and ``cache/oracle_lead`` (batches planned ahead of training) and
 ``cache/stager_wait_ms`` (time the training step waited for staged rows, per step), ``cache/batch_wait_ms``
-(time it waited for the planner's next batch, per step), ``cache/planner_cpu_ms`` and ``cache/stager_cpu_ms``
-(CPU time of the planner thread per batch planned, of the stager thread per plan staged), and
+(time it waited for the planner's next batch, per step), ``cache/reader_cpu_ms``, ``cache/planner_cpu_ms`` and
+``cache/stager_cpu_ms`` (CPU time of the reader thread per batch read, of the planner thread per batch planned,
+of the stager thread per plan staged), and
 ``cache/training_thread_ms`` (time the training thread spent in cache code per step: applying the plan, with
 its counters, without the wait for staged rows; with several ranks also the cache kernels' backward hooks,
 the exact gradient exchange and its update). With several ranks
@@ -56,7 +57,7 @@ TENSORBOARD_LAYOUT: Dict[str, Dict[str, List[Any]]] = {
     "lookahead threads": {
         "training waits (ms per step)": ["Multiline", [r"cache/stager_wait_ms", r"cache/batch_wait_ms"]],
         "training thread in cache code (ms per step)": ["Multiline", [r"cache/training_thread_ms"]],
-        "thread CPU (ms per batch)": ["Multiline", [r"cache/planner_cpu_ms", r"cache/stager_cpu_ms"]],
+        "thread CPU (ms per batch)": ["Multiline", [r"cache/(reader|planner|stager)_cpu_ms"]],
         "oracle lead (batches)": ["Multiline", [r"cache/oracle_lead"]],
     },
     "lookahead sync (several ranks)": {
@@ -199,6 +200,7 @@ class CacheMonitor(Callback):
             metrics["cache/batch_wait_ms"] = delta.batch_wait_s * 1e3 / steps
             metrics["cache/training_thread_ms"] = delta.training_thread_s * 1e3 / steps
             for what, cpu, count in (
+                ("reader", delta.reader_cpu_s, delta.read),
                 ("planner", delta.planner_cpu_s, delta.planned),
                 ("stager", delta.stager_cpu_s, delta.staged),
             ):

@@ -1,5 +1,5 @@
-"""Threads of the lookahead loader: one iteration's queues and stop flag (:class:`_Run`), and what its planner
-and stager threads do first (:func:`single_threaded_ops`, :func:`lower_thread_priority`).
+"""Threads of the lookahead loader: one iteration's queues and stop flag (:class:`_Run`), and what its reader,
+planner and stager threads do first (:func:`single_threaded_ops`, :func:`lower_thread_priority`).
 
 Example:
     >>> run = _Run(queue_depth=2)
@@ -17,7 +17,7 @@ import queue
 import sys
 import threading
 from dataclasses import astuple, dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
@@ -139,7 +139,7 @@ class LoaderStats:
         stager_wait_s: seconds the training thread waited for a step's staged rows (no stale read: the stager
             gathers rows only once the write-backs they depend on have landed).
         batch_wait_s: seconds the training thread waited for the planner's next batch (the planner was behind).
-        planner_cpu_s: CPU seconds of the planner thread (reading the wrapped loader, planning, remapping).
+        planner_cpu_s: CPU seconds of the planner thread (gathering ids across ranks, planning, remapping).
         planned: batches planned.
         stager_cpu_s: CPU seconds of the stager thread (gathering rows).
         staged: plans whose rows the stager gathered.
@@ -147,6 +147,9 @@ class LoaderStats:
         hot_batches: hot batches served, which read only pinned rows (a hot/cold lookahead loader).
         training_thread_s: seconds the training thread spent in cache code (the session's apply, without its
             wait for staged rows, and the cache kernels' backward hooks), filled in by the session.
+        reader_cpu_s: CPU seconds of the reader thread (reading the wrapped loader's batches ahead of the
+            planner).
+        read: batches the reader thread read.
 
     Example:
         >>> later = LoaderStats(stager_wait_s=0.5, planned=5, staged=4, gathered_here=1)
@@ -164,6 +167,8 @@ class LoaderStats:
     gathered_here: int = 0
     hot_batches: int = 0
     training_thread_s: float = 0.0
+    reader_cpu_s: float = 0.0
+    read: int = 0
 
     def __add__(self, other: LoaderStats) -> LoaderStats:
         return LoaderStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -172,12 +177,21 @@ class LoaderStats:
         return LoaderStats(*(a - b for a, b in zip(astuple(self), astuple(other))))
 
 
+@dataclass(frozen=True)
+class _ReadError:
+    """What reading the wrapped loader raised, handed from the reader thread to the planner."""
+
+    error: BaseException
+
+
 class _Run:
     """The queues, stop flag and threads of one iteration of a :class:`LookaheadLoader`."""
 
     def __init__(self, queue_depth: int, join_timeout_s: float = 30.0) -> None:
         self.out: queue.Queue[Any] = queue.Queue(maxsize=queue_depth)
         self.to_stage: queue.Queue[Any] = queue.Queue()
+        #: batches the reader thread read, not yet taken by the planner
+        self.reads: queue.Queue[Any] = queue.Queue(maxsize=queue_depth)
         self._stop = threading.Event()
         self.threads: List[threading.Thread] = []
         self.join_timeout_s = join_timeout_s
@@ -190,23 +204,43 @@ class _Run:
     def stopped(self) -> bool:
         return self._stop.is_set()
 
-    def start(self, plan: Any, stage: Any) -> None:
+    def start(self, plan: Any, stage: Any, read: Optional[Any] = None) -> None:
+        """Start the planner and stager threads, and the reader thread when ``read`` is given."""
         self.threads = [
             threading.Thread(target=plan, args=(self,), daemon=True, name="lookahead-oracle"),
             threading.Thread(target=stage, args=(self,), daemon=True, name="lookahead-stager"),
         ]
+        if read is not None:
+            self.threads.append(
+                threading.Thread(target=read, args=(self,), daemon=True, name="lookahead-reader")
+            )
         for t in self.threads:
             t.start()
 
-    def put(self, item: Any) -> bool:
-        """Hand an item to the training thread; ``False`` once the run is stopped."""
+    def put(self, item: Any, into: Optional[queue.Queue[Any]] = None) -> bool:
+        """Hand an item to the training thread (or to the queue ``into``); ``False`` once the run is stopped."""
+        target = self.out if into is None else into
         while not self.stopped:
             try:
-                self.out.put(item, timeout=0.05)
+                target.put(item, timeout=0.05)
                 return True
             except queue.Full:
                 continue
         return False
+
+    def read_ahead(self) -> Iterator[Any]:
+        """The batches the reader thread put in :attr:`reads`, in order; raises what reading raised; ends at the
+        loader's end or once the run is stopped."""
+        while not self.stopped:
+            try:
+                item = self.reads.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if item is _END:
+                return
+            if isinstance(item, _ReadError):
+                raise item.error
+            yield item
 
     def get(self) -> Any:
         return self.out.get()

@@ -1,8 +1,8 @@
 """``LookaheadLoader``: plans the cache ahead of training, for :class:`~torchrec_lookahead.data.LookaheadDataModule`.
 
-A background thread reads the wrapped training loader, runs the
+A background thread reads the wrapped training loader ahead, a second one runs the
 :class:`~torchrec_lookahead.oracle.LookaheadOracle` over the stream (``horizon`` batches ahead) and replaces
-the ids of cached tables by cache slots; a second thread gathers the rows each plan fetches (with their
+the ids of cached tables by cache slots; a third thread gathers the rows each plan fetches (with their
 optimizer state) from the host stores, ``prefetch_depth`` steps ahead, but never before the write-backs
 they depend on have landed: rows for step ``t`` are gathered only after plan ``t - prefetch_depth - 1`` has
 been applied (the oracle never evicts an id needed within the prefetch window, so no later write-back can
@@ -23,6 +23,7 @@ the stores are collectives (a row-sharded store), the stager threads keep their 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import queue
@@ -49,6 +50,7 @@ from torchrec_lookahead.runtime._threads import (
     _END,
     ApplyProgress,
     LoaderStats,
+    _ReadError,
     _Run,
     check_nice,
     lower_thread_priority,
@@ -250,10 +252,15 @@ class LookaheadLoader:
         self._yielded = start
         self.progress.reset()
         self._planned = -1
-        self._source = self._start_source()
+        source = self._start_source()
         run = _Run(self.queue_depth, join_timeout_s=self.stop_timeout_s + 30.0)
         self._run = run
-        run.start(self._plan, self._stage)
+        if source is None:
+            self._source = None
+            run.start(self._plan, self._stage)
+        else:  # a reader thread reads the wrapped loader ahead; the planner plans what it read
+            self._source = run.read_ahead()
+            run.start(self._plan, self._stage, functools.partial(self._read, source))
         try:
             while True:
                 t0 = time.perf_counter()
@@ -279,6 +286,24 @@ class LookaheadLoader:
         it = iter(self.loader)
         first = next(it, _END)
         return it if first is _END else itertools.chain([first], it)
+
+    def _read(self, source: Iterator[Any], run: _Run) -> None:
+        """The reader thread: reads the wrapped loader's batches ahead of the planner (at most ``queue_depth``
+        waiting), so that reading and planning use two cores; what reading raises goes to the planner, which
+        hands it to the training thread."""
+        single_threaded_ops()
+        lower_thread_priority(self.planner_nice)
+        cpu = time.thread_time()
+        try:
+            for b in source:
+                now = time.thread_time()
+                self._count(LoaderStats(reader_cpu_s=now - cpu, read=1))
+                cpu = now
+                if not run.put(b, into=run.reads):
+                    return
+            run.put(_END, into=run.reads)
+        except BaseException as e:
+            run.put(_ReadError(e), into=run.reads)
 
     def _plan(self, run: _Run) -> None:
         single_threaded_ops()
@@ -312,7 +337,8 @@ class LookaheadLoader:
                     run.shutdown_failed(e)
 
     def _plan_stream(self, run: _Run, gatherer: Optional[IdGatherer]) -> None:
-        """Read the wrapped loader's batches (their global ids, gathered in lockstep with several ranks), plan
+        """Take the wrapped loader's batches (from the reader thread, or read here for a loader whose reading is a
+        collective; their global ids, gathered in lockstep with several ranks), plan
         each with the oracle ``horizon`` batches ahead, and hand every planned batch to the stager and to the
         training thread, in order; returns when the loader ends or the run stops."""
         planner: Optional[StepPlanner] = None
