@@ -5,14 +5,7 @@ import pytest
 import torch
 from torchrec import KeyedJaggedTensor
 
-from torchrec_lookahead.distributed.lrpp import (
-    LRPPTracker,
-    WriterFilteredStore,
-    lowest_rank,
-    slice_samples,
-    writing_only,
-)
-from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.distributed.lrpp import LRPPTracker, lowest_rank, slice_samples
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
 from torchrec_lookahead.store import TensorStore
 
@@ -136,32 +129,55 @@ def test_lowest_rank_and_sample_slicing():
     assert part.lengths().tolist() == [0, 1, 1, 1]
 
 
-def test_writer_filtered_store_writes_only_allowed_rows():
-    inner = TensorStore(10, 4, name="t")
-    store = WriterFilteredStore(inner)
-    before, _ = inner.gather(torch.arange(10))
-    store.scatter(torch.tensor([1, 2]), torch.ones(2, 4))  # outside writing(): nothing
-    assert torch.equal(inner.gather(torch.arange(10))[0], before)
-    with store.writing(torch.tensor([2])):
-        store.scatter(torch.tensor([1, 2]), torch.ones(2, 4))
-    after, _ = inner.gather(torch.tensor([1, 2]))
-    assert torch.equal(after[0], before[1]) and torch.equal(after[1], torch.ones(4))
-    store.write_back(torch.tensor([3]), torch.ones(1, 4))  # after the block: nothing again
-    assert torch.equal(inner.gather(torch.tensor([3]))[0][0], before[3])
+def test_a_cache_of_shared_stores_writes_back_and_flushes_only_the_rows_named():
+    from torchrec import EmbeddingBagConfig
+
+    from torchrec_lookahead.modules import CachedEmbeddingBagCollection
+    from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
+
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])]
+    store = TensorStore(10, 4, {"momentum1": 1}, name="t")
+    cache = CachedEmbeddingBagCollection(tables, {"t": 4}, stores={"t": store})
+    cache.share_stores()
+    before, _ = store.gather(torch.arange(10))
+    e = torch.empty(0, dtype=torch.long)
+    cache.apply_plan(
+        BatchPlan(0, {"t": TablePlan(e, e, torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), e)})
+    )
+    for slot in range(3):
+        cache.cache_weights("t")[slot] = 7.0
+    cache.flush()  # names no rows: writes none
+    assert torch.equal(store.gather(torch.arange(10))[0], before)
+    evict = TablePlan(torch.tensor([1, 2]), torch.tensor([0, 1]), e, e, e)
+    cache.apply_plan(BatchPlan(1, {"t": evict}), writes={"t": torch.tensor([2])})
+    after, _ = store.gather(torch.tensor([1, 2, 3]))
+    assert (
+        torch.equal(after[0], before[1]) and bool((after[1] == 7).all()) and torch.equal(after[2], before[3])
+    )
+    cache.flush(writes={"t": torch.tensor([3])})
+    assert bool((store.gather(torch.tensor([3]))[0] == 7).all())
+    assert cache.stats()["t"]["rows_flushed"] == 3 + 1  # counted whether written here or by another rank
 
 
-def test_writing_restores_the_previous_ids_even_when_the_block_raises():
-    stores = {t: WriterFilteredStore(TensorStore(10, 4, name=t)) for t in ("a", "b")}
-    with stores["a"].writing(torch.tensor([1])):
-        with pytest.raises(RuntimeError, match="mid-write"):
-            with writing_only(stores, {"a": torch.tensor([4, 5]), "b": torch.tensor([6])}):
-                assert stores["a"].allowed.tolist() == [4, 5] and stores["b"].allowed.tolist() == [6]
-                raise RuntimeError("mid-write")
-        assert stores["a"].allowed.tolist() == [1]  # the enclosing block's ids, not nothing
-    assert stores["a"].allowed.numel() == 0 and stores["b"].allowed.numel() == 0
-    with pytest.raises(SetupError, match="WriterFilteredStore"):
-        with writing_only({"c": TensorStore(10, 4, name="c")}, {"c": torch.tensor([1])}):
-            pass
+def test_a_collective_store_is_written_by_every_rank_even_with_no_rows_of_its_own():
+    from torchrec_lookahead.modules._moves import write_rows
+
+    class Collective(TensorStore):
+        @property
+        def collective(self) -> bool:
+            return True
+
+    store, calls = Collective(10, 4, name="t"), []
+
+    def write(ids, weights, states):
+        calls.append(ids.tolist())
+
+    for allowed in (torch.tensor([2]), torch.tensor([], dtype=torch.int64)):
+        write_rows(write, store, torch.tensor([1, 2]), torch.ones(2, 4), {}, allowed)
+    write_rows(
+        write, TensorStore(10, 4, name="u"), torch.tensor([1]), torch.ones(1, 4), {}, torch.tensor([2])
+    )
+    assert calls == [[2], []]  # a local store is not written without a row of this rank
 
 
 def test_gather_global_kjt_keeps_weights_on_one_rank():

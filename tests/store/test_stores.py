@@ -294,11 +294,10 @@ def test_mmap_equals_tensor_store_contents(tmp_path: Path) -> None:
     b.close()
 
 
-def test_collective_is_a_property_of_every_store_and_wrappers_report_their_store_s():
-    from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
+def test_collective_is_a_property_of_every_store():
     from torchrec_lookahead.store import RowShardedStore
 
     local = TensorStore(4, 2, name="t")
-    assert local.collective is False and WriterFilteredStore(local).collective is False
-    assert local.host_window is None and WriterFilteredStore(local).host_window is None  # no host tier
+    assert local.collective is False
+    assert local.host_window is None  # no host tier
     assert RowShardedStore.collective.fget(None) is True  # type: ignore[attr-defined]

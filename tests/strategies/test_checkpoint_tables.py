@@ -231,13 +231,11 @@ def test_a_background_writer_runs_one_checkpoint_at_a_time_and_raises_its_failur
     writer.wait()  # raised once
 
 
-def test_an_in_memory_store_the_ranks_of_a_host_share_cannot_keep_pieces() -> None:
-    from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
+def test_an_in_memory_store_the_ranks_of_a_host_share_cannot_keep_pieces(tmp_path: Path) -> None:
+    from torchrec_lookahead.distributed._stores import HostSharedStore
     from torchrec_lookahead.errors import ConfigError
 
-    shared = WriterFilteredStore(
-        TensorStore(100, 4, {"momentum1": 1}, name="t")
-    )  # as one host's shared store
+    shared = HostSharedStore(tmp_path / "t.bin", 100, 4, {"momentum1": 1}, name="t")
     with pytest.raises(ConfigError, match="ranks of this host share.*store_sharding: row_wise"):
         _checkpoint.keep_store_files([shared])
 

@@ -16,7 +16,6 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec_lookahead._checks import check_int
 from torchrec_lookahead.distributed._groups import CacheGroups
 from torchrec_lookahead.distributed._store_dirs import StoreDirs
-from torchrec_lookahead.distributed.lrpp import WriterFilteredStore
 from torchrec_lookahead.errors import CapacityError, ConfigError
 from torchrec_lookahead.modules import CacheOptimizerConfig
 from torchrec_lookahead.store import DiskStore, MmapStore, RowShardedStore, TensorStore, row_bounds
@@ -33,6 +32,7 @@ __all__ = [
     "StoreOptions",
     "HostStores",
     "store_kind",
+    "HostSharedStore",
 ]
 
 
@@ -219,7 +219,7 @@ class HostStores:
         for c in cfgs:
             path = os.path.join(directory, f"{c.name}.bin")
             if env.rank == 0:
-                store = MmapStore(
+                store = HostSharedStore(
                     path,
                     c.num_embeddings,
                     c.embedding_dim,
@@ -227,11 +227,11 @@ class HostStores:
                     name=c.name,
                     seed=self.options.seed,
                 )
-                stores[c.name] = WriterFilteredStore(_initialised(store))
+                stores[c.name] = _initialised(store)
         dist.barrier(group=pg)
         if env.rank != 0:
             for c in cfgs:
-                stores[c.name] = WriterFilteredStore(MmapStore.open(os.path.join(directory, f"{c.name}.bin")))
+                stores[c.name] = HostSharedStore.open(os.path.join(directory, f"{c.name}.bin"))
         return stores
 
     def _sharded_stores(
@@ -290,8 +290,34 @@ class HostStores:
                 group=groups["default"],
                 channel_groups={STAGE_CHANNEL: groups[STAGE_CHANNEL]},
             )
-            stores[c.name] = WriterFilteredStore(sharded)
+            stores[c.name] = sharded
         return stores
+
+
+class HostSharedStore(MmapStore):
+    """A memory-mapped store the ranks of one host share (``store_sharding: host`` on one host); each rank writes
+    the rows the sharded collection names (see ``CachedCollection.share_stores``).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     store = HostSharedStore(os.path.join(d, "t.bin"), 4, 2, {}, name="t")
+        ...     store.keep_files()  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchrec_lookahead.errors.ConfigError: table 't' is in a store the ranks of this host share; ...
+    """
+
+    def keep_files(self) -> None:
+        """Refused: checkpoint pieces are one rank's rows.
+
+        Raises:
+            ConfigError: always.
+        """
+        raise ConfigError(
+            f"table '{self.name}' is in a store the ranks of this host share; checkpoints keep in-memory "
+            "tables as pieces with one row shard per rank (store_sharding: row_wise)"
+        )
 
 
 def _initialised(store: MmapStore) -> MmapStore:

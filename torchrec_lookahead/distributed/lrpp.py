@@ -15,31 +15,26 @@ rank without messages. What differs between ranks is which replicas of a slot ho
 * a row leaving the cache (eviction, flush) is written to the shared host store by one rank holding it.
 
 :class:`LRPPTracker` derives all of this from the plans (a pure function of the plan stream, identical on every
-rank); :class:`WriterFilteredStore` makes each rank write back only the rows it is responsible for.
+rank); the sharded collection hands each write-back and flush the rows this rank writes (``writes=``).
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.distributed.exact_sync import ExchangeIndex, ExchangeSpec, exchange_index
-from torchrec_lookahead.errors import ConfigError, SetupError
+from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.oracle.types import BatchPlan, RankAnnotation
-from torchrec_lookahead.store.types import EmbeddingStore, HostWindow, PendingPiece
 
 __all__ = [
     "LRPPTablePlan",
     "LRPPPlan",
     "LRPPTracker",
-    "WriterFilteredStore",
-    "writing_only",
     "lowest_rank",
     "slice_samples",
 ]
@@ -260,181 +255,6 @@ class LRPPTracker:
                 delayed_slots=torch.from_numpy(delayed),
             )
         return LRPPPlan(plan.step, out, features, dict(self.pinned))
-
-
-#: no id: what a :class:`WriterFilteredStore` writes outside :meth:`~WriterFilteredStore.writing`
-_NOTHING = torch.empty(0, dtype=torch.int64)
-
-
-class WriterFilteredStore(EmbeddingStore):
-    """A view of a shared store through which a rank writes only the rows it is responsible for.
-
-    Writes go through only within :meth:`writing` (the LRPP coordinator opens it around each write-back or
-    flush with the ids this rank may write), and only for those ids; elsewhere :attr:`allowed` is empty and
-    nothing is written. Reads pass through. Over a collective store
-    (:class:`~torchrec_lookahead.store.RowShardedStore`) every write still reaches the store, with the rows this
-    rank may write (possibly none), so that every rank joins the collective.
-
-    Example:
-        >>> from torchrec_lookahead.store import TensorStore
-        >>> store = WriterFilteredStore(TensorStore(4, 2, {}, name="t", seed=0))
-        >>> store.scatter(torch.tensor([0, 1]), torch.ones(2, 2))  # outside writing(): nothing is written
-        >>> with store.writing(torch.tensor([1])):
-        ...     store.scatter(torch.tensor([0, 1]), torch.ones(2, 2))  # id 1 only
-        >>> store.gather(torch.tensor([0, 1]))[0][:, 0].eq(1).tolist(), store.allowed.numel()
-        ([False, True], 0)
-    """
-
-    def __init__(self, store: EmbeddingStore) -> None:
-        self.inner = store
-        self._allowed = _NOTHING
-
-    @property
-    def allowed(self) -> torch.Tensor:
-        """The ids this rank may write now (empty: none; set only by :meth:`writing`)."""
-        return self._allowed
-
-    @contextmanager
-    def writing(self, ids: torch.Tensor) -> Iterator[None]:
-        """Within the block, writes of ``ids`` go through (writes of other ids are dropped); the previous
-        :attr:`allowed` is restored afterwards, also when the block raises."""
-        previous, self._allowed = self._allowed, ids
-        try:
-            yield
-        finally:
-            self._allowed = previous
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def collective(self) -> bool:
-        return self.inner.collective
-
-    @property
-    def num_embeddings(self) -> int:
-        return self.inner.num_embeddings
-
-    @property
-    def embedding_dim(self) -> int:
-        return self.inner.embedding_dim
-
-    @property
-    def state_widths(self) -> Dict[str, int]:
-        return self.inner.state_widths
-
-    def gather(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        return self.inner.gather(ids)
-
-    @property
-    def disk_prefetch_depth(self) -> int:
-        return self.inner.disk_prefetch_depth
-
-    @property
-    def host_window(self) -> Optional[HostWindow]:
-        return self.inner.host_window
-
-    def stage_group(self) -> Optional[dist.ProcessGroup]:
-        return self.inner.stage_group()
-
-    def plan_reads(self, step: int, ids: torch.Tensor) -> None:
-        self.inner.plan_reads(step, ids)
-
-    @property
-    def uses_hints(self) -> bool:
-        return self.inner.uses_hints
-
-    def plan_uses(self, step: int, ids: torch.Tensor) -> None:
-        self.inner.plan_uses(step, ids)
-
-    def at_step(self, step: int) -> None:
-        self.inner.at_step(step)
-
-    def scatter(
-        self, ids: torch.Tensor, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None
-    ) -> None:
-        self._write(self.inner.scatter, ids, weights, states)
-
-    def write_back(
-        self, ids: torch.Tensor, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None
-    ) -> None:
-        self._write(self.inner.write_back, ids, weights, states)
-
-    def _write(
-        self,
-        write: Callable[..., None],
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        states: Optional[Mapping[str, torch.Tensor]],
-    ) -> None:
-        nothing = self._allowed.numel() == 0
-        if self.inner.collective:
-            # A collective store (RowShardedStore): every rank takes part in every write, if only with no rows.
-            keep = torch.zeros(ids.numel(), dtype=torch.bool) if nothing else torch.isin(ids, self._allowed)
-            write(ids[keep], weights[keep], {k: v[keep] for k, v in (states or {}).items()})
-            return
-        if nothing or ids.numel() == 0:
-            return
-        keep = torch.isin(ids, self._allowed)
-        if bool(keep.all()):
-            write(ids, weights, states)
-        elif bool(keep.any()):
-            write(ids[keep], weights[keep], {k: v[keep] for k, v in (states or {}).items()})
-
-    def full_weights(self) -> torch.Tensor:
-        return self.inner.full_weights()
-
-    def full_states(self) -> Dict[str, torch.Tensor]:
-        return self.inner.full_states()
-
-    def load(self, weights: torch.Tensor, states: Optional[Mapping[str, torch.Tensor]] = None) -> None:
-        self.inner.load(weights, states)
-
-    def flush(self) -> None:
-        self.inner.flush()
-
-    @property
-    def keeps_files(self) -> bool:
-        return self.inner.keeps_files
-
-    def keep_files(self) -> None:
-        if not self.inner.collective and not self.inner.keeps_files:  # one store the ranks of a host share
-            raise ConfigError(
-                f"table '{self.name}' is in a store the ranks of this host share; checkpoints keep in-memory "
-                "tables as pieces with one row shard per rank (store_sharding: row_wise)"
-            )
-        self.inner.keep_files()
-
-    def save_files(self, directory: str, max_chain: int = 1) -> List[str]:
-        return self.inner.save_files(directory, max_chain)
-
-    def snapshot_files(self, directory: str, max_chain: int = 1) -> Tuple[List[str], Optional[PendingPiece]]:
-        return self.inner.snapshot_files(directory, max_chain)
-
-    def load_files(self, pieces: Sequence[str]) -> None:
-        self.inner.load_files(pieces)
-
-
-@contextmanager
-def writing_only(stores: Mapping[str, EmbeddingStore], ids: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """Within the block, each table of ``ids`` writes only its ids to its store (a :class:`WriterFilteredStore`,
-    see :meth:`~WriterFilteredStore.writing`); every store's previous state is restored afterwards, also when
-    the block raises.
-
-    Raises:
-        SetupError: a table's store is not a :class:`WriterFilteredStore`.
-    """
-    with ExitStack() as stack:
-        for t, allowed in ids.items():
-            store = stores[t]
-            if not isinstance(store, WriterFilteredStore):
-                raise SetupError(
-                    f"table '{t}': multi-rank caches need WriterFilteredStore views of a shared store, got "
-                    f"{type(store).__name__}"
-                )
-            stack.enter_context(store.writing(allowed))
-        yield
 
 
 def slice_samples(kjt: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor:

@@ -44,7 +44,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lookahead.distributed._rank_sync import RankSync, StepState
 from torchrec_lookahead.distributed.exact_sync import ExchangeSpec
 from torchrec_lookahead.distributed.fused_optimizer import CacheFusedOptimizer, fused_optimizers
-from torchrec_lookahead.distributed.lrpp import LRPPPlan, WriterFilteredStore, writing_only
+from torchrec_lookahead.distributed.lrpp import LRPPPlan
 from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.modules import CachedCollection, PreparedPlan
 from torchrec_lookahead.modules.types import BackwardHook, StagedRows
@@ -149,11 +149,7 @@ class ShardedLookaheadCollection(
                 "module with LookaheadEmbeddingBagCollectionSharder, or pass delayed_sync=False"
             )
         if world_size > 1:
-            for name, store in cache.stores.items():
-                if not isinstance(store, WriterFilteredStore):
-                    raise SetupError(
-                        f"table '{name}': multi-rank caches need WriterFilteredStore views of a shared store"
-                    )
+            cache.share_stores()  # one rank writes each row: apply_plan and flush name this rank's rows
             self._sync = RankSync(
                 cache,
                 rank,
@@ -241,7 +237,6 @@ class ShardedLookaheadCollection(
             )
             # The previous step's delayed rows land before this plan evicts, refreshes or loads anything.
             self.land_delayed()
-            stores = self.cache.stores
             every = self.average_every
             averaging = every is not None
             if every is not None and plan.step > 0 and plan.step % every == 0:
@@ -252,8 +247,7 @@ class ShardedLookaheadCollection(
                     evict_mine[t] = tp.evict_ids if self.rank == 0 else tp.evict_ids[:0]
                 else:
                     evict_mine[t] = tp.evict_ids[lrpp.tables[t].evict_writer == self.rank]
-            with writing_only(stores, evict_mine):
-                self.cache.apply_plan(sub, sub_staged, trusted=trusted, prepared=prepared)
+            self.cache.apply_plan(sub, sub_staged, trusted=trusted, prepared=prepared, writes=evict_mine)
             if not averaging:
                 self._rank_sync().refresh(lrpp)
             self.step_state.lrpp = lrpp
@@ -323,7 +317,6 @@ class ShardedLookaheadCollection(
                 )
             return
         if self.step_state.lrpp is not None:
-            stores = self.cache.stores
             if self.average_every is not None and barrier:
                 self._rank_sync().average()  # a collective: not on the exception path (barrier=False)
             held: Dict[str, torch.Tensor] = {}
@@ -336,8 +329,7 @@ class ShardedLookaheadCollection(
                 )
                 mine = (writer == self.rank) & (slot_ids >= 0)
                 held[t] = slot_ids[mine]
-            with writing_only(stores, held):
-                self.cache.flush()
+            self.cache.flush(writes=held)
         self.step_state.dirty = False
         if barrier:
             self._barrier()

@@ -1,5 +1,6 @@
-"""Private: a plan as the cache applies it, one move per slot space (:class:`PreparedPlan`), and the write-backs
-that leave the training thread (:class:`WriteBacks`).
+"""Private: a plan as the cache applies it, one move per slot space (:class:`PreparedPlan`), the write-backs
+that leave the training thread (:class:`WriteBacks`), and the rows a rank writes to stores several ranks share
+(:data:`Writes`, an argument of every write: :func:`write_rows`).
 
 The tables of a slot space share one storage in their kernel (``modules/_spaces.py``), so a step moves each
 space's rows with one gather of its evicted slots and one scatter into its fetched slots, weights and every
@@ -48,6 +49,8 @@ __all__ = [
     "SpaceMove",
     "PreparedPlan",
     "WriteBacks",
+    "Writes",
+    "write_rows",
     "prepare",
     "move",
     "space_rows",
@@ -58,6 +61,13 @@ __all__ = [
 
 #: the per-table counters a step's moves add to (``CachedEmbeddingBagCollection.stats()``), in this order
 MOVED = ("steps", "lookups", "hits", "rows_fetched", "rows_written_back", "bytes_moved")
+
+#: per cached table, the ids of the rows this rank writes to its store (a table absent: none); ``None``: every row.
+#: With several ranks the stores are shared and each row is written by one rank holding its current value
+#: (LRPP's writer, or rank 0 under cDLRM's averaging): the sharded collection names them for each write.
+Writes = Optional[Mapping[str, torch.Tensor]]
+
+_NOTHING = torch.empty(0, dtype=torch.int64)
 
 #: stores whose write-backs may land on the stager thread: host memory written by index, no tier of their own
 _DEFERRABLE = (TensorStore, MmapStore)
@@ -206,16 +216,51 @@ def _to_host(rows: torch.Tensor, later: bool) -> torch.Tensor:
     return out.copy_(rows, non_blocking=True)
 
 
+def write_rows(
+    write: Callable[..., None],
+    store: EmbeddingStore,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    states: Mapping[str, torch.Tensor],
+    allowed: Optional[torch.Tensor],
+) -> None:
+    """``write`` (``store``'s ``scatter`` or ``write_back``) of the rows of ``ids`` in ``allowed`` (``None``: all).
+    A collective store (row-sharded over the ranks) is written even with no rows, so that every rank joins.
+
+    Example:
+        >>> from torchrec_lookahead.store import TensorStore
+        >>> store = TensorStore(4, 2, {}, name="t", seed=0)
+        >>> write_rows(store.scatter, store, torch.tensor([0, 1]), torch.ones(2, 2), {}, torch.tensor([1]))
+        >>> store.gather(torch.tensor([0, 1]))[0][:, 0].eq(1).tolist()
+        [False, True]
+    """
+    if allowed is None:
+        write(ids, weights, states)
+        return
+    if store.collective:
+        keep = torch.isin(ids, allowed) if allowed.numel() else torch.zeros(ids.numel(), dtype=torch.bool)
+        write(ids[keep], weights[keep], {k: v[keep] for k, v in states.items()})
+        return
+    if allowed.numel() == 0 or ids.numel() == 0:
+        return
+    keep = torch.isin(ids, allowed)
+    if bool(keep.all()):
+        write(ids, weights, states)
+    elif bool(keep.any()):
+        write(ids[keep], weights[keep], {k: v[keep] for k, v in states.items()})
+
+
 def write_back_job(
     space: SpaceMove,
     stores: Mapping[str, EmbeddingStore],
     weights: torch.Tensor,
     states: Mapping[str, torch.Tensor],
     copied: Optional[Any] = None,
+    writes: Writes = None,
 ) -> Callable[[], None]:
     """The store writes of ``space``'s evicted rows (``weights`` / ``states``, gathered from the cache in its
-    evicted slots' order), one per member; ``copied``: a CUDA event the rows' copy to the host completes
-    (waited for first)."""
+    evicted slots' order), one per member, of the rows ``writes`` names; ``copied``: a CUDA event the rows'
+    copy to the host completes (waited for first)."""
 
     def run() -> None:
         if copied is not None:
@@ -225,7 +270,10 @@ def write_back_job(
             n = ids.numel()
             if n:
                 end = start + n
-                stores[name].write_back(ids, weights[start:end], {k: v[start:end] for k, v in states.items()})
+                store = stores[name]
+                allowed = None if writes is None else writes.get(name, _NOTHING)
+                rows = {k: v[start:end] for k, v in states.items()}
+                write_rows(store.write_back, store, ids, weights[start:end], rows, allowed)
                 start = end
 
     return run
@@ -297,10 +345,12 @@ def move(
     kernels: Sequence[_CacheKernel],
     device: torch.device,
     write_backs: Optional[WriteBacks],
+    writes: Writes = None,
 ) -> None:
-    """Apply ``prepared``: per slot space, its evicted rows gathered from the cache and written back (queued on
-    ``write_backs`` where given and the stores allow it), then its fetched rows scattered into the cache; the
-    slot maps updated. Every space's write-back leaves before its fetched rows come in (members share slots)."""
+    """Apply ``prepared``: per slot space, its evicted rows gathered from the cache and written back (those
+    ``writes`` names; queued on ``write_backs`` where given and the stores allow it), then its fetched rows
+    scattered into the cache; the slot maps updated. Every space's write-back leaves before its fetched rows
+    come in (members share slots)."""
     stores = {n: t.store for n, t in tables.items() if t.store is not None}
     for space in prepared.spaces:
         kernel = kernels[space.group]
@@ -314,7 +364,7 @@ def move(
             if later and device.type == "cuda":
                 copied = torch.cuda.Event()
                 copied.record()
-            job = write_back_job(space, stores, rows, rows_states, copied)
+            job = write_back_job(space, stores, rows, rows_states, copied, writes)
             if write_backs is not None and later:
                 write_backs.put(job)
             else:
@@ -349,9 +399,11 @@ def counted(
 
 
 @torch.no_grad()
-def flush_rows(tables: Mapping[str, _Table], kernels: Sequence[_CacheKernel], device: torch.device) -> None:
-    """Write every cached row and its optimizer state back to its store, then flush the stores (after the
-    write-backs left to another thread have landed)."""
+def flush_rows(
+    tables: Mapping[str, _Table], kernels: Sequence[_CacheKernel], device: torch.device, writes: Writes = None
+) -> None:
+    """Write every cached row (of those ``writes`` names) and its optimizer state back to its store, then flush
+    the stores (after the write-backs left to another thread have landed)."""
     for t in tables.values():
         if t.store is None or t.slot_to_id is None:
             continue
@@ -359,10 +411,13 @@ def flush_rows(tables: Mapping[str, _Table], kernels: Sequence[_CacheKernel], de
         if occupied.numel():
             kernel = kernels[t.group]
             dev = occupied.to(device)
-            t.store.scatter(
+            write_rows(
+                t.store.scatter,
+                t.store,
                 t.slot_to_id.index_select(0, occupied),
                 kernel.weights(t.local).index_select(0, dev).cpu(),
                 {k: v.index_select(0, dev).cpu() for k, v in kernel.states(t.local).items()},
+                None if writes is None else writes.get(t.config.name, _NOTHING),
             )
             t.counters["rows_flushed"] += occupied.numel()
             t.counters["bytes_moved"] += occupied.numel() * t.store.row_width * 4

@@ -59,6 +59,7 @@ from torchrec_lookahead.modules._moves import (
     MOVED,
     PreparedPlan,
     WriteBacks,
+    Writes,
     check_prepared_staged,
     counted,
     flush_rows,
@@ -210,6 +211,8 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
         self._moved = np.zeros((len(self._cached), len(MOVED)), dtype=np.int64)
         #: evicted rows whose store writes the stager thread lands (``apply_plan(defer_write_backs=True)``)
         self._write_backs = WriteBacks()
+        #: what a write-back or flush that names no rows writes: every row, none once :meth:`share_stores`
+        self._unnamed: Writes = None
         #: the kernels' outputs, one after another, are in feature order; and each feature's dimension
         self._output_order_matches = [f for fs in self._group_features for f in fs] == self._feature_names
         self._dims = [
@@ -437,6 +440,7 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
         trusted: bool = False,
         prepared: Optional[PreparedPlan] = None,
         defer_write_backs: bool = False,
+        writes: Writes = None,
     ) -> None:
         """Write back the plan's evicted rows and load its fetched rows, with their optimizer state: one gather
         and one scatter per slot space (the tables sharing one storage), weights and each state.
@@ -459,6 +463,8 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
             defer_write_backs: leave the store writes of the evicted rows (of in-memory stores) to whoever reads
                 a store next (:meth:`land_write_backs`: the planning loader's stager, before it gathers); the
                 cache keeps only its copy of the rows.
+            writes: per table, the evicted ids whose rows this rank writes back (stores shared by several ranks,
+                :meth:`share_stores`); ``None``: every row, or none once the stores are shared.
 
         Raises:
             ConfigError: the plan names an unknown or resident table.
@@ -500,6 +506,7 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
             self._kernels,
             self._device,
             self._write_backs if defer_write_backs else None,
+            self._unnamed if writes is None else writes,
         )
         self._moved += prepared.counts
         self._applied = AppliedPlan(plan.step, trusted)
@@ -519,13 +526,19 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
     # durability and statistics
     # ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def flush(self) -> None:
-        """Write every cached row and its optimizer state back to its store, then flush the stores.
+    def flush(self, writes: Writes = None) -> None:
+        """Write every cached row (of those ``writes`` names, see :meth:`apply_plan`) and its optimizer state
+        back to its store, then flush the stores.
 
         Rows stay cached: training continues with the same plan stream.
         """
         self.land_write_backs()
-        flush_rows(self._tables, self._kernels, self._device)
+        flush_rows(self._tables, self._kernels, self._device, self._unnamed if writes is None else writes)
+
+    def share_stores(self) -> None:
+        """The stores are shared by several ranks, each row written by one: from now on a write-back or flush
+        writes only the rows its ``writes`` names, none without (a state dict's flush, after the owner's)."""
+        self._unnamed = {}
 
     def invalidate(self) -> None:
         """Forget every cached row WITHOUT writing it back (call :meth:`flush` first to keep updates).
