@@ -39,13 +39,13 @@ __all__ = ["RankSync", "StepState"]
 class StepState:
     """The state a sharded collection keeps of the cached step in flight, in one place.
 
-    :meth:`ShardedLookaheadCollection.apply_plan` sets ``planned``, ``dirty`` and (several ranks)
-    ``lrpp``; the training forward consumes ``planned`` (one forward per applied plan); the backward hook reads
-    ``lrpp`` and appends the step's delayed exchanges to ``pending``; the next ``apply_plan``, ``flush`` or
-    ``invalidate`` lands them first; ``flush`` clears ``dirty``; an evaluation flushes once (``eval_flushed``).
+    :meth:`ShardedLookaheadCollection.apply_plan` sets ``dirty`` and (several ranks) ``lrpp``; the backward
+    hook reads ``lrpp`` and appends the step's delayed exchanges to ``pending``; the next ``apply_plan``,
+    ``flush`` or ``invalidate`` lands them first; ``flush`` clears ``dirty``; an evaluation flushes once
+    (``eval_flushed``). The plan a training forward covers is the cache's own one-forward token
+    (``CachedCollection.applied_plan``), not a flag here.
 
     Attributes:
-        planned: a plan has been applied that no training forward has consumed yet.
         lrpp: with several ranks, the synchronisation plan of the last applied step (its backward's exchange
             and the slot writers a flush writes back by); ``None`` after :meth:`invalidate`.
         pending: delayed exchanges of the last backward, not landed yet.
@@ -53,7 +53,6 @@ class StepState:
         eval_flushed: the cache has been flushed for the current evaluation (reset by ``train()``).
     """
 
-    planned: bool = False
     lrpp: Optional[LRPPPlan] = None
     pending: List[PendingExchange] = dataclasses.field(default_factory=list)
     dirty: bool = False

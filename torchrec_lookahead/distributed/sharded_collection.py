@@ -257,7 +257,6 @@ class ShardedLookaheadCollection(
             self.cache.apply_plan(
                 sub, sub_staged, trusted=trusted, prepared=prepared, defer_write_backs=defer_write_backs
             )
-        self.step_state.planned = True
         self.step_state.eval_flushed = False
         self.step_state.dirty = True
 
@@ -277,6 +276,7 @@ class ShardedLookaheadCollection(
         if any(p.evict_ids.numel() for p in mine.values()):
             raise SetupError(f"the pin plan of step {plan.step} evicts rows; pin into an emptied cache")
         self.cache.apply_plan(BatchPlan(plan.step, mine))
+        self.cache.consume_applied_plan()  # pinned rows are no step's plan: a forward still needs one
         self.step_state.eval_flushed = False
         self.step_state.dirty = True
 
@@ -391,16 +391,15 @@ class ShardedLookaheadCollection(
             outs.append(out.wait() if hasattr(out, "wait") else out)
         if cache_kjt is not None:
             if self.training:
-                if not self.step_state.planned:
+                if self.cache.applied_plan is None:  # the cache's forward consumes it: one plan, one forward
                     raise SetupError(
                         "A training forward reached the lookahead cache without a plan for the step: wrap the "
                         "DataModule in LookaheadDataModule and train with strategy='torchrec' (or call "
                         "apply_plan() and feed slot-remapped features yourself)"
                     )
-                self.step_state.planned = False
                 outs.append(self.cache(cache_kjt))
             else:
-                if self.step_state.planned:
+                if self.cache.applied_plan is not None:
                     raise SetupError(
                         "The lookahead cache received a planned (slot-remapped) training batch while it is in eval "
                         "mode; keep the model in training mode during fit (call model.train())"
