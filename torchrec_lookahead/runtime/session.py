@@ -21,9 +21,10 @@ top-down; nothing below calls back up::
                        3. step t's staged rows (wait, or gather them here)    loader.staged_rows
                        4. each cached collection applies plan t               module.apply_plan
                           (per slot space: its evicted rows copied out of the cache, then its fetched rows in;
-                          W ranks: step t - 1's delayed rows land, replicas refresh, the backward's plan armed)
+                          W ranks: step t - 1's delayed rows land, the evicted rows this rank writes named
+                          to the write (writes=), replicas refresh, the backward's plan armed)
                        5. the gate records plan t applied                     loader.progress.applied
-                     -> forward (the module consumes its one-forward plan)
+                     -> forward (the cache consumes its one-forward plan, AppliedPlan)
                      -> backward (the cache kernel's backward hook: the exact gradient exchange, which only
                         packs, all-gathers and places gradients by the plan's exchange index, the optimizer in
                         backward, rows no rank reads at t + 1 all-gathered in the background)
@@ -31,6 +32,19 @@ top-down; nothing below calls back up::
 
 :meth:`new_stream` (flush, then empty the caches) starts every plan stream: the planning loader calls it when
 an iteration starts, since its fresh oracle plans from an empty cache.
+
+The state of one step, and who holds it::
+
+    the plan                 LookaheadBatch (plan, staged rows, LRPP plan, each collection's PreparedPlan:
+                             one move per slot space), an immutable value the planner thread built
+    the apply gate           loader.progress (ApplyProgress): which plans' write-backs have landed
+    the plan applied         each cache's AppliedPlan, consumed by the next forward (one plan, one forward)
+    the rows a rank writes   apply_plan's and flush's writes= (W ranks: LRPP's evict_writer / writer), an
+                             argument of each store write, never state of the store
+    W ranks                  each collection's StepState: the LRPP plan the backward reads, its pending
+                             delayed exchanges, dirty, eval_flushed
+    counters                 stats() below: the loader threads' LoaderStats, the hot batches and the
+                             training thread's cache time; each cache's stats() per table; sync_counters
 """
 
 from __future__ import annotations
