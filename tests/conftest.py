@@ -87,6 +87,17 @@ def shared_resident(_resident_runs: Dict[str, Any]) -> Iterator[None]:
         yield
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker (``make test`` runs two on two cores) runs torch's operators on one thread, and so do the
+    processes its tests start: two workers with a team of two OpenMP threads each would oversubscribe the cores,
+    and spinning threads inflate every test's time."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")
