@@ -89,8 +89,12 @@ class RowsSnapshot:
         """The snapshot's rows, a block of :data:`_BLOCK_ROWS` at a time, in ``ids`` order."""
         for b, a in enumerate(range(0, self._ids.size, _BLOCK_ROWS)):
             z = min(a + _BLOCK_ROWS, self._ids.size)
+            lo, hi = int(self._ids[a]), int(self._ids[z - 1]) + 1
             with self._lock:
-                block = self._rows.index_select(0, torch.from_numpy(self._ids[a:z]))
+                if hi - lo == z - a:  # consecutive rows (whole chunks): a slice
+                    block = self._rows[lo:hi].clone()
+                else:
+                    block = self._rows.index_select(0, torch.from_numpy(self._ids[a:z]))
                 for pos, values in self._saved.pop(b, []):
                     block[torch.from_numpy(pos - a)] = values
                 self._done = int(self._ids[z]) if z < self._ids.size else self._rows.shape[0]
@@ -145,7 +149,7 @@ def prepare_rows_piece(
                 f.write(page)
                 f.write(ids.tobytes())
                 for block in copies:
-                    f.write(block.numpy().tobytes())
+                    f.write(block.numpy().data)
                 f.flush()
                 os.fsync(f.fileno())
             finish_piece(dst, {"kind": kind, "bytes": nbytes})
