@@ -192,6 +192,7 @@ class _Run:
         self.to_stage: queue.Queue[Any] = queue.Queue()
         #: batches the reader thread read, not yet taken by the planner
         self.reads: queue.Queue[Any] = queue.Queue(maxsize=queue_depth)
+        self.reader: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.threads: List[threading.Thread] = []
         self.join_timeout_s = join_timeout_s
@@ -211,18 +212,24 @@ class _Run:
             threading.Thread(target=stage, args=(self,), daemon=True, name="lookahead-stager"),
         ]
         if read is not None:
-            self.threads.append(
-                threading.Thread(target=read, args=(self,), daemon=True, name="lookahead-reader")
-            )
+            self.reader = threading.Thread(target=read, args=(self,), daemon=True, name="lookahead-reader")
+            self.threads.append(self.reader)
         for t in self.threads:
             t.start()
 
-    def put(self, item: Any, into: Optional[queue.Queue[Any]] = None) -> bool:
-        """Hand an item to the training thread (or to the queue ``into``); ``False`` once the run is stopped."""
-        target = self.out if into is None else into
+    def put(self, item: Any) -> bool:
+        """Hand an item to the training thread; ``False`` once the run is stopped."""
+        return self._put(self.out, item)
+
+    def put_read(self, item: Any) -> bool:
+        """Hand a batch the reader thread read (or its end, or its error) to the planner; ``False`` once the run
+        is stopped."""
+        return self._put(self.reads, item)
+
+    def _put(self, into: queue.Queue[Any], item: Any) -> bool:
         while not self.stopped:
             try:
-                target.put(item, timeout=0.05)
+                into.put(item, timeout=0.05)
                 return True
             except queue.Full:
                 continue
@@ -235,6 +242,10 @@ class _Run:
             try:
                 item = self.reads.get(timeout=0.05)
             except queue.Empty:
+                if self.reader is not None and not self.reader.is_alive() and self.reads.empty():
+                    raise RuntimeError(
+                        "the lookahead reader thread ended without handing over the loader's end"
+                    ) from None
                 continue
             if item is _END:
                 return

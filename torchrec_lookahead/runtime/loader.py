@@ -48,7 +48,6 @@ from torchrec_lookahead.oracle import (
 from torchrec_lookahead.runtime._planning import StepPlanner
 from torchrec_lookahead.runtime._threads import (
     _END,
-    ApplyProgress,
     LoaderStats,
     _ReadError,
     _Run,
@@ -136,8 +135,9 @@ class LookaheadLoader:
         self._yielded = 0
         self._resume_from = 0
         self._source: Optional[Iterator[Any]] = None  # the wrapped loader's iterator, started by __iter__
-        #: the no-stale-read rule: which plans' write-backs have landed (the stager waits on it)
-        self.progress = ApplyProgress(target.num_ranks)
+        #: the no-stale-read rule: which plans' write-backs have landed (the stager waits on it); the session's
+        #: apply gate, which its apply drives
+        self.progress = session.gate
         self._planned = -1
         self._planner_cpu = 0.0
         self._run: Optional[_Run] = None
@@ -299,11 +299,11 @@ class LookaheadLoader:
                 now = time.thread_time()
                 self._count(LoaderStats(reader_cpu_s=now - cpu, read=1))
                 cpu = now
-                if not run.put(b, into=run.reads):
+                if not run.put_read(b):
                     return
-            run.put(_END, into=run.reads)
+            run.put_read(_END)
         except BaseException as e:
-            run.put(_ReadError(e), into=run.reads)
+            run.put_read(_ReadError(e))
 
     def _plan(self, run: _Run) -> None:
         single_threaded_ops()

@@ -17,13 +17,13 @@ top-down; nothing below calls back up::
                      (one rank: the training thread leaves them here, land_write_backs)
     training thread  strategy.batch_to_device (or the pipeline's _wait_for_batch) -> CacheSession.apply(t):
                        1. pinned rows (FAE, first batch of a plan stream)     module.pin_rows
-                       2. the apply gate opens step t                         loader.progress.begin
+                       2. the apply gate opens step t                         gate.begin
                        3. step t's staged rows (wait, or gather them here)    loader.staged_rows
                        4. each cached collection applies plan t               module.apply_plan
                           (per slot space: its evicted rows copied out of the cache, then its fetched rows in;
                           W ranks: step t - 1's delayed rows land, the evicted rows this rank writes named
                           to the write (writes=), replicas refresh, the backward's plan armed)
-                       5. the gate records plan t applied                     loader.progress.applied
+                       5. the gate records plan t applied                     gate.applied
                      -> forward (the cache consumes its one-forward plan, AppliedPlan)
                      -> backward (the cache kernel's backward hook: the exact gradient exchange, which only
                         packs, all-gathers and places gradients by the plan's exchange index, the optimizer in
@@ -37,7 +37,8 @@ The state of one step, and who holds it::
 
     the plan                 LookaheadBatch (plan, staged rows, LRPP plan, each collection's PreparedPlan:
                              one move per slot space), an immutable value the planner thread built
-    the apply gate           loader.progress (ApplyProgress): which plans' write-backs have landed
+    the apply gate           the session's gate (ApplyProgress): which plans' write-backs have landed; the
+                             stager of its planning loader waits on it
     the plan applied         each cache's AppliedPlan, consumed by the next forward (one plan, one forward)
     the rows a rank writes   apply_plan's and flush's writes= (W ranks: LRPP's evict_writer / writer), an
                              argument of each store write, never state of the store
@@ -59,7 +60,7 @@ import torch.distributed as dist
 from torchrec_lookahead.distributed.sharded_collection import ShardedLookaheadCollection
 from torchrec_lookahead.modules import PreparedPlan
 from torchrec_lookahead.oracle import BatchPlan
-from torchrec_lookahead.runtime._threads import LoaderStats
+from torchrec_lookahead.runtime._threads import ApplyProgress, LoaderStats
 from torchrec_lookahead.runtime.batch import LookaheadBatch, staged_result
 from torchrec_lookahead.runtime.target import CacheTarget, cached_modules
 
@@ -92,6 +93,8 @@ class CacheSession:
         self.target = target
         self.modules: List[ShardedLookaheadCollection[Any, Any]] = list(modules)
         self._loader: Optional[LookaheadLoader] = None
+        #: the apply gate: which plans' write-backs have landed (the planning loader's stager waits on it)
+        self.gate = ApplyProgress(target.num_ranks)
         self._hot_batches = 0
         self._cache_s = 0.0  # the training thread's time in apply, without the wait for staged rows
 
@@ -119,8 +122,9 @@ class CacheSession:
         return self._loader
 
     def attach(self, loader: LookaheadLoader) -> None:
-        """Make ``loader`` the planning loader: its apply gate and wait counters are the ones :meth:`apply`
-        drives (a loader attaches itself when it is built on this session)."""
+        """Make ``loader`` the planning loader: its wait counters are the ones :meth:`apply` drives, and its
+        stager waits on this session's :attr:`gate` (a loader attaches itself when it is built on this
+        session)."""
         self._loader = loader
 
     def stats(self) -> LoaderStats:
@@ -153,7 +157,8 @@ class CacheSession:
 
         That order is the no-stale-read rule: the rows a plan evicts carry every update of the steps before
         it, and the rows it fetches were gathered only once every write-back they depend on had landed (the
-        planning loader's :class:`~torchrec_lookahead.runtime._threads.ApplyProgress` tells its stager when).
+        session's :attr:`gate`, a :class:`~torchrec_lookahead.runtime._threads.ApplyProgress`, tells the
+        planning loader's stager when).
         Applying a plan anywhere else (earlier, on another thread, twice) would read or write stale rows.
 
         Raises:
@@ -178,7 +183,7 @@ class CacheSession:
         elif self._loader is None:
             staged = staged_result(plan, batch.staged)
         else:
-            self._loader.progress.begin(plan.step)
+            self.gate.begin(plan.step)
             t0 = time.perf_counter()
             staged = self._loader.staged_rows(plan, batch.staged)
             waited = time.perf_counter() - t0
@@ -189,7 +194,7 @@ class CacheSession:
             prepared = None if batch.prepared is None else batch.prepared[i]
             m.apply_plan(plan, staged, batch.lrpp, True, prepared, defer)
         if batch.staged is not None and self._loader is not None:
-            self._loader.progress.applied(plan.step)
+            self.gate.applied(plan.step)
         return waited
 
     def prepare(self, plan: BatchPlan) -> Tuple[PreparedPlan, ...]:
