@@ -387,6 +387,7 @@ def main() -> None:
                 row.update(res["loader"])
                 for key in (
                     "batch wait ms/step",
+                    "reader cpu ms/batch",
                     "planner cpu ms/batch",
                     "stager cpu ms/batch",
                     "training thread cache ms/step",
@@ -413,6 +414,7 @@ def main() -> None:
                 "hit rate",
                 "stager wait ms/step",
                 "batch wait ms/step",
+                "reader cpu ms/batch",
                 "planner cpu ms/batch",
                 "stager cpu ms/batch",
                 "training thread cache ms/step",

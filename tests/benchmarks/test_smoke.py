@@ -63,7 +63,12 @@ def check_cache_overhead(f: Dict[str, Any]) -> None:
     assert len(f["pair_ratios"]) == len(f["pair_ratios_background_loading"]) == 1
     assert all(positive(x) for x in f["pair_ratios"] + f["pair_ratios_background_loading"])
     assert close(f["cached_samples_per_s"] * f["cached_step_ms"] / 1e3, 64)
-    for k in ("cached_batch_wait_ms_per_step", "planner_cpu_ms_per_batch", "stager_cpu_ms_per_batch"):
+    for k in (
+        "cached_batch_wait_ms_per_step",
+        "reader_cpu_ms_per_batch",
+        "planner_cpu_ms_per_batch",
+        "stager_cpu_ms_per_batch",
+    ):
         assert finite(f[k]) and f[k] >= 0
     assert positive(f["cached_training_thread_ms"])
     k = f["kaggle"]  # the default job's config at Kaggle sizes x 0.01 here, timed once the caches are full
