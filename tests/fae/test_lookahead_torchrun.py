@@ -89,7 +89,8 @@ def test_two_ranks_fae_checkpoint_chain_killed_and_resumed_from_either_piece_end
     from torchrec_lookahead.strategies._checkpoint import read_chain
 
     from ..conftest import free_port
-    from ..distributed.test_disk_tier import _whole_tables, disk_sharder
+    from ..distributed.test_disk_tier import disk_sharder
+    from ..distributed.test_disk_tier_torchrun import _whole_tables
     from ..strategies.test_torchrun import _ckpt_args
 
     capacity = "{t_cat_2: 200, t_cat_11: 160, t_cat_15: 150}"  # the config's
