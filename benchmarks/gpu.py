@@ -293,6 +293,14 @@ def _suffix(fraction: float, first: float) -> str:
     return "" if fraction == first else "_" + f"{fraction * 100:g}".replace(".", "_") + "pct"
 
 
+def _loader_figures(figures: Dict[str, Any], loaders: Dict[str, List[Dict[str, float]]]) -> None:
+    """Beside each cached run's step time (``figures["runs"][name]["loader"]``): the medians over its runs of the
+    training thread's waits (ms a step) and of the reader, planner and stager threads' CPU (ms a batch)."""
+    for name, rows in loaders.items():
+        if rows and name in figures.get("runs", {}):
+            figures["runs"][name]["loader"] = {k: median([r[k] for r in rows]) for k in rows[0]}
+
+
 def _summarize(
     figures: Dict[str, Any],
     times: Dict[str, List[float]],
@@ -478,6 +486,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     ours_row = our_row_bytes(dim, optimizer)
     times: Dict[str, List[float]] = {name: [] for name, _, _ in runs}
     traffic: Dict[str, List[Dict[str, Any]]] = {name: [] for name, _, _ in runs}
+    # the lookahead loader's threads, per cached run: batch wait, stager wait, each thread's CPU per batch
+    loaders: Dict[str, List[Dict[str, float]]] = {name: [] for name, _, _ in runs}
     uvm_info: Dict[str, Dict[str, Any]] = {}
     out_rows: List[Dict[str, Any]] = []
     batch = batch_size(probe.datamodule)
@@ -512,6 +522,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 window_steps, counted = window.delta()
                 traffic[name].append(our_traffic(counted, window_steps, ours_row))
             times[name] += res["times"]
+            if res.get("loader"):
+                loaders[name].append(res["loader"])
             moved = per_step(traffic[name][-1:], distinct_per_step, bandwidth) if traffic[name] else {}
             row = {
                 "round": r,
@@ -526,8 +538,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             del res, cli
             # a run cut short (a time limit) keeps the runs it finished
             _summarize(figures, times, traffic, uvm_info, skipped, batch, distinct_per_step, bandwidth)
+            _loader_figures(figures, loaders)
             write_json(args.json, {**figures, "complete": False})
     med = _summarize(figures, times, traffic, uvm_info, skipped, batch, distinct_per_step, bandwidth)
+    _loader_figures(figures, loaders)
     figures["complete"] = True
     print()
     print(table(out_rows))

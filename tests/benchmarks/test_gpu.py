@@ -71,6 +71,11 @@ def test_gpu_benchmark_on_cpu(tmp_path: Path) -> None:
     assert cached["bytes_h2d_per_step"] == cached["rows_h2d_per_step"] * (16 + 1) * 4
     assert 0.0 <= cached["hit_rate"] <= 1.0 and 0.0 <= cached["lookup_hit_rate"] <= 1.0
     assert cached["floor_ms"] is None  # no host <-> device link on the CPU
+    # beside the step time, the lookahead loader's threads: the training thread's waits, each thread's CPU
+    threads = cached["loader"]
+    for key in ("batch wait ms/step", "stager wait ms/step", "reader cpu ms/batch", "planner cpu ms/batch"):
+        assert threads[key] >= 0, threads
+    assert threads["planner cpu ms/batch"] > 0, threads
 
 
 @pytest.mark.slow
