@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import resource
@@ -145,6 +146,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         )
 
 
+@functools.cache  # the scheduler asks once per test; a module's text is read once
 def _launches(path: Path) -> bool:
     """Whether a test module has tests marked ``distributed`` (read from its text: the controller of an xdist run
     does not import the tests)."""
