@@ -270,3 +270,59 @@ def test_a_checkpoint_of_an_earlier_release_still_loads(tmp_path: Path) -> None:
         load_store_files(files, tmp_path / "ckpt", 0)
     old.close()
     new.close()
+
+
+class _Killed(Exception):
+    """A process killed while a checkpoint is being written (raised where the kill falls)."""
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_process_killed_while_last_ckpt_is_rewritten_leaves_the_previous_one_to_resume_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool
+) -> None:
+    """A checkpoint is written under another name and renamed once whole. Killed before step 6's last.ckpt is
+    (its Lightning part not yet written), the run leaves step 4's last.ckpt whole, the partial one refused as
+    incomplete; ``ckpt_path="last"`` resumes from step 4 to the uninterrupted run's weights, bit for bit, and
+    its first checkpoint removes what the killed one left."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from torchrec_lookahead.strategies import _checkpoint_writer
+
+    from ..helpers import weights
+
+    disk = {"store": "disk", "host_budget_bytes": 64 * 1024}
+    strategy_kw = {"full_checkpoint_every": 3, "async_checkpoints": background}
+    d = tmp_path / "b_ckpt"
+
+    def fit(name: str, ckpt_dir: Path, ckpt_path: Any = None) -> Any:
+        every = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_last=True)
+        return fit_cached(tmp_path / name, 6, capacity={"t_cat_2": 140}, strategy_kw=strategy_kw,
+                          sharder_kw={**disk, "store_dir": str(tmp_path / f"{name}_st")}, callbacks=[every],
+                          ckpt_path=ckpt_path)[1]  # fmt: skip
+
+    full = fit("a", tmp_path / "a_ckpt")
+    publish = _checkpoint_writer.publish
+
+    def killed_at_step_6(writing: Path, final: Path) -> None:
+        if (
+            final.name == "last.ckpt"
+            and torch.load(writing / "meta.pt", weights_only=False)["global_step"] == 6
+        ):
+            os.unlink(writing / "meta.pt")  # as if killed before its last file
+            raise _Killed
+        publish(writing, final)
+
+    with monkeypatch.context() as m:
+        m.setattr(_checkpoint_writer, "publish", killed_at_step_6)
+        m.setattr(_checkpoint_writer, "_remove", lambda path, rank: None)  # a killed process cleans nothing
+        with pytest.raises(_Killed):
+            fit("b", d)
+    (left,) = d.glob(".writing-*")
+    with pytest.raises(CheckpointError, match="is incomplete: its meta.pt, written last, is missing"):
+        _checkpoint.read_checkpoint_meta(left, 1)
+    assert _checkpoint.read_checkpoint_meta(d / "last.ckpt", 1)["global_step"] == 4
+    resumed = fit("b2", d, ckpt_path="last")
+    a, b = weights(full), weights(resumed)
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+    assert not list(d.glob(".writing-*"))
+    assert _checkpoint.read_checkpoint_meta(d / "last.ckpt", 1)["global_step"] == 6

@@ -3,9 +3,11 @@ the Lightning part and the rank count in a small file beside them (:data:`META_F
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -31,9 +33,13 @@ __all__ = [
     "load_sharded",
     "load_store_files",
     "memory_available",
+    "publish",
     "read_chain",
     "read_checkpoint_meta",
+    "remove_checkpoint_dir",
+    "remove_unpublished",
     "save_store_files",
+    "writing_path",
 ]
 
 #: the Lightning part of a checkpoint directory (epoch, loops, callbacks), written by rank 0
@@ -48,7 +54,12 @@ CHAIN_FILE = "chain.json"
 #: beside the checkpoints (in their parent directory), the pieces of disk stores' files the checkpoints share:
 #: ``rank<r>/<collection>.<table>/<piece>``, each kept while a checkpoint there names it
 PIECES_DIR = ".store_pieces"
-_PARTIAL_AGE_S = 3600.0  # a partial piece younger than this may still be being written
+#: the prefix of a checkpoint being written (a sibling of its final path, renamed to it once whole)
+WRITING_PREFIX = ".writing-"
+_PARTIAL_AGE_S = 3600.0
+# held while checkpoints of a directory are renamed or removed, or its pool collected: the background writer's
+# rename and the training thread's collection never see each other half done
+_POOL_LOCK = threading.RLock()  # a partial piece younger than this may still be being written
 
 
 def _pieces_dir(path: Path, rank: int, key: str) -> Path:
@@ -62,6 +73,48 @@ def _write_json(path: Path, value: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def writing_path(final: Path) -> Path:
+    """Where checkpoint ``final`` is written before :func:`publish` gives it its name: a sibling (its pieces go
+    in the same pool) whose name holds neither ``last`` nor ``.ckpt``, so that Lightning's ``ckpt_path="last"``
+    never picks a checkpoint in writing."""
+    return final.with_name(WRITING_PREFIX + hashlib.sha1(final.name.encode()).hexdigest()[:16])
+
+
+def publish(writing: Path, final: Path) -> None:
+    """Rename the whole checkpoint ``writing`` to ``final``. A checkpoint rewritten in place (``last.ckpt``)
+    stays whole, and loadable, until the new one replaces it: a process killed while writing leaves the
+    previous one (and the partial one under its writing name, removed by the next checkpoint)."""
+    old = writing.with_name(writing.name + ".old")
+    with _POOL_LOCK:
+        if os.path.lexists(final):
+            _remove_path(old)
+            os.rename(final, old)
+        os.rename(writing, final)
+        _remove_path(old)
+
+
+def remove_unpublished(directory: Path) -> None:
+    """Remove the checkpoints in writing under ``directory`` that a killed or failed process left (call it when
+    none of this run's is in writing)."""
+    with _POOL_LOCK:
+        for left in directory.glob(WRITING_PREFIX + "*") if directory.is_dir() else ():
+            _remove_path(left)
+
+
+def remove_checkpoint_dir(path: Path) -> None:
+    """Remove checkpoint ``path``, then the pieces no checkpoint left beside it names."""
+    with _POOL_LOCK:
+        _remove_path(path)
+        collect_pieces(path.parent)
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
 
 
 def keep_store_files(stores: Sequence[EmbeddingStore]) -> None:
@@ -142,6 +195,11 @@ def collect_pieces(directory: Path) -> int:
     """Remove the pieces under ``directory``/:data:`PIECES_DIR` that no checkpoint in ``directory`` names (and
     partial ones): a deleted checkpoint's pieces go once no kept checkpoint's chain needs them. Nothing is
     removed while a checkpoint's chain file cannot be read. Returns the bytes removed."""
+    with _POOL_LOCK:
+        return _collect_pieces(directory)
+
+
+def _collect_pieces(directory: Path) -> int:
     pool = directory / PIECES_DIR
     if not pool.is_dir():
         return 0

@@ -1,20 +1,20 @@
-"""Writing a checkpoint directory of :class:`~torchrec_lookahead.strategies.TorchRecStrategy`, in the foreground
-or with its store pieces in the background (``async_checkpoints``).
+"""Writing a checkpoint directory of :class:`~torchrec_lookahead.strategies.TorchRecStrategy`, in the foreground or
+with its store pieces in the background (``async_checkpoints``).
 
-In the background, the training thread stops for what consistency needs: the flush of the cached rows and the
-host tiers (when the state dict is built), a snapshot of each piece (a copy of the rows a delta holds; a full
-piece holds its store as it is: an in-memory store saves the old value of a row written before the piece has
-copied it, a disk store keeps the log units the piece still has to copy from reuse, and copies its index), the
-chains' files, and the dense part (``torch.distributed.checkpoint``, small). The pieces are then written by one
-thread per rank; each rank marks its part written (:data:`WRITTEN`), and rank 0 writes the Lightning part
-(:data:`~torchrec_lookahead.strategies._checkpoint.META_FILE`) once every rank's is: until then the checkpoint
-is refused as incomplete. A second checkpoint waits for the first; the end of fit waits for the last; a failure
-is raised at the next checkpoint or at the end of fit, the failed checkpoint's directory removed.
+In the background, the training thread stops for what consistency needs: the flush of the cached rows and the host tiers
+(when the state dict is built), a snapshot of each piece (a copy of the rows a delta holds; a full piece holds its store
+as it is: an in-memory store saves the old value of a row written before the piece has copied it, a disk store keeps the
+log units the piece still has to copy from reuse, and copies its index), the chains' files, and the dense part
+(``torch.distributed.checkpoint``, small). The pieces are then written by one thread per rank; each rank marks its part
+written (:data:`WRITTEN`), and rank 0 writes the Lightning part
+(:data:`~torchrec_lookahead.strategies._checkpoint.META_FILE`) once every rank's is, then renames the directory from its
+writing name to its own (``last.ckpt`` rewritten stays the previous one until then). A second checkpoint waits for the
+first; the end of fit waits for the last; a failure is raised at the next checkpoint or at the end of fit, the failed
+checkpoint's directory removed.
 """
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -31,6 +31,8 @@ from torchrec_lookahead.strategies._checkpoint import (
     STORE_FILES_DIR,
     WORLD_SIZE_KEY,
     collect_pieces,
+    publish,
+    remove_checkpoint_dir,
     save_store_files,
 )
 
@@ -88,15 +90,18 @@ def _wait_for_ranks(path: Path, world_size: int) -> None:
 def write_checkpoint(
     checkpoint: Dict[str, Any],
     path: Path,
+    final: Path,
     files: Optional[StoreFiles],
     rank: int,
     world_size: int,
     max_chain: int,
     background: Optional[PiecesWriter],
 ) -> None:
-    """Write checkpoint ``path`` (made, empty, by rank 0) on this rank: the store pieces and chains, the sharded
-    state (``torch.distributed.checkpoint``, collective) and, on rank 0, the Lightning part last. With
-    ``background``, the pieces and the Lightning part are written by its thread.
+    """Write checkpoint ``path`` (made, empty, by rank 0; :func:`~torchrec_lookahead.strategies._checkpoint.
+    writing_path` of ``final``) on this rank: the store pieces and chains, the sharded state
+    (``torch.distributed.checkpoint``, collective) and, on rank 0, the Lightning part last, then the whole
+    directory renamed to ``final``. With ``background``, the pieces, the Lightning part and the rename are done by
+    its thread.
 
     Raises:
         StoreError: a piece cannot be written; the checkpoint's directory (rank 0) and this rank's new pieces
@@ -115,6 +120,7 @@ def write_checkpoint(
         if background is None:
             if rank == 0:
                 torch.save(checkpoint, path / META_FILE)
+                publish(path, final)
             return
     except BaseException:
         for pending in writers:  # those not written let go of what they hold
@@ -131,8 +137,11 @@ def write_checkpoint(
             if rank == 0:
                 _wait_for_ranks(path, world_size)
                 torch.save(checkpoint, path / META_FILE)
+                publish(path, final)
+                collect_pieces(final.parent)  # the pieces only the checkpoint it replaced named
         except BaseException:
-            (mine / _FAILED).touch()
+            if mine.is_dir():
+                (mine / _FAILED).touch()
             _remove(path, rank)
             raise
 
@@ -152,5 +161,4 @@ def _write_all(writers: List[PendingPiece]) -> None:
 def _remove(path: Path, rank: int) -> None:
     """A failed checkpoint leaves nothing behind: rank 0 removes its directory, then the pieces no kept one names."""
     if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        collect_pieces(path.parent)
+        remove_checkpoint_dir(path)

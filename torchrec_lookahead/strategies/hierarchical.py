@@ -476,10 +476,13 @@ class HierarchicalStrategy(TorchRecStrategy):
         if self.averager is not None:
             self.averager.finish()  # a round in flight lands before the weights are written
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def _save_own_state(self, path: Path) -> None:
         if self.averager is not None:
             # Every rank's own part of its group's replica, of its dense optimizer state and of the center: the
             # groups' replicas differ, and DCP keeps one copy of a tensor that has the same name on every rank.
-            dcp.save(self._local_state(), checkpoint_id=Path(self.broadcast(str(filepath))) / _STATE_DIR)
+            dcp.save(self._local_state(), checkpoint_id=path / _STATE_DIR)
             self.barrier("hierarchical_ckpt_saved")
 
     def _same_layout(self, path: Path) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
@@ -57,6 +56,9 @@ from torchrec_lookahead.strategies._checkpoint import (
     load_sharded,
     load_store_files,
     read_checkpoint_meta,
+    remove_checkpoint_dir,
+    remove_unpublished,
+    writing_path,
 )
 from torchrec_lookahead.strategies._checkpoint_writer import PiecesWriter, write_checkpoint
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
@@ -517,23 +519,27 @@ class TorchRecStrategy(DDPStrategy):
     ) -> None:
         if storage_options is not None:
             raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
-        path = Path(self.broadcast(str(filepath)))
+        final = Path(self.broadcast(str(filepath)))
+        # written under another name and renamed once whole: a rewritten last.ckpt stays loadable meanwhile
+        path = writing_path(final)
         if self._writer is not None:  # the previous checkpoint is written first
             self._writer.wait()
         if self.is_global_zero:
-            if path.is_file():
-                path.unlink()
-            elif path.is_dir():  # rewritten (last.ckpt): its pieces stay while a checkpoint names them
-                shutil.rmtree(path)
+            remove_unpublished(final.parent)  # those of a killed process
             path.mkdir(parents=True)
         self.barrier("torchrec_ckpt_mkdir")
+        self._save_own_state(path)
         files, self._store_files = self._store_files, None
         write_checkpoint(
-            checkpoint, path, files, self.global_rank, self.world_size, self._full_every, self._writer
+            checkpoint, path, final, files, self.global_rank, self.world_size, self._full_every, self._writer
         )
         self.barrier("torchrec_ckpt_saved")
         if self.is_global_zero:
             collect_pieces(path.parent)
+
+    def _save_own_state(self, path: Path) -> None:
+        """Write what a subclass keeps beside the checkpoint's state into checkpoint ``path`` (in writing: its
+        Lightning part is written after), on every rank."""
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -578,12 +584,7 @@ class TorchRecStrategy(DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-                collect_pieces(path.parent)  # the pieces no kept checkpoint's chain needs
-            elif path.exists():
-                path.unlink()
+            remove_checkpoint_dir(Path(filepath))  # then the pieces no kept checkpoint's chain needs
 
 
 if TorchRecStrategy.strategy_name not in StrategyRegistry:
