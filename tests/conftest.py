@@ -171,7 +171,7 @@ if importlib.util.find_spec("xdist") is not None:
         """``make test`` runs two pytest-xdist workers. Each module's tests run on one worker, so a module-scoped
         run is made once and shared as it is in a serial run; and every module with ``distributed`` tests runs on
         one worker, one module after another: a torchrun launch already uses every core, and its timing-sensitive
-        tests (signals, kill -9, restarts) see no other launch start or end meanwhile, while the other worker runs
+        tests (signals, kill -9, restarts) never run beside one another, while the other worker runs
         the rest beside it. A module marked ``beside_launches`` (its launches compare results only) goes to the
         other worker first, so that the chain and it run side by side; then the modules with ``slow`` tests."""
         from xdist.scheduler import LoadScopeScheduling
