@@ -305,7 +305,7 @@ def read_chain(file: DiskFile, pieces: Sequence[str]) -> Chain:
         pread_all(fd, memoryview(index), PAGE, pieces[0])
         file._check_index(pieces[0], index)
         loc = np.frombuffer(index, dtype=np.uint32, count=file.num_rows, offset=PAGE)
-        live = file.units_of(loc[np.flatnonzero(loc)].astype(np.int64) - 1)
+        live = file.live_units(loc)
         lacking = live[:0] if lists[0]["units"] is None else np.setdiff1d(live, lists[0]["units"])
         if lacking.size:
             raise ConfigError(

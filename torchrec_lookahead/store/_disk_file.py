@@ -450,12 +450,14 @@ class DiskFile:
         live[live] = self.loc[owner[live]].astype(np.int64) - 1 == slots[live]
         return slots[live], owner[live]
 
-    def live_units(self) -> np.ndarray:
-        """The sorted distinct units holding a row on disk (marked in a flag per unit: no sort of the rows)."""
+    def live_units(self, loc: Optional[np.ndarray] = None) -> np.ndarray:
+        """The sorted distinct units holding a row on disk (marked in a flag per unit: no sort of the rows), by
+        this file's index or by ``loc``, another index of it (a checkpoint piece's)."""
+        loc = self.loc if loc is None else loc
         live = np.zeros(self.num_units, dtype=bool)
         for a in range(0, self.num_rows, _LIVE_BLOCK_ROWS):
-            loc = self.loc[a : a + _LIVE_BLOCK_ROWS]
-            live[(loc[loc != 0].astype(np.int64) - 1) // self.rows_per_unit] = True
+            block = loc[a : a + _LIVE_BLOCK_ROWS]
+            live[(block[block != 0].astype(np.int64) - 1) // self.rows_per_unit] = True
         return np.flatnonzero(live)
 
     def write_index(self) -> None:
