@@ -51,3 +51,43 @@ def test_loader_stats_is_a_frozen_snapshot_with_field_wise_differences() -> None
     assert after - before == LoaderStats(stager_wait_s=0.5, planned=3, gathered_here=1, hot_batches=4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         after.planned = 0  # type: ignore[misc]
+
+
+def test_the_planner_never_takes_a_reader_not_yet_started_for_one_that_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reader thread starts before the planner: on a loaded machine the planner could run for longer than
+    its first wait before a reader started after it ran, and took it (not alive, nothing read) for a reader that
+    ended without handing over the loader's end. Here every thread started after the planner is held back."""
+    import time
+
+    from torchrec_lookahead.runtime._threads import _END, _Run
+
+    planner_started = threading.Event()
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if planner_started.is_set():
+            time.sleep(0.3)  # six of the planner's waits for a read
+        real_start(self)
+        if self.name == "lookahead-oracle":
+            planner_started.set()
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    run, got, errors = _Run(queue_depth=2), [], []
+
+    def plan(r: _Run) -> None:
+        try:
+            got.extend(r.read_ahead())
+        except RuntimeError as e:
+            errors.append(e)
+
+    def read(r: _Run) -> None:
+        for b in (1, 2, 3):
+            r.put_read(b)
+        r.put_read(_END)
+
+    run.start(plan, lambda r: None, read)
+    for t in run.threads:
+        t.join(5)
+    assert not errors and got == [1, 2, 3]

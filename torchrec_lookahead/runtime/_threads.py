@@ -206,14 +206,17 @@ class _Run:
         return self._stop.is_set()
 
     def start(self, plan: Any, stage: Any, read: Optional[Any] = None) -> None:
-        """Start the planner and stager threads, and the reader thread when ``read`` is given."""
-        self.threads = [
-            threading.Thread(target=plan, args=(self,), daemon=True, name="lookahead-oracle"),
-            threading.Thread(target=stage, args=(self,), daemon=True, name="lookahead-stager"),
-        ]
+        """Start the planner and stager threads, and the reader thread when ``read`` is given (first: the
+        planner takes a reader that is not alive, with nothing read, for one that ended without handing over the
+        loader's end; started after the planner, a reader a loaded machine had not run yet was taken for one)."""
+        self.threads = []
         if read is not None:
             self.reader = threading.Thread(target=read, args=(self,), daemon=True, name="lookahead-reader")
             self.threads.append(self.reader)
+        self.threads += [
+            threading.Thread(target=plan, args=(self,), daemon=True, name="lookahead-oracle"),
+            threading.Thread(target=stage, args=(self,), daemon=True, name="lookahead-stager"),
+        ]
         for t in self.threads:
             t.start()
 
