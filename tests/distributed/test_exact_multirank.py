@@ -20,7 +20,7 @@ import yaml
 
 from ..verify_runs import launch, selected
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.beside_launches]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 #: The default job's capacities, doubled: capacities are rows for the *global* batch (both ranks' slices).
 GLOBAL_CAPACITY = {"t_cat_2": 10200, "t_cat_3": 4400, "t_cat_11": 8400, "t_cat_15": 5600, "t_cat_20": 7200}
