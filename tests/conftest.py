@@ -147,20 +147,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 
 @functools.cache  # the scheduler asks once per test; a module's text is read once
-def _text(path: Path) -> str:
-    return path.read_text() if path.suffix == ".py" else ""
-
-
 def _launches(path: Path) -> bool:
     """Whether a test module has tests marked ``distributed`` (read from its text: the controller of an xdist run
     does not import the tests)."""
-    return "mark.distributed" in _text(path)
-
-
-def _priority(path: Path) -> int:
-    """The order the scheduler hands modules out in after the chain of launches: the modules with ``slow`` tests,
-    then the rest (longest first, so that no long module starts last)."""
-    return 1 if "mark.slow" in _text(path) else 2
+    return path.suffix == ".py" and "mark.distributed" in path.read_text()
 
 
 if importlib.util.find_spec("xdist") is not None:
@@ -169,9 +159,8 @@ if importlib.util.find_spec("xdist") is not None:
         """``make test`` runs two pytest-xdist workers. Each module's tests run on one worker, so a module-scoped
         run is made once and shared as it is in a serial run; and every module with ``distributed`` tests runs on
         one worker, one module after another: a torchrun launch already uses every core, and its timing-sensitive
-        tests (signals, kill -9, restarts) never run beside one another, while the other worker runs
-        the rest beside it, the modules with ``slow`` tests first. (Two launches side by side, four ranks on two
-        cores, made a whole run 10 % slower and spend 16 % more CPU: gloo's ranks wait spinning.)"""
+        tests (signals, kill -9, restarts) see the machine as they do serially, while the other worker runs the
+        single-process modules beside it."""
         from xdist.scheduler import LoadScopeScheduling
 
         root = config.rootpath
@@ -180,13 +169,5 @@ if importlib.util.find_spec("xdist") is not None:
             def _split_scope(self, nodeid: str) -> str:
                 module = nodeid.split("::", 1)[0]
                 return "launches" if _launches(root / module) else module
-
-            def _assign_work_unit(self, node: Any) -> None:
-                if not getattr(self, "_ordered", False):  # the first time: the order above (a stable sort)
-                    rank = {s: 0 if s == "launches" else _priority(root / s) for s in self.workqueue}
-                    for scope in sorted(self.workqueue, key=rank.__getitem__):
-                        self.workqueue.move_to_end(scope)
-                    self._ordered = True
-                super()._assign_work_unit(node)
 
         return ModuleScheduling(config, log)
