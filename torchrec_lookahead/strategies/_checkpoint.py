@@ -56,10 +56,10 @@ CHAIN_FILE = "chain.json"
 PIECES_DIR = ".store_pieces"
 #: the prefix of a checkpoint being written (a sibling of its final path, renamed to it once whole)
 WRITING_PREFIX = ".writing-"
-_PARTIAL_AGE_S = 3600.0
+_PARTIAL_AGE_S = 3600.0  # a partial piece younger than this may still be being written
 # held while checkpoints of a directory are renamed or removed, or its pool collected: the background writer's
 # rename and the training thread's collection never see each other half done
-_POOL_LOCK = threading.RLock()  # a partial piece younger than this may still be being written
+_POOL_LOCK = threading.RLock()
 
 
 def _pieces_dir(path: Path, rank: int, key: str) -> Path:

@@ -34,6 +34,7 @@ from torchrec_lookahead.strategies._checkpoint import (
     publish,
     remove_checkpoint_dir,
     save_store_files,
+    writing_path,
 )
 
 __all__ = ["WRITTEN", "PiecesWriter", "write_checkpoint"]
@@ -89,7 +90,6 @@ def _wait_for_ranks(path: Path, world_size: int) -> None:
 
 def write_checkpoint(
     checkpoint: Dict[str, Any],
-    path: Path,
     final: Path,
     files: Optional[StoreFiles],
     rank: int,
@@ -97,8 +97,8 @@ def write_checkpoint(
     max_chain: int,
     background: Optional[PiecesWriter],
 ) -> None:
-    """Write checkpoint ``path`` (made, empty, by rank 0; :func:`~torchrec_lookahead.strategies._checkpoint.
-    writing_path` of ``final``) on this rank: the store pieces and chains, the sharded state
+    """Write checkpoint ``final`` on this rank, under its :func:`~torchrec_lookahead.strategies._checkpoint.
+    writing_path` (made, empty, by rank 0): the store pieces and chains, the sharded state
     (``torch.distributed.checkpoint``, collective) and, on rank 0, the Lightning part last, then the whole
     directory renamed to ``final``. With ``background``, the pieces, the Lightning part and the rename are done by
     its thread.
@@ -107,6 +107,7 @@ def write_checkpoint(
         StoreError: a piece cannot be written; the checkpoint's directory (rank 0) and this rank's new pieces
             are removed.
     """
+    path = writing_path(final)
     writers: List[PendingPiece] = []
     try:
         writers = save_store_files(files, path, rank, max_chain) if files else []

@@ -531,7 +531,7 @@ class TorchRecStrategy(DDPStrategy):
         self._save_own_state(path)
         files, self._store_files = self._store_files, None
         write_checkpoint(
-            checkpoint, path, final, files, self.global_rank, self.world_size, self._full_every, self._writer
+            checkpoint, final, files, self.global_rank, self.world_size, self._full_every, self._writer
         )
         self.barrier("torchrec_ckpt_saved")
         if self.is_global_zero:
