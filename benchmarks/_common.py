@@ -254,10 +254,10 @@ def train(
 
 
 class LoaderWindow(pl.Callback):
-    """The lookahead loader's counters over the timed steps (after ``warmup``), so that start-up (the oracle
-    reading its first horizon of batches) does not count: ``per_step`` (waits and the training thread's
-    time in cache code, ms a step) and ``per_batch`` (the planner's and stager's CPU time, ms a batch) once
-    training ended."""
+    """The lookahead loader's counters once training ended: the waits and the training thread's time in cache
+    code, ms a step over the timed steps (after ``warmup``, so that start-up, the oracle reading its first
+    horizon of batches, does not count), and each loader thread's CPU time, ms a batch over every batch it
+    handled (a short run's planner may have read and planned all its batches before the timed steps)."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
@@ -278,13 +278,13 @@ class LoaderWindow(pl.Callback):
         if self._first is None or self._last is None or self._last[0] == self._first[0]:
             return {}
         steps = self._last[0] - self._first[0]
-        d = self._last[1] - self._first[1]
+        d, total = self._last[1] - self._first[1], self._last[1]
         return {
             "stager wait ms/step": d.stager_wait_s / steps * 1e3,
             "batch wait ms/step": d.batch_wait_s / steps * 1e3,
-            "reader cpu ms/batch": d.reader_cpu_s / max(d.read, 1) * 1e3,
-            "planner cpu ms/batch": d.planner_cpu_s / max(d.planned, 1) * 1e3,
-            "stager cpu ms/batch": d.stager_cpu_s / max(d.staged, 1) * 1e3,
+            "reader cpu ms/batch": total.reader_cpu_s / max(total.read, 1) * 1e3,
+            "planner cpu ms/batch": total.planner_cpu_s / max(total.planned, 1) * 1e3,
+            "stager cpu ms/batch": total.stager_cpu_s / max(total.staged, 1) * 1e3,
             "training thread cache ms/step": d.training_thread_s / steps * 1e3,
         }
 
