@@ -4,11 +4,9 @@ is refused on several ranks."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Dict
 
 import pytest
 from torch.utils.data import DataLoader, IterableDataset
@@ -16,8 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchrec_lookahead.data.rank_split import split_for_ranks
 from torchrec_lookahead.errors import ConfigError
 
-from ..cli.test_cli import clean_env
-from ..conftest import REPO, free_port
+from ..verify_runs import launch, selected
 
 CONFIG = """
 seed_everything: 0
@@ -65,16 +62,28 @@ def test_one_rank_list_of_batches_trains_in_the_resident_order(tmp_path, arch):
     assert result["max_abs_weight_diff"] == 0.0 and result["max_abs_loss_diff"] == 0.0, result
 
 
+@pytest.fixture(scope="module")
+def two_rank_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Dict[str, Any]:
+    """The three models' 2-rank ``verify`` comparisons (16 batches an epoch, 12 steps), in one torchrun launch."""
+    tmp = tmp_path_factory.mktemp("rank_split")
+    runs = [
+        {"name": f"test_two_ranks_each_train_their_own_batches_as_the_resident_job[{arch}]",
+         "config": [_config(tmp, arch, 16)], "steps": 12, "overrides": ["--trainer.devices=2"]}
+        for arch in ARCHS
+    ]  # fmt: skip
+    return launch(tmp, selected(request, runs), timeout=600)[0]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_two_ranks_each_train_their_own_batches_as_the_resident_job(tmp_path, arch):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "torchrec_lookahead", "verify", "--config", _config(tmp_path, arch, 16), "--steps", "12",
-           "--trainer.devices=2"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400, env=clean_env())
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+def test_two_ranks_each_train_their_own_batches_as_the_resident_job(
+    request: pytest.FixtureRequest, two_rank_results: Dict[str, Any], arch: str
+) -> None:
+    result = two_rank_results[request.node.name]
+    assert result["steps"] == 12
     # the same batches on every rank (the defect) differ from the resident run by 0.1 or more
     assert result["passed"] and result["max_abs_weight_diff"] == 0.0 == result["max_abs_loss_diff"], result
 

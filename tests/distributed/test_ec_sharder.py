@@ -1,7 +1,7 @@
 """EmbeddingCollection tables through the lookahead cache in a plain DistributedModelParallel loop, against
 TorchRec's resident EmbeddingCollection with its fused optimizer."""
 
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -194,19 +194,32 @@ def test_plan_names_embedding_collection_tables_and_need_indices_is_refused():
         DistributedModelParallel(ec, device=torch.device("cpu"), sharders=sharders, plan=plan)
 
 
+@pytest.fixture(scope="module")
+def sequence_two_rank_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Dict[str, Dict[str, Any]]:
+    """The sequence model's 2-rank ``verify`` comparisons, one per optimizer, in one torchrun launch."""
+    from ..verify_runs import launch, selected
+
+    tmp = tmp_path_factory.mktemp("ec_two_ranks")
+    config = [
+        str(REPO / "configs" / "movielens_sequence_lookahead.yaml"),
+        str(small_sequence_config(tmp, devices=2, rows=1500)),
+    ]
+    runs = [
+        {"name": f"test_two_rank_cached_sequence_model_equals_torchrec_two_rank_training[{optimizer}]",
+         "config": config, "steps": 16, "overrides": [f"--model.init_args.embedding_optimizer.name={optimizer}"]}
+        for optimizer in ("sgd", "rowwise_adagrad")
+    ]  # fmt: skip
+    return launch(tmp, selected(request, runs))[0]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
-def test_two_rank_cached_sequence_model_equals_torchrec_two_rank_training(tmp_path, optimizer):
+def test_two_rank_cached_sequence_model_equals_torchrec_two_rank_training(
+    request: pytest.FixtureRequest, sequence_two_rank_results: Dict[str, Dict[str, Any]], optimizer: str
+) -> None:
     """torchrun verify: the EC and EBC caches on 2 ranks (LRPP, delayed sync) against TorchRec's own 2-rank DMP
     training of the resident sequence model."""
-    import json
-
-    from ..strategies.test_torchrun import torchrun
-
-    small = small_sequence_config(tmp_path, devices=2, rows=1500)
-    out = torchrun(2, "verify", "--config", str(REPO / "configs" / "movielens_sequence_lookahead.yaml"),
-                   "--config", str(small), "--steps", "16",
-                   f"--model.init_args.embedding_optimizer.name={optimizer}")  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = sequence_two_rank_results[request.node.name]
     assert result["passed"] and result["max_abs_weight_diff"] == 0.0 and result["steps"] == 16, result
