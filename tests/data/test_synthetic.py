@@ -103,3 +103,57 @@ def test_datamodule_loaders_and_feature_sizes():
     dm.setup("fit")
     assert list(dm.num_embeddings_per_feature.values()) == TINY_TABLES
     assert len(dm.train_dataloader()) == 3 and len(list(dm.val_dataloader())) == 2
+
+
+def _reference_batch(ds: CriteoSyntheticDataset, index: int):
+    """Global batch ``index`` as the stream defines it, table by table (the generator's first form): the
+    generator computes the ids of every table together, and must give these bits."""
+    import math
+
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_lookahead.data.synthetic import _SPLIT_SALT, INT_FEATURE_COUNT, hidden_row_weight
+
+    cfg = ds.config
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_000_007 + _SPLIT_SALT[ds.split] + index * 7_368_787)
+    rows = ds.global_batch_size()
+    counts = torch.rand(rows, INT_FEATURE_COUNT, generator=g).mul_(-1).log1p_().mul_(-8.0)
+    dense = torch.log1p(counts.floor_())
+    logit = torch.full((rows,), -1.4)
+    logit += (dense - 1.0) @ ds._dense_w
+    per_table = []
+    for t, pool in enumerate(ds._pool):
+        n, s = ds._sizes[t], cfg.zipf_exponent
+        u = torch.rand(rows * pool, generator=g, dtype=torch.float64)
+        if abs(s - 1.0) < 1e-9:
+            x = torch.exp(u * math.log(n + 1.0))
+        else:
+            x = (1.0 + u * ((n + 1.0) ** (1.0 - s) - 1.0)) ** (1.0 / (1.0 - s))
+        rank = (x.floor().to(torch.int64) - 1).clamp_(0, n - 1)
+        ids = (rank * ds._mult[t] + (cfg.seed * 104729 + t * 1299709) % n) % n
+        per_table.append(ids.view(rows, pool))
+        w = hidden_row_weight(ids, t, cfg.seed).view(rows, pool).mean(dim=1)
+        logit += 2.2 * ds._table_w[t] * w / math.sqrt(len(ds._pool))
+    labels = torch.bernoulli(torch.sigmoid(logit), generator=g)
+    lo, hi = cfg.rank * cfg.batch_size, (cfg.rank + 1) * cfg.batch_size
+    values = torch.cat([ids[lo:hi].reshape(-1) for ids in per_table])
+    lengths = torch.cat([torch.full((cfg.batch_size,), pool, dtype=torch.int32) for pool in ds._pool])
+    kjt = KeyedJaggedTensor(keys=list(cfg.feature_names), values=values, lengths=lengths)
+    return Batch(dense_features=dense[lo:hi], sparse_features=kjt, labels=labels[lo:hi])
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(batch_size=2048, num_batches=300, scale=0.01, min_rows=1000, seed=0),  # the default job's stream
+        dict(batch_size=1024, num_batches=300, scale=0.01, min_rows=1000, world_size=2, rank=1),
+        dict(batch_size=37, num_batches=9, scale=0.0001, min_rows=2, multi_hot="mlperf", zipf_exponent=1.0),
+        dict(batch_size=13, num_batches=9, num_embeddings=[5] * 26, multi_hot=3, zipf_exponent=0.0, seed=4),
+    ],
+)
+def test_every_table_at_once_gives_the_bits_of_the_table_by_table_stream(kw):
+    for split in ("train", "val"):
+        ds = CriteoSyntheticDataset(SyntheticCriteoConfig(**kw), split=split)
+        for i in (0, 1, kw["num_batches"] - 1):
+            assert _same(ds.batch(i), _reference_batch(ds, i)), (kw, split, i)

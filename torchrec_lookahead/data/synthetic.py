@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch.utils.data import IterableDataset
@@ -35,6 +35,8 @@ __all__ = ["SyntheticCriteoConfig", "CriteoSyntheticDataset", "hidden_row_weight
 
 _SPLIT_SALT = {"train": 0, "val": 1_000_003, "test": 2_000_029}
 _MASK32 = (1 << 32) - 1
+#: ids whose integer steps (clamp, scatter over the table, hash) are computed together
+_CHUNK = 16384
 
 
 def hidden_row_weight(ids: torch.Tensor, table: int, seed: int) -> torch.Tensor:
@@ -53,7 +55,14 @@ def hidden_row_weight(ids: torch.Tensor, table: int, seed: int) -> torch.Tensor:
         >>> bool(((w >= -1) & (w < 1)).all())
         True
     """
-    x = (ids * 0x9E3779B1 + (table + 1) * 0x85EBCA77 + seed * 0xC2B2AE3D) & _MASK32
+    return _hidden_weight(ids, (table + 1) * 0x85EBCA77, seed)
+
+
+def _hidden_weight(ids: torch.Tensor, table_salt: Union[int, torch.Tensor], seed: int) -> torch.Tensor:
+    """:func:`hidden_row_weight` with the table's salt ``(table + 1) * 0x85EBCA77`` given, or one per id (the
+    ids of several tables at once): integer arithmetic, then exact float steps, so each id's weight is the same
+    whichever ids it is computed with."""
+    x = (ids * 0x9E3779B1 + table_salt + seed * 0xC2B2AE3D) & _MASK32
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
     x = x ^ (x >> 16)
@@ -192,6 +201,8 @@ class CriteoSyntheticDataset(IterableDataset):
         g = torch.Generator().manual_seed(config.seed * 7919 + 17)
         self._dense_w = torch.randn(INT_FEATURE_COUNT, generator=g) * 0.25
         self._table_w = 1.0 + torch.rand(len(self._sizes), generator=g)
+        self._logit_scale = [2.2 * self._table_w[t] for t in range(len(self._sizes))]
+        self._constants: Optional[Tuple[int, torch.Tensor]] = None
 
     def __len__(self) -> int:
         return self.config.num_batches
@@ -200,19 +211,18 @@ class CriteoSyntheticDataset(IterableDataset):
         """Rows of one global batch (all ranks)."""
         return self.config.batch_size * self.config.world_size
 
-    def _ids(self, table: int, count: int, g: torch.Generator) -> torch.Tensor:
+    def _ranks(self, table: int, count: int, g: torch.Generator) -> torch.Tensor:
+        """``count`` popularity ranks of one table's ids, from ``g``: the inverse CDF of a power law on
+        ``[1, n + 1)``, rank = x - 1, not yet clamped to the table."""
         n = self._sizes[table]
         s = self.config.zipf_exponent
         u = torch.rand(count, generator=g, dtype=torch.float64)
-        # Inverse CDF of a power law on [1, n + 1): rank = x - 1 in [0, n).
         if abs(s - 1.0) < 1e-9:
             x = torch.exp(u * math.log(n + 1.0))
         else:
             a = 1.0 - s
             x = (1.0 + u * ((n + 1.0) ** a - 1.0)) ** (1.0 / a)
-        rank = (x.floor().to(torch.int64) - 1).clamp_(0, n - 1)
-        offset = (self.config.seed * 104729 + table * 1299709) % n
-        return (rank * self._mult[table] + offset) % n
+        return x.floor().to(torch.int64) - 1
 
     def batch(self, index: int) -> Batch:
         """The local slice of global batch ``index``."""
@@ -225,20 +235,47 @@ class CriteoSyntheticDataset(IterableDataset):
         dense = torch.log1p(counts.floor_())
         logit = torch.full((rows,), -1.4)
         logit += (dense - 1.0) @ self._dense_w
-        per_table: List[torch.Tensor] = []
-        for t, pool in enumerate(self._pool):
-            ids = self._ids(t, rows * pool, g)
-            per_table.append(ids.view(rows, pool))
-            w = hidden_row_weight(ids, t, cfg.seed).view(rows, pool).mean(dim=1)
-            logit += 2.2 * self._table_w[t] * w / math.sqrt(len(self._pool))
+        # Each table's draws from g, in table order, and their floating-point steps table by table; the integer
+        # steps (clamp, scatter over the table, the hidden model's hash) for the ids of every table together,
+        # each id with its table's constants beside it. Every step is per id, so the result is the same.
+        ranks = torch.cat([self._ranks(t, rows * pool, g) for t, pool in enumerate(self._pool)])
+        per_id = self._per_id_constants(rows)
+        ids, weights = torch.empty_like(ranks), torch.empty(len(ranks), dtype=torch.float32)
+        for start in range(0, len(ranks), _CHUNK):  # each step is per id: chunks only keep them in cache
+            part, c = slice(start, start + _CHUNK), per_id[:, start : start + _CHUNK]
+            ids[part] = (torch.minimum(ranks[part].clamp_(min=0), c[0] - 1) * c[1] + c[2]) % c[0]
+            weights[part] = _hidden_weight(ids[part], c[3], cfg.seed)
+        per_table = list(ids.split([rows * pool for pool in self._pool]))
+        for t, (pool, w) in enumerate(zip(self._pool, weights.split([rows * pool for pool in self._pool]))):
+            mean = w if pool == 1 else w.view(rows, pool).mean(dim=1)
+            logit += self._logit_scale[t] * mean / math.sqrt(len(self._pool))
         labels = torch.bernoulli(torch.sigmoid(logit), generator=g)
         lo, hi = cfg.rank * cfg.batch_size, (cfg.rank + 1) * cfg.batch_size
-        values = torch.cat([ids[lo:hi].reshape(-1) for ids in per_table])
+        values = torch.cat(
+            [t_ids.view(rows, pool)[lo:hi].reshape(-1) for t_ids, pool in zip(per_table, self._pool)]
+        )
         lengths = torch.cat([torch.full((cfg.batch_size,), pool, dtype=torch.int32) for pool in self._pool])
         kjt = KeyedJaggedTensor(keys=list(cfg.feature_names), values=values, lengths=lengths)
         return Batch(
             dense_features=dense[lo:hi].contiguous(), sparse_features=kjt, labels=labels[lo:hi].contiguous()
         )
+
+    def _per_id_constants(self, rows: int) -> torch.Tensor:
+        """For the ids of a global batch of ``rows`` rows, table after table: each id's table size, its
+        table's multiplier and offset (the bijection that scatters popularity ranks over the table) and its
+        table's salt in the hidden model's hash; (4, ids), kept for the batch size last asked."""
+        if self._constants is None or self._constants[0] != rows:
+            cfg = self.config
+            per_table = torch.tensor(
+                [
+                    [n, self._mult[t], (cfg.seed * 104729 + t * 1299709) % n, (t + 1) * 0x85EBCA77]
+                    for t, n in enumerate(self._sizes)
+                ],
+                dtype=torch.int64,
+            )
+            repeats = torch.tensor([rows * pool for pool in self._pool])
+            self._constants = (rows, per_table.repeat_interleave(repeats, dim=0).t().contiguous())
+        return self._constants[1]
 
     def __iter__(self) -> Iterator[Batch]:
         for i in range(self.start_batch, self.config.num_batches):
