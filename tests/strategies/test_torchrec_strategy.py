@@ -75,6 +75,18 @@ def test_refuses_device_count_that_does_not_match_the_launcher(monkeypatch):
     strategy._check_launcher()
 
 
+def test_a_trainer_built_under_torchrun_with_another_device_count_is_refused(monkeypatch):
+    """What torchrun --nproc_per_node=2 sets for each rank of a Trainer configured with devices=1: refused when the
+    Trainer is built, before any process group exists, naming the setting to change."""
+    import lightning.pytorch as pl
+
+    for key, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+                       "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SetupError, match="WORLD_SIZE=2 processes.*Set devices=2"):
+        pl.Trainer(accelerator="cpu", devices=1, strategy=TorchRecStrategy(), logger=False)
+
+
 def test_unknown_module_name_is_refused(tmp_path):
     with pytest.raises(Exception, match="module_name"):
         fit(tmp_path, max_steps=1, strategy=TorchRecStrategy(module_name="net"))
