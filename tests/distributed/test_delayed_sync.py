@@ -31,7 +31,7 @@ from torchrec_lookahead.modules import (
 )
 from torchrec_lookahead.oracle import LookaheadOracle, table_ids
 
-from ..conftest import free_port
+from ..conftest import free_port, start_method
 
 WORLD = 2
 STEPS = 10
@@ -267,7 +267,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.distributed
 def test_delayed_sync_equals_resident_two_rank_training(tmp_path):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method=start_method())
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r in results:
         assert "error" not in r, r.get("error")

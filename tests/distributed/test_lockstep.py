@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..conftest import free_port
+from ..conftest import free_port, start_method
 
 pytestmark = pytest.mark.distributed
 
@@ -345,7 +345,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List[Dict[str, Any]]]:
     outdir = tmp_path_factory.mktemp("lockstep")
-    mp.start_processes(_worker, args=(free_port(), str(outdir)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), str(outdir)), nprocs=2, start_method=start_method())
     per_rank = [json.loads((outdir / f"{r}.json").read_text()) for r in range(2)]
     return {name: [per_rank[0][name], per_rank[1][name]] for name in SCENARIOS}
 

@@ -18,7 +18,7 @@ from torchrec_lookahead.store import MmapStore, RowShardedStore, TensorStore, ro
 from torchrec_lookahead.store.channels import STAGE_CHANNEL, collective_channel
 from torchrec_lookahead.store.sharded_store import EmptyShardStore
 
-from ..conftest import free_port
+from ..conftest import free_port, start_method
 
 pytestmark = pytest.mark.distributed
 
@@ -59,7 +59,7 @@ def _entry(rank: int, world: int, port: int, body: Callable[..., None], errors: 
 
 
 def _spawn(body: Callable[..., None], world: int = 2, *args: Any) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method())
     errors = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, body, errors, args)) for r in range(world)]

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from torchrec_lookahead.strategies._averaging import Averaging, ReplicaAverager
 
-from ..conftest import free_port
+from ..conftest import free_port, start_method
 
 pytestmark = pytest.mark.distributed
 
@@ -79,8 +79,10 @@ def _reference(method: str, background: bool) -> List[List[List[float]]]:
 
 
 def test_rounds_follow_the_formulas_blocking_and_in_the_background() -> None:
-    q = mp.get_context("spawn").Queue()
-    procs = mp.start_processes(_worker, args=(free_port(), q), nprocs=2, join=False, start_method="spawn")
+    q = mp.get_context(start_method()).Queue()
+    procs = mp.start_processes(
+        _worker, args=(free_port(), q), nprocs=2, join=False, start_method=start_method()
+    )
     results = dict(q.get(timeout=120) for _ in range(2))
     procs.join()
     for key in results[0]:

@@ -21,7 +21,7 @@ from torchrec_lookahead.strategies._splits import (
     scale_split_gradients,
 )
 
-from ..conftest import free_port
+from ..conftest import free_port, start_method
 
 # case -> placement; a suffix _bf16 or _int8 names the compression
 CASES: Dict[str, Dict[str, str]] = {
@@ -120,8 +120,10 @@ def _bf16_hook_error(rank: int, world: int) -> float:
 @pytest.fixture(scope="module")
 def split_errors() -> Dict[int, Dict[str, Dict[str, float]]]:
     """Every case on one pair of spawned gloo ranks: rank -> case -> largest error per tensor."""
-    q = mp.get_context("spawn").Queue()
-    procs = mp.start_processes(_worker, args=(2, free_port(), q), nprocs=2, join=False, start_method="spawn")
+    q = mp.get_context(start_method()).Queue()
+    procs = mp.start_processes(
+        _worker, args=(2, free_port(), q), nprocs=2, join=False, start_method=start_method()
+    )
     results = dict(q.get(timeout=120) for _ in range(2))
     procs.join()
     return results
