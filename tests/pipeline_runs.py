@@ -129,8 +129,8 @@ def counted(data: Iterable[Any], pulled: List[int]) -> Iterator[Any]:
 
 def train(cached: bool, epochs: int = 1, horizon: int = 8, **kw: Any) -> Dict[str, Any]:
     """Train the tiny DLRM ``epochs`` times over this rank's part of the stream (:func:`build`); returns the
-    per-step losses, :func:`whole_weights`, per step the batches read from the stream by then, and the cached
-    collections' synchronisation counters."""
+    per-step losses, :func:`whole_weights`, per step the batches read from the stream by then, the cached
+    collections' synchronisation counters and the lookahead loader's queue depth."""
     dmp, pipeline, data = build(cached, **kw, **({"horizon": horizon} if cached else {}))
     losses: List[float] = []
     pulled, read = [0], []
@@ -148,7 +148,15 @@ def train(cached: bool, epochs: int = 1, horizon: int = 8, **kw: Any) -> Dict[st
     for m in pipeline.session.modules if isinstance(pipeline, LookaheadTrainPipeline) else []:
         for k, v in m.sync_counters.items():
             sync[k] = sync.get(k, 0) + v
-    return {"losses": losses, "weights": whole_weights(dmp), "read": read, "sync": sync}
+    loader = pipeline.loader if isinstance(pipeline, LookaheadTrainPipeline) else None
+    queue_depth = None if loader is None else loader.queue_depth  # as the loader raised it
+    return {
+        "losses": losses,
+        "weights": whole_weights(dmp),
+        "read": read,
+        "sync": sync,
+        "queue_depth": queue_depth,
+    }
 
 
 def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> Dict[str, Any]:
