@@ -254,10 +254,11 @@ def train(
 
 
 class LoaderWindow(pl.Callback):
-    """The lookahead loader's counters once training ended: the waits and the training thread's time in cache
-    code, ms a step over the timed steps (after ``warmup``, so that start-up, the oracle reading its first
-    horizon of batches, does not count), and each loader thread's CPU time, ms a batch over every batch it
-    handled (a short run's planner may have read and planned all its batches before the timed steps)."""
+    """The lookahead loader's counters over the timed steps (after ``warmup``), so that start-up (the oracle
+    reading its first horizon of batches) does not count: the waits and the training thread's time in cache
+    code, ms a step, and each loader thread's CPU time, ms a batch over the batches it handled in those steps
+    (over every batch it handled when it handled none then: a short run's planner may have read and planned all
+    its batches before the timed steps)."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
@@ -279,12 +280,17 @@ class LoaderWindow(pl.Callback):
             return {}
         steps = self._last[0] - self._first[0]
         d, total = self._last[1] - self._first[1], self._last[1]
+
+        def per_batch(cpu: str, count: str) -> float:
+            counts = d if getattr(d, count) > 0 else total  # the timed steps' batches, else every batch
+            return getattr(counts, cpu) / max(getattr(counts, count), 1) * 1e3
+
         return {
             "stager wait ms/step": d.stager_wait_s / steps * 1e3,
             "batch wait ms/step": d.batch_wait_s / steps * 1e3,
-            "reader cpu ms/batch": total.reader_cpu_s / max(total.read, 1) * 1e3,
-            "planner cpu ms/batch": total.planner_cpu_s / max(total.planned, 1) * 1e3,
-            "stager cpu ms/batch": total.stager_cpu_s / max(total.staged, 1) * 1e3,
+            "reader cpu ms/batch": per_batch("reader_cpu_s", "read"),
+            "planner cpu ms/batch": per_batch("planner_cpu_s", "planned"),
+            "stager cpu ms/batch": per_batch("stager_cpu_s", "staged"),
             "training thread cache ms/step": d.training_thread_s / steps * 1e3,
         }
 
