@@ -162,9 +162,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 @functools.cache  # the scheduler asks once per test; a module's text is read once
 def _launches(path: Path) -> bool:
-    """Whether a test module has tests marked ``distributed`` (read from its text: the controller of an xdist run
-    does not import the tests)."""
-    return path.suffix == ".py" and "mark.distributed" in path.read_text()
+    """Whether a test module has tests marked ``distributed`` and is not marked ``beside_launches`` (read from its
+    text: the controller of an xdist run does not import the tests)."""
+    if path.suffix != ".py":
+        return False
+    text = path.read_text()
+    return "mark.distributed" in text and "mark.beside_launches" not in text
 
 
 if importlib.util.find_spec("xdist") is not None:
@@ -174,7 +177,8 @@ if importlib.util.find_spec("xdist") is not None:
         run is made once and shared as it is in a serial run; and every module with ``distributed`` tests runs on
         one worker, one module after another: a torchrun launch already uses every core, and its timing-sensitive
         tests (signals, kill -9, restarts) see the machine as they do serially, while the other worker runs the
-        single-process modules beside it."""
+        single-process modules beside it, and the modules marked ``beside_launches`` (a few short ranks started
+        with ``torch.multiprocessing``: they load the machine as a single-process module does)."""
         from xdist.scheduler import LoadScopeScheduling
 
         root = config.rootpath

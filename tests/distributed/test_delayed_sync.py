@@ -33,6 +33,8 @@ from torchrec_lookahead.oracle import LookaheadOracle, table_ids
 
 from ..conftest import free_port, start_method
 
+pytestmark = pytest.mark.beside_launches  # its ranks: torch.multiprocessing, not torchrun
+
 WORLD = 2
 STEPS = 10
 PER_RANK = 3  # samples per rank

@@ -15,6 +15,8 @@ from benchmarks import exact_sync
 from ..cli.test_cli import clean_env
 from ..conftest import REPO
 
+pytestmark = pytest.mark.beside_launches  # its ranks: torch.multiprocessing, not torchrun
+
 
 def _step(shared, delayed):
     """A global batch of 4 bags per feature (2 ranks x 2), one id per bag except an empty and a 2-id bag."""

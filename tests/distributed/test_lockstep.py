@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from ..conftest import free_port, start_method
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.beside_launches]
 
 ROWS = 40
 HANG_S = 120.0  # stop_timeout_s where no wait may time out, and the bound of the waits for a thread's event

@@ -20,7 +20,7 @@ from torchrec_lookahead.store.sharded_store import EmptyShardStore
 
 from ..conftest import free_port, start_method
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.beside_launches]
 
 D = 4
 WIDTHS = {"momentum1": 1}

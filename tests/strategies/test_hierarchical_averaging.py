@@ -15,7 +15,7 @@ from torchrec_lookahead.strategies._averaging import Averaging, ReplicaAverager
 
 from ..conftest import free_port, start_method
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.beside_launches]
 
 ALPHA = 0.25
 

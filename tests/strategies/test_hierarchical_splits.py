@@ -23,6 +23,8 @@ from torchrec_lookahead.strategies._splits import (
 
 from ..conftest import free_port, start_method
 
+pytestmark = pytest.mark.beside_launches  # its ranks: torch.multiprocessing, not torchrun
+
 # case -> placement; a suffix _bf16 or _int8 names the compression
 CASES: Dict[str, Dict[str, str]] = {
     "colwise": {"0": "colwise"},
