@@ -17,6 +17,9 @@ not have, the documented figures of ``docs/benchmarks.md`` transcribed in the sc
 Outputs: ``docs/img/<name>.png`` (100 dpi).
 
     python benchmarks/plots.py [--results DIR] [--out DIR]
+
+It draws with matplotlib: ``pip install matplotlib``, or the project's set-up (``scripts/setup_env.sh``), which
+installs it in ``.venv/plots``, beside the environment and off its path (see ``_import_matplotlib``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -213,14 +217,27 @@ PLOTS: Dict[str, Callable[[Path, Path], Path]] = {
 }
 
 
+def _import_matplotlib() -> Any:
+    """matplotlib, from the interpreter's path, or from the folder beside the environment where
+    ``scripts/setup_env.sh`` installs it (``<venv>/plots``, off the path: once matplotlib is importable,
+    torchmetrics imports ``matplotlib.pyplot`` in every process that imports Lightning)."""
+    try:
+        import matplotlib
+    except ImportError:
+        folder = Path(sys.prefix) / "plots"
+        if not folder.is_dir():
+            raise ImportError("benchmarks/plots.py draws with matplotlib: pip install matplotlib") from None
+        sys.path.append(str(folder))  # after site-packages: the environment's numpy and pillow stay first
+        import matplotlib
+    return matplotlib
+
+
 def main(argv: Optional[List[str]] = None) -> List[Path]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=RESULTS, help="the JSON inputs")
     p.add_argument("--out", type=Path, default=OUT, help="where the PNGs go")
     args = p.parse_args(argv)
-    import matplotlib
-
-    matplotlib.use("Agg")
+    _import_matplotlib().use("Agg")
     args.out.mkdir(parents=True, exist_ok=True)
     written = [plot(args.results, args.out) for plot in PLOTS.values()]
     for path in written:

@@ -26,5 +26,10 @@ else
 fi
 pip install "$fbgemm"
 pip install -e ".[dev]"
+# matplotlib (benchmarks/plots.py, which adds this folder to its path when it draws) goes into a folder of its
+# own, off the interpreter's path: once it is installed, torchmetrics imports matplotlib.pyplot in every process
+# that imports Lightning (0.5 s of CPU each; the tests start about 250).
+rm -rf "$VENV/plots"
+pip install --target "$VENV/plots" "matplotlib>=3.8"
 pip install --no-deps "torchrec==${TORCHREC_VERSION}"
 "$VENV/bin/python" -c "import torchrec, fbgemm_gpu, lightning, torchrec_lookahead; print('environment ready:', '$fbgemm', 'torchrec', torchrec.__version__ if hasattr(torchrec, '__version__') else '$TORCHREC_VERSION')"
