@@ -238,15 +238,16 @@ class CriteoSyntheticDataset(IterableDataset):
         # Each table's draws from g, in table order, and their floating-point steps table by table; the integer
         # steps (clamp, scatter over the table, the hidden model's hash) for the ids of every table together,
         # each id with its table's constants beside it. Every step is per id, so the result is the same.
-        ranks = torch.cat([self._ranks(t, rows * pool, g) for t, pool in enumerate(self._pool)])
+        sizes = [rows * pool for pool in self._pool]
+        ranks = torch.cat([self._ranks(t, size, g) for t, size in enumerate(sizes)])
         per_id = self._per_id_constants(rows)
         ids, weights = torch.empty_like(ranks), torch.empty(len(ranks), dtype=torch.float32)
         for start in range(0, len(ranks), _CHUNK):  # each step is per id: chunks only keep them in cache
             part, c = slice(start, start + _CHUNK), per_id[:, start : start + _CHUNK]
             ids[part] = (torch.minimum(ranks[part].clamp_(min=0), c[0] - 1) * c[1] + c[2]) % c[0]
             weights[part] = _hidden_weight(ids[part], c[3], cfg.seed)
-        per_table = list(ids.split([rows * pool for pool in self._pool]))
-        for t, (pool, w) in enumerate(zip(self._pool, weights.split([rows * pool for pool in self._pool]))):
+        per_table = ids.split(sizes)
+        for t, (pool, w) in enumerate(zip(self._pool, weights.split(sizes))):
             mean = w if pool == 1 else w.view(rows, pool).mean(dim=1)
             logit += self._logit_scale[t] * mean / math.sqrt(len(self._pool))
         labels = torch.bernoulli(torch.sigmoid(logit), generator=g)

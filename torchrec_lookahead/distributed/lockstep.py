@@ -35,14 +35,15 @@ __all__ = [
 
 def _local_part(kjt: KeyedJaggedTensor) -> Tuple[Any, ...]:
     """This rank's slice to all-gather as a pickled object: NumPy arrays, which pickle about ten times faster
-    than tensors (those go through ``torch.save``); :func:`_merge_parts` takes them back as tensors."""
+    than tensors (those go through ``torch.save``), copied to the host (the planner thread's, off the step);
+    :func:`_merge_parts` takes them back as tensors."""
     weights = kjt.weights_or_none()
     return (
         list(kjt.keys()),
-        kjt.values().detach().cpu().numpy(),
-        kjt.lengths().detach().cpu().numpy(),
+        kjt.values().numpy(force=True),
+        kjt.lengths().numpy(force=True),
         int(kjt.stride()),
-        None if weights is None else weights.detach().cpu().numpy(),
+        None if weights is None else weights.numpy(force=True),
     )
 
 
