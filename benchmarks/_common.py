@@ -25,7 +25,7 @@ from torchrec_lookahead.data import LookaheadDataModule, WrappedDataModule
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
 from torchrec_lookahead.launch import build_cli
 from torchrec_lookahead.oracle import OracleConfig, min_capacity
-from torchrec_lookahead.runtime import LoaderStats
+from torchrec_lookahead.runtime import CacheStats
 from torchrec_lookahead.runtime._threads import lower_thread_priority, single_threaded_ops
 from torchrec_lookahead.strategies import TorchRecStrategy
 from torchrec_lookahead.verify import QUIET_TRAINER_ARGS
@@ -262,15 +262,15 @@ class LoaderWindow(pl.Callback):
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
-        self._first: Optional[Tuple[int, LoaderStats]] = None
-        self._last: Optional[Tuple[int, LoaderStats]] = None
+        self._first: Optional[Tuple[int, CacheStats]] = None
+        self._last: Optional[Tuple[int, CacheStats]] = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
         if loader is None or trainer.global_step < self.warmup:
             return
         session = trainer.strategy.cache_session() if isinstance(trainer.strategy, TorchRecStrategy) else None
-        snap = (trainer.global_step, loader.stats() if session is None else session.stats())
+        snap = (trainer.global_step, CacheStats(loader.stats()) if session is None else session.stats())
         if self._first is None:
             self._first = snap
         self._last = snap
@@ -279,7 +279,8 @@ class LoaderWindow(pl.Callback):
         if self._first is None or self._last is None or self._last[0] == self._first[0]:
             return {}
         steps = self._last[0] - self._first[0]
-        d, total = self._last[1] - self._first[1], self._last[1]
+        window = self._last[1] - self._first[1]
+        d, total = window.threads, self._last[1].threads
 
         def per_batch(cpu: str, count: str) -> float:
             counts = d if getattr(d, count) > 0 else total  # the timed steps' batches, else every batch
@@ -291,7 +292,7 @@ class LoaderWindow(pl.Callback):
             "reader cpu ms/batch": per_batch("reader_cpu_s", "read"),
             "planner cpu ms/batch": per_batch("planner_cpu_s", "planned"),
             "stager cpu ms/batch": per_batch("stager_cpu_s", "staged"),
-            "training thread cache ms/step": d.training_thread_s / steps * 1e3,
+            "training thread cache ms/step": window.training_thread_s / steps * 1e3,
         }
 
 

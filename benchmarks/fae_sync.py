@@ -75,12 +75,11 @@ def _worker(out: str, steps: int, batch: int) -> None:
                              enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                              callbacks=[*callbacks, timer])  # fmt: skip
         trainer.fit(default_model(inner), datamodule=dm)
-        modules = strategy.cached_modules()
-        counters: Dict[str, float] = {}
-        for m in modules:
-            for k, v in m.sync_counters.items():
-                counters[k] = counters.get(k, 0.0) + float(v)
-        fetched = sum(s["rows_fetched"] for m in modules for s in m.cache.stats().values())
+        session = strategy.cache_session()
+        assert session is not None
+        stats = session.stats()
+        counters = {k: float(v) for k, v in stats.sync.items()}
+        fetched = sum(s["rows_fetched"] for s in stats.tables.values())
         sent = torch.tensor([counters.get("grad_floats_sent", 0.0), float(fetched)], dtype=torch.float64)
         dist.all_reduce(sent)  # both ranks' exchange floats and fetched rows
         n = max(trainer.global_step, 1)

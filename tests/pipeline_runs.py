@@ -144,10 +144,7 @@ def train(cached: bool, epochs: int = 1, horizon: int = 8, **kw: Any) -> Dict[st
             losses.append(float(loss))
             read.append(pulled[0])
         pipeline.reset()  # TorchRec's way to start the next stream
-    sync: Dict[str, int] = {}
-    for m in pipeline.session.modules if isinstance(pipeline, LookaheadTrainPipeline) else []:
-        for k, v in m.sync_counters.items():
-            sync[k] = sync.get(k, 0) + v
+    sync = dict(pipeline.session.stats().sync) if isinstance(pipeline, LookaheadTrainPipeline) else {}
     loader = pipeline.loader if isinstance(pipeline, LookaheadTrainPipeline) else None
     queue_depth = None if loader is None else loader.queue_depth  # as the loader raised it
     return {

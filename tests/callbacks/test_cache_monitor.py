@@ -7,7 +7,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from torchrec_lookahead import ConfigError
 from torchrec_lookahead.callbacks import CacheMonitor
-from torchrec_lookahead.runtime import LoaderStats
+from torchrec_lookahead.runtime import CacheStats
 
 from ..helpers import fit_cached
 
@@ -15,19 +15,19 @@ TABLES = ("t_cat_2", "t_cat_11", "t_cat_15")
 
 
 class _Snapshots(pl.Callback):
-    """cache.stats() and the loader's stats() after each training step (runs after the monitor: callbacks are
-    called in list order)."""
+    """Each cache's own stats() and the session's stats() after each training step (runs after the monitor:
+    callbacks are called in list order)."""
 
     def __init__(self) -> None:
         self.stats: List[Dict[str, Dict[str, int]]] = []
-        self.loader: List[LoaderStats] = []
+        self.session: List[CacheStats] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         out: Dict[str, Dict[str, int]] = {}
         for m in trainer.strategy.cached_modules():
             out.update(m.cache.stats())
         self.stats.append(out)
-        self.loader.append(trainer.strategy.cache_session().stats())
+        self.session.append(trainer.strategy.cache_session().stats())
 
 
 def test_cache_monitor_logs_the_counters_deltas_through_lightning(tmp_path):
@@ -48,12 +48,15 @@ def test_cache_monitor_logs_the_counters_deltas_through_lightning(tmp_path):
         assert 0.0 < m[f"cache/{table}/occupancy"] <= 1.0
     assert m["cache/hit_rate"] == hits / lookups and lookups > 0
     assert m["cache/samples_per_s"] > 0 and m["cache/device_bytes"] < m["cache/host_bytes"]
-    # the loader's counters: the same deltas of its stats() snapshots
-    d_loader = snaps.loader[5] - snaps.loader[3]
+    # the session's snapshots hold the same per-table counters, and the loader threads' and training thread's
+    d_session = snaps.session[5] - snaps.session[3]
+    assert d_session.tables == {t: {k: after[t][k] - before[t][k] for k in after[t]} for t in after}
+    assert d_session.hit_rate == m["cache/hit_rate"] and d_session.sync == {}  # one rank: no LRPP
+    d_loader = d_session.threads
     assert m["cache/gathered_by_training_thread"] == d_loader.gathered_here / 2 <= 1
     assert m["cache/stager_wait_ms"] == pytest.approx(d_loader.stager_wait_s * 1e3 / 2)
     assert m["cache/batch_wait_ms"] == pytest.approx(d_loader.batch_wait_s * 1e3 / 2)
-    assert m["cache/training_thread_ms"] == pytest.approx(d_loader.training_thread_s * 1e3 / 2)
+    assert m["cache/training_thread_ms"] == pytest.approx(d_session.training_thread_s * 1e3 / 2)
     assert m["cache/training_thread_ms"] > 0  # every step applied a plan
     counters = trainer.datamodule.loader.stats()
     assert counters.planned >= 6 and counters.planner_cpu_s > 0

@@ -152,7 +152,7 @@ def test_hot_rows_stay_pinned_and_hot_batches_move_nothing(tmp_path: Path) -> No
     loader = dm.loader
     assert isinstance(loader, HotColdLookaheadLoader)
     per = loader.batches_per_epoch()
-    assert sched.trained == per and loader.stats().hot_batches == per[BatchKind.HOT] > 0
+    assert sched.trained == per and loader.session.stats().hot_batches == per[BatchKind.HOT] > 0
     cache = trainer.strategy.cached_modules()[0].cache
     stats = cache.stats()
     slots = loader.pinned.pinned_slots

@@ -46,9 +46,9 @@ def test_wait_returns_once_applied_or_stopped() -> None:
 
 def test_loader_stats_is_a_frozen_snapshot_with_field_wise_differences() -> None:
     before = LoaderStats(stager_wait_s=0.25, planned=2, staged=1)
-    after = before + LoaderStats(stager_wait_s=0.5, planned=3, gathered_here=1, hot_batches=4)
-    assert after == LoaderStats(stager_wait_s=0.75, planned=5, staged=1, gathered_here=1, hot_batches=4)
-    assert after - before == LoaderStats(stager_wait_s=0.5, planned=3, gathered_here=1, hot_batches=4)
+    after = before + LoaderStats(stager_wait_s=0.5, planned=3, gathered_here=1, read=4)
+    assert after == LoaderStats(stager_wait_s=0.75, planned=5, staged=1, gathered_here=1, read=4)
+    assert after - before == LoaderStats(stager_wait_s=0.5, planned=3, gathered_here=1, read=4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         after.planned = 0  # type: ignore[misc]
 

@@ -40,7 +40,7 @@ from typing_extensions import override
 
 from torchrec_lookahead.data import batch_adapter_of, trainer_datamodules
 from torchrec_lookahead.errors import ConfigError
-from torchrec_lookahead.runtime import CacheHost, CacheSession, LoaderStats
+from torchrec_lookahead.runtime import CacheHost, CacheSession, CacheStats
 
 __all__ = ["CacheMonitor", "TENSORBOARD_LAYOUT"]
 
@@ -92,9 +92,7 @@ class CacheMonitor(Callback):
                 f"Expected log_every_n_steps to be a positive integer but got {log_every_n_steps}"
             )
         self.log_every_n_steps = log_every_n_steps
-        self._last: Dict[str, Dict[str, int]] = {}
-        self._last_loader = LoaderStats()
-        self._last_sync: Dict[str, int] = {}
+        self._last = CacheStats()
         self._last_step = 0
         self._last_time = time.perf_counter()
         self._samples = 0
@@ -105,26 +103,13 @@ class CacheMonitor(Callback):
         s = trainer.strategy
         return s.cache_session() if isinstance(s, CacheHost) else None
 
-    def _stats(self, trainer: pl.Trainer) -> Dict[str, Dict[str, int]]:
+    def _stats(self, trainer: pl.Trainer) -> CacheStats:
         session = self._session(trainer)
-        out: Dict[str, Dict[str, int]] = {}
-        for m in [] if session is None else session.modules:
-            out.update(m.cache.stats())
-        return out
-
-    def _sync(self, trainer: pl.Trainer) -> Dict[str, int]:
-        session = self._session(trainer)
-        out: Dict[str, int] = {}
-        for m in [] if session is None else session.modules:
-            for k, v in m.sync_counters.items():
-                out[k] = out.get(k, 0) + v
-        return out
+        return CacheStats() if session is None else session.stats()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = self._stats(trainer)
-        self._last_sync = self._sync(trainer)
-        self._last_loader = LoaderStats()
         self._last_step = trainer.global_step
         self._last_time = time.perf_counter()
         self._samples = 0
@@ -166,43 +151,34 @@ class CacheMonitor(Callback):
         if trainer.global_step % max(every, 1) != 0:
             return
         stats = self._stats(trainer)
+        d = stats - self._last
         steps = max(trainer.global_step - self._last_step, 1)
         metrics: Dict[str, float] = {}
-        hits = lookups = 0
-        for table, now in stats.items():
-            before = self._last.get(table, {})
-            d = {k: v - before.get(k, 0) for k, v in now.items()}
-            hits += d.get("hits", 0)
-            lookups += d.get("lookups", 0)
-            n = d.get("lookups", 0)
-            metrics[f"cache/{table}/hit_rate"] = d.get("hits", 0) / n if n else 0.0
+        for table, c in d.tables.items():
+            n = c.get("lookups", 0)
+            metrics[f"cache/{table}/hit_rate"] = c.get("hits", 0) / n if n else 0.0
             for counter in ("rows_fetched", "rows_written_back", "rows_flushed", "bytes_moved"):
-                metrics[f"cache/{table}/{counter}"] = d.get(counter, 0) / steps
-        if stats:
-            metrics["cache/hit_rate"] = hits / lookups if lookups else 0.0
+                metrics[f"cache/{table}/{counter}"] = c.get(counter, 0) / steps
+        if d.tables:
+            metrics["cache/hit_rate"] = d.hit_rate
             metrics.update(self._footprint(trainer))
         now_time = time.perf_counter()
         elapsed = now_time - self._last_time
         metrics["cache/samples_per_s"] = self._samples / elapsed if elapsed > 0 else 0.0
         self._last_time, self._samples = now_time, 0
-        sync = self._sync(trainer)
-        for k, v in sync.items():
-            metrics[f"cache/sync/{k}"] = (v - self._last_sync.get(k, 0)) / steps
-        self._last_sync = sync
+        for k, v in d.sync.items():
+            metrics[f"cache/sync/{k}"] = v / steps
         session = self._session(trainer)
         if session is not None and session.loader is not None:
             metrics["cache/oracle_lead"] = float(session.oracle_lead())
-            counters: LoaderStats = session.stats()
-            delta = counters - self._last_loader
-            self._last_loader = counters
-            metrics["cache/stager_wait_ms"] = delta.stager_wait_s * 1e3 / steps
-            metrics["cache/gathered_by_training_thread"] = delta.gathered_here / steps
-            metrics["cache/batch_wait_ms"] = delta.batch_wait_s * 1e3 / steps
-            metrics["cache/training_thread_ms"] = delta.training_thread_s * 1e3 / steps
+            metrics["cache/stager_wait_ms"] = d.threads.stager_wait_s * 1e3 / steps
+            metrics["cache/gathered_by_training_thread"] = d.threads.gathered_here / steps
+            metrics["cache/batch_wait_ms"] = d.threads.batch_wait_s * 1e3 / steps
+            metrics["cache/training_thread_ms"] = d.training_thread_s * 1e3 / steps
             for what, cpu, count in (
-                ("reader", delta.reader_cpu_s, delta.read),
-                ("planner", delta.planner_cpu_s, delta.planned),
-                ("stager", delta.stager_cpu_s, delta.staged),
+                ("reader", d.threads.reader_cpu_s, d.threads.read),
+                ("planner", d.threads.planner_cpu_s, d.threads.planned),
+                ("stager", d.threads.stager_cpu_s, d.threads.staged),
             ):
                 metrics[f"cache/{what}_cpu_ms"] = cpu * 1e3 / count if count > 0 else 0.0
         self._last = stats

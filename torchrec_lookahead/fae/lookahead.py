@@ -183,9 +183,9 @@ class HotColdLookaheadLoader:
         return self.hotcold.batches_per_epoch()
 
     def stats(self) -> LoaderStats:
-        """The cold lookahead loader's counters, and the hot batches trained (see
+        """The cold lookahead loader's counters (the hot batches applied are the session's:
         :meth:`CacheSession.stats <torchrec_lookahead.runtime.CacheSession.stats>`)."""
-        return self.session.stats()
+        return self.cold.stats()
 
     def oracle_lead(self) -> int:
         """Cold batches planned but not yet applied."""

@@ -23,8 +23,8 @@ Example:
     >>> prepared = ebc.prepare_plan(plan)
     >>> [(s.tables, s.fetch_slots.tolist()) for s in prepared.spaces]
     [(('a', 'b'), [0, 5])]
-    >>> prepared.counts.tolist()  # per cached table: steps, lookups, hits, fetched, written back, bytes
-    [[1, 2, 0, 1, 0, 20], [1, 1, 0, 1, 0, 20]]
+    >>> prepared.counts.tolist()  # per cached table: steps, lookups, hits, fetched, written back, flushed, bytes
+    [[1, 2, 0, 1, 0, 0, 20], [1, 1, 0, 1, 0, 0, 20]]
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ import torch
 
 from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.modules._kernels import _CacheKernel
-from torchrec_lookahead.modules._plans import CheckedPlan, _Table, check_staged
+from torchrec_lookahead.modules._plans import COUNTERS, CheckedPlan, _Table, check_staged
 from torchrec_lookahead.modules.config import CacheOptimizerConfig
 from torchrec_lookahead.modules.types import StagedRows, StagedTable
 from torchrec_lookahead.store import EmbeddingStore, MmapStore, TensorStore
 
 __all__ = [
-    "MOVED",
     "SpaceMove",
     "PreparedPlan",
     "WriteBacks",
@@ -59,8 +58,11 @@ __all__ = [
     "flush_rows",
 ]
 
-#: the per-table counters a step's moves add to (``CachedEmbeddingBagCollection.stats()``), in this order
-MOVED = ("steps", "lookups", "hits", "rows_fetched", "rows_written_back", "bytes_moved")
+#: a counter's column in the counts matrices (a step's :attr:`PreparedPlan.counts`, the cache's totals)
+_COLUMN = {k: i for i, k in enumerate(COUNTERS)}
+_STEP_COLUMNS = [
+    _COLUMN[k] for k in ("steps", "lookups", "hits", "rows_fetched", "rows_written_back", "bytes_moved")
+]
 
 #: per cached table, the ids of the rows this rank writes to its store (a table absent: none); ``None``: every row.
 #: With several ranks the stores are shared and each row is written by one rank holding its current value
@@ -106,8 +108,8 @@ class PreparedPlan:
         step: the plan's step.
         trusted: the plan came from the cache's own oracle (see ``apply_plan(trusted=True)``).
         spaces: the moves, one per slot space the plan names.
-        counts: (cached tables, len(:data:`MOVED`)) int64, what the step adds to each cached table's counters
-            (the cache's cached tables in its order).
+        counts: (cached tables, len(``COUNTERS``)) int64, what the step adds to each cached table's counters
+            (the cache's cached tables in its order; ``rows_flushed`` is 0).
     """
 
     step: int
@@ -139,7 +141,7 @@ def prepare(
         cached: the cached tables in the order of ``counts``' rows.
     """
     moves: List[SpaceMove] = []
-    counts = np.zeros((len(cached), len(MOVED)), dtype=np.int64)
+    counts = np.zeros((len(cached), len(COUNTERS)), dtype=np.int64)
     row = {n: i for i, n in enumerate(cached)}
     for members in spaces.values():
         named = [m for m in members if m in checked]
@@ -169,7 +171,14 @@ def prepare(
             store = tables[name].store
             assert store is not None
             f, e = c.fetch_ids.numel(), c.evict_ids.numel()
-            counts[row[name]] = (1, slots.size, slots.size - misses, f, e, (f + e) * store.row_width * 4)
+            counts[row[name], _STEP_COLUMNS] = (
+                1,
+                slots.size,
+                slots.size - misses,
+                f,
+                e,
+                (f + e) * store.row_width * 4,
+            )
     return PreparedPlan(step, trusted, tuple(moves), counts)
 
 
@@ -387,23 +396,23 @@ def move(
                 slot_to_id.index_copy_(0, fetched, ids)
 
 
-def counted(
-    tables: Mapping[str, _Table], cached: Sequence[str], moved: np.ndarray
-) -> Dict[str, Dict[str, int]]:
-    """Per cached table its counters: its own (flushes) plus its row of ``moved`` (the applied plans')."""
-    out = {n: dict(tables[n].counters) for n in cached}
-    for n, row in zip(cached, moved.tolist()):
-        for k, v in zip(MOVED, row):
-            out[n][k] += v
-    return out
+def counted(cached: Sequence[str], counts: np.ndarray) -> Dict[str, Dict[str, int]]:
+    """Per cached table its counters: its row of ``counts`` (in ``cached``'s order), by name."""
+    return {n: dict(zip(COUNTERS, row)) for n, row in zip(cached, counts.tolist())}
 
 
 @torch.no_grad()
 def flush_rows(
-    tables: Mapping[str, _Table], kernels: Sequence[_CacheKernel], device: torch.device, writes: Writes = None
+    tables: Mapping[str, _Table],
+    kernels: Sequence[_CacheKernel],
+    device: torch.device,
+    counts: np.ndarray,
+    cached: Sequence[str],
+    writes: Writes = None,
 ) -> None:
     """Write every cached row (of those ``writes`` names) and its optimizer state back to its store, then flush
-    the stores (after the write-backs left to another thread have landed)."""
+    the stores (after the write-backs left to another thread have landed); the rows flushed are added to
+    ``counts``, the cache's counters (rows in ``cached``'s order)."""
     for t in tables.values():
         if t.store is None or t.slot_to_id is None:
             continue
@@ -419,6 +428,7 @@ def flush_rows(
                 {k: v.index_select(0, dev).cpu() for k, v in kernel.states(t.local).items()},
                 None if writes is None else writes.get(t.config.name, _NOTHING),
             )
-            t.counters["rows_flushed"] += occupied.numel()
-            t.counters["bytes_moved"] += occupied.numel() * t.store.row_width * 4
+            row = counts[cached.index(t.config.name)]
+            row[_COLUMN["rows_flushed"]] += occupied.numel()
+            row[_COLUMN["bytes_moved"]] += occupied.numel() * t.store.row_width * 4
         t.store.flush()

@@ -10,7 +10,7 @@ Example:
     >>> from torchrec import EmbeddingBagConfig
     >>> from torchrec_lookahead.oracle.types import TablePlan
     >>> cfg = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])
-    >>> t = _Table(cfg, 0, 0, 2, None, torch.tensor([3, -1]), dict.fromkeys(COUNTERS, 0))
+    >>> t = _Table(cfg, 0, 0, 2, None, torch.tensor([3, -1]))
     >>> e = torch.empty(0, dtype=torch.long)
     >>> c = validate_plan(0, t, TablePlan(e, e, torch.tensor([5]), torch.tensor([1]), torch.tensor([0, 1])),
     ...                   None, CacheOptimizerConfig("exact_sgd"))
@@ -47,7 +47,7 @@ __all__ = [
     "cached_table",
 ]
 
-#: the per-table counters of ``CachedEmbeddingBagCollection.stats()``
+#: the per-table counters of ``CachedEmbeddingBagCollection.stats()``, the columns of its counts matrix
 COUNTERS = ("steps", "lookups", "hits", "rows_fetched", "rows_written_back", "rows_flushed", "bytes_moved")
 
 _SYNC_HINT = "plans must be applied in order, each once, starting from an empty cache"
@@ -87,7 +87,6 @@ class _Table:
     rows: int
     store: Optional[EmbeddingStore]
     slot_to_id: Optional[torch.Tensor]
-    counters: Dict[str, int]
     #: the slot space whose rows the (cached) table shares with its other members
     space: Optional[str] = None
 

@@ -56,7 +56,6 @@ from torchrec_lookahead._checks import check_choice, is_int
 from torchrec_lookahead.errors import ConfigError, DataError, SetupError
 from torchrec_lookahead.modules._kernels import _CacheKernel, make_kernel
 from torchrec_lookahead.modules._moves import (
-    MOVED,
     PreparedPlan,
     WriteBacks,
     Writes,
@@ -203,12 +202,10 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
                     kernel.weights(i).zero_()
                 else:
                     init_embedding_weights(kernel.weights(i), c.name, self._seed)
-                self._tables[c.name] = _Table(
-                    c, g, i, rows[i], store, slot_to_id, dict.fromkeys(COUNTERS, 0), spaces[i]
-                )
+                self._tables[c.name] = _Table(c, g, i, rows[i], store, slot_to_id, spaces[i])
         self._cached = [n for n, t in self._tables.items() if t.cached]
-        #: per cached table (``_cached``'s order), the counters of :data:`MOVED` that applied plans added
-        self._moved = np.zeros((len(self._cached), len(MOVED)), dtype=np.int64)
+        #: per cached table (``_cached``'s order), its counters (``COUNTERS``): applied plans' and flushes'
+        self._counts = np.zeros((len(self._cached), len(COUNTERS)), dtype=np.int64)
         #: evicted rows whose store writes the stager thread lands (``apply_plan(defer_write_backs=True)``)
         self._write_backs = WriteBacks()
         #: what a write-back or flush that names no rows writes: every row, none once :meth:`share_stores`
@@ -508,7 +505,7 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
             self._write_backs if defer_write_backs else None,
             self._unnamed if writes is None else writes,
         )
-        self._moved += prepared.counts
+        self._counts += prepared.counts
         self._applied = AppliedPlan(plan.step, trusted)
 
     @property
@@ -533,7 +530,14 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
         Rows stay cached: training continues with the same plan stream.
         """
         self.land_write_backs()
-        flush_rows(self._tables, self._kernels, self._device, self._unnamed if writes is None else writes)
+        flush_rows(
+            self._tables,
+            self._kernels,
+            self._device,
+            self._counts,
+            self._cached,
+            self._unnamed if writes is None else writes,
+        )
 
     def share_stores(self) -> None:
         """The stores are shared by several ranks, each row written by one: from now on a write-back or flush
@@ -557,13 +561,11 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
         ``hits`` counts lookups served by a row already cached before the step's fetches; ``lookups - hits``
         were served by a row fetched for the step.
         """
-        return counted(self._tables, self._cached, self._moved)
+        return counted(self._cached, self._counts)
 
     def reset_stats(self) -> None:
         """Zero every counter."""
-        for t in self._tables.values():
-            t.counters = dict.fromkeys(COUNTERS, 0)
-        self._moved.fill(0)
+        self._counts.fill(0)
 
     # ------------------------------------------------------------------------------------------------------
     # checkpoints: full tables

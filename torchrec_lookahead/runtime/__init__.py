@@ -12,11 +12,12 @@ from torchrec_lookahead.runtime.batch import LookaheadBatch
 from torchrec_lookahead.runtime.capacity import CapacityCheck
 from torchrec_lookahead.runtime.loader import LookaheadLoader
 from torchrec_lookahead.runtime.scan import PreScan, prescan
-from torchrec_lookahead.runtime.session import CacheHost, CacheSession
+from torchrec_lookahead.runtime.session import CacheHost, CacheSession, CacheStats
 from torchrec_lookahead.runtime.target import CacheTarget, cached_modules
 
 __all__ = [
     "CacheSession",
+    "CacheStats",
     "CacheHost",
     "CacheTarget",
     "cached_modules",

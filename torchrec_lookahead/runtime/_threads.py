@@ -144,9 +144,6 @@ class LoaderStats:
         stager_cpu_s: CPU seconds of the stager thread (gathering rows).
         staged: plans whose rows the stager gathered.
         gathered_here: steps whose rows the training thread gathered itself (the stager had not started them).
-        hot_batches: hot batches served, which read only pinned rows (a hot/cold lookahead loader).
-        training_thread_s: seconds the training thread spent in cache code (the session's apply, without its
-            wait for staged rows, and the cache kernels' backward hooks), filled in by the session.
         reader_cpu_s: CPU seconds of the reader thread (reading the wrapped loader's batches ahead of the
             planner).
         read: batches the reader thread read.
@@ -165,8 +162,6 @@ class LoaderStats:
     stager_cpu_s: float = 0.0
     staged: int = 0
     gathered_here: int = 0
-    hot_batches: int = 0
-    training_thread_s: float = 0.0
     reader_cpu_s: float = 0.0
     read: int = 0
 

@@ -44,15 +44,29 @@ The state of one step, and who holds it::
                              argument of each store write, never state of the store
     W ranks                  each collection's StepState: the LRPP plan the backward reads, its pending
                              delayed exchanges, dirty, eval_flushed
-    counters                 stats() below: the loader threads' LoaderStats, the hot batches and the
-                             training thread's cache time; each cache's stats() per table; sync_counters
+    counters                 stats(): one CacheStats snapshot of every counter of the job: the loader
+                             threads' LoaderStats, the hot batches and the training thread's time in cache
+                             code (the session's), each cached table's (its cache counts them as it
+                             applies and flushes), LRPP's synchronisation counters (W ranks); the
+                             difference of two snapshots is the work between them (CacheMonitor logs it)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from dataclasses import dataclass, field
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    runtime_checkable,
+)
 
 import torch
 import torch.distributed as dist
@@ -67,7 +81,58 @@ from torchrec_lookahead.runtime.target import CacheTarget, cached_modules
 if TYPE_CHECKING:
     from torchrec_lookahead.runtime.loader import LookaheadLoader
 
-__all__ = ["CacheSession", "CacheHost"]
+__all__ = ["CacheSession", "CacheHost", "CacheStats"]
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Every counter of a cached job, one snapshot (:meth:`CacheSession.stats`); the difference of two
+    snapshots is the work between them.
+
+    Attributes:
+        threads: the planning loader's threads: waits of the training thread, CPU time of the reader,
+            planner and stager threads, batches each handled (zero without a planning loader).
+        hot_batches: hot batches applied, which read only pinned rows (FAE's hot/cold loader).
+        training_thread_s: seconds the training thread spent in cache code: applying plans (without the wait
+            for staged rows) and, with several ranks, the cache kernels' backward hooks (the exact gradient
+            exchange and its update).
+        tables: per cached table its counters (``steps``, ``lookups``, ``hits``, ``rows_fetched``,
+            ``rows_written_back``, ``rows_flushed``, ``bytes_moved``; ``hits`` are lookups served by a row
+            cached before the step's fetches).
+        sync: several ranks: LRPP's synchronisation counters, summed over the cached collections
+            (``rows_synced_critical``, ``rows_synced_delayed``, ``grad_floats_sent``, ...).
+
+    Example:
+        >>> before = CacheStats(tables={"t": {"lookups": 4, "hits": 1}}, sync={"rows_refreshed": 2})
+        >>> after = CacheStats(LoaderStats(planned=3), 1, 0.5, {"t": {"lookups": 10, "hits": 5}}, {"rows_refreshed": 3})
+        >>> d = after - before
+        >>> d.threads.planned, d.hot_batches, d.tables["t"], d.sync, d.hit_rate
+        (3, 1, {'lookups': 6, 'hits': 4}, {'rows_refreshed': 1}, 0.6666666666666666)
+    """
+
+    threads: LoaderStats = field(default_factory=LoaderStats)
+    hot_batches: int = 0
+    training_thread_s: float = 0.0
+    tables: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    sync: Mapping[str, int] = field(default_factory=dict)
+
+    def __sub__(self, other: CacheStats) -> CacheStats:
+        def minus(a: Mapping[str, int], b: Mapping[str, int]) -> Dict[str, int]:
+            return {k: v - b.get(k, 0) for k, v in a.items()}
+
+        return CacheStats(
+            self.threads - other.threads,
+            self.hot_batches - other.hot_batches,
+            self.training_thread_s - other.training_thread_s,
+            {t: minus(c, other.tables.get(t, {})) for t, c in self.tables.items()},
+            minus(self.sync, other.sync),
+        )
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over lookups, every cached table together (0.0 without lookups)."""
+        lookups = sum(c.get("lookups", 0) for c in self.tables.values())
+        return sum(c.get("hits", 0) for c in self.tables.values()) / lookups if lookups else 0.0
 
 
 class CacheSession:
@@ -83,7 +148,7 @@ class CacheSession:
         >>> from torchrec_lookahead.store import TensorStore
         >>> target = CacheTarget({"t": 8}, {"f": "t"}, {"t": 100}, {"t": TensorStore(100, 4, {}, name="t", seed=0)})
         >>> session = CacheSession(target)
-        >>> session.loader is None, session.stats().planned
+        >>> session.loader is None, session.stats().threads.planned
         (True, 0)
     """
 
@@ -127,12 +192,20 @@ class CacheSession:
         session)."""
         self._loader = loader
 
-    def stats(self) -> LoaderStats:
-        """The planning loader's counters, with the hot batches (pinned rows only) this session applied."""
-        base = LoaderStats() if self._loader is None else self._loader.stats()
-        hooks = sum(m.backward_hook_s for m in self.modules)
-        return dataclasses.replace(
-            base, hot_batches=self._hot_batches, training_thread_s=self._cache_s + hooks
+    def stats(self) -> CacheStats:
+        """Every counter of the job, a snapshot (see :class:`CacheStats`)."""
+        sync: Dict[str, int] = {}
+        tables: Dict[str, Mapping[str, int]] = {}
+        for m in self.modules:
+            tables.update(m.cache.stats())
+            for k, v in m.sync_counters.items():
+                sync[k] = sync.get(k, 0) + v
+        return CacheStats(
+            LoaderStats() if self._loader is None else self._loader.stats(),
+            self._hot_batches,
+            self._cache_s + sum(m.backward_hook_s for m in self.modules),
+            tables,
+            sync,
         )
 
     def oracle_lead(self) -> int:
