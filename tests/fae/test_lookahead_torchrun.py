@@ -105,6 +105,10 @@ def test_two_ranks_fae_checkpoint_chain_killed_and_resumed_from_either_piece_end
 
     full = run("a")
     assert full.returncode == 0, full.stderr[-4000:]
+    # every hot batch came with its gradient exchanges indexed ahead, as the cold ones: no backward indexed one
+    metrics = (full.stdout + full.stderr).split("Final metrics: ")[-1]
+    assert "cache/sync/grad_floats_sent=" in metrics, metrics
+    assert "exchanges_indexed_in_backward" not in metrics, metrics
     older = tmp_path / "a_ckpt" / "epoch=0-step=4.ckpt"
     latest = tmp_path / "a_ckpt" / "epoch=0-step=8.ckpt"
     for r in (0, 1):  # step 8's deltas over step 4's full piece

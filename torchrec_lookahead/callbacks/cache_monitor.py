@@ -21,7 +21,7 @@ travel in the background), ``cache/sync/rows_refreshed``, ``cache/sync/rows_grad
 shared row), ``cache/sync/rows_skipped`` (rows updated by one rank only, never synchronised),
 ``cache/sync/grad_floats_sent`` (gradient floats this rank sent for other ranks' shared rows) and, where some
 happened, ``cache/sync/exchanges_indexed_in_backward`` (gradient exchanges the backward indexed itself because
-the step's plan came without an exchange index from the planner thread: FAE's hot batches).
+the step's plan came without an exchange index: plans made by hand).
 
 With a TensorBoard logger, the monitor also writes a custom-scalars layout (:data:`TENSORBOARD_LAYOUT`, the
 "Custom Scalars" tab): every table's hit rate on one chart, every table's rows fetched on another, and so on.

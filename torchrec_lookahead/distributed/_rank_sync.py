@@ -225,7 +225,7 @@ class RankSync:
 
     def _exchange_index(self, spec: ExchangeSpec, lrpp: LRPPPlan) -> ExchangeIndex:
         """The step's exchange index of the kernel of ``spec``: the one the planner built with the LRPP plan, or
-        (a plan made elsewhere, e.g. by hand or for a hot batch) built here, counted in
+        (a plan made elsewhere, e.g. by hand) built here, counted in
         ``exchanges_indexed_in_backward``."""
         names = tuple(spec.layout.tables)
         index = lrpp.exchange.get(names)

@@ -235,6 +235,8 @@ class HotColdLookaheadLoader:
             glob,
             self.pinned.pinned_slots,
         )
+        # the gradient exchanges' index built here, before the step, as the planner does for cold batches
+        lrpp = lrpp.with_exchanges(self.target.exchanges, rank, self.target.num_ranks)
         return LookaheadBatch(batch.dense_features, kjt, batch.labels, plan=plan, lrpp=lrpp)
 
     def _first_writers(self) -> Dict[str, torch.Tensor]:
