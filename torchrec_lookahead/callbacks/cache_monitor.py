@@ -13,8 +13,8 @@ log); and ``cache/oracle_lead`` (batches planned ahead of training) and
 ``cache/stager_cpu_ms`` (CPU time of the reader thread per batch read, of the planner thread per batch planned,
 of the stager thread per plan staged), and
 ``cache/training_thread_ms`` (time the training thread spent in cache code per step: applying the plan, with
-its counters, without the wait for staged rows; with several ranks also the cache kernels' backward hooks,
-the exact gradient exchange and its update). With several ranks
+its counters, without the wait for staged rows; making FAE's hot batches; with several ranks also the cache
+kernels' backward hooks, the exact gradient exchange and its update). With several ranks
 (LRPP), per step: ``cache/sync/rows_synced_critical`` (rows refreshed or gradient-synchronised before or
 within the step), ``cache/sync/rows_synced_delayed`` (shared rows not read at the next step, whose gradients
 travel in the background), ``cache/sync/rows_refreshed``, ``cache/sync/rows_grad_synced`` (every

@@ -235,7 +235,7 @@ class HotColdLookaheadLoader:
             glob,
             self.pinned.pinned_slots,
         )
-        # the gradient exchanges' index built here, before the step, as the planner does for cold batches
+        # the gradient exchanges' index built here, before the step (the planner builds the cold batches')
         lrpp = lrpp.with_exchanges(self.target.exchanges, rank, self.target.num_ranks)
         return LookaheadBatch(batch.dense_features, kjt, batch.labels, plan=plan, lrpp=lrpp)
 
@@ -283,7 +283,8 @@ class HotColdLookaheadLoader:
                     if item.lrpp is not None:
                         writers.update({t: tp.writer for t, tp in item.lrpp.tables.items()})
                 else:
-                    item = self._hot(batch, last_cold, writers)
+                    with self.session.cache_code():  # the training thread's cache work, as apply's
+                        item = self._hot(batch, last_cold, writers)
                 if pin is not None:
                     item, pin = replace(item, pin=pin), None
                 yield item

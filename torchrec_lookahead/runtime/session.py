@@ -53,12 +53,14 @@ The state of one step, and who holds it::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import (
     TYPE_CHECKING,
     Any,
     Dict,
+    Iterator,
     List,
     Mapping,
     Optional,
@@ -94,8 +96,8 @@ class CacheStats:
             planner and stager threads, batches each handled (zero without a planning loader).
         hot_batches: hot batches applied, which read only pinned rows (FAE's hot/cold loader).
         training_thread_s: seconds the training thread spent in cache code: applying plans (without the wait
-            for staged rows) and, with several ranks, the cache kernels' backward hooks (the exact gradient
-            exchange and its update).
+            for staged rows), making FAE's hot batches (:meth:`CacheSession.cache_code`) and, with several
+            ranks, the cache kernels' backward hooks (the exact gradient exchange and its update).
         tables: per cached table its counters (``steps``, ``lookups``, ``hits``, ``rows_fetched``,
             ``rows_written_back``, ``rows_flushed``, ``bytes_moved``; ``hits`` are lookups served by a row
             cached before the step's fetches).
@@ -207,6 +209,26 @@ class CacheSession:
             tables,
             sync,
         )
+
+    @contextlib.contextmanager
+    def cache_code(self) -> Iterator[None]:
+        """Count the block's time in :attr:`CacheStats.training_thread_s`: cache work the training thread does
+        outside :meth:`apply` (a hot/cold loader making a hot batch: its plan, remapped ids and exchange index).
+
+        Example:
+            >>> from torchrec_lookahead.store import TensorStore
+            >>> t = CacheTarget({"t": 8}, {"f": "t"}, {"t": 100}, {"t": TensorStore(100, 4, {}, name="t", seed=0)})
+            >>> session = CacheSession(t)
+            >>> with session.cache_code():
+            ...     time.sleep(0.01)
+            >>> session.stats().training_thread_s >= 0.01
+            True
+        """
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._cache_s += time.perf_counter() - t0
 
     def oracle_lead(self) -> int:
         """Batches planned but not yet applied."""
