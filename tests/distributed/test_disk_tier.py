@@ -209,7 +209,10 @@ def test_tiny_job_over_lookahead_host_tiers_equals_resident_training(
     assert len(disk_stores) == 3 and all(s.host_policy == "lookahead" for s in disk_stores)
     stats = [s.stats() for s in disk_stores]
     assert all(st["host_rows"] <= st["host_capacity"] for st in stats)
-    assert sum(st["rows_prefetched"] for st in stats) > 0, stats
+    # rows left the host tiers for the files and were read back (49 of them on an idle machine). How many the
+    # background thread read ahead of their gathers depends on its share of the CPU at this size (13 to 15 idle,
+    # none once on a loaded one): the whole-epoch test below checks that most are
+    assert sum(st["rows_written"] for st in stats) > 0 and sum(st["rows_read"] for st in stats) > 0, stats
 
 
 def test_bad_host_policy_is_refused() -> None:
