@@ -530,14 +530,8 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
         Rows stay cached: training continues with the same plan stream.
         """
         self.land_write_backs()
-        flush_rows(
-            self._tables,
-            self._kernels,
-            self._device,
-            self._counts,
-            self._cached,
-            self._unnamed if writes is None else writes,
-        )
+        writes = self._unnamed if writes is None else writes
+        flush_rows(self._tables, self._kernels, self._device, self._counts, self._cached, writes)
 
     def share_stores(self) -> None:
         """The stores are shared by several ranks, each row written by one: from now on a write-back or flush

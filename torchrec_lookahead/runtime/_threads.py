@@ -16,7 +16,7 @@ import os
 import queue
 import sys
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional
 
 import torch
@@ -165,15 +165,13 @@ class LoaderStats:
     reader_cpu_s: float = 0.0
     read: int = 0
 
-    # field by field (``dataclasses.astuple`` deep-copies: the training thread adds its wait every step)
+    # the fields' values in their order (``dataclasses.astuple`` deep-copies: the training thread adds its wait
+    # every step)
     def __add__(self, other: LoaderStats) -> LoaderStats:
-        return LoaderStats(*(getattr(self, k) + getattr(other, k) for k in _LOADER_FIELDS))
+        return LoaderStats(*(a + b for a, b in zip(vars(self).values(), vars(other).values())))
 
     def __sub__(self, other: LoaderStats) -> LoaderStats:
-        return LoaderStats(*(getattr(self, k) - getattr(other, k) for k in _LOADER_FIELDS))
-
-
-_LOADER_FIELDS = tuple(f.name for f in fields(LoaderStats))
+        return LoaderStats(*(a - b for a, b in zip(vars(self).values(), vars(other).values())))
 
 
 @dataclass(frozen=True)
