@@ -42,6 +42,21 @@ _AGE_MAX = (1 << 40) - 1
 _SCORE_EVICT_FRACTION = 32
 
 
+def _members(ids: np.ndarray, hinted: np.ndarray) -> np.ndarray:
+    """The mask of ``ids`` in ``hinted`` (sorted and distinct, as :meth:`LookaheadReads._hint` keeps every hint):
+    a binary search of each id, where ``np.isin`` would sort both arrays again (the written rows are scored
+    against every hinted step at each write-back).
+
+    Example:
+        >>> _members(np.array([5, 1, 9, 3]), np.array([1, 3, 4])).tolist()
+        [False, True, False, True]
+    """
+    if hinted.size == 0:
+        return np.zeros(ids.size, dtype=bool)
+    at = np.minimum(np.searchsorted(hinted, ids), hinted.size - 1)
+    return hinted[at] == ids
+
+
 class LookaheadReads:
     """The planned reads of a disk store (mixed into :class:`~torchrec_lookahead.store.DiskStore`, whose state
     they share under its lock: ``_hints`` per planned step, ``_step`` gathered last, ``_read_upto`` read by the
@@ -144,14 +159,19 @@ class LookaheadReads:
         """The first step after the gathered one that fetches or uses each of ``ids`` (rows the device cache
         writes back now; :data:`NEVER` when none is known)."""
         nxt = np.full(ids.size, NEVER, dtype=np.int64)
-        for s in sorted(set(self._hints) | set(self._uses), reverse=True):
+        todo = np.arange(ids.size)  # the ids no step before ``s`` uses
+        for s in sorted(set(self._hints) | set(self._uses)):
             if s <= self._step:
                 continue
-            hit = np.zeros(ids.size, dtype=bool)
+            left = ids[todo]
+            hit = np.zeros(todo.size, dtype=bool)
             for hinted in (self._hints.get(s), self._uses.get(s)):
                 if hinted is not None:
-                    hit |= np.isin(ids, hinted)
-            nxt[hit] = s
+                    hit |= _members(left, hinted)
+            nxt[todo[hit]] = s
+            todo = todo[~hit]
+            if todo.size == 0:
+                break
         return nxt
 
     def _score(self, nxt: np.ndarray) -> np.ndarray:
