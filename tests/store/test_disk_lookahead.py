@@ -8,11 +8,13 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import pytest
 import torch
 
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.store import DiskStore, TensorStore
+from torchrec_lookahead.store._disk_lookahead import NEVER
 from torchrec_lookahead.store.init import INIT_BLOCK_ROWS
 
 N, D = 20000, 4
@@ -181,6 +183,64 @@ def test_lookahead_reads_no_more_rows_than_lru_under_a_cache(tmp_path: Path) -> 
     assert lru["rows_initialised"] == ahead["rows_initialised"] and lru["rows_first_read"] == 0
     assert ahead["rows_read"] <= lru["rows_read"], (ahead, lru)
     assert ahead["rows_reread"] < lru["rows_reread"], (ahead, lru)
+
+
+def _next_use_by_step(store: DiskStore) -> np.ndarray:
+    """``_next_use`` by its definition, one hinted step at a time (the nearest last, so it wins): per slot of the
+    host tier, the first step from the gathered one whose read hint names its row (not counting the gathered
+    step's own read of a row the device cache holds), or after it whose use hint names a row the device cache
+    does not hold."""
+    tier, now = store._tier, store._step
+    nxt = np.full(tier.capacity, NEVER, dtype=np.int64)
+    for s in sorted(set(store._hints) | set(store._uses), reverse=True):
+        if s in store._uses and s > now:
+            slots = tier.find(store._uses[s])
+            slots = slots[slots >= 0]
+            nxt[slots[~tier.dead[slots]]] = s
+        if s in store._hints and s >= now:
+            slots = tier.find(store._hints[s])
+            slots = slots[slots >= 0]
+            nxt[slots[~tier.dead[slots]] if s == now else slots] = s
+    return nxt
+
+
+def _next_use_of_by_step(store: DiskStore, ids: np.ndarray) -> np.ndarray:
+    """``_next_use_of`` by its definition: the first step after the gathered one whose read or use hint names
+    each of ``ids``."""
+    nxt = np.full(ids.size, NEVER, dtype=np.int64)
+    for s in sorted(set(store._hints) | set(store._uses), reverse=True):
+        if s > store._step:
+            for hinted in (store._hints.get(s), store._uses.get(s)):
+                if hinted is not None:
+                    nxt[np.isin(ids, hinted)] = s
+    return nxt
+
+
+def test_next_uses_from_the_merged_hints_equal_their_definition(tmp_path: Path, monkeypatch) -> None:
+    """The lookahead policy ranks rows by their next use from one index of the hints per gathered step, kept
+    current as hints arrive: at every ranking of a cache's traffic (read and use hints, background reads, write-backs
+    of rows the tier lacks) it equals the definition, step by step."""
+    checked = {"slots": 0, "written": 0}
+    next_use, next_use_of = DiskStore._next_use, DiskStore._next_use_of
+
+    def checked_next_use(self: DiskStore) -> np.ndarray:
+        out = next_use(self)
+        assert np.array_equal(out, _next_use_by_step(self)), self._step
+        checked["slots"] += 1
+        return out
+
+    def checked_next_use_of(self: DiskStore, ids: np.ndarray) -> np.ndarray:
+        out = next_use_of(self, ids)
+        assert np.array_equal(out, _next_use_of_by_step(self, ids)), self._step
+        checked["written"] += 1
+        return out
+
+    monkeypatch.setattr(DiskStore, "_next_use", checked_next_use)
+    monkeypatch.setattr(DiskStore, "_next_use_of", checked_next_use_of)
+    stream = _stream(60, seed=7)
+    plans = _device_plans(stream, capacity=400)
+    _run_cache(tmp_path, "lookahead", 600, plans, lead=3, uses=stream, uses_lead=12)
+    assert checked["slots"] > 20 and checked["written"] > 20, checked
 
 
 def test_lookahead_keeps_the_rows_the_device_cache_does_not_hold(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ load) while it read, and a gather waits for a read in flight of its own rows ins
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -57,6 +57,60 @@ def _members(ids: np.ndarray, hinted: np.ndarray) -> np.ndarray:
     return hinted[at] == ids
 
 
+class _FirstSteps:
+    """Per id, the first step after ``after`` whose hint of one kind (``_uses`` or ``_hints``) names it: the hints
+    merged into one sorted index of distinct ids when built (at each new gathered step, once asked), and those
+    recorded since kept as they came (``late``), so that a row's next use is one search instead of one per hinted
+    step.
+
+    Example:
+        >>> first = _FirstSteps({3: np.array([1, 4]), 5: np.array([4, 7]), 2: np.array([9])}, after=2)
+        >>> first.late.append((6, np.array([2, 7])))
+        >>> [int(s) if s != NEVER else None for s in first.of(np.array([4, 7, 9, 2]))]
+        [3, 5, None, 6]
+    """
+
+    def __init__(self, hints: Dict[int, np.ndarray], after: int) -> None:
+        steps = sorted(s for s in hints if s > after)
+        ids = np.concatenate([hints[s] for s in steps]) if steps else np.empty(0, dtype=np.int64)
+        at = np.repeat(np.asarray(steps, dtype=np.int64), [hints[s].size for s in steps])
+        order = np.argsort(ids, kind="stable")  # an id's entries in step order: its first step first
+        ids, at = ids[order], at[order]
+        first = np.ones(ids.size, dtype=bool)
+        first[1:] = ids[1:] != ids[:-1]
+        self.ids, self.at = ids[first], at[first]
+        self.late: List[Tuple[int, np.ndarray]] = []
+
+    def parts(self) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+        """The (distinct ids, their step) parts: the index, then each late hint."""
+        yield self.ids, self.at
+        for step, ids in self.late:
+            yield ids, np.full(ids.size, step, dtype=np.int64)
+
+    def of(self, ids: np.ndarray) -> np.ndarray:
+        """The first step of each of ``ids`` (:data:`NEVER` where no hint names it)."""
+        nxt = np.full(ids.size, NEVER, dtype=np.int64)
+        if self.ids.size:
+            at = np.minimum(np.searchsorted(self.ids, ids), self.ids.size - 1)
+            found = self.ids[at] == ids
+            nxt[found] = self.at[at[found]]
+        for step, hinted in self.late:
+            nxt[_members(ids, hinted) & (nxt > step)] = step
+        return nxt
+
+
+def _mark(nxt: np.ndarray, tier: HostTier, ids: np.ndarray, at: np.ndarray, live_only: bool) -> None:
+    """Lower ``nxt`` (a step per slot of ``tier``) to ``at`` at the slots of ``ids`` (distinct) that the tier
+    holds; with ``live_only``, not at the slots whose row the device cache holds (``dead``)."""
+    slots = tier.find(ids)
+    held = slots >= 0
+    slots, at = slots[held], at[held]
+    if live_only:
+        live = ~tier.dead[slots]
+        slots, at = slots[live], at[live]
+    nxt[slots] = np.minimum(nxt[slots], at)
+
+
 class LookaheadReads:
     """The planned reads of a disk store (mixed into :class:`~torchrec_lookahead.store.DiskStore`, whose state
     they share under its lock: ``_hints`` per planned step, ``_step`` gathered last, ``_read_upto`` read by the
@@ -69,6 +123,7 @@ class LookaheadReads:
     _closing: bool
     _hints: Dict[int, np.ndarray]
     _uses: Dict[int, np.ndarray]
+    _first: Optional[Tuple[_FirstSteps, _FirstSteps]]
     _step: int
     _read_upto: int
     _written: Optional[List[np.ndarray]]
@@ -112,7 +167,13 @@ class LookaheadReads:
         with self._lock:
             if step <= self._step or self._closing:
                 return
-            hints[int(step)] = arr
+            step = int(step)
+            if self._first is not None:
+                if step in hints:  # a step hinted again: its old ids are in the index
+                    self._first = None
+                else:
+                    self._first[0 if hints is self._uses else 1].late.append((step, arr))
+            hints[step] = arr
             self._wake.notify_all()
 
     def at_step(self, step: int) -> None:
@@ -132,7 +193,15 @@ class LookaheadReads:
                 for s in [s for s in self._uses if s <= step]:
                     del self._uses[s]
             self._step = step
+            self._first = None
             self._wake.notify_all()
+
+    def _first_steps(self) -> Tuple[_FirstSteps, _FirstSteps]:
+        """The first use and the first read hinted after the gathered step, per id (under the lock): built once
+        per gathered step, kept current by :meth:`_hint`."""
+        if self._first is None:
+            self._first = (_FirstSteps(self._uses, self._step), _FirstSteps(self._hints, self._step))
+        return self._first
 
     def _next_use(self) -> np.ndarray:
         """Per slot of the host tier, the first step from the gathered one on that fetches its row (:data:`NEVER`
@@ -140,39 +209,21 @@ class LookaheadReads:
         gathered step. A row gathered (at the gathered step) is not counted as fetched by it."""
         tier = self._tier
         nxt = np.full(tier.capacity, NEVER, dtype=np.int64)
-        for s in sorted(set(self._hints) | set(self._uses), reverse=True):
-            if s < self._step:
-                continue
-            if s in self._uses and s > self._step:
-                slots = tier.find(self._uses[s])
-                slots = slots[slots >= 0]
-                nxt[slots[~tier.dead[slots]]] = s
-            if s in self._hints:
-                slots = tier.find(self._hints[s])
-                slots = slots[slots >= 0]
-                if s == self._step:
-                    slots = slots[~tier.dead[slots]]
-                nxt[slots] = s
+        uses, reads = self._first_steps()
+        for ids, at in uses.parts():
+            _mark(nxt, tier, ids, at, live_only=True)
+        for ids, at in reads.parts():
+            _mark(nxt, tier, ids, at, live_only=False)
+        now = self._hints.get(self._step)
+        if now is not None:
+            _mark(nxt, tier, now, np.full(now.size, self._step, dtype=np.int64), live_only=True)
         return nxt
 
     def _next_use_of(self, ids: np.ndarray) -> np.ndarray:
         """The first step after the gathered one that fetches or uses each of ``ids`` (rows the device cache
         writes back now; :data:`NEVER` when none is known)."""
-        nxt = np.full(ids.size, NEVER, dtype=np.int64)
-        todo = np.arange(ids.size)  # the ids no step before ``s`` uses
-        for s in sorted(set(self._hints) | set(self._uses)):
-            if s <= self._step:
-                continue
-            left = ids[todo]
-            hit = np.zeros(todo.size, dtype=bool)
-            for hinted in (self._hints.get(s), self._uses.get(s)):
-                if hinted is not None:
-                    hit |= _members(left, hinted)
-            nxt[todo[hit]] = s
-            todo = todo[~hit]
-            if todo.size == 0:
-                break
-        return nxt
+        uses, reads = self._first_steps()
+        return np.minimum(uses.of(ids), reads.of(ids))
 
     def _score(self, nxt: np.ndarray) -> np.ndarray:
         """Per slot, the eviction score (higher is evicted first) from ``nxt`` (:meth:`_next_use`): the rows

@@ -206,6 +206,7 @@ class DiskStore(LookaheadReads, _RowStore):
         self._hints: Dict[int, np.ndarray] = {}
         # lookahead: the rows each step's batch looks up, as far ahead as the planner has read
         self._uses: Dict[int, np.ndarray] = {}
+        self._first = None  # lookahead: the hints merged per id (built once per gathered step, when asked)
         self._step = -1  # the step gathered last (at_step)
         self._read_upto = -1  # the background thread has read every hinted step up to this one
         self._written: Optional[List[np.ndarray]] = None  # ids written to the file while a prefetch reads
