@@ -44,8 +44,8 @@ _SCORE_EVICT_FRACTION = 32
 
 def _members(ids: np.ndarray, hinted: np.ndarray) -> np.ndarray:
     """The mask of ``ids`` in ``hinted`` (sorted and distinct, as :meth:`LookaheadReads._hint` keeps every hint):
-    a binary search of each id, where ``np.isin`` would sort both arrays again (the written rows are scored
-    against every hinted step at each write-back).
+    a binary search of each id, where ``np.isin`` would sort both arrays again (for the hints that arrived after
+    :class:`_FirstSteps` merged the others).
 
     Example:
         >>> _members(np.array([5, 1, 9, 3]), np.array([1, 3, 4])).tolist()
