@@ -218,15 +218,19 @@ def _next_use_of_by_step(store: DiskStore, ids: np.ndarray) -> np.ndarray:
 
 def test_next_uses_from_the_merged_hints_equal_their_definition(tmp_path: Path, monkeypatch) -> None:
     """The lookahead policy ranks rows by their next use from one index of the hints per gathered step, kept
-    current as hints arrive: at every ranking of a cache's traffic (read and use hints, background reads, write-backs
-    of rows the tier lacks) it equals the definition, step by step."""
-    checked = {"slots": 0, "written": 0}
-    next_use, next_use_of = DiskStore._next_use, DiskStore._next_use_of
+    current as hints arrive, and a background read counts the rows needed by its step from those steps' hints alone:
+    at every call over a cache's traffic (read and use hints, background reads, write-backs of rows the tier lacks)
+    each equals its definition, step by step."""
+    checked = {"slots": 0, "written": 0, "room": 0}
+    next_use, next_use_of, needed_by = DiskStore._next_use, DiskStore._next_use_of, DiskStore._needed_by
 
     def checked_next_use(self: DiskStore) -> np.ndarray:
         out = next_use(self)
         assert np.array_equal(out, _next_use_by_step(self)), self._step
         checked["slots"] += 1
+        occupied = self._tier.id_of >= 0
+        for step in range(self._step, self._step + 6):  # the rows needed by each coming step, this one's too
+            assert needed_by(self, step) == int((occupied & (out <= step)).sum()), (self._step, step)
         return out
 
     def checked_next_use_of(self: DiskStore, ids: np.ndarray) -> np.ndarray:
@@ -235,12 +239,20 @@ def test_next_uses_from_the_merged_hints_equal_their_definition(tmp_path: Path, 
         checked["written"] += 1
         return out
 
+    def checked_needed_by(self: DiskStore, step: int) -> int:
+        out = needed_by(self, step)
+        occupied = self._tier.id_of >= 0
+        assert out == int((occupied & (_next_use_by_step(self) <= step)).sum()), (self._step, step)
+        checked["room"] += 1
+        return out
+
     monkeypatch.setattr(DiskStore, "_next_use", checked_next_use)
+    monkeypatch.setattr(DiskStore, "_needed_by", checked_needed_by)
     monkeypatch.setattr(DiskStore, "_next_use_of", checked_next_use_of)
     stream = _stream(60, seed=7)
     plans = _device_plans(stream, capacity=400)
     _run_cache(tmp_path, "lookahead", 600, plans, lead=3, uses=stream, uses_lead=12)
-    assert checked["slots"] > 20 and checked["written"] > 20, checked
+    assert checked["slots"] > 20 and checked["written"] > 20 and checked["room"] > 20, checked
 
 
 def test_lookahead_keeps_the_rows_the_device_cache_does_not_hold(tmp_path: Path) -> None:

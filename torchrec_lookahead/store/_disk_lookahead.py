@@ -331,6 +331,20 @@ class LookaheadReads:
                     self._reset = False
                     self._wake.notify_all()
 
+    def _needed_by(self, step: int) -> int:
+        """How many rows of the host tier some hinted step up to ``step`` fetches (under the lock): those whose
+        :meth:`_next_use` is ``step`` or sooner, found from the hints of those steps alone (a background read may
+        take every other slot)."""
+        tier = self._tier
+        near = [(ids, True) for s, ids in self._uses.items() if self._step < s <= step]
+        near += [(ids, s == self._step) for s, ids in self._hints.items() if self._step <= s <= step]
+        slots = []
+        for ids, live_only in near:
+            held = tier.find(ids)
+            held = held[held >= 0]
+            slots.append(held[~tier.dead[held]] if live_only else held)
+        return int(np.unique(np.concatenate(slots)).size) if slots else 0
+
     def _prefetch_begin(self, step: int) -> Optional[np.ndarray]:
         """Under the lock: the rows of ``step`` to read (neither in the host tier nor held by the device cache, as
         many as it has room for without evicting a row needed by ``step`` or sooner); starts recording the file's
@@ -347,9 +361,7 @@ class LookaheadReads:
         miss = miss[~tier.device_holds(miss)]
         if miss.size == 0:
             return None
-        nxt = self._next_use()
-        room = tier.num_free + int(((nxt > step) & (tier.id_of >= 0)).sum())
-        miss = miss[:room]
+        miss = miss[: tier.capacity - self._needed_by(step)]
         self._inflight = miss
         self._written = []
         self._reset = False
