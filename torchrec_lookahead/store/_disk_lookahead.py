@@ -51,10 +51,16 @@ def _members(ids: np.ndarray, hinted: np.ndarray) -> np.ndarray:
         >>> _members(np.array([5, 1, 9, 3]), np.array([1, 3, 4])).tolist()
         [False, True, False, True]
     """
-    if hinted.size == 0:
-        return np.zeros(ids.size, dtype=bool)
-    at = np.minimum(np.searchsorted(hinted, ids), hinted.size - 1)
-    return hinted[at] == ids
+    return _search(hinted, ids)[1]
+
+
+def _search(sorted_ids: np.ndarray, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Each of ``ids``'s position in ``sorted_ids`` (sorted, distinct) and whether it is there (the position is
+    meaningful only where it is)."""
+    if sorted_ids.size == 0:
+        return np.zeros(ids.size, dtype=np.int64), np.zeros(ids.size, dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_ids, ids), sorted_ids.size - 1)
+    return at, sorted_ids[at] == ids
 
 
 class _FirstSteps:
@@ -90,24 +96,28 @@ class _FirstSteps:
     def of(self, ids: np.ndarray) -> np.ndarray:
         """The first step of each of ``ids`` (:data:`NEVER` where no hint names it)."""
         nxt = np.full(ids.size, NEVER, dtype=np.int64)
-        if self.ids.size:
-            at = np.minimum(np.searchsorted(self.ids, ids), self.ids.size - 1)
-            found = self.ids[at] == ids
-            nxt[found] = self.at[at[found]]
+        at, found = _search(self.ids, ids)
+        nxt[found] = self.at[at[found]]
         for step, hinted in self.late:
             nxt[_members(ids, hinted) & (nxt > step)] = step
         return nxt
 
 
-def _mark(nxt: np.ndarray, tier: HostTier, ids: np.ndarray, at: np.ndarray, live_only: bool) -> None:
-    """Lower ``nxt`` (a step per slot of ``tier``) to ``at`` at the slots of ``ids`` (distinct) that the tier
-    holds; with ``live_only``, not at the slots whose row the device cache holds (``dead``)."""
+def _held(tier: HostTier, ids: np.ndarray, live_only: bool) -> Tuple[np.ndarray, np.ndarray]:
+    """The slot of each of ``ids`` in ``tier`` and whether the tier holds it there; with ``live_only``, not where
+    the device cache holds the row too (``dead``)."""
     slots = tier.find(ids)
     held = slots >= 0
-    slots, at = slots[held], at[held]
     if live_only:
-        live = ~tier.dead[slots]
-        slots, at = slots[live], at[live]
+        held[held] = ~tier.dead[slots[held]]
+    return slots, held
+
+
+def _mark(nxt: np.ndarray, tier: HostTier, ids: np.ndarray, at: np.ndarray, live_only: bool) -> None:
+    """Lower ``nxt`` (a step per slot of ``tier``) to ``at`` at the slots of ``ids`` (distinct) that the tier
+    holds (see :func:`_held`)."""
+    slots, held = _held(tier, ids, live_only)
+    slots, at = slots[held], at[held]
     nxt[slots] = np.minimum(nxt[slots], at)
 
 
@@ -340,9 +350,8 @@ class LookaheadReads:
         near += [(ids, s == self._step) for s, ids in self._hints.items() if self._step <= s <= step]
         slots = []
         for ids, live_only in near:
-            held = tier.find(ids)
-            held = held[held >= 0]
-            slots.append(held[~tier.dead[held]] if live_only else held)
+            found, held = _held(tier, ids, live_only)
+            slots.append(found[held])
         return int(np.unique(np.concatenate(slots)).size) if slots else 0
 
     def _prefetch_begin(self, step: int) -> Optional[np.ndarray]:
