@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_lookahead._arrays import sorted_unique
 from torchrec_lookahead.errors import SetupError
 
 __all__ = [
@@ -195,7 +196,7 @@ def _bag_floats(
     """The gradient floats of the bags holding a row selected by ``select`` (per kernel slot): per rank, how many,
     and their positions in the flattened full gradient (global bags, ``layout.width`` columns), in the order the
     rank sends them: feature after feature, bag after bag (ascending), each bag's feature columns in order."""
-    bags = np.unique(g.bag[select[g.kslot]])  # sorted: feature-major, then global bag (rank, local bag)
+    bags = sorted_unique(g.bag[select[g.kslot]])  # sorted: feature-major, then global bag (rank, local bag)
     feature = bags // g.bags
     within = bags % g.bags
     rank = within // max(g.local, 1)

@@ -231,7 +231,7 @@ class LRPPTracker:
             ids = table_ids[name].numpy()
             slots = tp.slots.numpy()
             uniq_ids = ann.unique_ids.numpy()
-            order = np.argsort(ids, kind="stable")
+            order = np.argsort(ids)  # an id's lookups share its slot: whichever is found, the same slot
             pos = np.searchsorted(ids[order], uniq_ids)
             uslots = slots[order[pos]] if uniq_ids.size else np.zeros(0, dtype=np.int64)
             readers = ann.reader_mask.numpy()

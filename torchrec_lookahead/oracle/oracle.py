@@ -23,6 +23,7 @@ from typing import Any, Deque, Dict, Iterable, Iterator, List, Mapping, Optional
 
 import numpy as np
 
+from torchrec_lookahead._arrays import sorted_unique
 from torchrec_lookahead.errors import CheckpointError
 from torchrec_lookahead.oracle._pooled import _SharedUnit, _Unit
 from torchrec_lookahead.oracle._table import _TablePlanner
@@ -287,8 +288,10 @@ def window_working_sets(
         sets: Dict[str, Tuple[np.ndarray, int]] = {}
         for n, ids in batch.items():
             window = hist.setdefault(n, deque(maxlen=prefetch_depth + 1))
-            uniq = np.unique(ids)
+            uniq = sorted_unique(ids)
             window.append(uniq)
-            need = int(uniq.size) if len(window) == 1 else int(np.unique(np.concatenate(list(window))).size)
+            need = (
+                int(uniq.size) if len(window) == 1 else int(sorted_unique(np.concatenate(list(window))).size)
+            )
             sets[n] = (uniq, need)
         yield step, sets

@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from torchrec_lookahead._arrays import sorted_unique
 from torchrec_lookahead.oracle.types import RankAnnotation
 
 __all__ = ["RankInfo", "readers", "annotate", "rank_of_sample"]
@@ -68,7 +69,7 @@ def readers(
         samples = np.arange(inv.size, dtype=np.int64)
     size = int(batch_size) if batch_size is not None else inv.size
     rank = rank_of_sample(samples, max(size, 1), num_ranks)
-    pairs = np.unique(inv.astype(np.int64) * num_ranks + rank)
+    pairs = sorted_unique(inv.astype(np.int64) * num_ranks + rank)
     u, r = pairs // num_ranks, pairs % num_ranks
     mask = np.zeros(num_unique, dtype=np.int64)
     np.add.at(mask, u, np.left_shift(np.int64(1), r))
@@ -95,7 +96,7 @@ def annotate(
         The annotation, ids sorted ascending.
     """
     mask, count = info
-    order = np.argsort(uniq, kind="stable")
+    order = np.argsort(uniq)  # distinct ids: no ties, so any sort gives this order
     shared = count[order] > 1
     nxt_is_next = next_use[order] == step + 1 if next_known else np.ones(order.size, dtype=bool)
     return RankAnnotation(

@@ -14,6 +14,7 @@ from typing import Deque, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
+from torchrec_lookahead._arrays import sorted_unique
 from torchrec_lookahead.errors import CapacityError
 from torchrec_lookahead.store.types import HostWindow
 
@@ -171,7 +172,7 @@ class HostWindowCheck:
         empty = np.zeros(0, dtype=np.int64)
         short = []
         for name, tab in self._tables.items():
-            found = tab.push(step, np.unique(ids.get(name, empty)))
+            found = tab.push(step, sorted_unique(ids.get(name, empty)))
             if found is not None:
                 short.append(found)
         return short

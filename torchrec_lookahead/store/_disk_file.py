@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from torchrec_lookahead._arrays import sorted_unique
 from torchrec_lookahead.errors import ConfigError, SetupError, StoreError
 from torchrec_lookahead.store._disk_io import (
     FORMAT,
@@ -332,7 +333,7 @@ class DiskFile:
 
     def units_of(self, slots: np.ndarray) -> np.ndarray:
         """The sorted distinct units holding ``slots``."""
-        return np.unique(slots // self.rows_per_unit)
+        return sorted_unique(slots // self.rows_per_unit)
 
     def record_index(self, units: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """(n, record_floats) indices of the records at ``slots`` into the float32 view of a buffer holding the

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional,
 import numpy as np
 import torch
 
+from torchrec_lookahead._arrays import sorted_unique
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.store._disk_chain import (
     LIST_SUFFIX,
@@ -81,7 +82,7 @@ class RowsSnapshot:
             self._kept[rows] = True
             values = self._rows.index_select(0, torch.from_numpy(rows))
             blocks = pos // _BLOCK_ROWS
-            for b in np.unique(blocks).tolist():
+            for b in sorted_unique(blocks).tolist():
                 at = blocks == b
                 self._saved.setdefault(b, []).append((pos[at], values[torch.from_numpy(at)]))
 

@@ -10,6 +10,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from torchrec_lookahead._arrays import sorted_unique
 from torchrec_lookahead.errors import ConfigError, DataError
 from torchrec_lookahead.store._disk_chain import Chain, Writer
 from torchrec_lookahead.store._row_chain import RowsSnapshot, prepare_rows_piece, read_rows_chain
@@ -131,7 +132,7 @@ class _RowStore(ShapedStore):
             chunk_of = (ids.numpy() + self._phase) // self._chunk_rows
             if flags.numpy()[chunk_of].all():  # the usual case, without a sort
                 return
-            chunks = torch.from_numpy(np.unique(chunk_of))
+            chunks = torch.from_numpy(sorted_unique(chunk_of))
         missing = chunks[flags[chunks] == 0]
         if missing.numel() > 0:
             with self._init_lock:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchrec_lookahead._arrays import sorted_unique
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
 
 __all__ = ["EmbeddingStore", "HostWindow", "PendingPiece", "StoreShape", "ShapedStore", "check_load"]
@@ -400,7 +401,7 @@ class StoreShape:
                 id=bad,
                 num_rows=self.num_embeddings,
             ), empty
-        if unique and torch.unique(ids).numel() != ids.numel():
+        if unique and sorted_unique(arr).size != arr.size:
             return InvalidIdError(
                 f"scatter into table '{self.name}' got repeated ids; pass each id at most once",
                 table=self.name,

@@ -44,6 +44,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
+from torchrec_lookahead._arrays import sorted_unique
 from torchrec_lookahead._checks import is_int
 from torchrec_lookahead.distributed.planner.types import CachePlan, FetchCurve, Placement, TablePlacement
 from torchrec_lookahead.distributed.planner.working_set import (
@@ -366,7 +367,7 @@ class LookaheadPlanner:
         resident = (table.rows, 0.0)
         if table.rows <= floor:
             return [resident]
-        distinct = int(np.unique(np.concatenate(list(batches))).size) if batches else 0
+        distinct = int(sorted_unique(np.concatenate(list(batches))).size) if batches else 0
         ids = self._ids(batches)
         if self.policy is Policy.TTL:
             res = self._run(table, ids, max(floor, distinct, 1), warm)
