@@ -177,8 +177,13 @@ class LookaheadReads:
         unless the step was gathered already (lookahead policy only)."""
         if self._policy != "lookahead":
             return
-        arr = ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
-        arr = sorted_unique(arr[(arr >= 0) & (arr < self.num_embeddings)])
+        # few calls that release the GIL: on the planner thread each one waits for the GIL to come back
+        if ids.dtype == torch.int64 and ids.device.type == "cpu" and not ids.requires_grad:
+            arr = sorted_unique(ids.numpy())
+        else:
+            arr = sorted_unique(ids.detach().to("cpu", torch.int64).numpy())
+        if arr.size and (arr[0] < 0 or arr[-1] >= self.num_embeddings):  # sorted: the range is its two ends
+            arr = arr[(arr >= 0) & (arr < self.num_embeddings)]
         with self._lock:
             if step <= self._step or self._closing:
                 return
