@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import machine, parser, table, write_json  # noqa: E402
 from benchmarks._zipf import KAGGLE_ROWS, zipf_ids  # noqa: E402
+from torchrec_lookahead._arrays import sorted_unique  # noqa: E402
 from torchrec_lookahead.store import DiskStore, EmbeddingStore, TensorStore  # noqa: E402
 
 WIDTHS = {"momentum1": 1}
@@ -108,7 +109,7 @@ def run_kind(kind: str, sizes: List[int], args: Any, base: Path) -> Dict[str, An
             written = [np.zeros(n, dtype=bool) for n in sizes]
             for _ in range(args.interval):
                 for i, s in enumerate(stores):
-                    ids = np.unique(zipf_ids(rng, sizes[i], args.batch))
+                    ids = sorted_unique(zipf_ids(rng, sizes[i], args.batch))
                     written[i][ids] = True
                     w = torch.from_numpy(rng.standard_normal((ids.size, args.dim), dtype=np.float32))
                     s.write_back(torch.from_numpy(ids), w, {"momentum1": torch.ones(ids.size, 1)})

@@ -83,6 +83,7 @@ from benchmarks._common import (  # noqa: E402
     train,
     write_json,
 )
+from torchrec_lookahead._arrays import sorted_unique  # noqa: E402
 from torchrec_lookahead.oracle import (  # noqa: E402
     LookaheadOracle,
     OracleConfig,
@@ -311,7 +312,7 @@ def job_plans(
         if i >= steps:
             break
         ids = table_ids(b.sparse_features, f2t, sorted(capacity), unknown=UnknownFeatures.IGNORE)
-        uses.append({t: np.unique(v.numpy()) for t, v in ids.items()})
+        uses.append({t: sorted_unique(v.numpy()) for t, v in ids.items()})
         take(oracle.feed(b.sparse_features))
     take(oracle.finish())
     return {t: rows[t] for t in capacity}, plans[:steps]

@@ -50,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import free_port, machine, median, parser, table, write_json  # noqa: E402
+from torchrec_lookahead._arrays import sorted_unique  # noqa: E402
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig  # noqa: E402
 from torchrec_lookahead.distributed.exact_sync import (  # noqa: E402
     ExchangeSpec,
@@ -137,7 +138,7 @@ def payloads(step: Dict[str, Any], select: Sequence[torch.Tensor], num_ranks: in
         n = int(lengths[f].sum())
         bag = np.repeat(np.arange(batch), lengths[f])
         hit = np.isin(values[start : start + n], select[f].numpy())
-        out += np.bincount(np.unique(bag[hit]) // local, minlength=num_ranks) * DIM
+        out += np.bincount(sorted_unique(bag[hit]) // local, minlength=num_ranks) * DIM
         start += n
     return out
 

@@ -51,6 +51,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torchrec_lookahead._arrays import sorted_unique  # noqa: E402
 from torchrec_lookahead.data import TaobaoDataModule  # noqa: E402
 from torchrec_lookahead.data.readers import TAOBAO_FEATURES  # noqa: E402
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig  # noqa: E402
@@ -186,7 +187,7 @@ def uniques(
     batches: Sequence[Dict[str, np.ndarray]], tables: Sequence[str], offsets: Dict[str, int]
 ) -> List[np.ndarray]:
     """Per batch, the distinct linear ids (table offset + id) of ``tables``."""
-    return [np.unique(np.concatenate([b[t] + offsets[t] for t in tables])) for b in batches]
+    return [sorted_unique(np.concatenate([b[t] + offsets[t] for t in tables])) for b in batches]
 
 
 def next_uses(us: Sequence[np.ndarray], n: int) -> List[np.ndarray]:

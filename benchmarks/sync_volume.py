@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._report import free_port, machine, median, parser, table, write_json  # noqa: E402
 from benchmarks._zipf import KAGGLE_ROWS, table_names, zipf_ids  # noqa: E402
+from torchrec_lookahead._arrays import sorted_unique  # noqa: E402
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, RankAnnotation  # noqa: E402
 
 HEAD = (
@@ -157,8 +158,8 @@ def naive_annotation(
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         for r in range(num_ranks):
             per_rank[r].append(ids[offsets[ends[r]] : offsets[ends[r + 1]]])
-    rank_ids = [np.unique(np.concatenate(p)) for p in per_rank]
-    uniq = np.unique(np.concatenate([f[0] for f in feats]))
+    rank_ids = [sorted_unique(np.concatenate(p)) for p in per_rank]
+    uniq = sorted_unique(np.concatenate([f[0] for f in feats]))
     mask = np.zeros(uniq.size, dtype=np.int64)
     nreaders = np.zeros(uniq.size, dtype=np.int64)
     for r in range(num_ranks):
