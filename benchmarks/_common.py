@@ -31,25 +31,45 @@ from torchrec_lookahead.strategies import TorchRecStrategy
 from torchrec_lookahead.verify import QUIET_TRAINER_ARGS
 
 
+def _run_queue_s() -> Optional[float]:
+    """Seconds the calling thread has waited runnable for a CPU (Linux's per-thread ``schedstat``; else ``None``)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class StepTimer(pl.Callback):
-    """Wall time of training steps after ``warmup`` steps (forward, backward, optimizer, data fetch)."""
+    """Wall time of training steps after ``warmup`` steps (forward, backward, optimizer, data fetch), and where the
+    training thread's time went: on the CPU, waiting for one (the run queue: other threads of this or another
+    process held the cores), or neither (waiting for its data, the GIL or a lock); and the CPU of the process's
+    other threads (the training step's intra-op workers, the loader threads) in the same steps."""
 
     def __init__(self, warmup: int = 3) -> None:
         self.warmup = warmup
         self.times: List[float] = []
         #: CPU time of the training thread in each timed step (its off-CPU time is the difference)
         self.cpu_times: List[float] = []
+        #: the training thread's run-queue wait in each timed step (empty where the OS does not say)
+        self.runq_times: List[float] = []
+        #: CPU time of the process's other threads in each timed step
+        self.other_cpu_times: List[float] = []
         self._last: Optional[float] = None
-        self._last_cpu = 0.0
+        self._last_cpu = self._last_proc = 0.0
+        self._last_runq: Optional[float] = None
         self.torch_threads = 0
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        now, cpu = time.perf_counter(), time.thread_time()
+        now, cpu, proc, runq = time.perf_counter(), time.thread_time(), time.process_time(), _run_queue_s()
         self.torch_threads = torch.get_num_threads()  # during training (LookaheadDataModule may lower it)
         if self._last is not None and trainer.global_step > self.warmup:
             self.times.append(now - self._last)
             self.cpu_times.append(cpu - self._last_cpu)
-        self._last, self._last_cpu = now, cpu
+            self.other_cpu_times.append((proc - self._last_proc) - (cpu - self._last_cpu))
+            if runq is not None and self._last_runq is not None:
+                self.runq_times.append(runq - self._last_runq)
+        self._last, self._last_cpu, self._last_proc, self._last_runq = now, cpu, proc, runq
 
 
 class StepTimeLog(StepTimer):
@@ -242,6 +262,8 @@ def train(
     return {
         "times": list(timer.times),
         "cpu_times": list(timer.cpu_times),
+        "runq_times": list(timer.runq_times),
+        "other_cpu_times": list(timer.other_cpu_times),
         "loader": window.figures(),
         "step_ms": step * 1e3,
         "samples_per_s": batch / step,

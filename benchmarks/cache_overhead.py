@@ -78,6 +78,10 @@ class _Profile(pl.Callback):
             self._active = False
 
 
+#: the JSON's name of each kind of run
+KIND_NAMES = {"resident": "resident", "resident_background_loading": "resident_bg", "cached": "cached"}
+
+
 def _profiled_threads() -> Tuple[Dict[str, cProfile.Profile], Any]:
     """Profile the lookahead loader's oracle and stager threads; returns the profiles and an undo function."""
     from torchrec_lookahead.runtime import loader as la
@@ -356,6 +360,8 @@ def main() -> None:
     kinds = ("resident", "resident_bg", "cached")
     times: Dict[str, List[float]] = {k: [] for k in kinds}
     cpu: Dict[str, List[float]] = {k: [] for k in kinds}
+    runq: Dict[str, List[float]] = {k: [] for k in kinds}
+    others: Dict[str, List[float]] = {k: [] for k in kinds}
     background: Dict[str, List[float]] = {}
     pair_ratios: List[float] = []
     pair_ratios_bg: List[float] = []
@@ -394,7 +400,13 @@ def main() -> None:
                 ):
                     background.setdefault(key, []).append(row[key])
             row["train-thread cpu ms/step"] = median(res["cpu_times"]) * 1e3
+            # the training thread runnable but off the CPU, and the CPU of the process's other threads (the step's
+            # intra-op workers, the loader threads): who holds the cores
+            row["train-thread runq ms/step"] = median(res["runq_times"]) * 1e3 if res["runq_times"] else None
+            row["other threads cpu ms/step"] = median(res["other_cpu_times"]) * 1e3
             cpu[kind] += res["cpu_times"]
+            runq[kind] += res["runq_times"]
+            others[kind] += res["other_cpu_times"]
             results.append(row)
             print(table([row]).splitlines()[-1], flush=True)
             del res
@@ -409,6 +421,8 @@ def main() -> None:
                 "kind",
                 "step_ms",
                 "train-thread cpu ms/step",
+                "train-thread runq ms/step",
+                "other threads cpu ms/step",
                 "samples/s",
                 "fetch/step",
                 "hit rate",
@@ -436,6 +450,13 @@ def main() -> None:
         "resident_train_thread_cpu_ms": median(cpu["resident"]) * 1e3,
         "resident_background_loading_train_thread_cpu_ms": median(cpu["resident_bg"]) * 1e3,
         "cached_train_thread_cpu_ms": median(cpu["cached"]) * 1e3,
+        # per kind (resident, resident_background_loading, cached): the training thread's run-queue wait a step
+        # (None where the OS does not report it) and the CPU of the process's other threads a step
+        **{
+            f"{name}_train_thread_runq_ms": median(runq[k]) * 1e3 if runq[k] else None
+            for name, k in KIND_NAMES.items()
+        },
+        **{f"{name}_other_threads_cpu_ms": median(others[k]) * 1e3 for name, k in KIND_NAMES.items()},
         "cached_batch_wait_ms_per_step": median(background["batch wait ms/step"]),
         "reader_cpu_ms_per_batch": median(background["reader cpu ms/batch"]),
         "planner_cpu_ms_per_batch": median(background["planner cpu ms/batch"]),

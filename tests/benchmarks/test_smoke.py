@@ -55,6 +55,9 @@ def check_cache_overhead(f: Dict[str, Any]) -> None:
     assert f["pairs"] == 1 and f["steps_per_run"] == 3 and f["batch_size"] == 64
     for k in ("resident", "resident_background_loading", "cached"):
         assert positive(f[f"{k}_step_ms"]) and positive(f[f"{k}_train_thread_cpu_ms"])
+        assert finite(f[f"{k}_other_threads_cpu_ms"]) and f[f"{k}_other_threads_cpu_ms"] >= 0
+        runq = f[f"{k}_train_thread_runq_ms"]  # Linux reports it
+        assert (runq is None) is (not sys.platform.startswith("linux")) and (runq is None or runq >= 0)
     assert close(f["step_time_ratio"], f["cached_step_ms"] / f["resident_step_ms"])
     assert close(
         f["step_time_ratio_background_loading"],
