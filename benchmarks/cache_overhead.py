@@ -80,6 +80,12 @@ class _Profile(pl.Callback):
 
 #: the JSON's name of each kind of run
 KIND_NAMES = {"resident": "resident", "resident_background_loading": "resident_bg", "cached": "cached"}
+#: the per-step series of a run (``train()``'s result) and the JSON figure of each
+PER_STEP = {
+    "cpu_times": "train_thread_cpu_ms",
+    "runq_times": "train_thread_runq_ms",
+    "other_cpu_times": "other_threads_cpu_ms",
+}
 
 
 def _profiled_threads() -> Tuple[Dict[str, cProfile.Profile], Any]:
@@ -359,9 +365,8 @@ def main() -> None:
     results: List[Dict[str, Any]] = []
     kinds = ("resident", "resident_bg", "cached")
     times: Dict[str, List[float]] = {k: [] for k in kinds}
-    cpu: Dict[str, List[float]] = {k: [] for k in kinds}
-    runq: Dict[str, List[float]] = {k: [] for k in kinds}
-    others: Dict[str, List[float]] = {k: [] for k in kinds}
+    # per timed step of each kind: the training thread's CPU, its run-queue wait, the other threads' CPU
+    per_step: Dict[str, Dict[str, List[float]]] = {s: {k: [] for k in kinds} for s in PER_STEP}
     background: Dict[str, List[float]] = {}
     pair_ratios: List[float] = []
     pair_ratios_bg: List[float] = []
@@ -404,9 +409,8 @@ def main() -> None:
             # intra-op workers, the loader threads): who holds the cores
             row["train-thread runq ms/step"] = median(res["runq_times"]) * 1e3 if res["runq_times"] else None
             row["other threads cpu ms/step"] = median(res["other_cpu_times"]) * 1e3
-            cpu[kind] += res["cpu_times"]
-            runq[kind] += res["runq_times"]
-            others[kind] += res["other_cpu_times"]
+            for series in PER_STEP:
+                per_step[series][kind] += res[series]
             results.append(row)
             print(table([row]).splitlines()[-1], flush=True)
             del res
@@ -447,16 +451,13 @@ def main() -> None:
         "resident_step_ms": res_ms,
         "resident_background_loading_step_ms": bg_ms,
         "cached_step_ms": cac_ms,
-        "resident_train_thread_cpu_ms": median(cpu["resident"]) * 1e3,
-        "resident_background_loading_train_thread_cpu_ms": median(cpu["resident_bg"]) * 1e3,
-        "cached_train_thread_cpu_ms": median(cpu["cached"]) * 1e3,
-        # per kind (resident, resident_background_loading, cached): the training thread's run-queue wait a step
-        # (None where the OS does not report it) and the CPU of the process's other threads a step
+        # per kind (resident, resident_background_loading, cached) and series: its median a step (None where the
+        # OS does not report it: the run-queue wait off Linux)
         **{
-            f"{name}_train_thread_runq_ms": median(runq[k]) * 1e3 if runq[k] else None
+            f"{name}_{key}": median(per_step[series][k]) * 1e3 if per_step[series][k] else None
+            for series, key in PER_STEP.items()
             for name, k in KIND_NAMES.items()
         },
-        **{f"{name}_other_threads_cpu_ms": median(others[k]) * 1e3 for name, k in KIND_NAMES.items()},
         "cached_batch_wait_ms_per_step": median(background["batch wait ms/step"]),
         "reader_cpu_ms_per_batch": median(background["reader cpu ms/batch"]),
         "planner_cpu_ms_per_batch": median(background["planner cpu ms/batch"]),
