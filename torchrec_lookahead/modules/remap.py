@@ -12,8 +12,9 @@ in KJT key order; the plan's ``slots`` follow the same order::
 
 from __future__ import annotations
 
-from typing import Collection, Dict, Mapping
+from typing import Collection, Dict, List, Mapping
 
+import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.errors import ConfigError, DataError
@@ -63,13 +64,17 @@ def remap_kjt(
     refuse_variable_batch(kjt)
     values = kjt.values()
     bounds = kjt.offset_per_key()
-    new_values = values.clone()
+    # the remapped values, piece by piece in key order: a cached feature's slots, the others' own ids (one
+    # concatenation instead of a copy of the values and a write per feature)
+    pieces: List[torch.Tensor] = []
     used: Dict[str, int] = {}
     for i, key in enumerate(kjt.keys()):
         table = feature_to_table.get(key)
-        if table is None or table not in cached_tables:
-            continue
         lo, hi = bounds[i], bounds[i + 1]
+        if table is None or table not in cached_tables:
+            if hi > lo:
+                pieces.append(values[lo:hi])
+            continue
         pos = used.get(table, 0)
         if hi > lo:
             table_plan = plan.tables.get(table)
@@ -83,7 +88,7 @@ def remap_kjt(
                     f"plan step {plan.step} has {table_plan.slots.numel()} slots for table '{table}' but the "
                     f"batch looks up more ids in it; the plan was made for another batch"
                 )
-            new_values[lo:hi] = table_plan.slots[pos : pos + hi - lo].to(values.dtype)
+            pieces.append(table_plan.slots[pos : pos + hi - lo].to(values.dtype))
         used[table] = pos + hi - lo
     for table, table_plan in plan.tables.items():
         if table_plan.slots.numel() != used.get(table, 0):
@@ -91,6 +96,10 @@ def remap_kjt(
                 f"plan step {plan.step} has {table_plan.slots.numel()} slots for table '{table}' but the batch "
                 f"looks up {used.get(table, 0)} ids in it; the plan was made for another batch"
             )
+    if values.numel() > bounds[-1]:  # values past the last key's (kept, as a copy of the values would)
+        pieces.append(values[bounds[-1] :])
+    # a new tensor in every case: the batch's values and the plan's slots stay untouched
+    new_values = torch.cat(pieces) if len(pieces) > 1 else (pieces[0] if pieces else values).clone()
     return KeyedJaggedTensor(
         keys=kjt.keys(),
         values=new_values,
