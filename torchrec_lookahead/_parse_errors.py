@@ -4,8 +4,10 @@ jsonargparse refuses a value whose type does not match its argument's annotation
 where an int or a per-table mapping belongs) with the whole usage text and a report of every Union member it
 tried, and exits with status 2. The CLI's parser (:class:`LookaheadArgumentParser`) finds the innermost setting
 of that report, the class it belongs to, the types it takes and the value given, and raises a ``ConfigError``
-naming them instead; the CLI prints it as one line. Errors of another kind (an unknown key, a missing
-argument) keep jsonargparse's report.
+naming them instead; the CLI prints it as one line. A setting that does not exist (a misspelt key) or a
+``class_path`` that names nothing importable is one ``ConfigError`` too (:func:`unknown_error`), with the
+closest existing name when one is close. Errors of another kind (a missing argument, ...) keep jsonargparse's
+report.
 
 Example:
     >>> report = (
@@ -16,23 +18,40 @@ Example:
     ... )
     >>> print(type_error(report))
     horizon of LookaheadDataModule must be an integer but got 'lots'; set horizon to an integer
+    >>> report = (
+    ...     'Parser key "data":\\n'
+    ...     "  - Problem with given class_path 'torchrec_lookahead.data.LookaheadDataModule':\\n"
+    ...     "      Option 'horizn' is not accepted\\n"
+    ... )
+    >>> print(unknown_error(report))
+    'horizn' is not a setting of LookaheadDataModule; did you mean 'horizon'?
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
 import re
-from typing import List, NoReturn, Optional
+from typing import Any, List, NoReturn, Optional, Sequence
 
 from lightning.pytorch.cli import LightningArgumentParser
 
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["LookaheadArgumentParser", "type_error"]
+__all__ = ["LookaheadArgumentParser", "type_error", "unknown_error"]
 
 _KEY = re.compile(r'^(\s*)(?:- )?Parser key "([^"]+)":')
 _CLASS = re.compile(r"Problem with given class_path '([^']+)'")
 _EXPECTED = re.compile(r"Expected a (<class '([^']+)'>|typing\.(\w+)|\S+?)(?:\.|$)")
 _GIVEN = re.compile(r"(?:Given value|Got value): (.*)$")
+_UNKNOWN = re.compile(r"Option '([^']+)' is not accepted")
+_SUBCOMMAND = re.compile(r"Subcommand '([^']+)' does not accept option '([^']+)'")
+_NO_ATTRIBUTE = re.compile(r"module '([^']+)' has no attribute '([^']+)'")
+_NO_MODULE = re.compile(r"No module named '([^']+)'")
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: --([^\s=]+)", re.IGNORECASE)
+#: the parser's own options, never a suggestion for a misspelt setting
+_PARSER_OPTIONS = {"help", "config", "print_config", "subcommand", "print_shtab"}
 _WORDS = {
     "int": "an integer",
     "float": "a number",
@@ -92,14 +111,134 @@ def type_error(message: str) -> Optional[ConfigError]:
     return ConfigError(f"{setting}{where} must be {types} but got {given!r}; set {setting} to {types}")
 
 
+def _owner(lines: Sequence[str], at: int) -> Optional[str]:
+    """The ``class_path`` whose report holds line ``at`` (the nearest one above it, less indented)."""
+    depth = _indent(lines[at])
+    for line in reversed(lines[:at]):
+        m = _CLASS.search(line)
+        if m and _indent(line) < depth:
+            return m.group(1)
+    return None
+
+
+def _import(path: str) -> Any:
+    """The object that the dotted ``path`` names (``None`` when it names nothing importable)."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name, None)
+        return obj
+    return None
+
+
+def _settings(class_path: str) -> List[str]:
+    """The init parameters of the class ``class_path`` names, through the base classes its ``**kwargs`` reach."""
+    cls = _import(class_path)
+    out: List[str] = []
+    for klass in getattr(cls, "__mro__", ())[:-1]:
+        try:
+            params = inspect.signature(klass.__init__).parameters.values()
+        except (TypeError, ValueError):
+            break
+        out += [
+            p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return list(dict.fromkeys(out))
+
+
+def _closest(word: str, choices: Sequence[str]) -> Optional[str]:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _not_a_setting(key: str, where: str, settings: Sequence[str]) -> ConfigError:
+    """``key`` is not among ``settings`` (of ``where``): the closest one, or the list when none is close."""
+    head = key.split(".")[0]
+    close = _closest(key, settings) or _closest(head, sorted({s.split(".")[0] for s in settings}))
+    if close is not None:
+        hint = f"; did you mean {close!r}?"
+    elif settings:
+        listed = ", ".join(settings[:24]) + (", ..." if len(settings) > 24 else "")
+        hint = f"; its settings: {listed}"
+    else:
+        hint = ""
+    return ConfigError(f"{key!r} is not a setting of {where}{hint}")
+
+
+def _no_such_class(class_path: str, module: str, attribute: str) -> ConfigError:
+    """``class_path`` names nothing: ``module`` has no ``attribute`` (or no module ``module`` exists)."""
+    owner = _import(module) if attribute else None
+    names = [n for n in dir(owner) if not n.startswith("_")] if owner is not None else []
+    close = _closest(attribute, names) if attribute else None
+    hint = ""
+    if close is not None:
+        prefix, _, rest = class_path.partition(f"{module}.{attribute}")
+        hint = f"; did you mean {prefix + module + '.' + close + rest!r}?"
+    what = f"module {module!r} has no {attribute!r}" if attribute else f"there is no module {module!r}"
+    return ConfigError(f"class_path {class_path!r} names no class: {what}{hint}")
+
+
+def unknown_error(
+    message: str, top_settings: Sequence[str] = (), where: str = "the command"
+) -> Optional[ConfigError]:
+    """The :class:`~torchrec_lookahead.errors.ConfigError` for jsonargparse's report ``message`` of a setting that
+    does not exist (of the class its report is under; at the top level, one of ``top_settings``, the settings of
+    ``where``) or of a ``class_path`` that names nothing importable. ``None`` when the report is of another kind.
+    """
+    lines = message.splitlines()
+    m = _SUBCOMMAND.search(message)
+    if m is not None:
+        return _not_a_setting(m.group(2), m.group(1), top_settings)
+    m = _UNRECOGNIZED.search(message)  # an option of the command line (``--key=value``)
+    if m is not None and top_settings:
+        return _not_a_setting(m.group(1), where, top_settings)
+    for i, line in enumerate(lines):
+        unknown = _UNKNOWN.search(line)
+        if unknown is not None:
+            owner = _owner(lines, i)
+            if owner is None:
+                return _not_a_setting(unknown.group(1), where, top_settings)
+            # a mapping given to a setting that does not exist is reported key by key: name the setting
+            setting = unknown.group(1).split(".")[0]
+            return _not_a_setting(setting, owner.rsplit(".", 1)[-1], _settings(owner))
+        missing = _NO_ATTRIBUTE.search(line) or _NO_MODULE.search(line)
+        owner = _owner(lines, i) if missing is not None else None
+        if missing is not None and owner is not None:
+            attribute = missing.group(2) if missing.re is _NO_ATTRIBUTE else ""
+            return _no_such_class(owner, missing.group(1), attribute)
+    return None
+
+
+def _dests(parser: Any) -> List[str]:
+    """The settings a (jsonargparse) parser takes, as dotted keys."""
+    return [
+        a.dest
+        for a in getattr(parser, "_actions", ())
+        if isinstance(a.dest, str) and a.dest not in _PARSER_OPTIONS and not a.dest.endswith(".help")
+    ]
+
+
 class LookaheadArgumentParser(LightningArgumentParser):
-    """Lightning's argument parser, reporting a value of the wrong type as a
-    :class:`~torchrec_lookahead.errors.ConfigError` (:func:`type_error`) instead of the usage text."""
+    """Lightning's argument parser, reporting a value of the wrong type (:func:`type_error`), a setting that does
+    not exist or a ``class_path`` that names nothing (:func:`unknown_error`) as a
+    :class:`~torchrec_lookahead.errors.ConfigError` instead of the usage text."""
 
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
         if not self.exit_on_error:  # a nested parser: the outermost one reports, with the class it belongs to
             super().error(message, ex)
         error = type_error(message)
+        if error is None:
+            sub = _SUBCOMMAND.search(message)
+            subcommands = getattr(getattr(self, "_subcommands_action", None), "_name_parser_map", {})
+            top = _dests(subcommands.get(sub.group(1)) if sub is not None else self)
+            prog = self.prog.split()
+            error = unknown_error(message, top, prog[-1] if sub is None and len(prog) > 1 else "the command")
         if error is not None:
             raise error from None
         super().error(message, ex)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from torchrec_lookahead._parse_errors import type_error
+from torchrec_lookahead._parse_errors import type_error, unknown_error
 from torchrec_lookahead.cli import main
 
 from .test_errors import TINY, _short_error, _tsv_config
@@ -67,13 +67,56 @@ def test_a_string_where_a_number_belongs_is_one_config_error_naming_the_setting(
     assert line.startswith(f"ConfigError: {expected}"), line
 
 
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "--trainer.max_epochz=2",
+            "'trainer.max_epochz' is not a setting of fit; did you mean 'trainer.max_epochs'?",
+        ),
+        ("--dta.x=1", "'dta.x' is not a setting of fit; did you mean 'data'?"),
+        (
+            "--model.init_args.embeding_dim=4",
+            "'embeding_dim' is not a setting of DLRMModule; did you mean 'embedding_dim'?",
+        ),
+        (
+            "--data.init_args.datamodule.init_args.num_train_batchs=3",
+            "'num_train_batchs' is not a setting of CriteoSyntheticDataModule; did you mean 'num_train_batches'?",
+        ),
+        (
+            "--trainer.strategy.init_args.sharders=[{class_path: "
+            + SHARDER
+            + ", init_args: {capacty: {t_cat_2: 9}}}]",
+            f"'capacty' is not a setting of {SHARDER.rsplit('.', 1)[1]}; did you mean 'capacity'?",
+        ),
+        (
+            "--data.init_args.nope=3",
+            "'nope' is not a setting of LookaheadDataModule; its settings: datamodule, horizon,",
+        ),
+        (
+            "--data.class_path=torchrec_lookahead.data.LookaheadDataModul",
+            "class_path 'torchrec_lookahead.data.LookaheadDataModul' names no class: module 'torchrec_lookahead.data' "
+            "has no 'LookaheadDataModul'; did you mean 'torchrec_lookahead.data.LookaheadDataModule'?",
+        ),
+        (
+            "--data.class_path=nosuchpkg.Thing",
+            "class_path 'nosuchpkg.Thing' names no class: there is no module",
+        ),
+    ],
+)
+def test_a_misspelt_setting_or_class_is_one_config_error_with_the_closest_name(capsys, override, expected):
+    line = _fit(capsys, override)
+    assert line.startswith(f"ConfigError: {expected}"), line
+
+
 def test_the_parser_report_of_another_kind_is_left_to_the_parser(capsys):
     assert type_error('Parser key "trainer":\n  Key "nope" is not expected\n') is None
     assert type_error("Unrecognized arguments: --nope") is None
-    with pytest.raises(SystemExit) as exit_:  # an unknown key: jsonargparse's own report and status
-        main(["fit", "--config", TINY, "--data.init_args.nope=3"])
+    assert unknown_error('Parser key "trainer":\n  Key "nope" is not expected\n') is None
+    with pytest.raises(SystemExit) as exit_:  # a missing argument: jsonargparse's own report and status
+        main(["fit", "--trainer.max_steps=1"])
     assert exit_.value.code == 2
-    assert "Option 'nope' is not accepted" in capsys.readouterr().err
+    assert "the following arguments are required" in capsys.readouterr().err
 
 
 def test_a_store_dir_that_is_a_file_is_refused_before_anything_is_planned(capsys, tmp_path):
