@@ -86,6 +86,9 @@ def test_scaled_cardinalities_and_errors():
     assert sum(CRITEO_KAGGLE_CARDINALITIES) == 33_762_577
     with pytest.raises(ConfigError, match="scale"):
         scaled_cardinalities(0.0)
+    # the DataModule refuses it when it is built, not when its tables are first sized
+    with pytest.raises(ConfigError, match=r"Expected scale in \(0, 1\] but got 0"):
+        CriteoSyntheticDataModule(scale=0)
     with pytest.raises(ConfigError, match="positive"):
         _cfg(num_embeddings=[0] + TINY_TABLES[1:])
     with pytest.raises(ConfigError, match="26"):

@@ -107,6 +107,43 @@ def test_sharding_plan_marks_cached_tables_customized_and_refuses_unknown_tables
     assert module_plan["t0"].compute_kernel == "fused"
     with pytest.raises(ConfigError, match="Unknown table"):
         lookahead_sharding_plan(ebc, [sharder], {"t9": 10}, Topology(world_size=1, compute_device="cpu"))
+    # a cache of the whole table is allowed; more rows than the table has is refused, naming both
+    lookahead_sharding_plan(ebc, [sharder], {"t1": 100}, Topology(world_size=1, compute_device="cpu"))
+    with pytest.raises(
+        ConfigError,
+        match=r"capacity of table 't1' is 100,000,000,000 rows but the table has 100; give at most 100",
+    ):
+        lookahead_sharding_plan(ebc, [sharder], {"t1": 10**11}, Topology(world_size=1, compute_device="cpu"))
+
+
+@pytest.mark.parametrize("capacity", [[1, 2], 100, "t_cat_2"])
+def test_a_capacity_that_is_not_a_mapping_is_refused(capacity):
+    with pytest.raises(ConfigError, match=r"capacity must be a mapping of table name to cache rows"):
+        LookaheadEmbeddingBagCollectionSharder(capacity=capacity)
+
+
+def test_a_budget_that_holds_every_table_trains_them_all_resident(tmp_path):
+    from torchrec_lookahead.launch import build_cli
+
+    sharders = (
+        '--trainer.strategy.init_args.sharders=[{"class_path": '
+        '"torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder", "init_args": '
+        '{"capacity": null, "device_budget_bytes": 100000000, "planner_options": {"num_sample_batches": 4}}}]'
+    )
+    cli = build_cli(["--config", "configs/dlrm_tiny_lookahead.yaml", sharders, "--trainer.max_steps=2",
+                     "--trainer.limit_val_batches=0", "--trainer.logger=false",
+                     f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+    with pytest.warns(UserWarning, match="no cached tables"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    (sharder,) = cli.trainer.strategy._sharders
+    assert sharder.cache_plan is not None and sharder.capacity == {}
+    assert cli.trainer.global_step == 2
+    # planned, nothing cached: TorchRec's own planner places the tables; before planning it is refused
+    assert "customized_kernel" not in sharder.compute_kernels("data_parallel", "cpu")
+    with pytest.raises(ConfigError, match="device_budget_bytes=100"):
+        LookaheadEmbeddingBagCollectionSharder(device_budget_bytes=100).compute_kernels(
+            "data_parallel", "cpu"
+        )
 
 
 def test_dmp_path_equals_the_module_path():

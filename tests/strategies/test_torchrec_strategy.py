@@ -171,3 +171,20 @@ def test_batch_to_device_applies_each_training_batchs_plans_once_through_the_ses
     monkeypatch.setattr(CacheSession, "apply", recording)
     fit_cached(tmp_path, 3)
     assert applied == [0, 1, 2]  # every step's plan, in order, once, before its training step
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"compute_kernel": "bogus"}, r"compute_kernel must be one of 'dense', 'fused'.* but got 'bogus'"),
+        ({"sharding_types": ["bogus"]}, r"sharding_types must be one of 'data_parallel'.* but got 'bogus'"),
+        ({"sharding_types": "table_wise"}, r"sharding_types must be a list but got 'table_wise'"),
+        ({"sharders": object()}, r"sharders must be a list of sharders but got object"),
+    ],
+)
+def test_bad_kernel_sharding_types_and_sharders_are_refused_listing_the_valid_values(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        TorchRecStrategy(**kwargs)
+    assert (
+        TorchRecStrategy(compute_kernel="dense", sharding_types=["data_parallel"])._compute_kernel == "dense"
+    )

@@ -121,6 +121,8 @@ class SyntheticCriteoConfig:
             "scale", self.scale, 0.0, "give the fraction of the Criteo Kaggle table sizes, e.g. 0.01"
         )
         check_int("min_rows", self.min_rows, 1, "give the fewest rows of a scaled table")
+        if self.num_embeddings is None:
+            scaled_cardinalities(self.scale, self.min_rows)  # the sizes' own check: scale in (0, 1]
         check_number("zipf_exponent", self.zipf_exponent, 0.0, "give the ids' power-law exponent, e.g. 1.05")
         check_int("seed", self.seed, 0, "give a non-negative seed")
         if not (0 <= self.rank < self.world_size):

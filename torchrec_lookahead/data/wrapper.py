@@ -13,6 +13,8 @@ from typing import Any, Dict, Optional, Tuple
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from torchrec_lookahead.errors import ConfigError
+
 __all__ = ["WrappedDataModule", "trainer_datamodules"]
 
 
@@ -31,6 +33,11 @@ class WrappedDataModule(pl.LightningDataModule):
 
     def __init__(self, datamodule: pl.LightningDataModule) -> None:
         super().__init__()
+        if not callable(getattr(datamodule, "train_dataloader", None)):
+            raise ConfigError(
+                f"datamodule must be a LightningDataModule (one with train_dataloader) but got "
+                f"{type(datamodule).__name__}; wrap the DataModule that serves the training batches"
+            )
         self.datamodule = datamodule
 
     def __str__(self) -> str:

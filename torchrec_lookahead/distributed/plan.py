@@ -157,12 +157,21 @@ def lookahead_sharding_plan(
     entries are then replaced by data-parallel ``CUSTOMIZED_KERNEL`` shardings on every rank.
 
     Raises:
-        ConfigError: ``cached`` or ``constraints`` name a table the model does not have.
+        ConfigError: ``cached`` or ``constraints`` name a table the model does not have, or a capacity exceeds
+            its table's rows.
     """
     tables = embedding_tables(module)
     unknown = sorted(set(cached) - set(tables)) + sorted(set(constraints or {}) - set(tables))
     if unknown:
         raise ConfigError(f"Unknown table(s) {unknown}; the model's tables are {tables}")
+    rows = {c.name: int(c.num_embeddings) for c in embedding_table_configs(module)}
+    over = sorted(t for t, c in cached.items() if int(c) > rows[t])
+    if over:
+        t = over[0]
+        raise ConfigError(
+            f"capacity of table {t!r} is {int(cached[t]):,} rows but the table has {rows[t]:,}; give at most "
+            f"{rows[t]:,} (a cache of the whole table), or leave the table out of capacity to keep it resident"
+        )
     cons = dict(constraints or {})
     types = list(sharding_types or ["table_wise", "row_wise"])
     for t in tables:

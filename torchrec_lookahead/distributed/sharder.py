@@ -194,6 +194,11 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if fused_params is None and optimizer is not None:
             fused_params = optimizer.fused_params()
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
+        if capacity is not None and not isinstance(capacity, Mapping):
+            raise ConfigError(
+                f"capacity must be a mapping of table name to cache rows (e.g. {{'t_cat_2': 1000}}) but got "
+                f"{capacity!r}; or give device_budget_bytes to have the caches sized"
+            )
         for t, c in (capacity or {}).items():
             if not is_int(c) or c < 1:
                 raise ConfigError(f"capacity of table '{t}' must be a positive number of rows but got {c!r}")
@@ -308,7 +313,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
         Raises:
             ConfigError: TorchRec's own planner asks (no ``lookahead_planning``) while this sharder has tables
-                to cache (``capacity`` or ``device_budget_bytes``).
+                to cache (``capacity``, or ``device_budget_bytes`` not planned yet).
         """
         return self.cache_kernels(
             list(super().compute_kernels(sharding_type, compute_device_type)), sharding_type
@@ -318,7 +323,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         """``kernels`` (TorchRec's) plus the cache's where :func:`lookahead_planning` plans a data-parallel table;
         shared with the EmbeddingCollection sibling (see :meth:`compute_kernels`)."""
         if not _PLANNING.get():
-            if self.capacity or self.device_budget_bytes is not None:
+            # a budget whose plan cached nothing (every table fits it) leaves TorchRec's planner every table
+            if self.capacity or (self.device_budget_bytes is not None and self.cache_plan is None):
                 what = (
                     sorted(self.capacity)
                     if self.capacity

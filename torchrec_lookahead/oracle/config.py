@@ -43,6 +43,10 @@ DEFAULT_WINDOW = 8
 #: Largest ``num_ranks`` a reader bit mask in an int64 can hold.
 MAX_RANKS = 63
 
+#: Largest ``horizon``: the window keeps the ids of every batch it holds in memory (and sizes its index by the
+#: horizon), so a larger one cannot be what a user means.
+MAX_HORIZON = 1_000_000
+
 #: Most planner threads ``plan_threads=None`` picks (tables are planned in parallel, one thread per table at a
 #: time; beyond a few threads the per-batch hand-off costs more than the tables' work spreads). It picks one
 #: thread per four cores: the threads contend for the GIL, and on a 2-core host two were slower than one.
@@ -84,9 +88,14 @@ def check_lookahead(horizon: object, prefetch_depth: object) -> Tuple[int, int]:
     """``(horizon, prefetch_depth)`` as ints, after the one rule every part of the lookahead applies.
 
     Raises:
-        ConfigError: ``prefetch_depth < 0`` or ``horizon < prefetch_depth``.
+        ConfigError: ``prefetch_depth < 0``, ``horizon < prefetch_depth`` or ``horizon > MAX_HORIZON``.
     """
     h = check_int("horizon", horizon, 0, "set how many batches ahead the oracle reads, e.g. 64")
+    if h > MAX_HORIZON:
+        raise ConfigError(
+            f"horizon must be at most {MAX_HORIZON:,} batches but got {h:,}; the oracle keeps every batch of its "
+            "window in memory: set how many batches ahead it reads, e.g. 64"
+        )
     d = check_int("prefetch_depth", prefetch_depth, 0, "set 0, 1 or more")
     if h < d:
         raise ConfigError(

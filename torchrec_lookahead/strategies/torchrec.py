@@ -29,12 +29,13 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders
 from torchrec.distributed.planner import ParameterConstraints
-from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan, ShardingType
 from typing_extensions import override
 
-from torchrec_lookahead._checks import check_int
+from torchrec_lookahead._checks import check_choice, check_int
 from torchrec_lookahead._rng import preserved_rng
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
@@ -137,10 +138,25 @@ class TorchRecStrategy(DDPStrategy):
         self._full_every = int(full_checkpoint_every)
         self._ram_pieces = bool(incremental_ram_stores)
         self._writer = PiecesWriter() if async_checkpoints else None
-        self._sharders = sharders
+        if sharders is not None and not isinstance(sharders, (list, tuple)):
+            raise ConfigError(
+                f"sharders must be a list of sharders but got {type(sharders).__name__}; wrap it: sharders=[...]"
+            )
+        if isinstance(sharding_types, str):
+            raise ConfigError(
+                f"sharding_types must be a list but got {sharding_types!r}; e.g. [{sharding_types!r}]"
+            )
+        self._sharders = None if sharders is None else list(sharders)
         self._constraints = dict(constraints or {})
-        self._compute_kernel = compute_kernel
-        self._sharding_types = list(sharding_types or ["table_wise", "row_wise"])
+        self._compute_kernel = (
+            None
+            if compute_kernel is None
+            else check_choice("compute_kernel", compute_kernel, EmbeddingComputeKernel).value
+        )
+        self._sharding_types = [
+            check_choice("sharding_types", t, ShardingType).value
+            for t in (sharding_types or ["table_wise", "row_wise"])
+        ]
         self._module_name = module_name
         self._sharded_name: Optional[str] = module_name
         self._plan = plan
