@@ -214,7 +214,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             check_int("seed", seed, 0, "give a non-negative seed, or leave it unset")
         if device_budget_bytes is not None and self.capacity:
             raise ConfigError(
-                "Give either capacity or device_budget_bytes to the lookahead sharder, not both"
+                "Give either capacity or device_budget_bytes to the lookahead sharder, not both (an override of one "
+                "merges with a config's other: set the other to null, e.g. capacity: null)"
             )
         if cdlrm_average_every is not None:
             check_int(
