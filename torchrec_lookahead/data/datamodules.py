@@ -84,7 +84,10 @@ class RecDataModule(pl.LightningDataModule, abc.ABC):
         if split not in self._datasets:
             ds = self._make_dataset(split, *self._ranks())
             if ds is None:
-                raise ConfigError(f"This DataModule has no {split!r} data; configure files or batches for it")
+                hint = ", or turn validation off (trainer.limit_val_batches: 0)" if split == "val" else ""
+                raise ConfigError(
+                    f"This DataModule has no {split!r} data; configure files or batches for it{hint}"
+                )
             self._datasets[split] = ds
         return self._datasets[split]
 
