@@ -74,9 +74,57 @@ def test_export_refuses_missing_and_damaged_checkpoints_without_writing(tmp_path
     with pytest.raises(CheckpointError, match="not a checkpoint directory"):
         export_checkpoint(bad, out)
     (bad / ".metadata").write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match="cannot read"):
+    with pytest.raises(CheckpointError, match="meta.pt could not be read"):
         export_checkpoint(bad, out)
     assert not out.exists()
+
+
+def test_export_refuses_a_damaged_meta_pt_or_metadata_before_gathering_the_shards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import torch.distributed.checkpoint.format_utils as format_utils
+
+    def never(*args: object) -> None:
+        raise AssertionError("gathered the shards before reading meta.pt and .metadata")
+
+    monkeypatch.setattr(format_utils, "dcp_to_torch_save", never)
+    bad, out = tmp_path / "bad.ckpt", tmp_path / "served.ckpt"
+    bad.mkdir()
+    (bad / "meta.pt").write_text("hello\n")
+    (bad / ".metadata").write_bytes(bytes(range(200)))
+    with pytest.raises(
+        CheckpointError, match=rf"checkpoint {bad}: meta.pt could not be read \(UnpicklingError"
+    ):
+        export_checkpoint(bad, out)
+    torch.save({"epoch": 0}, bad / "meta.pt")
+    with caplog.at_level(logging.WARNING):  # not torch's two warnings with tracebacks first
+        with pytest.raises(CheckpointError, match=r"\.metadata could not be read \(UnpicklingError"):
+            export_checkpoint(bad, out)
+    assert not caplog.records and not out.exists()
+
+
+def test_export_refuses_an_out_under_a_file_before_reading_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchrec_lookahead.export as export
+    from torchrec_lookahead.errors import ConfigError
+
+    def never(ckpt: Path) -> None:
+        raise AssertionError("read the checkpoint before checking --out")
+
+    monkeypatch.setattr(export, "_load_whole", never)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    ckpt = tmp_path / "c.ckpt"
+    ckpt.write_bytes(b"")
+    with pytest.raises(
+        ConfigError, match=rf"--out '{blocker / 'x.pt'}' cannot be written: '{blocker}' is a file"
+    ):
+        export_checkpoint(ckpt, blocker / "x.pt")
+    with pytest.raises(CheckpointError, match="is a directory"):  # as before
+        export_checkpoint(ckpt, tmp_path)
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 
+from torchrec_lookahead._checks import check_output_file
 from torchrec_lookahead.errors import CheckpointError
 
 __all__ = ["resident_key", "resident_state_dict", "export_checkpoint", "main"]
@@ -84,6 +85,10 @@ def _load_whole(ckpt: Path) -> Dict[str, Any]:
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+        from torchrec_lookahead.strategies._checkpoint import check_dcp_metadata, load_meta_file
+
+        full = dict(load_meta_file(ckpt))  # both small files first: the gathering below is the slow part
+        check_dcp_metadata(ckpt)
         with tempfile.TemporaryDirectory() as tmp:
             whole = Path(tmp) / "whole.pt"
             try:
@@ -92,7 +97,6 @@ def _load_whole(ckpt: Path) -> Dict[str, Any]:
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - several types on damage
                 first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
                 raise CheckpointError(f"cannot read the checkpoint {ckpt}: {first}") from e
-        full = dict(torch.load(meta, weights_only=False))
         full["state_dict"] = _tables_from_files(ckpt, data["state_dict"])
         return full
     if ckpt.is_file():
@@ -164,12 +168,15 @@ def export_checkpoint(ckpt: Path, out: Path, config: Optional[Sequence[str]] = N
         A summary: ``out``, ``tensors``, ``parameters``, ``embedding_tables``.
 
     Raises:
-        CheckpointError: the checkpoint is missing or damaged, or does not fit the config's model.
-        ConfigError: a config file is missing or invalid (checked, like ``out``, before the checkpoint is read).
+        CheckpointError: the checkpoint is missing or damaged, or does not fit the config's model; ``out`` is a
+            directory.
+        ConfigError: a config file is missing or invalid, or ``out`` lies under a file or in a directory that
+            cannot be written (checked, like a directory ``out``, before the checkpoint is read).
     """
     ckpt, out = Path(ckpt), Path(out)
     if out.exists() and out.is_dir():
         raise CheckpointError(f"--out {out} is a directory; name the checkpoint file to write")
+    check_output_file("--out", str(out))  # under a file, or not writable: before the slow part
     if not ckpt.exists():
         raise CheckpointError(f"no checkpoint at {ckpt}")
     model = _resident_model(config) if config else None  # the arguments first: reading a checkpoint is slow
@@ -186,8 +193,12 @@ def export_checkpoint(ckpt: Path, out: Path, config: Optional[Sequence[str]] = N
     exported["state_dict"] = state
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
-    torch.save(exported, tmp)
-    tmp.replace(out)  # nothing half-written at ``out``
+    try:
+        torch.save(exported, tmp)
+        tmp.replace(out)  # nothing half-written at ``out``
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nor beside it (a full disk, an interrupt)
+        raise
     tables = sorted({k.split(".embedding_bags.")[1].split(".")[0] for k in state if ".embedding_bags." in k})
     return {
         "out": str(out),

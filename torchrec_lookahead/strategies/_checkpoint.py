@@ -28,8 +28,10 @@ __all__ = [
     "STORE_FILES_DIR",
     "WORLD_SIZE_KEY",
     "checkpoint_memory_shortfall",
+    "check_dcp_metadata",
     "collect_pieces",
     "keep_store_files",
+    "load_meta_file",
     "load_sharded",
     "load_store_files",
     "memory_available",
@@ -228,13 +230,61 @@ def _collect_pieces(directory: Path) -> int:
     return freed
 
 
+def check_dcp_metadata(path: Path) -> None:
+    """Read torch.distributed.checkpoint's ``.metadata`` of the checkpoint directory ``path`` as its loader will,
+    before it does: a damaged file is refused here with one error, instead of the loader's two logged warnings
+    with tracebacks (global, then rank-local metadata) ahead of its own error.
+
+    Raises:
+        CheckpointError: ``.metadata`` cannot be read or unpickled, or holds no checkpoint ``Metadata``.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - unpickling damaged bytes raises many types
+        raise CheckpointError(
+            f"checkpoint {path}: torch.distributed.checkpoint's .metadata could not be read ({type(e).__name__}: "
+            f"{(str(e).strip().splitlines() or [''])[0][:200]}); the file is damaged, use another checkpoint"
+        ) from e
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(
+            f"checkpoint {path}: torch.distributed.checkpoint's .metadata holds a {type(metadata).__name__}, not "
+            "a checkpoint's Metadata; the file is damaged, use another checkpoint"
+        )
+
+
+def load_meta_file(path: Path) -> Dict[str, Any]:
+    """The Lightning part (:data:`META_FILE`) of the checkpoint directory ``path``, as written.
+
+    Raises:
+        CheckpointError: the file cannot be read or unpickled, or holds no dict.
+    """
+    try:
+        meta = torch.load(path / META_FILE, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - unpickling damaged bytes raises many types
+        raise CheckpointError(
+            f"checkpoint {path}: {META_FILE} could not be read ({type(e).__name__}); the file is damaged, "
+            "use another checkpoint"
+        ) from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(
+            f"checkpoint {path}: {META_FILE} holds a {type(meta).__name__}, not the dict TorchRecStrategy writes; "
+            "the file is damaged, use another checkpoint"
+        )
+    return meta
+
+
 def load_sharded(target: Dict[str, Any], path: Path) -> None:
     """Read the distributed checkpoint ``path`` into ``target`` in place (torch.distributed.checkpoint, every rank).
 
     Raises:
-        CheckpointError: its shard files are damaged or incomplete, or it belongs to another model or
-            configuration (the first line of the rank's own error is quoted).
+        CheckpointError: its ``.metadata`` is damaged (checked first, see :func:`check_dcp_metadata`), its shard
+            files are damaged or incomplete, or it belongs to another model or configuration (the first line of
+            the rank's own error is quoted).
     """
+    check_dcp_metadata(path)
     try:
         dcp.load(target, checkpoint_id=path)
     except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
@@ -305,13 +355,7 @@ def read_checkpoint_meta(path: Path, world_size: int) -> Dict[str, Any]:
             f"checkpoint {path} is incomplete: torch.distributed.checkpoint's .metadata file is missing (the save "
             "was interrupted, or files were lost in a copy); resume from another checkpoint"
         )
-    try:
-        meta: Dict[str, Any] = torch.load(path / META_FILE, weights_only=False)
-    except Exception as e:
-        raise CheckpointError(
-            f"checkpoint {path}: {META_FILE} could not be read ({type(e).__name__}); the file is damaged, "
-            "resume from another checkpoint"
-        ) from e
+    meta = load_meta_file(path)
     saved = meta.pop(WORLD_SIZE_KEY, None)
     if saved is not None and int(saved) != world_size:
         raise CheckpointError(

@@ -1,0 +1,41 @@
+"""The files of a checkpoint directory read before its shards: ``meta.pt`` and torch.distributed.checkpoint's
+``.metadata``, a damaged one refused with one CheckpointError naming it."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchrec_lookahead.errors import CheckpointError
+from torchrec_lookahead.strategies._checkpoint import check_dcp_metadata, load_meta_file, load_sharded
+
+
+def test_a_damaged_metadata_file_is_one_checkpoint_error_before_torch_logs_a_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / ".metadata").write_bytes(bytes(range(256)) * 2)
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(CheckpointError, match=r"\.metadata could not be read \(UnpicklingError") as e:
+            load_sharded({}, tmp_path)  # the loader would log two warnings with tracebacks, then fail
+    assert str(tmp_path) in str(e.value) and "use another checkpoint" in str(e.value)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    (tmp_path / ".metadata").write_bytes(pickle.dumps([1, 2]))
+    with pytest.raises(CheckpointError, match=r"\.metadata could not be read \(AttributeError"):
+        check_dcp_metadata(tmp_path)
+
+
+def test_a_damaged_meta_file_is_a_checkpoint_error_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "meta.pt").write_text("hello\n")
+    with pytest.raises(
+        CheckpointError, match=r"meta.pt could not be read \(UnpicklingError\); the file is damaged"
+    ):
+        load_meta_file(tmp_path)
+    torch.save([1, 2], tmp_path / "meta.pt")
+    with pytest.raises(CheckpointError, match=r"meta.pt holds a list, not the dict TorchRecStrategy writes"):
+        load_meta_file(tmp_path)
+    torch.save({"epoch": 3}, tmp_path / "meta.pt")
+    assert load_meta_file(tmp_path) == {"epoch": 3}
