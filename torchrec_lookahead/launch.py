@@ -27,8 +27,9 @@ import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
+from torchrec_lookahead._checks import check_dir
 from torchrec_lookahead._parse_errors import LookaheadArgumentParser
-from torchrec_lookahead.errors import LookaheadError, recent_errors
+from torchrec_lookahead.errors import CheckpointError, LookaheadError, recent_errors
 
 __all__ = [
     "LookaheadCLI",
@@ -56,6 +57,33 @@ class LookaheadCLI(LightningCLI):
         parser.link_arguments(
             "data.num_dense_features", "model.init_args.num_dense_features", apply_on="instantiate"
         )
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's reading of the model's hyperparameters from a ``ckpt_path`` file, a file that is not a
+        checkpoint (damaged, or of another kind) refused with a :class:`~torchrec_lookahead.errors.CheckpointError`
+        instead of the unpickler's traceback."""
+        try:
+            with warnings.catch_warnings():
+                # a pickle of another kind: torch's note on its protocol would come before the error
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                super()._parse_ckpt_path()
+        except LookaheadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - unpickling damaged bytes raises many types
+            ckpt_path = self.config[self.config["subcommand"]].get("ckpt_path")
+            first = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]
+            raise CheckpointError(
+                f"cannot read the checkpoint {ckpt_path} ({type(e).__name__}: {first}): the file is damaged or not "
+                "a checkpoint; pass one ModelCheckpoint wrote"
+            ) from e
+
+    def before_instantiate_classes(self) -> None:
+        """Refuse a ``trainer.default_root_dir`` that cannot be a directory (a file, or under one) before anything
+        is built, rather than when the logger first writes there."""
+        trainer = self._get(self.config, "trainer")
+        root = trainer.get("default_root_dir") if trainer is not None else None
+        if root is not None:
+            check_dir("trainer.default_root_dir", root)
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """Lightning's Trainer, its model summary counting embedding tables where they live, its progress bar

@@ -212,3 +212,23 @@ def test_a_config_cannot_plan_the_caches_for_one_horizon_and_train_with_another(
         f"ConfigError: planner_options horizon=32 of {SHARDER.rsplit('.', 1)[1]} differs from horizon=64 of "
         "LookaheadDataModule"
     ), line
+
+
+def test_a_default_root_dir_that_is_a_file_is_refused_before_anything_is_built(capsys, tmp_path, monkeypatch):
+    from torchrec_lookahead.launch import LookaheadCLI
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built the Trainer, model and data before checking default_root_dir")
+
+    monkeypatch.setattr(LookaheadCLI, "instantiate_classes", never)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    line = _fit(capsys, f"--trainer.default_root_dir={blocker}")
+    assert line == (
+        f"ConfigError: trainer.default_root_dir '{blocker}' is a file, not a directory; name a directory (it is "
+        "made if missing)"
+    ), line
+    line = _fit(capsys, f"--trainer.default_root_dir={blocker / 'logs'}")
+    assert line.startswith(
+        f"ConfigError: trainer.default_root_dir '{blocker / 'logs'}' cannot be made: '{blocker}' is a file"
+    ), line

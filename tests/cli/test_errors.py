@@ -152,3 +152,75 @@ def test_calibrate_refuses_a_directory_to_save_to_before_calibrating(capsys, tmp
     assert line.endswith(f"{str(blocker)!r} is a file, not a directory"), line
     line = _short_error(capsys, ["calibrate", "--config", fae, f"--data.init_args.hot_set={tmp_path}"])
     assert line.startswith(f"ConfigError: hot_set {str(tmp_path)!r} is a directory"), line
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint directory of two steps of the tiny cached config."""
+    from torchrec_lookahead.launch import build_cli
+
+    root = tmp_path_factory.mktemp("ckpt")
+    cli = build_cli(["--config", TINY, "--trainer.max_steps=2", "--trainer.logger=false",
+                     "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0",
+                     f"--trainer.default_root_dir={root}"])  # fmt: skip
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    cli.trainer.save_checkpoint(root / "tiny.ckpt")
+    cli.trainer.strategy.teardown()
+    return root / "tiny.ckpt"
+
+
+def _damaged_copy(tmp_path: Path, ckpt: Path, name: str, data: bytes) -> Path:
+    import shutil
+
+    copy = tmp_path / "damaged.ckpt"
+    shutil.copytree(ckpt, copy)
+    (copy / name).write_bytes(data)
+    return copy
+
+
+def test_export_of_a_checkpoint_with_a_damaged_meta_pt_is_a_checkpoint_error_naming_it(
+    capsys, tmp_path, tiny_checkpoint
+):
+    damaged = _damaged_copy(tmp_path, tiny_checkpoint, "meta.pt", b"hello\n")
+    line = _short_error(capsys, ["export", "--ckpt", str(damaged), "--out", str(tmp_path / "o.pt")])
+    assert line.startswith(f"CheckpointError: checkpoint {damaged}: meta.pt could not be read"), line
+    assert not (tmp_path / "o.pt").exists()
+
+
+@pytest.mark.parametrize("command", ["export", "fit"])
+def test_a_damaged_metadata_file_is_the_first_and_only_error_line(tmp_path, tiny_checkpoint, command):
+    damaged = _damaged_copy(tmp_path, tiny_checkpoint, ".metadata", bytes(range(200)))
+    args = (
+        ["export", "--ckpt", str(damaged), "--out", str(tmp_path / "o.pt")]
+        if command == "export"
+        else [
+            "fit",
+            "--config",
+            TINY,
+            f"--ckpt_path={damaged}",
+            "--trainer.logger=false",
+            "--trainer.enable_checkpointing=false",
+            "--trainer.enable_model_summary=false",
+        ]  # fmt: skip
+    )
+    out = run_cli(*args)  # a subprocess: torch logs through handlers set up before any capture
+    assert out.returncode == 1, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip() and not line.startswith("Seed set")]
+    assert "WARNING" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+    error = [line for line in lines if line.startswith("CheckpointError: ")]
+    assert error == [
+        f"CheckpointError: checkpoint {damaged}: torch.distributed.checkpoint's .metadata could not be read "
+        "(UnpicklingError: invalid load key, '\\x00'.); the file is damaged, use another checkpoint"
+    ], out.stderr[-3000:]
+    assert lines.index(error[0]) == (0 if command == "export" else len(lines) - 1), lines
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_a_ckpt_path_file_that_is_not_a_checkpoint_is_a_checkpoint_error(capsys, tmp_path, command):
+    garbage = tmp_path / "g.ckpt"
+    garbage.write_bytes(bytes(range(256)) * 4)
+    line = _short_error(capsys, [command, "--config", TINY, f"--ckpt_path={garbage}"])
+    assert line == (
+        f"CheckpointError: cannot read the checkpoint {garbage} (UnpicklingError: Weights only load failed): the "
+        "file is damaged or not a checkpoint; pass one ModelCheckpoint wrote"
+    ), line
