@@ -1,5 +1,6 @@
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from torchrec_lookahead.callbacks import PredictionWriter
@@ -16,3 +17,61 @@ def test_predictions_are_concatenated_in_batch_order_one_file_per_rank(tmp_path)
     )
     assert torch.equal(torch.load(tmp_path / "out" / "p.rank1.pt"), torch.tensor([0.1, 0.2, 0.3, 0.1, 0.2]))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["p.pt", "p.rank1.pt"]
+
+
+def test_a_path_that_cannot_be_written_is_refused_at_set_up_and_a_failed_write_leaves_no_tmp(
+    tmp_path, monkeypatch
+):
+    from torchrec_lookahead.errors import ConfigError
+
+    one = SimpleNamespace(global_rank=0, world_size=1)
+    with pytest.raises(
+        ConfigError, match=f"path of PredictionWriter '{tmp_path}' is a directory; name the file"
+    ):
+        PredictionWriter(str(tmp_path)).setup(one, None, "predict")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=f"cannot be written: '{blocker}' is a file, not a directory"):
+        PredictionWriter(str(blocker / "p.pt")).setup(one, None, "predict")
+    (tmp_path / "p.rank1.pt").mkdir()  # several ranks: each rank's own file is checked
+    with pytest.raises(ConfigError, match=r"p.rank1.pt' is a directory"):
+        PredictionWriter(str(tmp_path / "p.pt")).setup(
+            SimpleNamespace(global_rank=1, world_size=2), None, "predict"
+        )
+    PredictionWriter(str(tmp_path)).setup(one, None, "fit")  # it writes only after predict
+
+    def full_disk(obj, f):
+        with open(f, "wb") as out:
+            out.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        PredictionWriter(str(tmp_path / "q.pt")).write_on_epoch_end(one, None, [torch.ones(2)], None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "p.rank1.pt"]
+
+
+def test_predict_to_a_directory_is_one_config_error_before_anything_is_predicted(
+    capsys, tmp_path, monkeypatch
+):
+    from torchrec_lookahead.models import TorchRecModule
+
+    from ..cli.test_errors import TINY, _short_error
+
+    def never(*args, **kwargs):
+        raise AssertionError("predicted before checking where to write")
+
+    monkeypatch.setattr(TorchRecModule, "predict_step", never)
+    line = _short_error(
+        capsys,
+        [
+            "predict",
+            "--config",
+            TINY,
+            "--trainer.logger=false",
+            "--trainer.callbacks+=torchrec_lookahead.callbacks.PredictionWriter",
+            f"--trainer.callbacks.path={tmp_path}",
+        ],  # fmt: skip
+    )
+    assert line.startswith(f"ConfigError: path of PredictionWriter '{tmp_path}' is a directory"), line
+    assert not list(tmp_path.iterdir())

@@ -14,6 +14,8 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from typing_extensions import override
 
+from torchrec_lookahead._checks import check_output_file
+
 __all__ = ["PredictionWriter"]
 
 
@@ -39,6 +41,19 @@ class PredictionWriter(BasePredictionWriter):
         return self.path.with_name(f"{self.path.stem}.rank{rank}{self.path.suffix}")
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a path that cannot be written before anything is predicted, not after (the predictions lost).
+
+        Raises:
+            ConfigError: this rank's path is a directory, lies under a file, or is in a directory that cannot be
+                written.
+        """
+        if stage == "predict":
+            check_output_file(
+                "path of PredictionWriter", str(self.rank_path(trainer.global_rank, trainer.world_size))
+            )
+
+    @override
     def write_on_epoch_end(
         self,
         trainer: pl.Trainer,
@@ -56,5 +71,9 @@ class PredictionWriter(BasePredictionWriter):
         path = self.rank_path(trainer.global_rank, trainer.world_size)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        torch.save(out, tmp)
-        tmp.replace(path)  # nothing half-written
+        try:
+            torch.save(out, tmp)
+            tmp.replace(path)  # nothing half-written at ``path``
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # nor beside it
+            raise
