@@ -54,6 +54,23 @@ def check_files(paths: Sequence[str]) -> List[str]:
     return out
 
 
+def _check_utf8(path: str, line: int, text: str) -> None:
+    """Refuse a line read with ``errors="surrogateescape"`` that held bytes that are not UTF-8.
+
+    Raises:
+        DataError: naming the file, the line and the first such byte (its column in the line's bytes).
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        column = len(text[: e.start].encode("utf-8", "surrogateescape")) + 1
+        byte = text[e.start].encode("utf-8", "surrogateescape")[0]
+        raise DataError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{byte:02x} at byte {column} of the line); the file is damaged "
+            "or in another encoding: convert it to UTF-8 or remove the line"
+        ) from None
+
+
 class LineBatchDataset(IterableDataset):
     """Batches of parsed lines from delimited text files, in file order.
 
@@ -99,12 +116,19 @@ class LineBatchDataset(IterableDataset):
         self._num_rows = num_rows
 
     def _lines(self) -> Iterator[Tuple[str, int, str]]:
+        """Every non-empty line after the headers, with its file and line number.
+
+        Raises:
+            DataError: a line is not UTF-8 text (its bytes are read as lone surrogates, found per line).
+        """
         for path in self.paths:
-            with open(path, encoding="utf-8", newline="") as f:
+            with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
                 for i, line in enumerate(f, start=1):
                     if i <= self.skip_header:
                         continue
                     line = line.rstrip("\r\n")
+                    if not line.isascii():
+                        _check_utf8(path, i, line)
                     if line:
                         yield path, i, line
 
