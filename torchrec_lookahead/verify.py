@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import numbers
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -196,11 +198,21 @@ def verify(
         comparison is complete on rank 0, and :func:`main` broadcasts it.
 
     Raises:
-        ConfigError: ``steps < 1``, a config file is missing, the config caches no table or does not use
+        ConfigError: ``steps < 1``, ``tolerance`` negative or not finite (both checked before anything trains), a
+            config file is missing, the config caches no table or does not use
             ``strategy="torchrec"``, or the two models have different weights.
     """
     if steps < 1:
         raise ConfigError(f"Expected steps >= 1 but got {steps}")
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, numbers.Real)
+        or not 0 <= tolerance < math.inf
+    ):
+        raise ConfigError(
+            f"tolerance must be a finite number >= 0 but got {tolerance!r}; give the largest absolute difference "
+            "that passes (0, the default: bit-exact)"
+        )
     cached_cli = _build(config, overrides)
     _check_caches_something(cached_cli, config)
     seed = cached_cli.config.get("seed_everything")

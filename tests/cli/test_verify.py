@@ -9,7 +9,9 @@ from .test_cli import clean_env, cli_in_process
 
 
 @pytest.mark.slow
-def test_verify_passes_on_the_tiny_cached_config_and_fails_on_an_impossible_tolerance(capsys):
+def test_verify_passes_on_the_tiny_cached_config_and_a_failed_comparison_exits_1(capsys, monkeypatch):
+    import torchrec_lookahead.verify as verify_command
+
     code, out, err = cli_in_process(
         capsys, ["verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--steps", "20"]
     )
@@ -18,11 +20,28 @@ def test_verify_passes_on_the_tiny_cached_config_and_fails_on_an_impossible_tole
     assert result["passed"] and result["steps"] == 20
     assert result["max_abs_weight_diff"] == result["tolerance"] == 0.0  # bit-exact by default
     assert {"max_abs_loss_diff", "tensors"} <= result.keys()
-    code, out, _ = cli_in_process(
-        capsys,
-        ["verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--steps", "3", "--tolerance", "-1"],
+    failed = {**result, "max_abs_weight_diff": 1e-7, "passed": False}
+    monkeypatch.setattr(verify_command, "verify", lambda *args: failed)
+    code, out, _ = cli_in_process(capsys, ["verify", "--config", "configs/dlrm_tiny_lookahead.yaml"])
+    assert code == 1 and json.loads(out.strip().splitlines()[-1]) == failed
+
+
+@pytest.mark.parametrize("tolerance", ["-1", "nan", "inf"])
+def test_a_negative_or_non_finite_tolerance_is_refused_before_anything_trains(capsys, monkeypatch, tolerance):
+    import torchrec_lookahead.verify as verify_command
+
+    def never(*args: object) -> None:
+        raise AssertionError("built a run before checking the tolerance")
+
+    monkeypatch.setattr(verify_command, "_build", never)
+    code, out, err = cli_in_process(
+        capsys, ["verify", "--config", "configs/dlrm_tiny_lookahead.yaml", f"--tolerance={tolerance}"]
     )
-    assert code == 1 and json.loads(out.strip().splitlines()[-1])["passed"] is False
+    assert code == 1 and not out, out
+    assert err.strip() == (
+        f"ConfigError: tolerance must be a finite number >= 0 but got {float(tolerance)!r}; give the largest "
+        "absolute difference that passes (0, the default: bit-exact)"
+    ), err
 
 
 def test_verify_refuses_a_config_without_the_torchrec_strategy(capsys, tmp_path):
