@@ -106,3 +106,20 @@ def test_movielens_and_taobao_malformed(tmp_path):
     tb2 = _write(tmp_path, "t2.csv", ["1,2,3,pv"])
     with pytest.raises(DataError, match="expected 5"):
         _batches(TaobaoDataModule(tb2))
+
+
+def test_a_line_that_is_not_utf8_is_a_data_error_in_every_reader(tmp_path):
+    from torchrec_lookahead.data.readers import read_movielens_genres
+
+    tsv = tmp_path / "bad.tsv"
+    tsv.write_bytes((GOOD + "\n").encode() * 2 + b"\x80" + GOOD[1:].encode() + b"\n")
+    with pytest.raises(DataError, match=rf"{tsv}:3: not UTF-8 text \(byte 0x80 at byte 1 of the line\)"):
+        _batches(CriteoTSVDataModule(str(tsv), num_embeddings=100, batch_size=8))
+    movies = tmp_path / "movies.csv"
+    movies.write_bytes(
+        "movieId,title,genres\n1,Amélie (2001),Comedy|Romance\n".encode() + b"2,\xe9t\xe9,Drama\n"
+    )
+    with pytest.raises(DataError, match=rf"{movies}:3: not UTF-8 text \(byte 0xe9 at byte 3 of the line\)"):
+        read_movielens_genres(str(movies))
+    movies.write_bytes("movieId,title,genres\n1,Amélie (2001),Comedy|Romance\n".encode())
+    assert read_movielens_genres(str(movies)) == {1: [1, 2]}

@@ -190,13 +190,14 @@ def read_movielens_genres(path: str) -> Dict[int, List[int]]:
     """
     import csv
 
-    from torchrec_lookahead.data.text import check_files
+    from torchrec_lookahead.data.text import check_files, utf8_lines
 
     (path,) = check_files([path])
     vocab: Dict[str, int] = {}
     out: Dict[int, List[int]] = {}
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.reader(f)
+    lines = utf8_lines(path)
+    try:
+        reader = csv.reader(lines)
         next(reader, None)
         for i, rec in enumerate(reader, start=2):
             if len(rec) != 3:
@@ -206,6 +207,8 @@ def read_movielens_genres(path: str) -> Dict[int, List[int]]:
             except ValueError:
                 raise Row(rec, path, i).fail(f"movieId is not an integer: {rec[0]!r}") from None
             out[movie] = [vocab.setdefault(g, len(vocab) + 1) for g in rec[2].split("|")]
+    finally:
+        lines.close()  # the file, also when a line is refused
     return out
 
 

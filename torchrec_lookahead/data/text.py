@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Generator, Iterator, List, Optional, Sequence, Tuple
 
 from torch.utils.data import IterableDataset
 from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.errors import ConfigError, DataError
 
-__all__ = ["Row", "LineBatchDataset", "check_files"]
+__all__ = ["Row", "LineBatchDataset", "check_files", "utf8_lines"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,20 @@ def check_files(paths: Sequence[str]) -> List[str]:
         if not os.access(p, os.R_OK):
             raise DataError(f"Data file {p!r} cannot be read: no permission; give this user read access")
     return out
+
+
+def utf8_lines(path: str) -> Generator[str, None, None]:
+    """The lines of the text file ``path``, line ends kept (split as ``open(..., newline="")`` splits them), each
+    checked to be UTF-8 as it is read.
+
+    Raises:
+        DataError: a line is not UTF-8 text (file, line and byte named).
+    """
+    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+        for i, line in enumerate(f, start=1):
+            if not line.isascii():
+                _check_utf8(path, i, line.rstrip("\r\n"))
+            yield line
 
 
 def _check_utf8(path: str, line: int, text: str) -> None:
@@ -122,15 +136,12 @@ class LineBatchDataset(IterableDataset):
             DataError: a line is not UTF-8 text (its bytes are read as lone surrogates, found per line).
         """
         for path in self.paths:
-            with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
-                for i, line in enumerate(f, start=1):
-                    if i <= self.skip_header:
-                        continue
-                    line = line.rstrip("\r\n")
-                    if not line.isascii():
-                        _check_utf8(path, i, line)
-                    if line:
-                        yield path, i, line
+            for i, line in enumerate(utf8_lines(path), start=1):
+                if i <= self.skip_header:
+                    continue
+                line = line.rstrip("\r\n")
+                if line:
+                    yield path, i, line
 
     def num_rows(self) -> int:
         """Data rows in all files (counted once, then cached)."""
