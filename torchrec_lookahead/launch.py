@@ -78,11 +78,12 @@ class LookaheadCLI(LightningCLI):
             ) from e
 
     def before_instantiate_classes(self) -> None:
-        """Refuse a ``trainer.default_root_dir`` that cannot be a directory (a file, or under one) before anything
-        is built, rather than when the logger first writes there."""
+        """Refuse a local ``trainer.default_root_dir`` that cannot be a directory to write in (a file, under one, on
+        a read-only filesystem or without permission) before anything is built, rather than when the logger first
+        writes there."""
         trainer = self._get(self.config, "trainer")
         root = trainer.get("default_root_dir") if trainer is not None else None
-        if root is not None:
+        if root is not None and "://" not in str(root):  # a remote one (s3://...) is fsspec's to check
             check_dir("trainer.default_root_dir", root)
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
