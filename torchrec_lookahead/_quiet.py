@@ -29,6 +29,18 @@ KNOWN_WARNINGS: List[Tuple[Type[Warning], str, str]] = [
         "Lightning warns of duplicated data with several loader workers; the bundled batch loaders are one "
         "process (num_workers=0) and their length is exact, which Lightning needs to resume mid-epoch",
     ),
+    (
+        FutureWarning,
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        "torch's notice to TorchRec, whose sharded tables are saved and loaded as ShardedTensors; nothing to change "
+        "on our side (shown where a checkpoint is read: resume, predict, not by fit)",
+    ),
+    (
+        UserWarning,
+        r"Couldn't infer the batch indices fetched from your dataloader",
+        "Lightning's predict loop finds no sampler indices in the package's batch loaders; PredictionWriter writes "
+        "the predictions in batch order and never reads the indices (shown by predict, not by fit)",
+    ),
 ]
 """(category, message regex, why) of the warnings the CLI hides by default."""
 
