@@ -20,7 +20,7 @@ from torchrec_lookahead.distributed.exact_sync import (
     exchange_index,
 )
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, LRPPTablePlan
-from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.errors import DataError, SetupError
 
 
 class _Case:
@@ -266,7 +266,7 @@ def test_a_gradient_that_does_not_match_the_index_is_refused():
     index = exchange_index(ExchangeSpec(case.layout, False), case.kjt, 0, 2, case.shared, case.delayed)
     with pytest.raises(SetupError, match="output gradient has shape"):
         exchange(index, torch.zeros(case.local + 1, case.layout.width), None, None)
-    with pytest.raises(SetupError, match="missing from the step's global batch"):
+    with pytest.raises(DataError, match="missing from the step's global batch"):
         other = KeyedJaggedTensor(
             ["zz"], torch.zeros(0, dtype=torch.int64), lengths=torch.zeros(2, dtype=torch.int64)
         )

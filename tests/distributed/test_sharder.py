@@ -4,7 +4,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.planner import Topology
 
-from torchrec_lookahead import ConfigError
+from torchrec_lookahead import ConfigError, DataError
 from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder, lookahead_sharding_plan
 from torchrec_lookahead.models import DLRMModule
 from torchrec_lookahead.modules import CachedEmbeddingBagCollection, CacheOptimizerConfig
@@ -196,6 +196,14 @@ def test_dmp_path_equals_the_module_path():
     sharded.flush()
     alone.flush()
     assert torch.equal(sharded.cache.stores["big"].full_weights(), alone.stores["big"].full_weights())
+    # a batch without a feature the tables read is bad data, named as such
+    wrong = KeyedJaggedTensor(
+        keys=["a", "b", "x"],
+        values=torch.zeros(3, dtype=torch.int64),
+        lengths=torch.ones(3, dtype=torch.int32),
+    )
+    with pytest.raises(DataError, match=r"features \['c'\] are missing from the batch"):
+        dmp(wrong)
 
 
 def test_shared_store_directories_of_dead_owners_are_removed_and_live_ones_kept(tmp_path):

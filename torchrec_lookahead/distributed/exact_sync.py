@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead._arrays import sorted_unique
-from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.errors import DataError, SetupError
 
 __all__ = [
     "KernelLayout",
@@ -154,7 +154,10 @@ class _Global:
         where = {k: i for i, k in enumerate(keys)}
         missing = [f for f in layout.features if f not in where]
         if missing:
-            raise SetupError(f"features {missing} are missing from the step's global batch")
+            raise DataError(
+                f"features {missing} are missing from the step's global batch; give every batch the features the "
+                "model was built with"
+            )
         values, lengths, weights = [], [], []
         w_all = kjt.weights_or_none()
         for f in layout.features:

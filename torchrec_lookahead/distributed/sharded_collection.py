@@ -45,7 +45,7 @@ from torchrec_lookahead.distributed._rank_sync import RankSync, StepState
 from torchrec_lookahead.distributed.exact_sync import ExchangeSpec
 from torchrec_lookahead.distributed.fused_optimizer import CacheFusedOptimizer, fused_optimizers
 from torchrec_lookahead.distributed.lrpp import LRPPPlan
-from torchrec_lookahead.errors import ConfigError, SetupError
+from torchrec_lookahead.errors import ConfigError, DataError, SetupError
 from torchrec_lookahead.modules import CachedCollection, PreparedPlan
 from torchrec_lookahead.modules.types import BackwardHook, StagedRows
 from torchrec_lookahead.oracle.types import BatchPlan
@@ -441,5 +441,8 @@ def _select(kjt: KeyedJaggedTensor, keys: List[str]) -> KeyedJaggedTensor:
     index = {k: i for i, k in enumerate(kjt.keys())}
     missing = [k for k in keys if k not in index]
     if missing:
-        raise SetupError(f"features {missing} are missing from the batch (it has {kjt.keys()})")
+        raise DataError(
+            f"features {missing} are missing from the batch (it has {kjt.keys()}); the tables read them: give every "
+            "batch the features the model was built with"
+        )
     return kjt.permute([index[k] for k in keys])
