@@ -39,7 +39,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["LookaheadArgumentParser", "type_error", "unknown_error"]
+__all__ = ["LookaheadArgumentParser", "type_error", "unknown_error", "nested_nulls"]
 
 _KEY = re.compile(r'^(\s*)(?:- )?Parser key "([^"]+)":')
 _CLASS = re.compile(r"Problem with given class_path '([^']+)'")
@@ -213,6 +213,54 @@ def unknown_error(
             attribute = missing.group(2) if missing.re is _NO_ATTRIBUTE else ""
             return _no_such_class(owner, missing.group(1), attribute)
     return None
+
+
+_NULLS = {"null", "Null", "NULL", "~"}
+#: settings that hold a list of classes: an override of one of their items cannot be written as a mapping
+_CLASS_LISTS = {"sharders", "callbacks", "plugins", "logger"}
+
+
+def nested_nulls(args: Sequence[str]) -> List[str]:
+    """``args`` with each ``--<class key>.init_args.<name>=null`` (or ``--... null``) of a class nested inside
+    another class's ``init_args`` written as ``--<class key>={init_args: {<name>: null}}``.
+
+    jsonargparse (4.x) reads such an override as the string ``'None'``: ``store_dir=null`` would name a directory
+    ``None``, ``hot_set=null`` a file ``None``, and ``capacity=null`` was refused as a string. The mapping form
+    merges into the class's other settings as the dotted one does, with a real null.
+
+    A null for an item of a list of classes (a sharder's setting) has no such form: it is refused.
+
+    Raises:
+        ConfigError: a null override of a setting of an item of a list of classes.
+
+    Example:
+        >>> nested_nulls(["--data.init_args.datamodule.init_args.hot_set=null", "--trainer.max_steps=2"])
+        ['--data.init_args.datamodule={init_args: {hot_set: null}}', '--trainer.max_steps=2']
+    """
+    out: List[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key, eq, value = arg.partition("=")
+        spaced = not eq and i + 1 < len(args) and args[i + 1] in _NULLS
+        if eq:
+            null = value.strip() in _NULLS
+        else:
+            null = spaced
+        prefix, sep, name = key.rpartition(".init_args.")
+        if null and key.startswith("--") and sep and ".init_args." in prefix and name.isidentifier():
+            if prefix.rsplit(".", 1)[-1] in _CLASS_LISTS:
+                raise ConfigError(
+                    f"{key[2:]}=null cannot be given on the command line (the parser would read the string "
+                    f"'None'); set it in the YAML config, or give the whole list: "
+                    f"{prefix}=[{{class_path: ..., init_args: {{...}}}}]"
+                )
+            out.append(f"{prefix}={{init_args: {{{name}: null}}}}")
+            i += 2 if spaced else 1
+            continue
+        out.append(arg)
+        i += 1
+    return out
 
 
 def _dests(parser: Any) -> List[str]:

@@ -28,7 +28,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead._checks import check_dir
-from torchrec_lookahead._parse_errors import LookaheadArgumentParser
+from torchrec_lookahead._parse_errors import LookaheadArgumentParser, nested_nulls
 from torchrec_lookahead.errors import CheckpointError, LookaheadError, recent_errors
 
 __all__ = [
@@ -243,7 +243,7 @@ def build_cli(args: Optional[Sequence[str]], run: bool = False) -> LookaheadCLI:
             pl.LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
-            args=None if args is None else list(args),
+            args=None if args is None else nested_nulls(list(args)),
             run=run,
             save_config_kwargs={"overwrite": True},
             parser_class=LookaheadArgumentParser,

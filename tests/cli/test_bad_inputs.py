@@ -109,6 +109,26 @@ def test_a_misspelt_setting_or_class_is_one_config_error_with_the_closest_name(c
     assert line.startswith(f"ConfigError: {expected}"), line
 
 
+def test_a_null_for_a_nested_class_setting_is_a_null_not_the_string_none(tmp_path):
+    from torchrec_lookahead.launch import build_cli
+
+    fae = "configs/dlrm_tiny_fae_lookahead.yaml"
+    for override in (["--data.init_args.datamodule.init_args.hot_set=null"],
+                     ["--data.init_args.datamodule.init_args.hot_set", "null"]):  # fmt: skip
+        cli = build_cli(["--config", fae, *override, f"--trainer.default_root_dir={tmp_path}"])
+        assert cli.datamodule.datamodule.hot_set_path is None
+    # the class's other settings stay as the config gave them
+    assert cli.config["data"]["init_args"]["datamodule"]["init_args"]["hot_budget_bytes"] is not None
+
+
+def test_a_null_for_a_sharders_setting_is_refused_with_the_way_to_give_it(capsys):
+    line = _fit(capsys, "--trainer.strategy.init_args.sharders.init_args.store_dir=null")
+    assert line.startswith(
+        "ConfigError: trainer.strategy.init_args.sharders.init_args.store_dir=null cannot be given on the command "
+        "line"
+    ), line
+
+
 def test_the_parser_report_of_another_kind_is_left_to_the_parser(capsys):
     assert type_error('Parser key "trainer":\n  Key "nope" is not expected\n') is None
     assert type_error("Unrecognized arguments: --nope") is None
