@@ -17,6 +17,7 @@ from torchrec_lookahead.cli import main as cli_main
 from torchrec_lookahead.data import CriteoSyntheticDataModule
 from torchrec_lookahead.errors import CheckpointError, ConfigError
 from torchrec_lookahead.fae import BatchKind, HotColdDataModule, HotSet
+from torchrec_lookahead.fae.hotset import fingerprint
 
 from ..conftest import REPO, tiny_data_args
 from ..helpers import _trainer, check_mid_epoch_resume, make_model
@@ -50,6 +51,28 @@ def test_calibrates_saves_and_loads(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="rows"):
         other.setup("fit")
+
+
+def test_a_resume_with_another_fixed_hot_set_is_refused_before_it_trains_other_samples() -> None:
+    trained = _dm()
+    trained.setup("fit")
+    state = trained.state_dict()
+    assert isinstance(state["hot_set_fingerprint"], str)
+    same = _dm()
+    same.load_state_dict(state)  # checked once the hot set is known
+    same.setup("fit")
+    assert same.hot_set is not None and trained.hot_set is not None
+    assert fingerprint(same.hot_set) == fingerprint(trained.hot_set)
+    other = _dm(hot_budget_bytes=30_000)
+    other.setup(
+        "fit"
+    )  # the hot set already in force (as when the caches were sized with it): checked at load
+    with pytest.raises(CheckpointError, match="trained with another hot set than this run's"):
+        other.load_state_dict(state)
+    later = _dm(hot_budget_bytes=30_000)
+    later.load_state_dict(state)
+    with pytest.raises(CheckpointError, match="another hot set"):
+        later.setup("fit")
 
 
 def test_bad_arguments_fail_before_training(tmp_path: Path) -> None:

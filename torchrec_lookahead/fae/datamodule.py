@@ -16,10 +16,10 @@ from typing_extensions import override
 
 from torchrec_lookahead._checks import check_int, check_output_file
 from torchrec_lookahead.data.wrapper import WrappedDataModule
-from torchrec_lookahead.errors import ConfigError, SetupError
+from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.fae.calibrator import calibrate, recalibrate_counts
 from torchrec_lookahead.fae.config import CalibrationConfig
-from torchrec_lookahead.fae.hotset import HotSet
+from torchrec_lookahead.fae.hotset import HotSet, fingerprint
 from torchrec_lookahead.fae.loader import HotColdLoader
 from torchrec_lookahead.fae.lookahead import ColdBatches, HotColdLookaheadLoader, pinned_lookahead_loader
 from torchrec_lookahead.fae.samples import Samples
@@ -161,6 +161,8 @@ class HotColdDataModule(WrappedDataModule):
         self.embedding_dim = embedding_dim
         self.optimizer = optimizer
         self.hot_set: Optional[HotSet] = None
+        #: the fingerprint of the fixed hot set a resumed checkpoint trained with (checked when the set is known)
+        self._resumed_fingerprint: Optional[str] = None
         #: with ``recalibrate="epoch"``: the hot set of the next epoch, computed at the end of this one
         self.next_hot_set: Optional[HotSet] = None
         #: with ``recalibrate="epoch"``: per recalibration, the rows promoted and demoted per table and in all
@@ -205,7 +207,7 @@ class HotColdDataModule(WrappedDataModule):
             hs.check_model(sizes)
             hs.check_budget(config)
             rank_zero_info(f"Loaded the hot set {path}: {sum(hs.hot_rows.values()):,} hot rows")
-            return hs
+            return self._as_resumed(hs)
         world, rank = _world()
         hs_or_none: List[Optional[HotSet]] = [None]
         if rank == 0:
@@ -219,7 +221,23 @@ class HotColdDataModule(WrappedDataModule):
         if received is None:
             raise SetupError("The hot set was not received from rank 0")
         rank_zero_info("\n" + received.report())
-        return received
+        return self._as_resumed(received)
+
+    def _as_resumed(self, hs: HotSet) -> HotSet:
+        """``hs``, after checking it is the hot set the resumed checkpoint trained with (a fixed hot set is not
+        saved in checkpoints, only its fingerprint: the loader's position counts hot and cold batches of it).
+
+        Raises:
+            CheckpointError: the checkpoint's hot set was another one.
+        """
+        expected = self._resumed_fingerprint
+        if expected is not None and fingerprint(hs) != expected:
+            raise CheckpointError(
+                "the checkpoint was trained with another hot set than this run's (hot_budget_bytes, the hot_set "
+                "file or the calibration settings differ): its loader position counts the other set's hot and cold "
+                "batches; resume with the settings it was trained with, or start a new run from its weights"
+            )
+        return hs
 
     # The lookahead cache's plug-in (runtime.types.PinnedRowsSource): the hot rows pinned in the caches.
     def pinned_hot_ids(self) -> Dict[str, torch.Tensor]:
@@ -292,6 +310,8 @@ class HotColdDataModule(WrappedDataModule):
     @override
     def state_dict(self) -> Dict[str, Any]:
         state = super().state_dict()
+        if self.recalibrate is None and self.hot_set is not None:
+            state["hot_set_fingerprint"] = fingerprint(self.hot_set)
         if self.recalibrate is not None:
             for key, hs in (("hot_set", self.hot_set), ("next_hot_set", self.next_hot_set)):
                 if hs is not None:
@@ -308,6 +328,9 @@ class HotColdDataModule(WrappedDataModule):
         """
         super().load_state_dict(state_dict)
         if self.recalibrate is None:
+            self._resumed_fingerprint = state_dict.get("hot_set_fingerprint")
+            if self.hot_set is not None:  # already in force (the caches were sized with it): check it now
+                self._as_resumed(self.hot_set)
             return
         sizes = self.num_embeddings_per_feature
         for key in ("hot_set", "next_hot_set"):

@@ -6,6 +6,7 @@ its sorted int64 hot ids; the rest is metadata) and loaded by training runs, whi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -16,7 +17,7 @@ import torch
 
 from torchrec_lookahead.errors import CheckpointError, ConfigError, InvalidIdError
 
-__all__ = ["HotTable", "HotSet", "table_name", "format_table"]
+__all__ = ["HotTable", "HotSet", "table_name", "format_table", "fingerprint"]
 
 _FORMAT = "torchrec_lookahead.hotset"
 _VERSION = 1
@@ -339,3 +340,19 @@ class HotSet:
             seconds=float(d["seconds"]),
             config=dict(d.get("config", {})),
         )
+
+
+def fingerprint(hs: HotSet) -> str:
+    """A digest of ``hs``'s hot ids per table (SHA-256): equal for the same hot set, whatever file it came from.
+
+    Example:
+        >>> t = HotTable("t_a", "a", 4, torch.tensor([1, 3]), 2, 2, False, 8, 10, 9)
+        >>> a = HotSet({"t_a": t}, 0.2, 64, 0.8, 10, 0.0)
+        >>> fingerprint(a) == fingerprint(HotSet.from_dict(a.to_dict())), len(fingerprint(a))
+        (True, 64)
+    """
+    digest = hashlib.sha256()
+    for name in sorted(hs.tables):
+        ids = hs.tables[name].hot_ids.to(torch.int64).contiguous().numpy()
+        digest.update(name.encode("utf-8") + b"\0" + str(ids.size).encode("ascii") + b"\0" + ids.tobytes())
+    return digest.hexdigest()
