@@ -120,6 +120,8 @@ def check_output_file(name: str, path: str) -> str:
         example = os.path.join(path, "...")
         raise ConfigError(f"{name} {path!r} is a directory; name the file to write, e.g. {example!r}")
     parent = _nearest_existing(os.path.dirname(os.path.abspath(path)))
+    if os.path.islink(parent) and not os.path.exists(parent):
+        raise ConfigError(f"{name} {path!r} cannot be written: {parent!r} is a broken symbolic link")
     if not os.path.isdir(parent):
         raise ConfigError(f"{name} {path!r} cannot be written: {parent!r} is a file, not a directory")
     _check_writable(name, path, parent)
@@ -129,9 +131,17 @@ def check_output_file(name: str, path: str) -> str:
 def _nearest_existing(path: str) -> str:
     """``path`` or its nearest ancestor that exists."""
     path = os.path.abspath(path)
-    while not os.path.exists(path):
+    while not os.path.lexists(path):  # a broken link exists (and is no directory to make)
         path = os.path.dirname(path)
     return path
+
+
+def share_as_created(path: str) -> None:
+    """Give ``path``, a ``tempfile.mkstemp`` file (the owner's only), the mode ``open`` would have given it
+    (``0o666`` less the umask), before it replaces the file it is written for."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def _check_writable(name: str, path: str, existing: str) -> None:

@@ -192,6 +192,11 @@ def unknown_error(
     ``where``) or of a ``class_path`` that names nothing importable. ``None`` when the report is of another kind.
     """
     lines = message.splitlines()
+    m = _BAD_YAML.search(message)
+    if m is not None:  # a config file that is not YAML
+        problem = " ".join(line.strip() for line in m.group(1).splitlines() if line.strip())
+        problem = problem.replace('in "<unicode string>", ', "at ")
+        return ConfigError(f"a config is not valid YAML: {problem}; fix the file")
     m = _SUBCOMMAND.search(message)
     if m is not None:
         return _not_a_setting(m.group(2), m.group(1), top_settings)
@@ -215,6 +220,7 @@ def unknown_error(
     return None
 
 
+_BAD_YAML = re.compile(r"Problems parsing config\s*:\s*(.*)", re.DOTALL)
 _NULLS = {"null", "Null", "NULL", "~"}
 #: settings that hold a list of classes: an override of one of their items cannot be written as a mapping
 _CLASS_LISTS = {"sharders", "callbacks", "plugins", "logger"}

@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import yaml
 
-from torchrec_lookahead._checks import check_output_file
+from torchrec_lookahead._checks import check_output_file, share_as_created
 from torchrec_lookahead.data import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.fae import (
@@ -74,11 +74,29 @@ def _write_atomic(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        share_as_created(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _refuse_same_file(config: str, save: Optional[str], json_path: Optional[str]) -> None:
+    """Refuse outputs that would overwrite the config or each other (before the calibration runs).
+
+    Raises:
+        ConfigError: ``--save`` or ``--json`` names the ``--config`` file, or both name one file.
+    """
+    named = [("--config", config), ("--save", save), ("--json", json_path)]
+    seen: Dict[str, str] = {}
+    for flag, path in named:
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ConfigError(f"{flag} {path!r} is the file {seen[real]} names; give each its own file")
+        seen[real] = flag
 
 
 def run_calibration(
@@ -98,8 +116,14 @@ def run_calibration(
     """
     if not os.path.isfile(config_path):
         raise ConfigError(f"Config file not found: {config_path!r}")
-    with open(config_path, encoding="utf-8") as f:
-        tree = yaml.safe_load(f)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            tree = yaml.safe_load(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(f"{config_path} is not valid YAML{at}: {problem}; fix the file") from None
     holder = find_mapping(tree, "hot_budget_bytes")
     if holder is None:
         raise ConfigError(
@@ -141,6 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_output_file("--save", args.save)
     if args.json is not None:
         check_output_file("--json", args.json)
+    _refuse_same_file(args.config, args.save, args.json)
     hot_set, configured = run_calibration(args.config, overrides, args.save)
     sys.stdout.write(hot_set.report() + "\n")
     target = args.save or configured

@@ -129,6 +129,13 @@ def test_a_null_for_a_sharders_setting_is_refused_with_the_way_to_give_it(capsys
     ), line
 
 
+def test_a_config_that_is_not_yaml_is_one_config_error(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [\n")
+    line = _fit(capsys, "--config", str(bad))
+    assert line.startswith("ConfigError: a config is not valid YAML: ") and "line 2, column 1" in line, line
+
+
 def test_the_parser_report_of_another_kind_is_left_to_the_parser(capsys):
     assert type_error('Parser key "trainer":\n  Key "nope" is not expected\n') is None
     assert type_error("Unrecognized arguments: --nope") is None

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -174,6 +176,38 @@ def test_calibrate_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert set(raw["hot_ids"]) == set(figures["hot_rows"])
     assert all(raw["hot_ids"][t].numel() == n for t, n in figures["hot_rows"].items())
     assert figures["hot_bytes"] == HotSet.load(str(save)).hot_bytes <= figures["hot_budget_bytes"]
+
+
+def test_calibrate_writes_files_of_the_umasks_mode_and_refuses_outputs_it_would_lose_or_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    cfg = _tiny_config(tmp_path)
+    save, out = tmp_path / "hs.pt", tmp_path / "cal.json"
+    with pytest.raises(SystemExit) as e:
+        cli_main(["calibrate", "--config", cfg, "--save", str(save), "--json", str(out)])
+    assert e.value.code == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (save.stat().st_mode & 0o777) == (out.stat().st_mode & 0o777) == 0o666 & ~mask
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [\n")
+    cases = [
+        (["--config", cfg, "--save", cfg], "--save '.*' is the file --config names"),
+        (["--config", cfg, "--save", str(save), "--json", str(save)], "--json '.*' is the file --save names"),
+        (["--config", cfg, "--save", str(tmp_path / "dangling" / "h.pt")], "is a broken symbolic link"),
+        (["--config", str(bad)], r"bad.yaml is not valid YAML \(line 2, column 1\)"),
+    ]
+    capsys.readouterr()
+    for args, match in cases:
+        with pytest.raises(SystemExit) as e:
+            cli_main(["calibrate", *args])
+        assert e.value.code == 1
+        err = capsys.readouterr().err.strip()
+        assert "Traceback" not in err and re.search(f"ConfigError: .*{match}", err.splitlines()[-1]), err
+    assert yaml.safe_load(Path(cfg).read_text())["data"]  # the config is untouched
+    with pytest.raises(ConfigError, match="cannot write the hot set to '/proc/nope/h.pt'"):
+        HotSet.load(str(save)).save("/proc/nope/h.pt")  # past the up-front checks: one typed error still
 
 
 def test_calibrate_command_needs_a_budget(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

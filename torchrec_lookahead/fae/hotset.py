@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 import torch
 
+from torchrec_lookahead._checks import share_as_created
 from torchrec_lookahead.errors import CheckpointError, ConfigError, InvalidIdError
 
 __all__ = ["HotTable", "HotSet", "table_name", "format_table", "fingerprint"]
@@ -260,18 +261,32 @@ class HotSet:
         }
 
     def save(self, path: str) -> None:
-        """Write the hot set to ``path`` atomically (a file ``torch.load`` reads as a dict of plain values)."""
+        """Write the hot set to ``path`` atomically (a file ``torch.load`` reads as a dict of plain values).
+
+        Raises:
+            ConfigError: ``path`` cannot be written (its directory cannot be made, no permission, a full disk).
+        """
         payload = self.to_dict()
         directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix="hotset-", suffix=".tmp")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix="hotset-", suffix=".tmp")
+        except OSError as e:
+            raise ConfigError(
+                f"cannot write the hot set to {path!r}: {e.strerror or e}; name a writable path"
+            ) from None
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(payload, f)
+            share_as_created(tmp)
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             if os.path.exists(tmp):
                 os.remove(tmp)
+            if isinstance(e, OSError):
+                raise ConfigError(
+                    f"cannot write the hot set to {path!r}: {e.strerror or e}; name a writable path"
+                ) from None
             raise
 
     @classmethod

@@ -130,7 +130,9 @@ def _write_full(
     """Write ``dst.partial``: ``first`` (the header page and the index, as they were), then ``units`` (held, in
     log order, their log ``counters``) read through ``src``, at the store file's offsets (the rest holes),
     releasing each unit once copied."""
-    out = os.open(dst + ".partial", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    out = os.open(
+        dst + ".partial", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666
+    )  # a checkpoint file: the umask's mode
     try:
         os.ftruncate(out, file.size)
         pwrite_all(out, memoryview(first), 0)
