@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -92,6 +93,20 @@ def test_bad_arguments_fail_before_training(tmp_path: Path) -> None:
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="not a readable hot set"):
         _dm(hot_set=str(bad)).setup("fit")
+    # empty, a pickle of another kind, a hot set with a field missing: one short line each, saying what to do
+    good = tmp_path / "good.pt"
+    dm = _dm(hot_set=str(good))
+    dm.setup("fit")
+    raw = torch.load(good, weights_only=True)
+    del raw["threshold"]
+    torch.save(raw, tmp_path / "no_threshold.pt")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    torch.save({"a": datetime.date(2020, 1, 1)}, tmp_path / "other.pt")  # not loadable with weights_only
+    for name, match in [("empty.pt", "not a readable hot set file"), ("other.pt", "not a readable hot set file"),
+                        ("no_threshold.pt", r"is a damaged hot set \(KeyError: 'threshold'\)")]:  # fmt: skip
+        with pytest.raises(CheckpointError, match=match) as e:
+            HotSet.load(str(tmp_path / name))
+        assert "\n" not in str(e.value) and "weights_only" not in str(e.value) and "calibrate" in str(e.value)
 
 
 def _fit(

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Sequence
 import torch
 
 from torchrec_lookahead._checks import share_as_created
-from torchrec_lookahead.errors import CheckpointError, ConfigError, InvalidIdError
+from torchrec_lookahead.errors import CheckpointError, ConfigError, InvalidIdError, LookaheadError
 
 __all__ = ["HotTable", "HotSet", "table_name", "format_table", "fingerprint"]
 
@@ -304,8 +304,14 @@ class HotSet:
             )
         try:
             d = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"{path!r} is not a readable hot set file: {e}") from e
+        except Exception as e:  # noqa: BLE001 - damaged bytes fail in many ways
+            # torch's message on a pickle of another kind runs to paragraphs (and suggests an unsafe load)
+            first = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:160] or type(e).__name__
+            raise CheckpointError(
+                f"{path!r} is not a readable hot set file ({type(e).__name__}: {first}): it is empty, truncated or "
+                "not written by HotSet.save; write it again with python -m torchrec_lookahead calibrate --config "
+                "<yaml> --save <path>"
+            ) from e
         return cls.from_dict(d, where=repr(path))
 
     @classmethod
@@ -324,6 +330,19 @@ class HotSet:
         path = where
         if not isinstance(d, dict) or d.get("format") != _FORMAT or "hot_ids" not in d or "tables" not in d:
             raise CheckpointError(f"{path} is not a hot set written by HotSet.save() or HotSet.to_dict()")
+        try:
+            return cls._from_checked_dict(d, path)
+        except LookaheadError:  # an id out of range, ... (InvalidIdError is a ValueError too)
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(
+                f"{path} is a damaged hot set ({type(e).__name__}: {e}): a field is missing or of another type; "
+                "write it again with python -m torchrec_lookahead calibrate --config <yaml> --save <path>"
+            ) from None
+
+    @classmethod
+    def _from_checked_dict(cls, d: Dict[str, Any], path: str) -> HotSet:
+        """:meth:`from_dict` past the format check (a missing or mistyped field raises Python's own errors)."""
         tables: Dict[str, HotTable] = {}
         for name, meta in d["tables"].items():
             ids = d["hot_ids"].get(name)
