@@ -66,6 +66,25 @@ def test_a_string_where_a_number_belongs_is_a_config_error_naming_the_setting(se
     assert str(e.value).startswith(setting) or f"Expected {setting}" in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ({"direct_io": "maybe"}, "disk_options direct_io must be one of true, false, null but got 'maybe'"),
+        ({"direct_io": 0}, "disk_options direct_io must be one of true, false, null but got 0"),
+        ({"preallocate": 3}, "disk_options preallocate must be one of true, false but got 3"),
+        (
+            {"disk_prefetch_depth": 2},
+            "disk_options disk_prefetch_depth reads rows ahead under host_policy: lookahead",
+        ),
+    ],
+)
+def test_disk_options_that_would_be_read_otherwise_or_do_nothing_are_refused(options, expected):
+    with pytest.raises(ConfigError) as e:
+        _disk(**options)
+    assert str(e.value).startswith(expected), str(e.value)
+    _disk(direct_io=None, preallocate=False, host_policy="lookahead", disk_prefetch_depth=2)  # all valid
+
+
 @pytest.fixture
 def tsv(tmp_path: Path) -> str:
     path = tmp_path / "train.tsv"

@@ -379,6 +379,15 @@ def store_kind(
         if "io_threads" in opts:
             check_int("disk_options io_threads", opts["io_threads"], 1, "give the threads issuing disk reads")
         check_host_policy(opts.get("host_policy", "lru"), opts.get("disk_prefetch_depth", 0))
+        for flag, allowed in (("direct_io", (True, False, None)), ("preallocate", (True, False))):
+            if flag in opts and not any(opts[flag] is a for a in allowed):
+                names = ", ".join("null" if a is None else str(a).lower() for a in allowed)
+                raise ConfigError(f"disk_options {flag} must be one of {names} but got {opts[flag]!r}")
+        if opts.get("disk_prefetch_depth", 0) and opts.get("host_policy", "lru") != "lookahead":
+            raise ConfigError(
+                "disk_options disk_prefetch_depth reads rows ahead under host_policy: lookahead only, but "
+                f"host_policy is {opts.get('host_policy', 'lru')!r}; set host_policy: lookahead or drop it"
+            )
     return kind
 
 
