@@ -29,7 +29,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead._checks import check_dir
 from torchrec_lookahead._parse_errors import LookaheadArgumentParser, nested_nulls
-from torchrec_lookahead.errors import CheckpointError, LookaheadError, recent_errors
+from torchrec_lookahead.errors import CheckpointError, ConfigError, LookaheadError, recent_errors
 
 __all__ = [
     "LookaheadCLI",
@@ -91,7 +91,16 @@ class LookaheadCLI(LightningCLI):
         keeping the epoch's length after a mid-epoch resume."""
         from torchrec_lookahead.callbacks import use_embedding_summary, use_resuming_progress_bar
 
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except RuntimeError as e:  # the same stateful callback twice: Lightning's traceback, our one line
+            if "more than one stateful callback" not in str(e):
+                raise
+            kind = str(e).split("`")[1] if str(e).count("`") >= 2 else "a stateful callback"
+            raise ConfigError(
+                f"trainer.callbacks has {kind} more than once; a checkpoint keeps one state per such callback: "
+                "keep one of them"
+            ) from None
         use_embedding_summary(trainer)
         use_resuming_progress_bar(trainer)
         return trainer

@@ -129,6 +129,22 @@ def test_a_null_for_a_sharders_setting_is_refused_with_the_way_to_give_it(capsys
     ), line
 
 
+def test_a_stateful_callback_given_twice_is_one_config_error(capsys):
+    line = _short_error(
+        capsys,
+        [
+            "fit",
+            "--config",
+            "configs/dlrm_tiny_fae.yaml",
+            "--trainer.callbacks+=torchrec_lookahead.callbacks.HotColdScheduler",
+        ],
+    )
+    assert line == (
+        "ConfigError: trainer.callbacks has HotColdScheduler more than once; a checkpoint keeps one state per such "
+        "callback: keep one of them"
+    ), line
+
+
 def test_a_config_that_is_not_yaml_is_one_config_error(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("a: [\n")
