@@ -205,7 +205,11 @@ class HotColdStream:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next iteration resume after the batches already handed out."""
         if "hot_served" not in state or "cold_served" not in state:
-            raise CheckpointError(f"Hot/cold loader state {dict(state)} lacks 'hot_served'/'cold_served'")
+            raise CheckpointError(
+                f"the checkpoint's loader state {dict(state)} is not a hot/cold loader's (no 'hot_served' and "
+                "'cold_served'): it was written by a run without HotColdDataModule; resume it with the config that "
+                "wrote it, or start a new FAE run from its weights"
+            )
         self._resume = {BatchKind.HOT: int(state["hot_served"]), BatchKind.COLD: int(state["cold_served"])}
 
     def epoch_complete(self) -> bool:
