@@ -134,6 +134,11 @@ def test_damaged_or_mismatched_checkpoints_are_refused_with_what_to_do(tmp_path)
         f.truncate(os.path.getsize(os.path.join(truncated, shard)) // 2)
     with pytest.raises(CheckpointError, match=r"could not be read \(EOFError.*damaged or incomplete"):
         fit(tmp_path / "r2", max_steps=3, ckpt_path=truncated)
+    # an intact checkpoint of resident tables, resumed with cached ones: another layout, not damage
+    with pytest.raises(
+        CheckpointError, match=r"holds other tensors than this run's model .* another configuration"
+    ):
+        fit_cached(tmp_path / "r3", max_steps=3, ckpt_path=broken("resident_into_cached"))
     # the world size is recorded: a checkpoint of another number of ranks is refused before anything is read
     other = broken("two_ranks")
     meta = torch.load(os.path.join(other, "meta.pt"), weights_only=False)

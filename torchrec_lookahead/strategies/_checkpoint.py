@@ -292,6 +292,15 @@ def load_sharded(target: Dict[str, Any], path: Path) -> None:
         cause = next(iter(failures.values()), e)  # a CheckpointException holds each rank's own error
         cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback)
         first = (str(cause).strip().splitlines() or [""])[0]
+        if any(
+            k in first for k in ("Missing key", "Unexpected key", "size mismatch")
+        ):  # intact, of another layout
+            raise CheckpointError(
+                f"checkpoint {path} holds other tensors than this run's model ({first[:300]}): it was written by "
+                "another configuration (cached against resident tables, another store, optimizer or model); resume "
+                "it with the config that wrote it, or `python -m torchrec_lookahead export` it into a plain "
+                "checkpoint of the model"
+            ) from e
         raise CheckpointError(
             f"checkpoint {path} could not be read ({type(cause).__name__}: {first[:300]}): its shard files are "
             "damaged or incomplete (a truncated .distcp file?), or it was written for another model or "
