@@ -213,6 +213,15 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _end_progress_bar_line() -> None:
+    """End the line of a progress bar left open by the error (Lightning's tqdm bars redraw in place, without a
+    newline), so that the error starts a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
+    if bars:
+        sys.stderr.write("\n")
+
+
 @contextlib.contextmanager
 def short_lookahead_errors() -> Iterator[None]:
     """Report a :class:`~torchrec_lookahead.errors.LookaheadError` raised inside (also one jsonargparse buried in a
@@ -231,6 +240,7 @@ def short_lookahead_errors() -> Iterator[None]:
             raise
         rank = _rank()
         line = f"{type(error).__name__}: {error}\n"
+        _end_progress_bar_line()
         sys.stderr.write(line if rank == 0 else f"[rank {rank}] {line}")
         sys.stderr.flush()
         raise SystemExit(1) from None

@@ -145,6 +145,27 @@ def test_a_stateful_callback_given_twice_is_one_config_error(capsys):
     ), line
 
 
+@pytest.mark.slow
+def test_an_error_while_a_progress_bar_is_drawn_starts_a_line_of_its_own(tmp_path):
+    import subprocess
+    import sys
+
+    from ..data.test_readers import GOOD
+    from .test_cli import clean_env
+
+    train = tmp_path / "train.tsv"
+    train.write_text((GOOD + "\n") * 16)
+    out = subprocess.run(  # one stream, as a terminal shows the bar (stdout) and the error (stderr)
+        [sys.executable, "-m", "torchrec_lookahead", "fit", "--config", _tsv_config(tmp_path, train)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, env=clean_env(), cwd=Path.cwd(),
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert "Sanity Checking" in out.stdout  # the bar was drawn when validation found no data
+    assert any(
+        line.startswith("ConfigError: This DataModule has no 'val' data") for line in out.stdout.splitlines()
+    )
+
+
 def test_a_config_that_is_not_yaml_is_one_config_error(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("a: [\n")
