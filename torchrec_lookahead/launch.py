@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
@@ -236,6 +237,8 @@ def short_lookahead_errors() -> Iterator[None]:
         raise
     except BaseException as e:
         error = find_lookahead_error(e)
+        if error is None and isinstance(e, MisconfigurationException):  # Lightning's refusal of a setting
+            error = ConfigError(" ".join(line.strip() for line in str(e).splitlines() if line.strip()))
         if error is None or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
         rank = _rank()

@@ -157,13 +157,24 @@ def test_an_error_while_a_progress_bar_is_drawn_starts_a_line_of_its_own(tmp_pat
     train.write_text((GOOD + "\n") * 16)
     out = subprocess.run(  # one stream, as a terminal shows the bar (stdout) and the error (stderr)
         [sys.executable, "-m", "torchrec_lookahead", "fit", "--config", _tsv_config(tmp_path, train)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, env=clean_env(), cwd=Path.cwd(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, env=clean_env(), cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 1, out.stdout[-3000:]
     assert "Sanity Checking" in out.stdout  # the bar was drawn when validation found no data
     assert any(
         line.startswith("ConfigError: This DataModule has no 'val' data") for line in out.stdout.splitlines()
     )
+
+
+def test_an_accelerator_this_machine_lacks_is_one_config_error(capsys):
+    line = _fit(capsys, "--trainer.accelerator=gpu")
+    assert line == "ConfigError: No supported gpu backend found!", line
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+def test_a_true_precision_with_cached_tables_is_refused_before_planning(capsys, tmp_path, precision):
+    line = _fit(capsys, f"--trainer.precision={precision}", f"--trainer.default_root_dir={tmp_path}")
+    assert line.startswith(f"ConfigError: precision={precision} converts every batch in place"), line
 
 
 def test_a_config_that_is_not_yaml_is_one_config_error(capsys, tmp_path):

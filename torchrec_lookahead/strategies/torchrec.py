@@ -462,6 +462,7 @@ class TorchRecStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         if self.model is None:
             raise SetupError("No model attached to the strategy")
+        self._check_precision(trainer)
         self.precision_plugin.convert_module(self.model)
         self._shard_lightning_module()
         self._ensure_session()
@@ -472,6 +473,27 @@ class TorchRecStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _check_precision(self, trainer: pl.Trainer) -> None:
+        """Refuse a ``*-true`` precision other than 32 with cached tables, before anything is planned.
+
+        Raises:
+            ConfigError: ``precision`` is ``64-true``, ``16-true`` or ``bf16-true`` and a lookahead sharder caches
+                tables: those plugins convert every batch in place, and the cache's batches carry their plan
+                unchanged (a ``-mixed`` precision trains them).
+        """
+        from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
+
+        caches = any(
+            isinstance(s, LookaheadEmbeddingBagCollectionSharder)
+            and (s.capacity or s.device_budget_bytes is not None)
+            for s in self._sharders or []
+        )
+        if caches and isinstance(self.precision_plugin, (DoublePrecision, HalfPrecision)):
+            raise ConfigError(
+                f"precision={trainer.precision} converts every batch in place, which the lookahead cache's planned "
+                "batches do not allow; use 32-true, or bf16-mixed / 16-mixed (which train cached tables exactly)"
+            )
 
     @override
     def configure_ddp(self) -> None:
