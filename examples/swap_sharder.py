@@ -56,6 +56,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--batch-size", type=int, default=1024, help="rows per batch on each rank")
     p.add_argument("--resident", action="store_true", help="TorchRec's resident loop (the baseline)")
     args = p.parse_args(argv)
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size)):
+        if value < 1:
+            p.error(f"{flag} must be at least 1 but got {value}")
 
     if not dist.is_initialized():
         if "RANK" in os.environ:  # launched by torchrun

@@ -33,6 +33,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     p.add_argument("--log-every", type=int, default=10, help="steps between two logs of the metrics")
     p.add_argument("--root", default="logs")
     args = p.parse_args(argv)
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--horizon", args.horizon),
+                        ("--log-every", args.log_every), ("--cache-mb", args.cache_mb)):  # fmt: skip
+        if not value > 0:
+            p.error(f"{flag} must be positive but got {value}")
     pl.seed_everything(0)
     data = CriteoSyntheticDataModule(
         batch_size=args.batch_size, num_train_batches=args.steps, num_val_batches=4

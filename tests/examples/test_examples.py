@@ -66,3 +66,20 @@ def test_swap_sharder_example_streams_and_equals_torchrec_resident_loop_bit_for_
     resident = example.main(["--steps", "8", "--batch-size", "256", "--resident"])
     assert len(cached["losses"]) == 8
     assert cached["losses"] == resident["losses"]
+
+
+@pytest.mark.parametrize(
+    "name, args, flag",
+    [
+        ("train_dlrm", ["--steps", "0"], "--steps"),
+        ("train_dlrm", ["--cache-mb", "0"], "--cache-mb"),
+        ("train_dlrm", ["--horizon", "-1"], "--horizon"),
+        ("swap_sharder", ["--steps", "0"], "--steps"),
+        ("swap_sharder", ["--batch-size", "0"], "--batch-size"),
+    ],
+)
+def test_the_examples_refuse_a_value_that_is_not_positive_as_a_usage_error(name, args, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        _load(name).main(args)
+    assert e.value.code == 2
+    assert f"error: {flag} must be" in capsys.readouterr().err
