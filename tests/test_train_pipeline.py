@@ -68,6 +68,24 @@ def test_eval_mode_is_refused_and_a_model_without_cached_tables_trains_as_under_
         pipeline.progress(it)
 
 
+def test_an_iterator_whose_stream_was_closed_mid_way_is_refused_and_a_new_one_starts_a_stream(pg):
+    _, pipeline, data = build(cached=True, steps=6)
+    it = iter(data)
+    pipeline.progress(it)
+    pipeline.progress(it)
+    pipeline.close()  # the planner had read batches of `it` ahead of training: they went with the stream
+    with pytest.raises(SetupError, match=r"closed mid-way.*pass a new iterator"):
+        pipeline.progress(it)
+    fresh = iter(data)
+    steps = 0
+    with pytest.raises(StopIteration):
+        while True:
+            pipeline.progress(fresh)
+            steps += 1
+    assert steps == 6  # the whole stream, from the start
+    pipeline.close()
+
+
 def test_bad_settings_are_refused_before_anything_runs():
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

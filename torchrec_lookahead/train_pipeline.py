@@ -144,6 +144,10 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         settings = LookaheadSettings(horizon, prefetch_depth, policy, window, ways)
         super().__init__(model, optimizer, device)
         self._batches: Optional[Iterator[Batch]] = None
+        #: the iterator of the cached stream in progress, and one a close() left mid-stream (read ahead of training:
+        #: the batches the planner took from it are gone with the stream)
+        self._source: Optional[Iterator[Batch]] = None
+        self._abandoned: Optional[Iterator[Batch]] = None
         self.loader: Optional[LookaheadLoader] = None
         #: the owner of the cached step (collective with several ranks: the planner's id group)
         self.session = CacheSession.for_model(model)
@@ -177,8 +181,15 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
                     "LookaheadTrainPipeline trains (its batches hold cache slots): call model.train() first; "
                     "evaluate a cached model by calling it on unplanned batches in eval mode"
                 )
+            if dataloader_iter is self._abandoned:
+                raise SetupError(
+                    "this iterator's stream was closed mid-way: the cache's planner had read batches ahead of "
+                    "training from it, and they went with the stream; pass a new iterator (iter(dataloader)) to "
+                    "start a new stream"
+                )
             self.loader.loader = dataloader_iter
             self._batches = iter(self.loader)  # a new stream starts from empty caches (flushed first)
+            self._source, self._abandoned = dataloader_iter, None
         super()._connect(dataloader_iter)
 
     def _next_batch(self, dataloader_iter: Iterator[Batch]) -> Optional[Batch]:
@@ -207,6 +218,7 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         try:
             return super().progress(dataloader_iter)
         except StopIteration:
+            self._source = None  # ended: nothing was read ahead of it
             self.flush()
             self.reset()
             raise
@@ -223,9 +235,12 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
             self.session.flush(barrier=barrier)
 
     def close(self) -> None:
-        """Stop the background threads (a later ``progress`` starts a new stream)."""
+        """Stop the background threads (a later ``progress`` starts a new stream, from a new iterator: the one of
+        a stream closed mid-way is refused, its batches read ahead of training having gone with the stream)."""
         if self.loader is not None:
             self.loader.close()
+        if self._source is not None:
+            self._abandoned, self._source = self._source, None
         self._reset_data_iter()
 
     def reset(self) -> None:
