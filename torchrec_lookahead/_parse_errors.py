@@ -30,8 +30,8 @@ Example:
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
+import pydoc
 import re
 from typing import Any, List, NoReturn, Optional, Sequence
 
@@ -123,23 +123,20 @@ def _owner(lines: Sequence[str], at: int) -> Optional[str]:
 
 def _import(path: str) -> Any:
     """The object that the dotted ``path`` names (``None`` when it names nothing importable)."""
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for name in parts[cut:]:
-            obj = getattr(obj, name, None)
-        return obj
-    return None
+    try:
+        return pydoc.locate(path)
+    except pydoc.ErrorDuringImport:  # a module that exists but fails to import
+        return None
 
 
 def _settings(class_path: str) -> List[str]:
     """The init parameters of the class ``class_path`` names, through the base classes its ``**kwargs`` reach."""
     cls = _import(class_path)
     out: List[str] = []
-    for klass in getattr(cls, "__mro__", ())[:-1]:
+    bases: Sequence[Any] = (
+        cls.__mro__[:-1] if inspect.isclass(cls) else ()
+    )  # object's own init last, left out
+    for klass in bases:
         try:
             params = inspect.signature(klass.__init__).parameters.values()
         except (TypeError, ValueError):
@@ -269,13 +266,11 @@ def nested_nulls(args: Sequence[str]) -> List[str]:
     return out
 
 
-def _dests(parser: Any) -> List[str]:
-    """The settings a (jsonargparse) parser takes, as dotted keys."""
-    return [
-        a.dest
-        for a in getattr(parser, "_actions", ())
-        if isinstance(a.dest, str) and a.dest not in _PARSER_OPTIONS and not a.dest.endswith(".help")
-    ]
+def _dests(parser: Optional[LightningArgumentParser]) -> List[str]:
+    """The settings a parser takes, as dotted keys (none without a parser)."""
+    if parser is None:
+        return []
+    return [a.dest for a in parser._actions if a.dest not in _PARSER_OPTIONS and not a.dest.endswith(".help")]
 
 
 class LookaheadArgumentParser(LightningArgumentParser):
@@ -289,7 +284,8 @@ class LookaheadArgumentParser(LightningArgumentParser):
         error = type_error(message)
         if error is None:
             sub = _SUBCOMMAND.search(message)
-            subcommands = getattr(getattr(self, "_subcommands_action", None), "_name_parser_map", {})
+            action = self._subcommands_action  # jsonargparse's (None without subcommands)
+            subcommands = {} if action is None else action._name_parser_map
             top = _dests(subcommands.get(sub.group(1)) if sub is not None else self)
             prog = self.prog.split()
             error = unknown_error(message, top, prog[-1] if sub is None and len(prog) > 1 else "the command")

@@ -119,11 +119,14 @@ def run_calibration(
     try:
         with open(config_path, encoding="utf-8") as f:
             tree = yaml.safe_load(f)
+    except yaml.MarkedYAMLError as e:  # a parse error: where and what
+        mark = e.problem_mark
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(
+            f"{config_path} is not valid YAML{at}: {e.problem or type(e).__name__}; fix the file"
+        ) from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
-        problem = getattr(e, "problem", None) or type(e).__name__
-        raise ConfigError(f"{config_path} is not valid YAML{at}: {problem}; fix the file") from None
+        raise ConfigError(f"{config_path} is not valid YAML: {type(e).__name__}; fix the file") from None
     holder = find_mapping(tree, "hot_budget_bytes")
     if holder is None:
         raise ConfigError(

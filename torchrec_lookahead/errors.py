@@ -68,6 +68,20 @@ class LookaheadError(Exception):
         return {name: getattr(self, name) for name in self.FACTS}
 
 
+def first_line(error: BaseException, limit: Optional[int] = None, sentence: bool = False) -> str:
+    """The first line of ``error``'s message (its first sentence with ``sentence``), cut at ``limit`` characters:
+    how a typed error quotes the library error behind it, whose full text can run to paragraphs.
+
+    Example:
+        >>> first_line(ValueError("bad bytes. Re-run with weights_only=False\\nmore"), sentence=True)
+        'bad bytes'
+    """
+    line = (str(error).strip().splitlines() or [""])[0]
+    if sentence:
+        line = line.split(". ")[0]
+    return line if limit is None else line[:limit]
+
+
 def recent_errors() -> List[LookaheadError]:
     """The last few :class:`LookaheadError` s created in this process, oldest first."""
     return list(_RECENT)

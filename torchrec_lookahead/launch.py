@@ -30,7 +30,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead._checks import check_dir
 from torchrec_lookahead._parse_errors import LookaheadArgumentParser, nested_nulls
-from torchrec_lookahead.errors import CheckpointError, ConfigError, LookaheadError, recent_errors
+from torchrec_lookahead.errors import CheckpointError, ConfigError, LookaheadError, first_line, recent_errors
 
 __all__ = [
     "LookaheadCLI",
@@ -72,7 +72,7 @@ class LookaheadCLI(LightningCLI):
             raise
         except Exception as e:  # noqa: BLE001 - unpickling damaged bytes raises many types
             ckpt_path = self.config[self.config["subcommand"]].get("ckpt_path")
-            first = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]
+            first = first_line(e, 200, sentence=True)
             raise CheckpointError(
                 f"cannot read the checkpoint {ckpt_path} ({type(e).__name__}: {first}): the file is damaged or not "
                 "a checkpoint; pass one ModelCheckpoint wrote"

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Sequence
 import torch
 
 from torchrec_lookahead._checks import share_as_created
-from torchrec_lookahead.errors import CheckpointError, ConfigError, InvalidIdError, LookaheadError
+from torchrec_lookahead.errors import CheckpointError, ConfigError, InvalidIdError, LookaheadError, first_line
 
 __all__ = ["HotTable", "HotSet", "table_name", "format_table", "fingerprint"]
 
@@ -306,7 +306,7 @@ class HotSet:
             d = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - damaged bytes fail in many ways
             # torch's message on a pickle of another kind runs to paragraphs (and suggests an unsafe load)
-            first = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:160] or type(e).__name__
+            first = first_line(e, 160, sentence=True) or type(e).__name__
             raise CheckpointError(
                 f"{path!r} is not a readable hot set file ({type(e).__name__}: {first}): it is empty, truncated or "
                 "not written by HotSet.save; write it again with python -m torchrec_lookahead calibrate --config "

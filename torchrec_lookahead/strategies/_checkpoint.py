@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchrec_lookahead.errors import CheckpointError, ConfigError, StoreError
+from torchrec_lookahead.errors import CheckpointError, ConfigError, StoreError, first_line
 from torchrec_lookahead.modules.checkpoint_files import StoreFiles
 from torchrec_lookahead.store import EmbeddingStore
 from torchrec_lookahead.store.types import PendingPiece
@@ -246,7 +246,7 @@ def check_dcp_metadata(path: Path) -> None:
     except Exception as e:  # noqa: BLE001 - unpickling damaged bytes raises many types
         raise CheckpointError(
             f"checkpoint {path}: torch.distributed.checkpoint's .metadata could not be read ({type(e).__name__}: "
-            f"{(str(e).strip().splitlines() or [''])[0][:200]}); the file is damaged, use another checkpoint"
+            f"{first_line(e, 200)}); the file is damaged, use another checkpoint"
         ) from e
     if not isinstance(metadata, Metadata):
         raise CheckpointError(
@@ -291,7 +291,7 @@ def load_sharded(target: Dict[str, Any], path: Path) -> None:
         failures = getattr(e, "failures", None) or {}
         cause = next(iter(failures.values()), e)  # a CheckpointException holds each rank's own error
         cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback)
-        first = (str(cause).strip().splitlines() or [""])[0]
+        first = first_line(cause)
         if any(
             k in first for k in ("Missing key", "Unexpected key", "size mismatch")
         ):  # intact, of another layout
@@ -320,10 +320,9 @@ def load_store_files(files: StoreFiles, path: Path, rank: int) -> None:
     try:
         files.load(chains)
     except (ConfigError, StoreError) as e:
-        first = (str(e).strip().splitlines() or [""])[0]
         raise CheckpointError(
             f"checkpoint {path}: the pieces of the disk stores' files it needs could not be loaded "
-            f"({first[:400]}); resume from an intact checkpoint of this configuration"
+            f"({first_line(e, 400)}); resume from an intact checkpoint of this configuration"
         ) from e
 
 

@@ -1,19 +1,24 @@
-"""What the ``torchrec`` strategy checks and builds while sharding: the model to shard inside the LightningModule
-(:func:`model_attribute`), the optimizers FBGEMM's CPU kernel can fuse, and the ``DistributedModelParallel``
-whose state-dict keys do not depend on DDP."""
+"""What the ``torchrec`` strategy checks and builds while sharding: its sharding options (:func:`sharding_options`),
+the model to shard inside the LightningModule (:func:`model_attribute`), the optimizers FBGEMM's CPU kernel can
+fuse, the precisions cached tables train with, and the ``DistributedModelParallel`` whose state-dict keys do not
+depend on DDP."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import get_module
+from torchrec.distributed.types import ModuleSharder, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
+from torchrec_lookahead._checks import check_choice
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.modules import CachedCollection, init_embedding_bag_tables_
 from torchrec_lookahead.store.init import init_embedding_weights
@@ -21,6 +26,8 @@ from torchrec_lookahead.store.init import init_embedding_weights
 __all__ = [
     "embedding_collections",
     "check_cpu_fused_optimizers",
+    "check_cached_precision",
+    "sharding_options",
     "DistributedModelParallelKeys",
     "model_attribute",
 ]
@@ -48,6 +55,64 @@ def check_cpu_fused_optimizers(module: nn.Module) -> None:
                         "those, train on CUDA, or train the table through the lookahead cache, whose optimizer "
                         "runs on any device"
                     )
+
+
+def sharding_options(
+    sharders: Optional[Sequence[ModuleSharder]],  # type: ignore[type-arg]
+    compute_kernel: Optional[str],
+    sharding_types: Optional[List[str]],
+) -> Tuple[Optional[List[ModuleSharder]], Optional[str], List[str]]:  # type: ignore[type-arg]
+    """The strategy's ``sharders`` (a list), ``compute_kernel`` and ``sharding_types`` (TorchRec's values; the
+    latter table-wise and row-wise by default), checked.
+
+    Raises:
+        ConfigError: ``sharders`` is not a list, ``sharding_types`` a single string, or a kernel or sharding type
+            is not TorchRec's (the message lists TorchRec's).
+    """
+    if sharders is not None and not isinstance(sharders, (list, tuple)):
+        raise ConfigError(
+            f"sharders must be a list of sharders but got {type(sharders).__name__}; wrap it: sharders=[...]"
+        )
+    if isinstance(sharding_types, str):
+        raise ConfigError(
+            f"sharding_types must be a list but got {sharding_types!r}; e.g. [{sharding_types!r}]"
+        )
+    kernel = (
+        None
+        if compute_kernel is None
+        else check_choice("compute_kernel", compute_kernel, EmbeddingComputeKernel)
+    )
+    types = [
+        check_choice("sharding_types", t, ShardingType).value
+        for t in (sharding_types or ["table_wise", "row_wise"])
+    ]
+    return (None if sharders is None else list(sharders)), (None if kernel is None else kernel.value), types
+
+
+def check_cached_precision(
+    sharders: Optional[Sequence[ModuleSharder]],  # type: ignore[type-arg]
+    precision_plugin: Precision,
+    precision: str,
+) -> None:
+    """Refuse a ``*-true`` precision other than 32 with cached tables, before anything is planned.
+
+    Raises:
+        ConfigError: ``precision`` is ``64-true``, ``16-true`` or ``bf16-true`` and a lookahead sharder caches
+            tables: those plugins convert every batch in place, and the cache's batches carry their plan
+            unchanged (a ``-mixed`` precision trains them).
+    """
+    from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+
+    caches = any(
+        isinstance(s, LookaheadEmbeddingBagCollectionSharder)
+        and (s.capacity or s.device_budget_bytes is not None)
+        for s in sharders or []
+    )
+    if caches and isinstance(precision_plugin, (DoublePrecision, HalfPrecision)):
+        raise ConfigError(
+            f"precision={precision} converts every batch in place, which the lookahead cache's planned "
+            "batches do not allow; use 32-true, or bf16-mixed / 16-mixed (which train cached tables exactly)"
+        )
 
 
 class DistributedModelParallelKeys(DistributedModelParallel):

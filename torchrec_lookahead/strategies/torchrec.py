@@ -29,13 +29,12 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DataParallelWrapper, get_default_sharders
 from torchrec.distributed.planner import ParameterConstraints
-from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan, ShardingType
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from typing_extensions import override
 
-from torchrec_lookahead._checks import check_choice, check_int
+from torchrec_lookahead._checks import check_int
 from torchrec_lookahead._rng import preserved_rng
 from torchrec_lookahead.distributed import (
     LookaheadEmbeddingBagCollectionSharder,
@@ -65,10 +64,12 @@ from torchrec_lookahead.strategies._checkpoint_writer import PiecesWriter, write
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
 from torchrec_lookahead.strategies._sharding import (
     DistributedModelParallelKeys,
+    check_cached_precision,
     check_cpu_fused_optimizers,
     embedding_collections,
     init_resident_tables,
     model_attribute,
+    sharding_options,
 )
 from torchrec_lookahead.strategies._signals import LockstepSignalConnector, use_lockstep_signals
 from torchrec_lookahead.strategies._sizing import size_caches
@@ -138,25 +139,10 @@ class TorchRecStrategy(DDPStrategy):
         self._full_every = int(full_checkpoint_every)
         self._ram_pieces = bool(incremental_ram_stores)
         self._writer = PiecesWriter() if async_checkpoints else None
-        if sharders is not None and not isinstance(sharders, (list, tuple)):
-            raise ConfigError(
-                f"sharders must be a list of sharders but got {type(sharders).__name__}; wrap it: sharders=[...]"
-            )
-        if isinstance(sharding_types, str):
-            raise ConfigError(
-                f"sharding_types must be a list but got {sharding_types!r}; e.g. [{sharding_types!r}]"
-            )
-        self._sharders = None if sharders is None else list(sharders)
-        self._constraints = dict(constraints or {})
-        self._compute_kernel = (
-            None
-            if compute_kernel is None
-            else check_choice("compute_kernel", compute_kernel, EmbeddingComputeKernel).value
+        self._sharders, self._compute_kernel, self._sharding_types = sharding_options(
+            sharders, compute_kernel, sharding_types
         )
-        self._sharding_types = [
-            check_choice("sharding_types", t, ShardingType).value
-            for t in (sharding_types or ["table_wise", "row_wise"])
-        ]
+        self._constraints = dict(constraints or {})
         self._module_name = module_name
         self._sharded_name: Optional[str] = module_name
         self._plan = plan
@@ -462,7 +448,7 @@ class TorchRecStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         if self.model is None:
             raise SetupError("No model attached to the strategy")
-        self._check_precision(trainer)
+        check_cached_precision(self._sharders, self.precision_plugin, trainer.precision)
         self.precision_plugin.convert_module(self.model)
         self._shard_lightning_module()
         self._ensure_session()
@@ -473,27 +459,6 @@ class TorchRecStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-
-    def _check_precision(self, trainer: pl.Trainer) -> None:
-        """Refuse a ``*-true`` precision other than 32 with cached tables, before anything is planned.
-
-        Raises:
-            ConfigError: ``precision`` is ``64-true``, ``16-true`` or ``bf16-true`` and a lookahead sharder caches
-                tables: those plugins convert every batch in place, and the cache's batches carry their plan
-                unchanged (a ``-mixed`` precision trains them).
-        """
-        from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
-
-        caches = any(
-            isinstance(s, LookaheadEmbeddingBagCollectionSharder)
-            and (s.capacity or s.device_budget_bytes is not None)
-            for s in self._sharders or []
-        )
-        if caches and isinstance(self.precision_plugin, (DoublePrecision, HalfPrecision)):
-            raise ConfigError(
-                f"precision={trainer.precision} converts every batch in place, which the lookahead cache's planned "
-                "batches do not allow; use 32-true, or bf16-mixed / 16-mixed (which train cached tables exactly)"
-            )
 
     @override
     def configure_ddp(self) -> None:
