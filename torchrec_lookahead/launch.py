@@ -86,6 +86,22 @@ class LookaheadCLI(LightningCLI):
         root = trainer.get("default_root_dir") if trainer is not None else None
         if root is not None and "://" not in str(root):  # a remote one (s3://...) is fsspec's to check
             check_dir("trainer.default_root_dir", root)
+        self._refuse_nothing_to_run(trainer)
+
+    def _refuse_nothing_to_run(self, trainer: Any) -> None:
+        """``validate``, ``test`` or ``predict`` with its split's ``limit_*_batches`` at 0 would plan the cache and
+        exit having run nothing (a config for training often turns validation off): refused before anything is
+        built."""
+        subcommand = self.config.get("subcommand")
+        split = {"validate": "val", "test": "test", "predict": "predict"}.get(str(subcommand))
+        if split is None or trainer is None:
+            return
+        limit = trainer.get(f"limit_{split}_batches")
+        if limit is not None and not isinstance(limit, bool) and float(limit) == 0:
+            raise ConfigError(
+                f"`{subcommand}` has nothing to run: trainer.limit_{split}_batches is {limit} (this config turns "
+                f"that split off); pass --trainer.limit_{split}_batches 1.0 to run it"
+            )
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """Lightning's Trainer, its model summary counting embedding tables where they live, its progress bar

@@ -307,3 +307,28 @@ def test_a_default_root_dir_that_is_a_file_is_refused_before_anything_is_built(c
     assert line.startswith(
         f"ConfigError: trainer.default_root_dir '{blocker / 'logs'}' cannot be made: '{blocker}' is a file"
     ), line
+
+
+@pytest.mark.parametrize(
+    "subcommand, limit",
+    [
+        ("validate", "--trainer.limit_val_batches=0"),
+        ("test", "--trainer.limit_test_batches=0.0"),
+        ("predict", "--trainer.limit_predict_batches=0"),
+    ],
+)
+def test_a_split_turned_off_is_refused_before_the_cache_is_planned(capsys, monkeypatch, subcommand, limit):
+    """A training config often turns validation off: `validate` on it planned the cache and exited 0 having run
+    nothing."""
+    from torchrec_lookahead.launch import LookaheadCLI
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"built the Trainer, model and data for a `{subcommand}` with nothing to run")
+
+    monkeypatch.setattr(LookaheadCLI, "instantiate_classes", never)
+    split = limit.split("limit_")[1].split("_batches")[0]
+    line = _short_error(capsys, [subcommand, "--config", TINY, limit])
+    assert line.startswith(
+        f"ConfigError: `{subcommand}` has nothing to run: trainer.limit_{split}_batches is 0"
+    ), line
+    assert line.endswith(f"pass --trainer.limit_{split}_batches 1.0 to run it"), line
