@@ -181,6 +181,35 @@ def _check_caches_something(cli: Any, config: Union[str, Sequence[str]]) -> None
         )
 
 
+def _check_resident_side(cli: Any) -> None:
+    """Refuse, before the cached side trains, a config whose resident side cannot train here: on the CPU every
+    resident table trains with FBGEMM's fused kernel, which lacks some optimizers the cache's kernel has."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from torchrec_lookahead.optim import EmbeddingOptimizerSpec
+    from torchrec_lookahead.strategies import TorchRecStrategy
+    from torchrec_lookahead.strategies._sharding import cpu_fuses, cpu_unfused_optimizer
+
+    strategy = cli.trainer.strategy
+    if not isinstance(strategy, TorchRecStrategy) or strategy._compute_kernel != "fused":
+        return
+    if not isinstance(cli.trainer.accelerator, CPUAccelerator):
+        return
+    # a module of the bundled kind declares its tables' optimizer now and builds them at set-up; another may have
+    # built them already
+    spec = getattr(cli.model, "embedding_optimizer", None)
+    found = cpu_unfused_optimizer(cli.model)
+    if found is None and isinstance(spec, EmbeddingOptimizerSpec) and not cpu_fuses(spec.optimizer_class()):
+        found = (spec.optimizer_class().__name__, "")
+    if found is not None:
+        where = f" (table parameter {found[1]!r})" if found[1] else ""
+        raise ConfigError(
+            f"verify cannot compare this config on the CPU: its resident side trains every table with FBGEMM's "
+            f"fused kernel, which has no {found[0]} on CPU{where}; run verify on CUDA, or with an embedding "
+            "optimizer FBGEMM's CPU kernel has (sgd, rowwise_adagrad, adagrad)"
+        )
+
+
 def verify(
     config: str, steps: int = 100, tolerance: float = 0.0, overrides: Sequence[str] = ()
 ) -> Dict[str, Any]:
@@ -215,6 +244,7 @@ def verify(
         )
     cached_cli = _build(config, overrides)
     _check_caches_something(cached_cli, config)
+    _check_resident_side(cached_cli)
     seed = cached_cli.config.get("seed_everything")
     if isinstance(seed, bool) or seed is None:
         # seed_everything true/false would give the two runs different random dense weights: fix it.

@@ -53,6 +53,66 @@ def test_verify_refuses_a_config_without_the_torchrec_strategy(capsys, tmp_path)
     assert code != 0 and "strategy='torchrec'" in err
 
 
+def test_an_optimizer_the_resident_side_lacks_on_the_cpu_is_refused_before_the_cached_side_trains(
+    capsys, monkeypatch, tmp_path
+):
+    """Every table cached with Adam trains on the CPU (the cache's kernel has Adam), but the resident side's
+    FBGEMM CPU kernel has none: that was found only after the cached side had trained."""
+    import torchrec_lookahead.verify as verify_command
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("trained a side before finding that the resident side cannot train")
+
+    monkeypatch.setattr(verify_command, "_train", never)
+    rows = [
+        50,
+        20,
+        300,
+        100,
+        7,
+        3,
+        40,
+        30,
+        2,
+        60,
+        25,
+        200,
+        15,
+        5,
+        35,
+        150,
+        4,
+        22,
+        18,
+        3,
+        120,
+        6,
+        5,
+        45,
+        9,
+        55,
+    ]
+    capacity = ", ".join(f"t_cat_{i}: {r if r < 100 else r // 2}" for i, r in enumerate(rows))
+    cfg = tmp_path / "adam.yaml"
+    cfg.write_text(
+        "trainer:\n  strategy:\n    class_path: torchrec_lookahead.strategies.TorchRecStrategy\n"
+        "    init_args:\n      sharders:\n"
+        "        - class_path: torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder\n"
+        f"          init_args: {{capacity: {{{capacity}}}}}\n"
+        "model:\n  init_args:\n    embedding_optimizer: {name: adam, lr: 0.01}\n"
+    )
+    code, out, err = cli_in_process(
+        capsys,
+        ["verify", "--config", "configs/dlrm_tiny_lookahead.yaml", "--config", str(cfg), "--steps", "2"],
+    )
+    assert code == 1 and not out, out
+    assert err.strip().splitlines()[-1] == (
+        "ConfigError: verify cannot compare this config on the CPU: its resident side trains every table with "
+        "FBGEMM's fused kernel, which has no Adam on CPU; run verify on CUDA, or with an embedding optimizer "
+        "FBGEMM's CPU kernel has (sgd, rowwise_adagrad, adagrad)"
+    ), err
+
+
 def test_verify_notes_caches_trained_with_the_pytorch_kernel_where_fbgemm_has_the_optimizer():
     from types import SimpleNamespace
 

@@ -26,6 +26,8 @@ from torchrec_lookahead.store.init import init_embedding_weights
 __all__ = [
     "embedding_collections",
     "check_cpu_fused_optimizers",
+    "cpu_unfused_optimizer",
+    "cpu_fuses",
     "check_cached_precision",
     "sharding_options",
     "DistributedModelParallelKeys",
@@ -42,19 +44,32 @@ def embedding_collections(module: nn.Module) -> List[nn.Module]:
     return [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
 
 
-def check_cpu_fused_optimizers(module: nn.Module) -> None:
+def cpu_fuses(optimizer: type) -> bool:
+    """Whether FBGEMM's fused CPU kernel implements ``optimizer`` (a TorchRec optimizer class)."""
+    return optimizer.__name__ in _CPU_FUSED_OPTIMIZERS
+
+
+def cpu_unfused_optimizer(module: nn.Module) -> Optional[Tuple[str, str]]:
+    """The first (optimizer, table parameter) of ``module``'s embedding bag collections that FBGEMM's fused CPU
+    kernel does not implement; ``None`` when there is none."""
     for m in module.modules():
         if not isinstance(m, EmbeddingBagCollection):
             continue
         for name, p in m.named_parameters():
             for cls in getattr(p, "_optimizer_classes", []):
-                if cls.__name__ not in _CPU_FUSED_OPTIMIZERS:
-                    raise ConfigError(
-                        f"Embedding optimizer {cls.__name__} on table parameter {name!r} is not available in "
-                        f"FBGEMM's fused kernel on CPU (it supports {list(_CPU_FUSED_OPTIMIZERS)}); use one of "
-                        "those, train on CUDA, or train the table through the lookahead cache, whose optimizer "
-                        "runs on any device"
-                    )
+                if not cpu_fuses(cls):
+                    return cls.__name__, name
+    return None
+
+
+def check_cpu_fused_optimizers(module: nn.Module) -> None:
+    found = cpu_unfused_optimizer(module)
+    if found is not None:
+        raise ConfigError(
+            f"Embedding optimizer {found[0]} on table parameter {found[1]!r} is not available in FBGEMM's fused "
+            f"kernel on CPU (it supports {list(_CPU_FUSED_OPTIMIZERS)}); use one of those, train on CUDA, or train "
+            "the table through the lookahead cache, whose optimizer runs on any device"
+        )
 
 
 def sharding_options(
