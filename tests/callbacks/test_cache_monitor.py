@@ -111,3 +111,30 @@ def test_a_tensorboard_log_gets_the_custom_scalars_layout_of_the_cache_metrics(t
         assert f"cache/{table}/hit_rate" in tags
         assert any(r.fullmatch(f"cache/{table}/hit_rate") for r in hit_rate)
     assert any(r.fullmatch("cache/hit_rate") for r in hit_rate)
+
+
+def test_with_accumulated_batches_the_monitor_logs_once_per_optimizer_step_per_batch_figures(tmp_path):
+    """Two batches end at each global step: the monitor logged at both (the second with nothing in it) and at
+    step 0, and divided a log's counters by optimizer steps, not by the batches (plans) they counted."""
+
+    class _Logged(pl.Callback):
+        def __init__(self) -> None:
+            self.at: List[int] = []
+            self.seen = monitor.last_metrics
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if monitor.last_metrics is not self.seen:
+                self.seen = monitor.last_metrics
+                self.at.append(trainer.global_step)
+
+    monitor, snaps = CacheMonitor(log_every_n_steps=2), _Snapshots()
+    logged = _Logged()
+    fit_cached(tmp_path, 4, callbacks=[monitor, snaps, logged], logger=False, accumulate_grad_batches=2)
+    assert logged.at == [2, 4], logged.at  # batches 4 and 8 (steps 2 and 4), once each
+    m = monitor.last_metrics
+    before, after = snaps.stats[3], snaps.stats[7]  # the last log covers batches 5-8
+    for table in TABLES:
+        assert (
+            m[f"cache/{table}/rows_fetched"]
+            == (after[table]["rows_fetched"] - before[table]["rows_fetched"]) / 4
+        )

@@ -11,7 +11,8 @@ log); and ``cache/oracle_lead`` (batches planned ahead of training) and
 ``cache/stager_wait_ms`` (time the training step waited for staged rows, per step), ``cache/batch_wait_ms``
 (time it waited for the planner's next batch, per step), ``cache/reader_cpu_ms``, ``cache/planner_cpu_ms`` and
 ``cache/stager_cpu_ms`` (CPU time of the reader thread per batch read, of the planner thread per batch planned,
-of the stager thread per plan staged), and
+of the stager thread per plan staged; absent from a log in which the thread handled no batch, as the reader
+once it has read the epoch), and
 ``cache/training_thread_ms`` (time the training thread spent in cache code per step: applying the plan, with
 its counters, without the wait for staged rows; making FAE's hot batches; with several ranks also the cache
 kernels' backward hooks, the exact gradient exchange and its update). With several ranks
@@ -22,6 +23,9 @@ shared row), ``cache/sync/rows_skipped`` (rows updated by one rank only, never s
 ``cache/sync/grad_floats_sent`` (gradient floats this rank sent for other ranks' shared rows) and, where some
 happened, ``cache/sync/exchanges_indexed_in_backward`` (gradient exchanges the backward indexed itself because
 the step's plan came without an exchange index: plans made by hand).
+
+"Per step" is per training batch (one plan each): with ``accumulate_grad_batches`` > 1 the figures are per batch,
+logged once per optimizer step.
 
 With a TensorBoard logger, the monitor also writes a custom-scalars layout (:data:`TENSORBOARD_LAYOUT`, the
 "Custom Scalars" tab): every table's hit rate on one chart, every table's rows fetched on another, and so on.
@@ -96,6 +100,7 @@ class CacheMonitor(Callback):
         self._last_step = 0
         self._last_time = time.perf_counter()
         self._samples = 0
+        self._batches = 0
         self.last_metrics: Dict[str, float] = {}
 
     @staticmethod
@@ -112,7 +117,7 @@ class CacheMonitor(Callback):
         self._last = self._stats(trainer)
         self._last_step = trainer.global_step
         self._last_time = time.perf_counter()
-        self._samples = 0
+        self._samples = self._batches = 0
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
@@ -147,12 +152,16 @@ class CacheMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._samples += _batch_size(batch, batch_adapter_of(trainer_datamodules(trainer)[0]))
+        self._batches += 1
         every = self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 50))
-        if trainer.global_step % max(every, 1) != 0:
+        # once per optimizer step: with accumulate_grad_batches > 1 several batches end at the same global step
+        if trainer.global_step == self._last_step or trainer.global_step % max(every, 1) != 0:
             return
         stats = self._stats(trainer)
         d = stats - self._last
-        steps = max(trainer.global_step - self._last_step, 1)
+        # the cache's counters count batches (one plan each): per batch, which is per step without accumulation
+        steps = max(self._batches, 1)
+        self._batches = 0
         metrics: Dict[str, float] = {}
         for table, c in d.tables.items():
             n = c.get("lookups", 0)
@@ -180,7 +189,8 @@ class CacheMonitor(Callback):
                 ("planner", d.threads.planner_cpu_s, d.threads.planned),
                 ("stager", d.threads.stager_cpu_s, d.threads.staged),
             ):
-                metrics[f"cache/{what}_cpu_ms"] = cpu * 1e3 / count if count > 0 else 0.0
+                if count > 0:  # a thread done with the epoch (the reader, far ahead) has no figure, not 0 ms
+                    metrics[f"cache/{what}_cpu_ms"] = cpu * 1e3 / count
         self._last = stats
         self._last_step = trainer.global_step
         self.last_metrics = metrics
