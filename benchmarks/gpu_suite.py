@@ -8,6 +8,9 @@ part, so a run cut short keeps what it had. Parts, in order of importance:
 * ``env``: versions of Python, torch, fbgemm-gpu, torchrec and Lightning, the GPU, and one FBGEMM CUDA op;
 * ``cuda_tests``: the tests marked ``cuda`` (``tests/modules/test_cuda.py``, ``tests/test_cuda_training.py``):
   per test its outcome and the differences it recorded;
+* ``sync_checks``: ``tests/test_cuda_sync.py``: the default job's steady steps under torch's sync debug mode (every
+  synchronising call recorded with its thread and the code that made it; one made by the cache on the training
+  thread fails) and under the CUDA stream sanitizer;
 * ``verify_default``: ``verify`` of ``configs/dlrm_lookahead.yaml`` on the GPU;
 * ``verify_fae_adam``: ``verify`` of ``configs/dlrm_fae.yaml`` (pinned hot rows) with Adam on the GPU, 50 steps;
 * ``two_ranks``: two ranks on the one GPU (gloo, CUDA tensors): the plain-TorchRec-loop comparison of
@@ -20,10 +23,10 @@ part, so a run cut short keeps what it had. Parts, in order of importance:
   runs it finished).
 
 The whole run is bounded by ``--budget`` (450 s: under 8 minutes); each part by its own timeout (env 60 s,
-cuda_tests 150 s, verify_default 90 s, verify_fae_adam 100 s, two_ranks 60 + 45 s, bench_default 130 s), the
-Kaggle-sized benchmark by the time left. A benchmark part's record carries its JSON (``figures``) and a
-``summary``: the median step times, every ratio (``cached_over_uvm_lru``, ``rows_moved_cached_over_uvm_lru``,
-...), the measured host <-> device bandwidth (``link``) and per run the rows moved, hit rate and floor.
+cuda_tests 150 s, sync_checks 150 s, verify_default 90 s, verify_fae_adam 100 s, two_ranks 60 + 45 s, bench_default
+130 s), the Kaggle-sized benchmark by the time left. A benchmark part's record carries its JSON (``figures``) and a
+``summary``: the median step times, every ratio (``cached_over_uvm_lru``, ``rows_moved_cached_over_uvm_lru``, ...),
+the measured host <-> device bandwidth (``link``) and per run the rows moved, hit rate and floor.
 ``--cpu-smoke`` runs the same parts on the CPU with tiny sizes (a check of the script: 2 to 5 minutes on a
 2-core machine).
 
@@ -269,6 +272,18 @@ class Suite:
         rec["ok"] = rec["ok"] and rec["summary"]["passed"] > 0
         return rec
 
+    def sync_checks(self) -> Dict[str, Any]:
+        xml = self.out_dir / "sync_checks.xml"
+        xml.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "pytest", "-v", "-m", "cuda", "-p", "no:cacheprovider", "-rfEs",
+               "tests/test_cuda_sync.py", f"--junitxml={xml}"]  # fmt: skip
+        rec = self.run("sync_checks", cmd, 90 if self.smoke else 150)
+        rec["tests"] = _junit(xml) or _verbose_outcomes(rec["_output"])
+        # the synchronising calls found, by thread and code (the test's recorded properties)
+        rec["syncs"] = {name.rsplit("::", 1)[-1]: t.get("properties", {}) for name, t in rec["tests"].items()}
+        rec["ok"] = rec["ok"] and any(t["outcome"] == "passed" for t in rec["tests"].values())
+        return rec
+
     def _verify(self, name: str, config: str, steps: int, extra: List[str], timeout: float) -> Dict[str, Any]:
         accel = "cpu" if self.smoke else "gpu"
         cmd = [sys.executable, "-m", "torchrec_lookahead", "verify", "--config", config, "--steps", str(steps),
@@ -432,6 +447,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parts = [
         ("env", suite.env_part),
         ("cuda_tests", suite.cuda_tests),
+        ("sync_checks", suite.sync_checks),
         ("verify_default", suite.verify_default),
         ("verify_fae_adam", suite.verify_fae_adam),
         ("two_ranks", suite.two_ranks),

@@ -15,6 +15,7 @@ from ..conftest import REPO
 PARTS = (
     "env",
     "cuda_tests",
+    "sync_checks",
     "verify_default",
     "verify_fae_adam",
     "two_ranks",
@@ -42,6 +43,11 @@ def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
     tests = saved["parts"]["cuda_tests"]["tests"]
     assert tests and all(t["outcome"] in ("passed", "skipped") for t in tests.values()), tests
     assert any("max_abs_weight_diff" in t.get("properties", {}) for t in tests.values())
+    syncs = saved["parts"]["sync_checks"]["syncs"]["test_no_synchronisation_by_the_cache_in_a_steady_step"]
+    assert (
+        json.loads(syncs["syncs_by_the_cache_on_the_training_thread"]) == {}
+    )  # the CPU has none: the harness ran
+    assert min(json.loads(syncs["rows_written_back_per_step"])) > 0  # steady steps, every one evicting
     for part in ("verify_default", "verify_fae_adam"):
         assert saved["parts"][part]["max_abs_weight_diff"] == 0.0
     assert [r["max_dw"] for r in saved["parts"]["two_ranks"]["runs"]["pipeline_gloo"]["ranks"]] == [0.0, 0.0]

@@ -122,6 +122,11 @@ def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(list(parts))
 
 
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in pinned host memory (an empty one as is)."""
+    return t.pin_memory() if t.numel() else t
+
+
 def prepare(
     step: int,
     trusted: bool,
@@ -129,6 +134,7 @@ def prepare(
     tables: Mapping[str, _Table],
     spaces: Mapping[str, Tuple[str, ...]],
     cached: Sequence[str],
+    pin_memory: bool = False,
 ) -> PreparedPlan:
     """The moves and counts of the validated per-table plans ``checked`` (see the module docstring).
 
@@ -139,6 +145,8 @@ def prepare(
         tables: the cache's tables.
         spaces: slot space -> its tables (every cached table is in one).
         cached: the cached tables in the order of ``counts``' rows.
+        pin_memory: the moves' slot indices in pinned memory (a CUDA cache: :func:`move` copies them to the
+            device without waiting for the copy).
     """
     moves: List[SpaceMove] = []
     counts = np.zeros((len(cached), len(COUNTERS)), dtype=np.int64)
@@ -150,15 +158,16 @@ def prepare(
         cs = [checked[m] for m in named]
         first = tables[members[0]]
         fetch_slots = _cat([c.fetch_slots for c in cs])
+        evict_slots = _cat([c.evict_slots for c in cs])
         moves.append(
             SpaceMove(
                 group=first.group,
                 local=first.local,
                 tables=tuple(named),
                 evict_ids=tuple(c.evict_ids for c in cs),
-                evict_slots=_cat([c.evict_slots for c in cs]),
+                evict_slots=_pinned(evict_slots) if pin_memory else evict_slots,
                 fetch_ids=tuple(c.fetch_ids for c in cs),
-                fetch_slots=fetch_slots,
+                fetch_slots=_pinned(fetch_slots) if pin_memory else fetch_slots,
                 slot_updates=tuple((c.evict_slots, c.fetch_slots) for c in cs),
             )
         )
@@ -365,7 +374,8 @@ def move(
         kernel = kernels[space.group]
         weights, states = kernel.weights(space.local), kernel.states(space.local)
         if space.evict_slots.numel():
-            dev = space.evict_slots.to(device)
+            # from pinned memory (a plan prepared for a CUDA cache) the copy does not wait; else it is synchronous
+            dev = space.evict_slots.to(device, non_blocking=True)
             later = write_backs is not None and deferrable(stores, space)
             rows = _to_host(weights.index_select(0, dev), later)
             rows_states = {k: _to_host(v.index_select(0, dev), later) for k, v in states.items()}
@@ -385,7 +395,7 @@ def move(
                 slot_to_id.index_fill_(0, evicted, -1)
         if space.fetch_slots.numel():
             fw, fs = space_rows(prepared.step, space, staged, stores)
-            dev = space.fetch_slots.to(device)
+            dev = space.fetch_slots.to(device, non_blocking=True)
             weights.index_copy_(0, dev, fw.to(device, weights.dtype, non_blocking=True))
             for k, v in states.items():
                 v.index_copy_(0, dev, fs[k].reshape(-1, v.shape[1]).to(device, v.dtype, non_blocking=True))

@@ -33,11 +33,13 @@ def _resident_ids_in_range(
     limits = [
         -1 if t.slot_to_id is not None else t.rows for t in (tables[feature_to_table[k]] for k in kjt.keys())
     ]
+    if all(x < 0 for x in limits):  # every feature cached: nothing to check (on a device, no host sync)
+        return True
     if values.device.type == "cpu":
         edges = np.asarray(bounds, dtype=np.int64)
         nonempty = np.flatnonzero(edges[1:] > edges[:-1])  # reduceat needs increasing starts
         lim = np.asarray(limits, dtype=np.int64)[nonempty]
-        if not (lim >= 0).any():
+        if not (lim >= 0).any():  # the resident tables' features are empty in this batch
             return True
         arr = values[: bounds[-1]].numpy()
         lo = np.minimum.reduceat(arr, edges[nonempty])[lim >= 0]

@@ -428,7 +428,9 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
             )
             for name, tp in plan.tables.items()
         }
-        return prepare(plan.step, True, checked, self._tables, self._spaces, self._cached)
+        # on a CUDA cache the slot indices go to pinned memory here, off the training thread
+        pin = self._device.type == "cuda"
+        return prepare(plan.step, True, checked, self._tables, self._spaces, self._cached, pin)
 
     def apply_plan(
         self,

@@ -35,6 +35,8 @@ class StepPlanner:
         pinned: rows pinned in the caches for the whole stream (the oracle plans the rest).
         prepare: builds each cached collection's moves of a plan (``CacheSession.prepare``), here rather than on
             the training thread; ``None``: the collections build them when they apply the plan.
+        pin_memory: put each planned batch in pinned memory (a CUDA cache: the training thread copies it to the
+            device without waiting for the copy).
     """
 
     def __init__(
@@ -43,9 +45,11 @@ class StepPlanner:
         oracle_fields: Dict[str, Any],
         pinned: Optional[PinnedPart],
         prepare: Optional[Callable[[BatchPlan], Tuple[PreparedPlan, ...]]] = None,
+        pin_memory: bool = False,
     ) -> None:
         self.target = target
         self._prepare = prepare
+        self._pin = pin_memory
         self.pinned = pinned
         self.oracle = LookaheadOracle(
             OracleConfig(
@@ -124,10 +128,13 @@ class StepPlanner:
             stride = b.sparse_features.stride()
             kjt = slice_samples(kjt, self.target.rank * stride, (self.target.rank + 1) * stride)
         adapted = isinstance(b, LookaheadBatch)
+        dense, labels = b.dense_features, b.labels
+        if self._pin:
+            dense, kjt, labels = dense.pin_memory(), kjt.pin_memory(), labels.pin_memory()
         return LookaheadBatch(
-            b.dense_features,
+            dense,
             kjt,
-            b.labels,
+            labels,
             plan=plan,
             staged=staged,
             lrpp=lrpp,

@@ -81,7 +81,11 @@ class LookaheadBatch(Batch):
         _, old, _ = self.adapter.split(self.source)
         return self.adapter.with_sparse(self.source, old, self.sparse_features)
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> LookaheadBatch:
+    def to(self, device: torch.device, non_blocking: Optional[bool] = None) -> LookaheadBatch:
+        """This batch on ``device``; ``non_blocking=None``: without waiting for the copies when the batch is in
+        pinned memory (the planning loader pins it for a CUDA cache), as Lightning moves it."""
+        if non_blocking is None:
+            non_blocking = self.dense_features.is_pinned()
         return LookaheadBatch(
             self.dense_features.to(device=device, non_blocking=non_blocking),
             self.sparse_features.to(device=device, non_blocking=non_blocking),

@@ -349,7 +349,13 @@ class LookaheadLoader:
             self.loader, gatherer, lambda: run.stopped, self.batch_adapter, source
         ):
             if planner is None:
-                planner = StepPlanner(self.target, self._oracle_kwargs, self.pinned, self.session.prepare)
+                planner = StepPlanner(
+                    self.target,
+                    self._oracle_kwargs,
+                    self.pinned,
+                    self.session.prepare,
+                    self.session.pins_host_memory,
+                )
             read.append((b, global_kjt))
             if not self._hand_out(run, planner, planner.feed(global_kjt), read):
                 return
@@ -425,7 +431,12 @@ class LookaheadLoader:
                     # their store writes to this thread)
                     self.session.land_write_backs()
                     with collective_channel(STAGE_CHANNEL, wait):
-                        rows = stage_rows(plan, self.target.stores, spaces=self.target.slot_spaces)
+                        rows = stage_rows(
+                            plan,
+                            self.target.stores,
+                            pin_memory=self.session.pins_host_memory,
+                            spaces=self.target.slot_spaces,
+                        )
                     self._count(LoaderStats(stager_cpu_s=time.thread_time() - cpu, staged=1))
                     fut.set_result(rows)
                 except BaseException as e:

@@ -182,6 +182,13 @@ class CacheSession:
             group = dist.new_group(ranks=ranks, backend="gloo")
         return cls(CacheTarget.from_modules(modules, first.world_size, first.rank, group), modules)
 
+    @property
+    def pins_host_memory(self) -> bool:
+        """Whether the step's host side goes through pinned memory: a cache on a CUDA device, to which the
+        planning loader's staged rows, plan indices and batches are copied without the training thread waiting
+        for the copies (the planner and stager threads pin them)."""
+        return any(m.cache.device.type == "cuda" for m in self.modules)
+
     # ------------------------------------------------------------------------------------------ loaders
     @property
     def loader(self) -> Optional[LookaheadLoader]:
