@@ -193,3 +193,26 @@ def test_bad_kernel_sharding_types_and_sharders_are_refused_listing_the_valid_va
     assert (
         TorchRecStrategy(compute_kernel="dense", sharding_types=["data_parallel"])._compute_kernel == "dense"
     )
+
+
+def test_an_error_in_validation_stops_the_lookahead_threads(tmp_path, monkeypatch):
+    """A bad validation batch raised out of fit while the training loader's planner, reader and stager threads ran
+    on (Lightning calls no DataModule teardown after an error); the interpreter then aborted at exit."""
+    import threading
+
+    from torchrec_lookahead import DataError
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
+
+    clean = CriteoSyntheticDataModule.val_dataloader
+
+    def bad_val(self):
+        for i, batch in enumerate(clean(self)):
+            if i == 1:
+                raise DataError("val.tsv:1001: a bad line")
+            yield batch
+
+    monkeypatch.setattr(CriteoSyntheticDataModule, "val_dataloader", bad_val)
+    with pytest.raises(DataError, match="a bad line"):
+        fit_cached(tmp_path, 8, val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=0)
+    running = [t.name for t in threading.enumerate() if t.name.startswith("lookahead")]
+    assert running == [], running

@@ -372,8 +372,14 @@ class TorchRecStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         try:
-            # Other ranks may be inside a collective: flush without a barrier (nobody reads afterwards).
             if self._session is not None:
+                # The loader's threads first (after an error, e.g. in validation, Lightning calls no DataModule
+                # teardown: they ran on, and the interpreter aborted at exit). Then flush without a barrier:
+                # other ranks may be inside a collective (nobody reads afterwards).
+                try:
+                    self._session.close()
+                except Exception as e:  # noqa: BLE001 - the run already failed; the flush below still runs
+                    log.warning("could not stop the lookahead loader's threads: %s", e)
                 self._session.flush(barrier=False)
         finally:
             super().on_exception(exception)
