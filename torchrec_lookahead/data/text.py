@@ -8,7 +8,10 @@ number.
 
 from __future__ import annotations
 
+import errno
+import itertools
 import os
+import stat
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterator, List, Optional, Sequence, Tuple
 
@@ -37,17 +40,35 @@ def check_files(paths: Sequence[str]) -> List[str]:
     """Return the paths as a list, raising :class:`DataError` for any that is missing or cannot be read.
 
     Raises:
-        DataError: a path does not exist, is a directory, or cannot be read.
+        DataError: a path does not exist, is a directory, a pipe or other file that is not a regular one, a
+            symbolic link loop, or cannot be read.
     """
     out = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
     if not out:
         raise ConfigError("Expected at least one data file but got none")
     for p in out:
-        if os.path.isdir(p):
-            raise DataError(f"Data file {p!r} is a directory; name the data files in it")
-        if not os.path.isfile(p):
+        try:
+            mode = os.stat(p).st_mode
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise DataError(
+                    f"Data file {p!r} is a loop of symbolic links (one leads back to another); point the link at "
+                    "the data file"
+                ) from None
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+                raise DataError(f"Data file {p!r} cannot be read: {e.strerror}; check the path") from None
+            link = (
+                f" (a symbolic link to {os.readlink(p)!r}, which does not exist)" if os.path.islink(p) else ""
+            )
             raise DataError(
-                f"Data file not found: {p!r}; check the path (relative paths start at {os.getcwd()})"
+                f"Data file not found: {p!r}{link}; check the path (relative paths start at {os.getcwd()})"
+            ) from None
+        if stat.S_ISDIR(mode):
+            raise DataError(f"Data file {p!r} is a directory; name the data files in it")
+        if not stat.S_ISREG(mode):
+            raise DataError(
+                f"Data file {p!r} is not a regular file (a pipe such as <(zcat f.gz), or a device); the data is read "
+                "twice (rows counted, then read): decompress or copy it to a file and name that"
             )
         if not os.access(p, os.R_OK):
             raise DataError(f"Data file {p!r} cannot be read: no permission; give this user read access")
@@ -58,11 +79,21 @@ def utf8_lines(path: str) -> Generator[str, None, None]:
     """The lines of the text file ``path``, line ends kept (split as ``open(..., newline="")`` splits them), each
     checked to be UTF-8 as it is read.
 
+    A UTF-8 byte order mark at the start of the file is skipped.
+
     Raises:
-        DataError: a line is not UTF-8 text (file, line and byte named).
+        DataError: a line is not UTF-8 text (file, line and byte named); the file is gzip-compressed.
     """
     with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
-        for i, line in enumerate(f, start=1):
+        first = f.readline()
+        lines = itertools.chain((first,), f) if first else f
+        if first.startswith("\x1f\udc8b"):  # gzip's magic bytes 1f 8b
+            raise DataError(
+                f"{path}: the file is gzip-compressed; decompress it first (gunzip -k) and name that file"
+            )
+        if first.startswith("\ufeff"):
+            lines = itertools.chain((first[1:],), f)
+        for i, line in enumerate(lines, start=1):
             if not line.isascii():
                 _check_utf8(path, i, line.rstrip("\r\n"))
             yield line
