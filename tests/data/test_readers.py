@@ -123,3 +123,38 @@ def test_a_line_that_is_not_utf8_is_a_data_error_in_every_reader(tmp_path):
         read_movielens_genres(str(movies))
     movies.write_bytes("movieId,title,genres\n1,Amélie (2001),Comedy|Romance\n".encode())
     assert read_movielens_genres(str(movies)) == {1: [1, 2]}
+
+
+def _ratings(tmp_path, *rows, header="userId,movieId,rating,timestamp"):
+    return _write(tmp_path, "r.csv", ([header] if header else []) + list(rows))
+
+
+@pytest.mark.parametrize(
+    "row, match",
+    [
+        ("1,2,4.0," + "9" * 50, r"r.csv:3: timestamp must be in seconds since 1970, within \+-2\*\*40"),
+        ("1,2,4.0," + "9" * 400, r"r.csv:3: timestamp .* but got '9{20}'\.\.\. \(400 characters\)$"),
+        ("1,2,4.0,-" + "9" * 30, "r.csv:3: timestamp must be"),
+        ("1,2,nan,100", r"r.csv:3: rating must be a number in \[0, 5\] .* but got 'nan'"),
+        ("1,2,inf,100", "r.csv:3: rating must be a number in"),
+        ("1,2,-3,100", "r.csv:3: rating must be a number in"),
+        ("1,2,47,100", "r.csv:3: rating must be a number in"),
+    ],
+)
+def test_movielens_out_of_range_rating_or_timestamp_is_a_data_error(tmp_path, row, match):
+    path = _ratings(tmp_path, "1,2,5.0,100", row)
+    with pytest.raises(DataError, match=match):
+        _batches(MovieLensDataModule(path))
+
+
+def test_out_of_range_criteo_integer_and_taobao_timestamp_are_data_errors(tmp_path):
+    huge = GOOD.replace("\t3\t", "\t" + "9" * 400 + "\t", 1)
+    path = _write(tmp_path, "bad.tsv", [GOOD, huge])
+    with pytest.raises(DataError, match=r"bad.tsv:2: integer feature I1 must be a 64-bit integer \(-2\*\*63"):
+        _batches(CriteoTSVDataModule(path, num_embeddings=100, batch_size=8))
+    edge = GOOD.replace("\t3\t", f"\t{2**63 - 1}\t", 1).replace("\t-2\t", f"\t{-(2**63)}\t", 1)
+    (b,) = _batches(CriteoTSVDataModule(_write(tmp_path, "ok.tsv", [edge]), num_embeddings=100, batch_size=8))
+    assert torch.isfinite(b.dense_features).all()
+    tb = _write(tmp_path, "t.csv", ["1,2,3,pv,100", "1,2,3,pv,1511544070000"])  # milliseconds
+    with pytest.raises(DataError, match=r"t.csv:2: timestamp must be in seconds since 1970"):
+        _batches(TaobaoDataModule(tb))

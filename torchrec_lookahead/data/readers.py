@@ -40,6 +40,20 @@ TAOBAO_FEATURES = ["user", "item", "category"]
 TAOBAO_BEHAVIOURS = ("pv", "buy", "cart", "fav")
 TAOBAO_POSITIVE = frozenset({"buy", "cart", "fav"})
 
+#: Criteo integer features are 64-bit integers (``log1p`` of a larger one overflows or is not a count)
+CRITEO_INT_MIN, CRITEO_INT_MAX = -(2**63), 2**63 - 1
+#: timestamps (seconds since 1970) are within about 34,800 years of 1970
+TIMESTAMP_LIMIT = 2**40
+
+
+def _quote(s: str) -> str:
+    """``repr(s)``, cut short for a long value (the message stays one short line)."""
+    return repr(s) if len(s) <= 40 else f"{s[:20]!r}... ({len(s)} characters)"
+
+
+def _bad_timestamp(s: str) -> str:
+    return f"timestamp must be in seconds since 1970, within +-2**40 (about 34,800 years) but got {_quote(s)}"
+
 
 def _sizes(num_embeddings: Sequence[int] | Dict[str, int], names: Sequence[str]) -> List[int]:
     if isinstance(num_embeddings, dict):
@@ -81,7 +95,8 @@ def _kjt(names: Sequence[str], per_feature: List[List[List[int]]]) -> KeyedJagge
 class CriteoTSVParser:
     """Criteo TSV rows: ``label``, 13 integer features (may be empty or negative), 26 hex categoricals.
 
-    Integers are clamped at 0 and log-transformed (``log1p``, DLRM's preprocessing); empty integers are 0.
+    Integers are clamped at 0 and log-transformed (``log1p``, DLRM's preprocessing); empty integers are 0; one
+    outside the 64-bit range is refused.
     Categoricals are parsed as hexadecimal and hashed into each table (``value % rows``); an empty categorical
     is id 0.
 
@@ -118,7 +133,11 @@ class CriteoTSVParser:
                 try:
                     v = int(s) if s else 0
                 except ValueError:
-                    raise row.fail(f"integer feature I{k + 1} is not an integer: {s!r}") from None
+                    raise row.fail(f"integer feature I{k + 1} is not an integer: {_quote(s)}") from None
+                if not CRITEO_INT_MIN <= v <= CRITEO_INT_MAX:
+                    raise row.fail(
+                        f"integer feature I{k + 1} must be a 64-bit integer (-2**63 .. 2**63-1) but got {_quote(s)}"
+                    )
                 d.append(math.log1p(max(v, 0)))
             dense.append(d)
             for k, n in enumerate(self.sizes):
@@ -138,7 +157,8 @@ class CriteoTSVParser:
 class MovieLensParser:
     """MovieLens ``ratings.csv`` rows (``userId,movieId,rating,timestamp``): features user, movie and the
     movie's genres (multi-hot, from ``movies.csv`` when given); label ``rating >= 4``; one dense feature, the
-    rating time scaled to years since 1995.
+    rating time scaled to years since 1995. A rating is a number in [0, 5]; a timestamp is within +-2**40
+    seconds of 1970.
 
     Args:
         num_embeddings: rows per table for ``user``, ``movie``, ``genres`` (ids are taken modulo the size).
@@ -170,6 +190,12 @@ class MovieLensParser:
                 raise row.fail(f"cannot parse {f!r} as userId,movieId,rating,timestamp") from None
             if u < 0 or m < 0:
                 raise row.fail(f"negative id in {f!r}")
+            if not 0.0 <= r <= 5.0:
+                raise row.fail(
+                    f"rating must be a number in [0, 5] (MovieLens's are 0.5 .. 5.0) but got {_quote(f[2])}"
+                )
+            if not -TIMESTAMP_LIMIT < ts < TIMESTAMP_LIMIT:
+                raise row.fail(_bad_timestamp(f[3]))
             users.append([u % nu])
             movies.append([m % nm])
             genres.append([g % ng for g in self.genres.get(m, [0])])
@@ -214,7 +240,8 @@ def read_movielens_genres(path: str) -> Dict[int, List[int]]:
 
 class TaobaoParser:
     """Taobao UserBehavior rows (``user_id,item_id,category_id,behavior,timestamp``): features user, item,
-    category; label 1 for buy, cart or fav, 0 for pv; one dense feature, the hour of day in [0, 1).
+    category; label 1 for buy, cart or fav, 0 for pv; one dense feature, the hour of day in [0, 1). A timestamp
+    is within +-2**40 seconds of 1970.
 
     Args:
         num_embeddings: rows per table for ``user``, ``item``, ``category`` (ids are taken modulo the size).
@@ -243,6 +270,8 @@ class TaobaoParser:
                 raise row.fail(f"cannot parse ids/timestamp in {f!r}") from None
             if min(ids) < 0:
                 raise row.fail(f"negative id in {f!r}")
+            if not -TIMESTAMP_LIMIT < ts < TIMESTAMP_LIMIT:
+                raise row.fail(_bad_timestamp(f[4]))
             for k, (v, n) in enumerate(zip(ids, self.sizes)):
                 cols[k].append([v % n])
             dense.append([((ts + 8 * 3600) % 86400) / 86400.0])
