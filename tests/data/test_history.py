@@ -74,3 +74,12 @@ def test_real_sample_histories_are_in_time_order():
     lengths = batch.sparse_features["history"].lengths()
     assert int(lengths.max()) == 5 and int(lengths.min()) == 0
     assert batch.sparse_features.keys() == ["user", "movie", "genres", "history"]
+
+
+def test_columns_in_another_order_give_the_same_histories(tmp_path):
+    path = tmp_path / "ratings.csv"
+    path.write_text(RATINGS)
+    want = _rows(MovieLensHistoryDataModule(str(path), history_length=2, batch_size=4))
+    lines = [line.split(",") for line in RATINGS.splitlines()]
+    path.write_text("".join(f"{r},{t},{m},{u}\n" for u, m, r, t in lines))
+    assert _rows(MovieLensHistoryDataModule(str(path), history_length=2, batch_size=4)) == want

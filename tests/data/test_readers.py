@@ -158,3 +158,117 @@ def test_out_of_range_criteo_integer_and_taobao_timestamp_are_data_errors(tmp_pa
     tb = _write(tmp_path, "t.csv", ["1,2,3,pv,100", "1,2,3,pv,1511544070000"])  # milliseconds
     with pytest.raises(DataError, match=r"t.csv:2: timestamp must be in seconds since 1970"):
         _batches(TaobaoDataModule(tb))
+
+
+def test_movielens_columns_are_found_by_their_header_names(tmp_path):
+    rows = ["7,31,4.5,1260759144", "8,29,2.0,1260759145"]
+    (want,) = _batches(MovieLensDataModule(_ratings(tmp_path, *rows), batch_size=4))
+    moved = [",".join([f"x{m}", t, m, u, r]) for u, m, r, t in (r.split(",") for r in rows)]
+    path = _ratings(tmp_path, *moved, header="extra,timestamp,movieId,userId,rating")
+    (got,) = _batches(MovieLensDataModule(path, batch_size=4))
+    assert got.sparse_features["user"].values().tolist() == [7, 8]
+    for a, b in ((got.dense_features, want.dense_features), (got.labels, want.labels)):
+        assert torch.equal(a, b)
+    assert torch.equal(got.sparse_features.values(), want.sparse_features.values())
+    path = _ratings(tmp_path, "1,31,4.5,1260759144,x", "1,31,4.5", header="userId,movieId,rating,timestamp,x")
+    with pytest.raises(
+        DataError, match=r"r.csv:3: expected 5 comma-separated fields \(as in the header line\)"
+    ):
+        MovieLensDataModule(path).setup("fit")  # found when the rows are counted
+
+
+@pytest.mark.parametrize(
+    "header, match",
+    [
+        (
+            None,
+            r"r.csv:1: the first line '1,2,4.0,100' is not MovieLens's header line; a MovieLens ratings file ",
+        ),
+        ("userId,movieId,rating", "r.csv:1: the first line lacks the column.s. timestamp; .* header line "),
+        ("userId\tmovieId\trating\ttimestamp", "holds tabs: MovieLens files are comma-separated"),
+    ],
+)
+def test_movielens_file_without_its_header_line_is_a_data_error(tmp_path, header, match):
+    path = _ratings(tmp_path, "1,2,4.0,100", "1,3,4.0,100", header=header)
+    with pytest.raises(DataError, match=match) as err:
+        MovieLensDataModule(path).setup("fit")
+    assert str(err.value).endswith("userId,movieId,rating,timestamp (columns in any order): add it")
+
+
+def test_movies_file_header_is_read_and_an_empty_one_refused(tmp_path):
+    from torchrec_lookahead.data.readers import read_movielens_genres
+
+    movies = tmp_path / "movies.csv"
+    movies.write_text('genres,x,movieId,title\nComedy|Drama,a,5,"Film, The (1999)"\nDrama,b,6,B\n')
+    assert read_movielens_genres(str(movies)) == {5: [1, 2], 6: [2]}
+    movies.write_text("1,Toy Story (1995),Comedy\n")
+    with pytest.raises(DataError, match=r"movies.csv:1: the first line .* is not MovieLens's header line"):
+        read_movielens_genres(str(movies))
+    for text in ("", "movieId,title,genres\n"):
+        movies.write_text(text)
+        with pytest.raises(DataError, match=rf"{movies}: the movies file (is empty|holds no movies)"):
+            read_movielens_genres(str(movies))
+
+
+@pytest.mark.parametrize(
+    "make, lines, match",
+    [
+        (
+            lambda p: CriteoTSVDataModule(p, num_embeddings=100, batch_size=2),
+            ["\t".join(["label"] + [f"I{k}" for k in range(1, 14)] + [f"C{k}" for k in range(1, 27)]), GOOD],
+            "x:1: the first line starts with 'label', a header line, but Criteo TSV files have none: remove it",
+        ),
+        (
+            lambda p: TaobaoDataModule(p, batch_size=2),
+            ["user_id,item_id,category_id,behavior,timestamp", "1,2,3,pv,100"],
+            "x:1: the first line starts with 'user_id', a header line, but Taobao UserBehavior files have none",
+        ),
+    ],
+)
+def test_a_header_line_where_the_format_has_none_is_a_data_error(tmp_path, make, lines, match):
+    path = _write(tmp_path, "x", lines)
+    with pytest.raises(DataError, match=match):
+        make(path).setup("fit")
+
+
+@pytest.mark.parametrize(
+    "make, head, good, bad, match",
+    [
+        (
+            lambda p: CriteoTSVDataModule(p, num_embeddings=100, batch_size=2),
+            [],
+            GOOD,
+            GOOD + "\t1",
+            "expected 40 tab-separated fields (label, 13 integer, 26 categorical) but got 41; is this the Criteo TSV "
+            "format?",
+        ),
+        (
+            lambda p: MovieLensDataModule(p, batch_size=2),
+            ["userId,movieId,rating,timestamp"],
+            "1,2,4.0,100",
+            "1,2,4.0",
+            "expected 4 comma-separated fields (userId,movieId,rating,timestamp) but got 3",
+        ),
+        (
+            lambda p: TaobaoDataModule(p, batch_size=2),
+            [],
+            "1,2,3,pv,100",
+            "1,2,3,pv",
+            "expected 5 comma-separated fields (user_id,item_id,category_id,behavior,timestamp) but got 4",
+        ),
+    ],
+)
+def test_a_late_line_with_a_wrong_field_count_is_found_when_the_rows_are_counted(
+    tmp_path, make, head, good, bad, match
+):
+    from torchrec_lookahead.data.text import LineBatchDataset
+
+    path = _write(tmp_path, "x", head + [good] * 5000 + [bad] + [good] * 10)
+    dm = make(path)
+    with pytest.raises(DataError) as counted:
+        dm.setup("fit")  # before any batch is read
+    assert str(counted.value) == f"{path}:{len(head) + 5001}: {match}"
+    reading = LineBatchDataset([path], dm._parser(), 2, delimiter=dm.delimiter, num_rows=5011)
+    with pytest.raises(DataError) as read:
+        list(reading)  # the reading pass (rows not counted) says the same
+    assert str(read.value) == str(counted.value)

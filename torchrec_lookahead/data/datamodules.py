@@ -241,7 +241,7 @@ class _FileDataModule(RecDataModule):
         if len(dataset) == 0:  # counts the rows once (the count is kept for Lightning's len())
             rows = dataset.num_rows()
             why = (
-                f"hold no data rows (after skip_header={self.skip_header}); give files that hold data"
+                "hold no data rows; give files that hold data"
                 if rows == 0
                 else f"hold {rows} rows, fewer than one batch of {self.batch_size} x {world_size} ranks with "
                 "drop_last; use a smaller batch_size or drop_last=False"
@@ -308,8 +308,6 @@ class MovieLensDataModule(_FileDataModule):
         batch_size: rows per batch per rank.
         drop_last: drop a final partial batch (default: only with several ranks).
     """
-
-    skip_header = 1
 
     def __init__(
         self,

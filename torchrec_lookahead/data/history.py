@@ -27,14 +27,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lookahead._checks import check_int
 from torchrec_lookahead.data.datamodules import MovieLensDataModule
 from torchrec_lookahead.data.readers import MOVIELENS_FEATURES, MovieLensParser, _kjt
-from torchrec_lookahead.data.text import LineBatchDataset, Row
+from torchrec_lookahead.data.text import Header, LineBatchDataset, LineFormat, Row
 
 __all__ = ["MovieLensHistoryDataModule", "MovieLensHistoryParser", "HISTORY_FEATURE"]
 
 HISTORY_FEATURE = "history"
 
 
-class MovieLensHistoryParser:
+class MovieLensHistoryParser(LineFormat):
     """MovieLens rows with a fifth field, the space-separated movie ids rated before (see the module doc).
 
     Args:
@@ -51,13 +51,19 @@ class MovieLensHistoryParser:
         self.ratings = MovieLensParser(num_embeddings, genres)
         self.sizes = self.ratings.sizes
 
+    num_fields = 5  # the rows it is given: the file's four and the history
+
+    def wrong_field_count(self, n: int, header: Optional[Header] = None) -> str:
+        return f"expected userId,movieId,rating,timestamp,history but got {n} fields"
+
+    def first_line(self, row: Row) -> Optional[Header]:
+        return self.ratings.first_line(row)
+
     def __call__(self, rows: List[Row]) -> Batch:
         histories: List[List[int]] = []
         for row in rows:
             if len(row.fields) != 5:
-                raise row.fail(
-                    f"expected userId,movieId,rating,timestamp,history but got {len(row.fields)} fields"
-                )
+                raise row.fail(self.wrong_field_count(len(row.fields)))
             try:
                 histories.append([int(m) % self.sizes[1] for m in row.fields[4].split()])
             except ValueError:
@@ -78,10 +84,11 @@ class _HistoryLines(LineBatchDataset):
     def _lines(self) -> Iterator[Tuple[str, int, str]]:
         if self._sorted is None:
             rows = []
+            ratings = MovieLensParser([1, 1, 1])  # its messages
             for path, i, line in super()._lines():
                 f = line.split(self.delimiter)
                 if len(f) != 4:
-                    raise Row(f, path, i).fail(f"expected 4 comma-separated fields but got {len(f)}")
+                    raise Row(f, path, i).fail(ratings.wrong_field_count(len(f)))
                 try:
                     rows.append((int(f[3]), int(f[0]), f[1], path, i, line))
                 except ValueError:

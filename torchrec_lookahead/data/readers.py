@@ -23,8 +23,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead._checks import is_int
 from torchrec_lookahead.data.criteo_spec import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
-from torchrec_lookahead.data.text import Row
-from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.data.text import Header, LineFormat, Row
+from torchrec_lookahead.errors import ConfigError, DataError
 
 __all__ = [
     "CriteoTSVParser",
@@ -39,6 +39,8 @@ MOVIELENS_FEATURES = ["user", "movie", "genres"]
 TAOBAO_FEATURES = ["user", "item", "category"]
 TAOBAO_BEHAVIOURS = ("pv", "buy", "cart", "fav")
 TAOBAO_POSITIVE = frozenset({"buy", "cart", "fav"})
+MOVIELENS_COLUMNS = ("userId", "movieId", "rating", "timestamp")
+MOVIES_COLUMNS = ("movieId", "title", "genres")
 
 #: Criteo integer features are 64-bit integers (``log1p`` of a larger one overflows or is not a count)
 CRITEO_INT_MIN, CRITEO_INT_MAX = -(2**63), 2**63 - 1
@@ -51,8 +53,22 @@ def _quote(s: str) -> str:
     return repr(s) if len(s) <= 40 else f"{s[:20]!r}... ({len(s)} characters)"
 
 
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
 def _bad_timestamp(s: str) -> str:
     return f"timestamp must be in seconds since 1970, within +-2**40 (about 34,800 years) but got {_quote(s)}"
+
+
+def _no_header(row: Row, what: str) -> None:
+    raise row.fail(
+        f"the first line starts with {_quote(row.fields[0])}, a header line, but {what} files have none: remove it"
+    )
 
 
 def _sizes(num_embeddings: Sequence[int] | Dict[str, int], names: Sequence[str]) -> List[int]:
@@ -92,8 +108,9 @@ def _kjt(names: Sequence[str], per_feature: List[List[List[int]]]) -> KeyedJagge
     )
 
 
-class CriteoTSVParser:
-    """Criteo TSV rows: ``label``, 13 integer features (may be empty or negative), 26 hex categoricals.
+class CriteoTSVParser(LineFormat):
+    """Criteo TSV rows: ``label``, 13 integer features (may be empty or negative), 26 hex categoricals; no
+    header line.
 
     Integers are clamped at 0 and log-transformed (``log1p``, DLRM's preprocessing); empty integers are 0; one
     outside the 64-bit range is refused.
@@ -113,6 +130,17 @@ class CriteoTSVParser:
         self.feature_names = list(feature_names)
         self.sizes = _sizes(num_embeddings, self.feature_names)
 
+    def wrong_field_count(self, n: int, header: Optional[Header] = None) -> str:
+        return (
+            f"expected {self.num_fields} tab-separated fields (label, 13 integer, 26 categorical) but got {n}; is "
+            "this the Criteo TSV format?"
+        )
+
+    def first_line(self, row: Row) -> Optional[Header]:
+        if len(row.fields) > 1 and not _is_number(row.fields[0]):
+            _no_header(row, "Criteo TSV")
+        return None
+
     def __call__(self, rows: List[Row]) -> Batch:
         labels: List[float] = []
         dense: List[List[float]] = []
@@ -120,10 +148,7 @@ class CriteoTSVParser:
         for row in rows:
             f = row.fields
             if len(f) != self.num_fields:
-                raise row.fail(
-                    f"expected {self.num_fields} tab-separated fields (label, 13 integer, 26 categorical) but got "
-                    f"{len(f)}; is this the Criteo TSV format?"
-                )
+                raise row.fail(self.wrong_field_count(len(f)))
             if f[0] not in ("0", "1"):
                 raise row.fail(f"label must be 0 or 1 but got {f[0]!r}")
             labels.append(float(f[0]))
@@ -154,11 +179,13 @@ class CriteoTSVParser:
         )
 
 
-class MovieLensParser:
+class MovieLensParser(LineFormat):
     """MovieLens ``ratings.csv`` rows (``userId,movieId,rating,timestamp``): features user, movie and the
     movie's genres (multi-hot, from ``movies.csv`` when given); label ``rating >= 4``; one dense feature, the
-    rating time scaled to years since 1995. A rating is a number in [0, 5]; a timestamp is within +-2**40
-    seconds of 1970.
+    rating time scaled to years since 1995.
+
+    Each file starts with MovieLens's header line, which names the columns (in any order; others are ignored).
+    A rating is a number in [0, 5]; a timestamp is within +-2**40 seconds of 1970.
 
     Args:
         num_embeddings: rows per table for ``user``, ``movie``, ``genres`` (ids are taken modulo the size).
@@ -171,6 +198,16 @@ class MovieLensParser:
         self.sizes = _sizes(num_embeddings, MOVIELENS_FEATURES)
         self.genres = genres or {}
 
+    num_fields = 4
+
+    def wrong_field_count(self, n: int, header: Optional[Header] = None) -> str:
+        if header is not None:
+            return f"expected {header.width} comma-separated fields (as in the header line) but got {n}"
+        return f"expected 4 comma-separated fields (userId,movieId,rating,timestamp) but got {n}"
+
+    def first_line(self, row: Row) -> Optional[Header]:
+        return _header(row, MOVIELENS_COLUMNS, "ratings")
+
     def __call__(self, rows: List[Row]) -> Batch:
         users: List[List[int]] = []
         movies: List[List[int]] = []
@@ -181,9 +218,7 @@ class MovieLensParser:
         for row in rows:
             f = row.fields
             if len(f) != 4:
-                raise row.fail(
-                    f"expected 4 comma-separated fields (userId,movieId,rating,timestamp) but got {len(f)}"
-                )
+                raise row.fail(self.wrong_field_count(len(f)))
             try:
                 u, m, r, ts = int(f[0]), int(f[1]), float(f[2]), int(f[3])
             except ValueError:
@@ -208,11 +243,36 @@ class MovieLensParser:
         )
 
 
+def _header(row: Row, names: Sequence[str], what: str) -> Header:
+    """The columns of ``names`` in a MovieLens file's header line ``row`` (any order, other columns ignored).
+
+    Raises:
+        DataError: the line is not such a header line.
+    """
+    have = [c.strip() for c in row.fields]
+    missing = [n for n in names if n not in have]
+    if missing:
+        line = _quote(",".join(row.fields))
+        got = (
+            f"lacks the column(s) {', '.join(missing)}"
+            if len(missing) < len(names)
+            else f"{line} is not MovieLens's header line"
+        )
+        tabs = " (it holds tabs: MovieLens files are comma-separated)" if "\t" in row.fields[0] else ""
+        raise row.fail(
+            f"the first line {got}{tabs}; a MovieLens {what} file starts with the header line "
+            f"{','.join(names)} (columns in any order): add it"
+        )
+    return Header([have.index(n) for n in names], len(have))
+
+
 def read_movielens_genres(path: str) -> Dict[int, List[int]]:
     """Map movie id -> genre ids from MovieLens ``movies.csv`` (genre ids in order of first appearance, from 1).
 
+    The file starts with its header line ``movieId,title,genres`` (columns in any order, others ignored).
+
     Raises:
-        DataError: the file is missing or a line is malformed.
+        DataError: the file is missing, has no header line or no movies, or a line is malformed.
     """
     import csv
 
@@ -224,24 +284,35 @@ def read_movielens_genres(path: str) -> Dict[int, List[int]]:
     lines = utf8_lines(path)
     try:
         reader = csv.reader(lines)
-        next(reader, None)
+        first = next(reader, None)
+        if first is None:
+            raise DataError(
+                f"{path}: the movies file is empty; give MovieLens's movies.csv (movieId,title,genres)"
+            )
+        header = _header(Row(first, path, 1), MOVIES_COLUMNS, "movies")
+        id_col, genres_col = header.columns[0], header.columns[2]
+        what = "(movieId,title,genres)" if header.identity else "(as in the header line)"
         for i, rec in enumerate(reader, start=2):
-            if len(rec) != 3:
-                raise Row(rec, path, i).fail(f"expected 3 fields (movieId,title,genres) but got {len(rec)}")
+            if len(rec) != header.width:
+                raise Row(rec, path, i).fail(f"expected {header.width} fields {what} but got {len(rec)}")
             try:
-                movie = int(rec[0])
+                movie = int(rec[id_col])
             except ValueError:
-                raise Row(rec, path, i).fail(f"movieId is not an integer: {rec[0]!r}") from None
-            out[movie] = [vocab.setdefault(g, len(vocab) + 1) for g in rec[2].split("|")]
+                raise Row(rec, path, i).fail(f"movieId is not an integer: {rec[id_col]!r}") from None
+            out[movie] = [vocab.setdefault(g, len(vocab) + 1) for g in rec[genres_col].split("|")]
     finally:
         lines.close()  # the file, also when a line is refused
+    if not out:
+        raise DataError(
+            f"{path}: the movies file holds no movies (only its header line); give MovieLens's movies.csv"
+        )
     return out
 
 
-class TaobaoParser:
-    """Taobao UserBehavior rows (``user_id,item_id,category_id,behavior,timestamp``): features user, item,
-    category; label 1 for buy, cart or fav, 0 for pv; one dense feature, the hour of day in [0, 1). A timestamp
-    is within +-2**40 seconds of 1970.
+class TaobaoParser(LineFormat):
+    """Taobao UserBehavior rows (``user_id,item_id,category_id,behavior,timestamp``, no header line): features
+    user, item, category; label 1 for buy, cart or fav, 0 for pv; one dense feature, the hour of day in [0, 1).
+    A timestamp is within +-2**40 seconds of 1970.
 
     Args:
         num_embeddings: rows per table for ``user``, ``item``, ``category`` (ids are taken modulo the size).
@@ -250,6 +321,19 @@ class TaobaoParser:
     def __init__(self, num_embeddings: Sequence[int] | Dict[str, int]):
         self.sizes = _sizes(num_embeddings, TAOBAO_FEATURES)
 
+    num_fields = 5
+
+    def wrong_field_count(self, n: int, header: Optional[Header] = None) -> str:
+        return (
+            f"expected 5 comma-separated fields (user_id,item_id,category_id,behavior,timestamp) but got {n}"
+        )
+
+    def first_line(self, row: Row) -> Optional[Header]:
+        f = row.fields
+        if len(f) > 1 and not _is_number(f[0]) and (len(f) < 4 or f[3] not in TAOBAO_BEHAVIOURS):
+            _no_header(row, "Taobao UserBehavior")
+        return None
+
     def __call__(self, rows: List[Row]) -> Batch:
         cols: List[List[List[int]]] = [[], [], []]
         dense: List[List[float]] = []
@@ -257,10 +341,7 @@ class TaobaoParser:
         for row in rows:
             f = row.fields
             if len(f) != 5:
-                raise row.fail(
-                    "expected 5 comma-separated fields (user_id,item_id,category_id,behavior,timestamp) "
-                    f"but got {len(f)}"
-                )
+                raise row.fail(self.wrong_field_count(len(f)))
             if f[3] not in TAOBAO_BEHAVIOURS:
                 raise row.fail(f"behavior must be one of {list(TAOBAO_BEHAVIOURS)} but got {f[3]!r}")
             try:

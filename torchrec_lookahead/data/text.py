@@ -20,7 +20,7 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.errors import ConfigError, DataError
 
-__all__ = ["Row", "LineBatchDataset", "check_files", "utf8_lines"]
+__all__ = ["Row", "Header", "LineFormat", "LineBatchDataset", "check_files", "utf8_lines"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,42 @@ class Row:
     def fail(self, what: str) -> DataError:
         """A :class:`DataError` naming this row's file and line."""
         return DataError(f"{self.path}:{self.line}: {what}")
+
+
+@dataclass(frozen=True)
+class Header:
+    """A file's header line, read: where each of the parser's fields is in the file's lines."""
+
+    columns: List[int]  #: the file's column of each field the parser takes, in the parser's order
+    width: int  #: fields per line of the file (the header's)
+
+    @property
+    def identity(self) -> bool:
+        """The file's lines hold the parser's fields as they are (no reordering needed)."""
+        return self.width == len(self.columns) and self.columns == list(range(self.width))
+
+
+class LineFormat:
+    """Checks of a text format that :class:`LineBatchDataset` makes before its parser sees a row; a parser that
+    derives from this class gets them (also in the pass that counts the rows, before training)."""
+
+    #: fields per line; ``None``: not checked by the reader
+    num_fields: Optional[int] = None
+
+    def wrong_field_count(self, n: int, header: Optional[Header] = None) -> str:
+        """The message for a line of ``n`` fields (``header``: the file's header line, when it has one)."""
+        expected = header.width if header is not None else self.num_fields
+        return f"expected {expected} fields but got {n}"
+
+    def first_line(self, row: Row) -> Optional[Header]:
+        """Look at each file's first line: ``None`` for a data line (read as one), a :class:`Header` for a header
+        line (skipped; the file's later lines are taken in its column order).
+
+        Raises:
+            DataError: the first line is not what the format has there (a header where there is none, or none
+                where one is needed).
+        """
+        return None
 
 
 def check_files(paths: Sequence[str]) -> List[str]:
@@ -129,6 +165,9 @@ class LineBatchDataset(IterableDataset):
         rank: this rank.
         drop_last: drop a final partial global batch.
         num_rows: rows in all files if known (otherwise counted once).
+
+    A ``parse`` that is a :class:`LineFormat` has its first-line and field-count checks made here, the field
+    count also in the pass that counts the rows (before training).
     """
 
     #: each rank reads only its own part of every global batch (see ``rank`` / ``world_size``)
@@ -161,23 +200,53 @@ class LineBatchDataset(IterableDataset):
         self._num_rows = num_rows
 
     def _lines(self) -> Iterator[Tuple[str, int, str]]:
-        """Every non-empty line after the headers, with its file and line number.
+        """Every non-empty line after the headers, with its file and line number; in a file whose header line
+        orders the columns otherwise, the line rebuilt with the parser's fields in the parser's order.
 
         Raises:
-            DataError: a line is not UTF-8 text (its bytes are read as lone surrogates, found per line).
+            DataError: a line is not UTF-8 text (its bytes are read as lone surrogates, found per line); the
+                format refuses a file's first line; a line's field count differs from its file's header's.
         """
+        fmt = self.parse if isinstance(self.parse, LineFormat) else None
+        d = self.delimiter
+        first = self.skip_header + 1
         for path in self.paths:
+            header: Optional[Header] = None
             for i, line in enumerate(utf8_lines(path), start=1):
-                if i <= self.skip_header:
+                if i < first:
                     continue
                 line = line.rstrip("\r\n")
+                if i == first and fmt is not None:
+                    header = fmt.first_line(Row(line.split(d), path, i))
+                    if header is not None:
+                        header = None if header.identity else header
+                        continue
+                if header is not None and fmt is not None and line:
+                    f = line.split(d)
+                    if len(f) != header.width:
+                        raise Row(f, path, i).fail(fmt.wrong_field_count(len(f), header))
+                    line = d.join([f[c] for c in header.columns])
                 if line:
                     yield path, i, line
 
     def num_rows(self) -> int:
-        """Data rows in all files (counted once, then cached)."""
+        """Data rows in all files (counted once, then cached); a line with the wrong number of fields is refused
+        here already when the parser is a :class:`LineFormat` that knows its fields.
+
+        Raises:
+            DataError: as :meth:`_lines`, and a line with another field count than the format's.
+        """
         if self._num_rows is None:
-            self._num_rows = sum(1 for _ in self._lines())
+            fmt = self.parse if isinstance(self.parse, LineFormat) else LineFormat()
+            d = self.delimiter
+            seps = -1 if fmt.num_fields is None else fmt.num_fields - 1
+            n = 0
+            for path, i, line in self._lines():
+                n += 1
+                if seps >= 0 and line.count(d) != seps:
+                    f = line.split(d)
+                    raise Row(f, path, i).fail(fmt.wrong_field_count(len(f)))
+            self._num_rows = n
         return self._num_rows
 
     def __len__(self) -> int:
