@@ -72,6 +72,69 @@ class StepTimer(pl.Callback):
         self._last, self._last_cpu, self._last_proc, self._last_runq = now, cpu, proc, runq
 
 
+def top_ops(prof: Any, cuda: bool, n: int = 15) -> Dict[str, Any]:
+    """The ``n`` operators of a ``torch.profiler`` run with the most self CPU time (and, on CUDA, the most self
+    device time): per operator its calls and milliseconds; and the totals."""
+    events = list(prof.key_averages())
+
+    def device_us(e: Any) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
+
+    def row(e: Any) -> Dict[str, Any]:
+        r = {
+            "op": e.key,
+            "calls": int(e.count),
+            "self_cpu_ms": e.self_cpu_time_total / 1e3,
+            "cpu_ms": e.cpu_time_total / 1e3,
+        }
+        if cuda:
+            r["self_cuda_ms"] = device_us(e) / 1e3
+        return r
+
+    out: Dict[str, Any] = {
+        "self_cpu_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+        "by_cpu": [row(e) for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:n]],
+    }
+    if cuda:
+        out["self_cuda_ms"] = sum(device_us(e) for e in events) / 1e3
+        out["by_cuda"] = [row(e) for e in sorted(events, key=lambda e: -device_us(e))[:n]]
+    return out
+
+
+class StepProfiler(pl.Callback):
+    """``torch.profiler`` over one whole training step, from the end of step ``at - 1`` to the end of step ``at``
+    (the batch's fetch, the cache's apply, forward, backward and update; CPU and, on CUDA, device time); its top
+    operators in :attr:`ops` (:func:`top_ops`). A plain loop calls :meth:`start` and :meth:`stop` itself."""
+
+    def __init__(self, at: int, device: torch.device) -> None:
+        self.at, self.cuda = at, device.type == "cuda"
+        self.ops: Optional[Dict[str, Any]] = None
+        self._prof: Any = None
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        if self.cuda:
+            torch.cuda.synchronize()
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+
+    def stop(self) -> None:
+        if self._prof is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        self._prof.__exit__(None, None, None)
+        self.ops, self._prof = top_ops(self._prof, self.cuda), None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at - 1:
+            self.start()
+        elif trainer.global_step == self.at:
+            self.stop()
+
+
 class StepTimeLog(StepTimer):
     """:class:`StepTimer` that also logs each timed step's wall time to the Trainer's logger as
     ``time/step_ms`` (rank 0), for runs in another process (e.g. under torchrun) read back from the logs."""

@@ -506,6 +506,7 @@ def uvm_run(
     steps: int,
     warmup: int,
     device: torch.device,
+    profiler: Optional[Any] = None,
 ) -> Dict[str, Any]:
     """Train ``cli``'s model with TorchRec's UVM cache (``algorithm`` ``"lru"`` or ``"lfu"``) at the HBM bytes of
     the lookahead cache of ``capacity``, ``warmup`` + ``steps`` timed steps (a synchronise at each step end), the
@@ -514,7 +515,7 @@ def uvm_run(
 
     On the CPU TorchRec places the ``FUSED_UVM_CACHING`` tables on the host without a cache, and LRU trains with
     ``TrainPipelineSparseDist`` (the prefetch pipeline needs CUDA streams): a check of the code path only, its
-    traffic figures ``None``."""
+    traffic figures ``None``. ``profiler`` (a :class:`~benchmarks._common.StepProfiler`) profiles the last step."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -563,11 +564,16 @@ def uvm_run(
     try:
         last = time.perf_counter()
         for i in range(warmup + 1 + steps):
+            profiled = profiler is not None and i == warmup + steps
+            if profiled:
+                profiler.start()
             try:
                 pipeline.progress(batches)
             except StopIteration:
                 break
             sync()
+            if profiled:
+                profiler.stop()
             now = time.perf_counter()
             if i > warmup:
                 times.append(now - last)
@@ -577,6 +583,8 @@ def uvm_run(
             last = now
             done = i + 1
     finally:
+        if profiler is not None:
+            profiler.stop()  # a run cut short: no profile of a step it did not finish
         batches.close()  # type: ignore[attr-defined]
     if not times or first is None:
         raise RuntimeError(

@@ -34,7 +34,10 @@ bandwidth measured in the same process (``link``: a pinned 256 MiB buffer copied
 over that floor; ``rows_moved_cached_over_uvm_lru`` / ``_lfu`` compare the rows moved in. Add ``--scale 1.0``
 for the Kaggle-sized tables (33.8 M rows; the host baseline then moves the dense gradient of every table each
 step, which is why it is naive). ``--fraction 0.01 0.05`` adds the cached and UVM runs at each further fraction
-(named ``cached_5pct``, ``uvm_lru_5pct``, ...); ``--runs`` picks the kinds.
+(named ``cached_5pct``, ``uvm_lru_5pct``, ...); ``--runs`` picks the kinds. Each run but ``host`` profiles its
+last timed step with ``torch.profiler`` (the training thread's operators, CPU and on CUDA device time; JSON
+``runs.<run>.profile``: the 15 with the most self CPU time and the 15 with the most self device time), so that a
+gap between two runs has a name; ``--no-profile`` turns it off (that step is one of the step-time samples).
 
 ``--split planner`` splits the cache bytes of each ``--fraction`` (the fixed split's rows x 68 B: weights and
 row-wise Adagrad state) among the cached tables with the product's ``LookaheadPlanner`` (what a user who sets
@@ -66,6 +69,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import (  # noqa: E402
     CONFIG,
+    StepProfiler,
     batch_size,
     build,
     cache_counters,
@@ -301,6 +305,13 @@ def _loader_figures(figures: Dict[str, Any], loaders: Dict[str, List[Dict[str, f
             figures["runs"][name]["loader"] = {k: median([r[k] for r in rows]) for k in rows[0]}
 
 
+def _profile_figures(figures: Dict[str, Any], profiles: Dict[str, Dict[str, Any]]) -> None:
+    """Beside each run's step time (``figures["runs"][name]["profile"]``): its profiled step's top operators."""
+    for name, ops in profiles.items():
+        if name in figures.get("runs", {}):
+            figures["runs"][name]["profile"] = ops
+
+
 def _summarize(
     figures: Dict[str, Any],
     times: Dict[str, List[float]],
@@ -384,6 +395,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="do not profile each run's last timed step (torch.profiler: its top 15 ops in the JSON)",
+    )
     p.add_argument(
         "--dry-run", action="store_true", help="only compute and print the capacities and UVM plan"
     )
@@ -488,6 +504,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     traffic: Dict[str, List[Dict[str, Any]]] = {name: [] for name, _, _ in runs}
     # the lookahead loader's threads, per cached run: batch wait, stager wait, each thread's CPU per batch
     loaders: Dict[str, List[Dict[str, float]]] = {name: [] for name, _, _ in runs}
+    # per run, the last round's profile of its last timed step (the host run is not profiled)
+    profiles: Dict[str, Dict[str, Any]] = {}
     uvm_info: Dict[str, Dict[str, Any]] = {}
     out_rows: List[Dict[str, Any]] = []
     batch = batch_size(probe.datamodule)
@@ -500,12 +518,23 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 torch.cuda.empty_cache()
             cli = build(args.config, overrides)
             window = _CacheWindow.make(args.warmup) if kind in ("cached", "fae") else None
+            profiler = (
+                None if args.no_profile or kind == "host" else StepProfiler(args.warmup + 1 + steps, device)
+            )
             if kind == "host":
                 res = host_embedding_run(cli, device, steps, args.warmup)
             elif kind == "fae":
-                res = fae_run(cli, caps[f], steps, args.warmup, device, accelerator, callbacks=[window])
+                res = fae_run(
+                    cli,
+                    caps[f],
+                    steps,
+                    args.warmup,
+                    device,
+                    accelerator,
+                    callbacks=[window, *filter(None, [profiler])],
+                )
             elif kind in UVM_KINDS:
-                res = uvm_run(cli, fixed[f], algorithm_of(kind), steps, args.warmup, device)
+                res = uvm_run(cli, fixed[f], algorithm_of(kind), steps, args.warmup, device, profiler)
                 traffic[name].append(res["traffic"])
                 uvm_info[name] = {k: v for k, v in res.items() if k not in ("times", "traffic")}
             else:
@@ -514,7 +543,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                     caps[f] if kind == "cached" else None,
                     steps,
                     warmup=args.warmup,
-                    callbacks=[_Sync.make(device), *([window] if window is not None else [])],
+                    callbacks=[_Sync.make(device), *filter(None, [window, profiler])],
                     accelerator=accelerator,
                     background_loading=kind == "resident_bg",
                 )
@@ -524,6 +553,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             times[name] += res["times"]
             if res.get("loader"):
                 loaders[name].append(res["loader"])
+            if profiler is not None and profiler.ops is not None:
+                profiles[name] = profiler.ops
             moved = per_step(traffic[name][-1:], distinct_per_step, bandwidth) if traffic[name] else {}
             row = {
                 "round": r,
@@ -539,9 +570,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             # a run cut short (a time limit) keeps the runs it finished
             _summarize(figures, times, traffic, uvm_info, skipped, batch, distinct_per_step, bandwidth)
             _loader_figures(figures, loaders)
+            _profile_figures(figures, profiles)
             write_json(args.json, {**figures, "complete": False})
     med = _summarize(figures, times, traffic, uvm_info, skipped, batch, distinct_per_step, bandwidth)
     _loader_figures(figures, loaders)
+    _profile_figures(figures, profiles)
     figures["complete"] = True
     print()
     print(table(out_rows))

@@ -76,6 +76,14 @@ def test_gpu_benchmark_on_cpu(tmp_path: Path) -> None:
     for key in ("batch wait ms/step", "stager wait ms/step", "reader cpu ms/batch", "planner cpu ms/batch"):
         assert threads[key] >= 0, threads
     assert threads["planner cpu ms/batch"] > 0, threads
+    # each run's last timed step profiled (torch.profiler), its top operators by self CPU time (no CUDA here)
+    for kind in ("resident", "resident_bg", "cached", "fae"):
+        profile = saved["runs"][kind]["profile"]
+        assert profile["self_cpu_ms"] > 0 and 0 < len(profile["by_cpu"]) <= 15, profile
+        top = profile["by_cpu"]
+        assert [r["self_cpu_ms"] for r in top] == sorted((r["self_cpu_ms"] for r in top), reverse=True)
+        assert "by_cuda" not in profile and all(r["calls"] >= 1 for r in top)
+    assert "profile" not in saved["runs"]["host"]
 
 
 @pytest.mark.slow
