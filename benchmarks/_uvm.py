@@ -156,6 +156,22 @@ def fbgemm_hbm_bytes(
     }
 
 
+def equal_hbm_capacity(
+    capacity: Mapping[str, int], rows: Mapping[str, int], embedding_dim: int, optimizer: str
+) -> Dict[str, int]:
+    """Our cache rows at the whole HBM FBGEMM's LRU cache of ``capacity``'s bytes uses (:func:`fbgemm_hbm_bytes`:
+    its cache, index, locks and the row-wise optimizer state of every row): each table's capacity scaled by that
+    total over our cache's bytes, at most its rows.
+
+    >>> equal_hbm_capacity({"t": 1_000}, {"t": 100_000}, 16, "rowwise_adagrad")
+    {'t': 13108}
+    """
+    lf = byte_equal_load_factors(capacity, rows, embedding_dim, optimizer)
+    total = sum(fbgemm_hbm_bytes(lf, rows, embedding_dim, optimizer, "lru").values())
+    scale = total / (sum(capacity.values()) * our_row_bytes(embedding_dim, optimizer))
+    return {t: min(int(rows[t]), int(c * scale)) for t, c in capacity.items()}
+
+
 # ------------------------------------------------------------------------------------------------ the TorchRec side
 def anchor_constraints(
     tables: Sequence[str], load_factors: Mapping[str, float], algorithm: str

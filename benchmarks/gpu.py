@@ -1,7 +1,7 @@
 """Cached vs resident vs TorchRec's UVM cache vs naive host-embedding training of the default DLRM on one CUDA GPU.
 
 Not run by CI (it needs a GPU; docs/benchmarks.md has the figures, docs/benchmarks_history.md the set-up).
-Seven ways to train the same model (``configs/dlrm_synthetic.yaml``: 26 Criteo-shaped tables, dim 16, batch
+Eight ways to train the same model (``configs/dlrm_synthetic.yaml``: 26 Criteo-shaped tables, dim 16, batch
 2,048, row-wise Adagrad embeddings, Adagrad dense) on ``--device`` (default ``cuda``), alternated in one process:
 
 * ``resident``: every table on the GPU, TorchRec's fused FBGEMM kernel (``strategy="torchrec"``);
@@ -21,7 +21,11 @@ Seven ways to train the same model (``configs/dlrm_synthetic.yaml``: 26 Criteo-s
   ``cached``'s (load factors in ``benchmarks/_uvm.py``, which explains the byte accounting); a plain TorchRec
   loop under ``DistributedModelParallel``, batches read by a background thread. CUDA only: with ``--device cpu``
   they are recorded as skipped with the reason, and the CPU-checkable part (byte-equal load factors, TorchRec's
-  plan with the ``fused_uvm_caching`` kernel) is in the JSON (``uvm_plan``).
+  plan with the ``fused_uvm_caching`` kernel) is in the JSON (``uvm_plan``);
+* ``cached_hbm``: ``cached`` at equal total embedding HBM instead of equal cache bytes: its cache holds the whole
+  HBM ``uvm_lru`` uses (FBGEMM's cache, its index and locks, and the row-wise optimizer state of every row of
+  the cached tables, which FBGEMM keeps on the device; ``benchmarks/_uvm.py``'s ``equal_hbm_capacity``), each
+  table's capacity scaled alike (at most its rows). JSON ``cached_hbm_over_uvm_lru``.
 
 Figures: median step time and samples/s of each, and the ratios cached / resident, cached / resident with
 background loading, FAE / resident, host / resident and cached / UVM (JSON ``cached_over_resident``,
@@ -93,6 +97,7 @@ from benchmarks._uvm import (  # noqa: E402
     algorithm_of,
     anchor_plan,
     distinct_rows,
+    equal_hbm_capacity,
     link_bandwidth,
     our_row_bytes,
     our_traffic,
@@ -102,9 +107,9 @@ from benchmarks._uvm import (  # noqa: E402
 from torchrec_lookahead.distributed.planner.types import Placement  # noqa: E402
 
 #: every kind of run, in the order a round runs them (rotated per round)
-KINDS = ("resident", "resident_bg", "cached", "fae", "host", *UVM_KINDS)
+KINDS = ("resident", "resident_bg", "cached", "fae", "host", *UVM_KINDS, "cached_hbm")
 #: the kinds run once per ``--fraction`` (the others depend on no cache size, or on the first: ``fae``)
-PER_FRACTION = ("cached", *UVM_KINDS)
+PER_FRACTION = ("cached", *UVM_KINDS, "cached_hbm")
 
 
 class _ToDevice(nn.Module):
@@ -348,15 +353,16 @@ def _summarize(
     for name in per_run:
         if not name.startswith("cached"):
             continue
-        sfx = name[len("cached") :]
+        # cached_hbm (equal total HBM) against the UVM runs of its fraction, as cached (equal cache bytes)
+        sfx = name[len("cached_hbm" if name.startswith("cached_hbm") else "cached") :]
         ours = per_run[name]
         for algorithm in ("lru", "lfu"):
             theirs = per_run.get(f"uvm_{algorithm}{sfx}", {})
             if "step_ms" not in ours or "step_ms" not in theirs:
                 continue
-            figures[f"cached{sfx}_over_uvm_{algorithm}{sfx}"] = ours["step_ms"] / theirs["step_ms"]
+            figures[f"{name}_over_uvm_{algorithm}{sfx}"] = ours["step_ms"] / theirs["step_ms"]
             a, b = ours.get("rows_h2d_per_step"), theirs.get("rows_h2d_per_step")
-            figures[f"rows_moved_cached{sfx}_over_uvm_{algorithm}{sfx}"] = (
+            figures[f"rows_moved_{name}_over_uvm_{algorithm}{sfx}"] = (
                 a / b if a is not None and b else None
             )
     return med
@@ -441,6 +447,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             caps[f], planned[f] = planned_capacities(
                 probe.datamodule, fixed[f], floors, dim, optimizer, args.plan_sample
             )
+    # the cached_hbm runs' capacities: the fixed split scaled to uvm_lru's whole HBM (at most each table's rows)
+    hbm_caps = {f: equal_hbm_capacity(fixed[f], rows, dim, optimizer) for f in fractions}
     capacity, bumped = fixed[first], bumps[first]
     print(
         f"device {device}; {len(capacity)} cached tables ({sum(rows[t] for t in capacity):,} of "
@@ -461,6 +469,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         f"fraction{_suffix(f, first)}": {
             "fraction": f,
             "capacity": caps[f],
+            "capacity_equal_hbm": hbm_caps[f],
             "bumped_from": bumps[f],
             **({"fraction_capacity": fixed[f], "planner": planned[f]} if f in planned else {}),
         }
@@ -517,7 +526,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             cli = build(args.config, overrides)
-            window = _CacheWindow.make(args.warmup) if kind in ("cached", "fae") else None
+            window = _CacheWindow.make(args.warmup) if kind in ("cached", "cached_hbm", "fae") else None
             profiler = (
                 None if args.no_profile or kind == "host" else StepProfiler(args.warmup + 1 + steps, device)
             )
@@ -540,7 +549,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             else:
                 res = train(
                     cli,
-                    caps[f] if kind == "cached" else None,
+                    {"cached": caps[f], "cached_hbm": hbm_caps[f]}.get(kind),
                     steps,
                     warmup=args.warmup,
                     callbacks=[_Sync.make(device), *filter(None, [window, profiler])],

@@ -386,7 +386,7 @@ class Suite:
             return self._bench("bench_kaggle", args, 60)
         if self.left() < 45:
             return {"ok": False, "skipped": f"only {self.left():.0f} s left of the budget"}
-        runs = ["resident", "resident_bg", "cached", "fae", "uvm_lru", "uvm_lfu"]
+        runs = ["resident", "resident_bg", "cached", "fae", "uvm_lru", "uvm_lfu", "cached_hbm"]
         args = ["--scale", "1.0", "--fraction", "0.01", "0.05", "--rounds", "1", "--steps", "30",
                 "--runs", *runs]  # fmt: skip
         return self._bench("bench_kaggle", args, 1e9)

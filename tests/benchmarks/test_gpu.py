@@ -84,6 +84,11 @@ def test_gpu_benchmark_on_cpu(tmp_path: Path) -> None:
         assert [r["self_cpu_ms"] for r in top] == sorted((r["self_cpu_ms"] for r in top), reverse=True)
         assert "by_cuda" not in profile and all(r["calls"] >= 1 for r in top)
     assert "profile" not in saved["runs"]["host"]
+    # at equal total HBM (uvm_lru's cache, index and every row's row-wise state): a larger cache, at most the rows
+    hbm = saved["fractions"]["fraction"]["capacity_equal_hbm"]
+    assert hbm.keys() == saved["capacity"].keys()
+    assert all(saved["capacity"][t] < c for t, c in hbm.items())
+    assert saved["runs"]["cached_hbm"]["step_ms"] > 0 and saved["runs"]["cached_hbm"]["rows_h2d_per_step"] >= 0
 
 
 @pytest.mark.slow
