@@ -362,9 +362,7 @@ def _summarize(
                 continue
             figures[f"{name}_over_uvm_{algorithm}{sfx}"] = ours["step_ms"] / theirs["step_ms"]
             a, b = ours.get("rows_h2d_per_step"), theirs.get("rows_h2d_per_step")
-            figures[f"rows_moved_{name}_over_uvm_{algorithm}{sfx}"] = (
-                a / b if a is not None and b else None
-            )
+            figures[f"rows_moved_{name}_over_uvm_{algorithm}{sfx}"] = a / b if a is not None and b else None
     return med
 
 

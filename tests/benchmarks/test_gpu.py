@@ -88,7 +88,9 @@ def test_gpu_benchmark_on_cpu(tmp_path: Path) -> None:
     hbm = saved["fractions"]["fraction"]["capacity_equal_hbm"]
     assert hbm.keys() == saved["capacity"].keys()
     assert all(saved["capacity"][t] < c for t, c in hbm.items())
-    assert saved["runs"]["cached_hbm"]["step_ms"] > 0 and saved["runs"]["cached_hbm"]["rows_h2d_per_step"] >= 0
+    assert (
+        saved["runs"]["cached_hbm"]["step_ms"] > 0 and saved["runs"]["cached_hbm"]["rows_h2d_per_step"] >= 0
+    )
 
 
 @pytest.mark.slow
