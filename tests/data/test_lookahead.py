@@ -582,3 +582,42 @@ def test_pre_scan_bounds_default_to_a_time_bound_and_accept_none():
     dm = LookaheadDataModule(inner, capacity_check_batches=np.int64(50), capacity_check_seconds=None)
     assert (dm.capacity_check_batches, dm.capacity_check_seconds) == (50, None)
     assert type(dm.capacity_check_batches) is int
+
+
+def test_a_cached_mid_epoch_resume_over_an_edited_training_file_is_refused(tmp_path):
+    """The lookahead loader records what its wrapped loader records (the files of its epoch), so a resume over an
+    edited file is refused as the resident loader refuses it, and over the same file it trains on."""
+    import random
+
+    from torchrec_lookahead import CheckpointError
+    from torchrec_lookahead.data import CriteoTSVDataModule
+    from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+    from torchrec_lookahead.strategies import TorchRecStrategy
+
+    from ..helpers import _trainer, make_model
+
+    rng = random.Random(0)
+    train = tmp_path / "train.tsv"
+
+    def lines(n: int) -> str:
+        hexes = lambda: [f"{rng.getrandbits(32):08x}" for _ in range(26)]  # noqa: E731
+        return "".join("\t".join(["1"] + ["3"] * 13 + hexes()) + "\n" for _ in range(n))
+
+    train.write_text(lines(96))
+
+    def fit(root, steps, ckpt_path=None, callbacks=None):
+        inner = CriteoTSVDataModule(train_files=str(train), batch_size=8, num_embeddings=100)
+        dm = LookaheadDataModule(inner, horizon=4, prefetch_depth=1)
+        sharder = LookaheadEmbeddingBagCollectionSharder(capacity={"t_cat_0": 40, "t_cat_1": 40})
+        trainer = _trainer(root, steps, callbacks, strategy=TorchRecStrategy(sharders=[sharder]))
+        pl.seed_everything(0, verbose=False)
+        trainer.fit(make_model(inner), datamodule=dm, ckpt_path=ckpt_path)
+        return trainer
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    fit(tmp_path / "a", 6, callbacks=[ckpt])
+    path = str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
+    assert fit(tmp_path / "b", 6, ckpt_path=path).global_step == 6  # the same file: resumes
+    train.write_text(lines(88))
+    with pytest.raises(CheckpointError, match="stopped after batch 3 of an epoch over the files"):
+        fit(tmp_path / "c", 6, ckpt_path=path)

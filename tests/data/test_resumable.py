@@ -19,3 +19,40 @@ def test_loader_resumes_where_it_stopped():
     assert len(rest) == 3 and all(torch.equal(a, b) for a, b in zip(rest, full[2:]))
     # the following epoch starts from the beginning again
     assert len(list(fresh)) == 5
+
+
+def test_a_mid_epoch_position_is_refused_over_other_files(tmp_path):
+    """A checkpoint's position counts batches of its files: resumed over an edited or other file, the rest of the
+    epoch came from other rows, silently."""
+    import pytest
+
+    from torchrec_lookahead import CheckpointError
+    from torchrec_lookahead.data import CriteoTSVDataModule
+
+    from .test_readers import GOOD
+
+    train = tmp_path / "train.tsv"
+    train.write_text((GOOD + "\n") * 40)
+
+    def loader():
+        dm = CriteoTSVDataModule(train_files=str(train), batch_size=4, num_embeddings=100)
+        dm.setup("fit")
+        return dm.train_dataloader()
+
+    first = loader()
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    assert state == {"batches_yielded": 2, "source": [["train.tsv", train.stat().st_size]]}
+    loader().load_state_dict(state)  # the same file: resumes
+    train.write_text((GOOD + "\n") * 30)  # fewer rows: the position would fall elsewhere
+    with pytest.raises(CheckpointError) as err:
+        loader().load_state_dict(state)
+    before, after = 40 * (len(GOOD) + 1), 30 * (len(GOOD) + 1)
+    assert str(err.value) == (
+        f"the checkpoint stopped after batch 2 of an epoch over the files [train.tsv ({before:,} bytes)], but the "
+        f"data module reads [train.tsv ({after:,} bytes)]: the rest of the epoch would come from other rows; resume "
+        "with the files it was trained on, or from an end-of-epoch checkpoint"
+    )
+    loader().load_state_dict({**state, "batches_yielded": 0})  # an epoch's end: new data is a new epoch
+    loader().load_state_dict({"batches_yielded": 2})  # a checkpoint that did not record its files

@@ -7,7 +7,7 @@ it handed out and start the next iteration from there.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, List, Optional
 
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -56,14 +56,37 @@ class ResumableBatchLoader(DataLoader):
             self._yielded += 1
             yield batch
 
-    def state_dict(self) -> Dict[str, int]:
-        """Batches handed out in the current epoch."""
-        return {"batches_yielded": self._yielded}
+    def _source(self) -> Optional[List[Any]]:
+        identity = getattr(self.dataset, "source_identity", None)
+        return identity() if callable(identity) else None
 
-    def load_state_dict(self, state_dict: Dict[str, int]) -> None:
-        """Make the next iteration start after the batches already handed out."""
+    def state_dict(self) -> Dict[str, Any]:
+        """Batches handed out in the current epoch, and (a dataset of files) the files they came from."""
+        source = self._source()
+        return {"batches_yielded": self._yielded, **({"source": source} if source is not None else {})}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Make the next iteration start after the batches already handed out.
+
+        Raises:
+            CheckpointError: the state has no position, or it is inside an epoch over other files than the
+                dataset's (names and sizes): the rest of the epoch would come from other rows.
+        """
         if "batches_yielded" not in state_dict:
             raise CheckpointError(
                 f"Loader state {state_dict} has no 'batches_yielded'; was it saved by this loader?"
             )
-        self._resume_from = int(state_dict["batches_yielded"])
+        start = int(state_dict["batches_yielded"])
+        saved, now = state_dict.get("source"), self._source()
+        if start and saved is not None and now is not None and [list(x) for x in saved] != now:
+            raise CheckpointError(
+                f"the checkpoint stopped after batch {start} of an epoch over the files {_named(saved)}, but the "
+                f"data module reads {_named(now)}: the rest of the epoch would come from other rows; resume with "
+                "the files it was trained on, or from an end-of-epoch checkpoint"
+            )
+        self._resume_from = start
+
+
+def _named(source: List[Any]) -> str:
+    """Files as ``[name (size bytes), ...]``."""
+    return "[" + ", ".join(f"{name} ({int(size):,} bytes)" for name, size in source) + "]"

@@ -199,6 +199,12 @@ class LineBatchDataset(IterableDataset):
         self.start_batch = 0
         self._num_rows = num_rows
 
+    def source_identity(self) -> List[List[object]]:
+        """What a resumed epoch must read again, file by file: its name and size in bytes (a mid-epoch
+        checkpoint's position counts batches of these files; :class:`~torchrec_lookahead.data.ResumableBatchLoader`
+        refuses to resume over other ones)."""
+        return [[os.path.basename(p), os.stat(p).st_size] for p in self.paths]
+
     def _lines(self) -> Iterator[Tuple[str, int, str]]:
         """Every non-empty line after the headers, with its file and line number; in a file whose header line
         orders the columns otherwise, the line rebuilt with the parser's fields in the parser's order.

@@ -134,6 +134,7 @@ class LookaheadLoader:
         self.queue_depth = max(queue_depth, prefetch_depth + 2, self.disk_prefetch_depth + 2)
         self._yielded = 0
         self._resume_from = 0
+        self._resume_state: Dict[str, Any] = {}
         self._source: Optional[Iterator[Any]] = None  # the wrapped loader's iterator, started by __iter__
         #: the no-stale-read rule: which plans' write-backs have landed (the stager waits on it); the session's
         #: apply gate, which its apply drives
@@ -246,7 +247,7 @@ class LookaheadLoader:
                     "loader (e.g. torchrec_lookahead.data.ResumableBatchLoader) or resume from an end-of-epoch "
                     "checkpoint"
                 )
-            self.loader.load_state_dict({"batches_yielded": start})
+            self.loader.load_state_dict({**self._resume_state, "batches_yielded": start})
         if self.pinned is None:
             self.session.new_stream()
         self._yielded = start
@@ -464,11 +465,15 @@ class LookaheadLoader:
                     item[1].cancel()
 
     # ------------------------------------------------------------------------------------------ resumption
-    def state_dict(self) -> Dict[str, int]:
-        """Batches handed out in the current epoch (the oracle restarts from an empty cache on resume)."""
-        return {"batches_yielded": self._yielded}
+    def state_dict(self) -> Dict[str, Any]:
+        """Batches handed out in the current epoch (the oracle restarts from an empty cache on resume), with what
+        else the wrapped loader records (a :class:`~torchrec_lookahead.data.ResumableBatchLoader`: its files)."""
+        inner = self.loader.state_dict() if hasattr(self.loader, "state_dict") else {}
+        return {**(inner if isinstance(inner, dict) else {}), "batches_yielded": self._yielded}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if "batches_yielded" not in state_dict:
             raise CheckpointError(f"Loader state {state_dict} has no 'batches_yielded'")
         self._resume_from = int(state_dict["batches_yielded"])
+        # the rest goes to the wrapped loader when the next epoch starts there
+        self._resume_state = {k: v for k, v in state_dict.items() if k != "batches_yielded"}
