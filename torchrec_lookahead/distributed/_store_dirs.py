@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 STORE_DIR_PREFIX = "torchrec_lookahead_stores_"
 KEPT_STORE_DIR_PREFIX = "torchrec_lookahead_kept_stores_"
 _OWNER_LOCK = ".owner.lock"
-_ORPHAN_MIN_AGE_S = 60.0
+#: a directory younger than this may be between its creation and its owner's lock (a microsecond window): left alone
+_ORPHAN_MIN_AGE_S = 10.0
 
 
 def hold_store_dir(directory: str) -> int:
@@ -43,7 +44,7 @@ def remove_orphaned_store_dirs(base: Optional[str]) -> List[str]:
     """Remove shared-store directories under ``base`` (default: the temp directory) whose owner died without
     removing them (a SIGKILLed rank 0 runs no atexit handler, and ``/dev/shm`` is memory): a directory is an
     orphan when its owner lock can be taken, i.e. no live process, in any PID namespace, holds it. Directories
-    without a lock file, or younger than a minute (being set up), are left alone. Returns the removed paths."""
+    without a lock file, or younger than ten seconds (being set up), are left alone. Returns the removed paths."""
     base = base or tempfile.gettempdir()
     removed: List[str] = []
     try:

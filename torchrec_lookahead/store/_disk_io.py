@@ -89,5 +89,12 @@ def read_header(path: str) -> Dict[str, Any]:
     if not head.startswith(MAGIC):
         raise ConfigError(f"'{path}' is not a disk store file (no {FORMAT} header)")
     length = int.from_bytes(head[len(MAGIC) : len(MAGIC) + 4], "little")
-    meta: Dict[str, Any] = json.loads(head[len(MAGIC) + 4 : len(MAGIC) + 4 + length].decode())
+    try:  # a file cut inside its header, or damaged there
+        meta = json.loads(head[len(MAGIC) + 4 : len(MAGIC) + 4 + length].decode())
+    except ValueError as e:  # JSON and UTF-8 errors
+        raise ConfigError(
+            f"'{path}' has a damaged {FORMAT} header ({type(e).__name__}): the file is truncated or damaged"
+        ) from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"'{path}' has a damaged {FORMAT} header (not a mapping): the file is damaged")
     return meta
