@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead._checks import check_dir
@@ -183,6 +184,8 @@ def fail_fast_on_error() -> Iterator[None]:
         yield
     except BaseException as e:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            if isinstance(e, SIGTERMException):  # a SystemExit without a code: a stopped run is not a success
+                raise SystemExit(1) from None
             raise
         code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
         if code and not isinstance(e, SystemExit):

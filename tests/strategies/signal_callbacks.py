@@ -37,3 +37,14 @@ class SignalDuringValidation(pl.Callback):
         ):
             self.sent = True
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SignalAtStep(pl.Callback):
+    """Send SIGTERM to this process at the end of training step ``at_step`` (as ``timeout`` or ``kill`` would)."""
+
+    def __init__(self, at_step: int = 3) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at_step:
+            os.kill(os.getpid(), signal.SIGTERM)

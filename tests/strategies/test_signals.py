@@ -28,3 +28,25 @@ def test_lightnings_per_step_sigterm_broadcast_becomes_a_local_check(monkeypatch
     connector.received_sigterm = True  # what the agreement sets on every rank
     with pytest.raises(SIGTERMException):
         loop._broadcast_sigterm_tensor()
+
+
+def test_sigterm_of_one_process_says_where_it_stopped_and_exits_non_zero(tmp_path):
+    """One rank stopped by SIGTERM exited 0 without a word (Lightning's SIGTERMException is a SystemExit without a
+    code); two ranks said where they stopped and exited 1."""
+    import subprocess
+    import sys
+
+    from ..cli.test_cli import clean_env
+    from ..conftest import REPO
+
+    run = subprocess.run(
+        [sys.executable, "-m", "torchrec_lookahead", "fit", "--config", "configs/dlrm_tiny_lookahead.yaml",
+         "--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0",
+         "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}",
+         "--trainer.callbacks+=tests.strategies.signal_callbacks.SignalAtStep", "--trainer.callbacks.at_step=3"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**clean_env(), "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out[-3000:]
+    assert "SIGTERM: the run stops after step 3 (the caches are flushed)" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info
 from typing_extensions import override
 
-__all__ = ["LockstepSignalConnector", "use_lockstep_signals"]
+__all__ = ["LockstepSignalConnector", "announce_stop", "use_lockstep_signals"]
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +109,16 @@ def use_lockstep_signals(trainer: pl.Trainer) -> LockstepSignalConnector:
 
         loop._broadcast_sigterm_tensor = local_check  # type: ignore[method-assign]
     return connector
+
+
+def announce_stop(trainer: Optional[pl.Trainer], exception: BaseException) -> None:
+    """With one process, say where SIGTERM stopped the run (Lightning stops it at the end of the step, or of the
+    validation batch, in which the signal came, without a word; several ranks say it when they agree)."""
+    if trainer is None or not isinstance(exception, SIGTERMException) or trainer.world_size > 1:
+        return
+    where = (
+        f"in the validation after step {trainer.global_step}"
+        if trainer.validating
+        else f"after step {trainer.global_step}"
+    )
+    rank_zero_info(f"SIGTERM: the run stops {where} (the caches are flushed)")

@@ -71,7 +71,11 @@ from torchrec_lookahead.strategies._sharding import (
     model_attribute,
     sharding_options,
 )
-from torchrec_lookahead.strategies._signals import LockstepSignalConnector, use_lockstep_signals
+from torchrec_lookahead.strategies._signals import (
+    LockstepSignalConnector,
+    announce_stop,
+    use_lockstep_signals,
+)
 from torchrec_lookahead.strategies._sizing import size_caches
 
 __all__ = ["TorchRecStrategy"]
@@ -371,6 +375,8 @@ class TorchRecStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        lm = self.lightning_module
+        announce_stop(lm._trainer if lm is not None else None, exception)
         try:
             if self._session is not None:
                 # The loader's threads first (after an error, e.g. in validation, Lightning calls no DataModule
