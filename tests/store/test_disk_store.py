@@ -159,7 +159,9 @@ def test_reopen_keeps_rows_and_refuses_another_table(tmp_path: Path) -> None:
         DiskStore.open(tmp_path / "other.rows")
     with open(path, "r+b") as f:  # cut inside its JSON header: a JSONDecodeError traceback before
         f.truncate(100)
-    with pytest.raises(ConfigError, match="has a damaged .* header \\(JSONDecodeError\\): the file is truncated"):
+    with pytest.raises(
+        ConfigError, match="has a damaged .* header \\(JSONDecodeError\\): the file is truncated"
+    ):
         DiskStore.open(path)
     with pytest.raises(ConfigError, match="no disk store"):
         DiskStore.open(tmp_path / "missing.rows")
