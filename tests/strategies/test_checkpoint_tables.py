@@ -326,3 +326,34 @@ def test_a_process_killed_while_last_ckpt_is_rewritten_leaves_the_previous_one_t
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
     assert not list(d.glob(".writing-*"))
     assert _checkpoint.read_checkpoint_meta(d / "last.ckpt", 1)["global_step"] == 6
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["one-swap", "two-renames"])
+def test_publish_replaces_a_checkpoint_whole_and_never_leaves_its_name_empty(tmp_path, monkeypatch, exchange):
+    """With two renames a process killed between them left no ``last.ckpt`` (the previous one only under the
+    writing name's ``.old``): a resume with ``ckpt_path=last`` started from step 0 and the next checkpoint removed
+    that copy. Where the filesystem can, the two swap in one step; elsewhere the two renames remain."""
+    final, writing = tmp_path / "last.ckpt", tmp_path / ".writing-0123"
+    for path, step in ((final, "4"), (writing, "6")):
+        path.mkdir()
+        (path / "meta.pt").write_text(step)
+    renames = []
+    rename = os.rename
+    monkeypatch.setattr(os, "rename", lambda a, b: (renames.append((a, b)), rename(a, b)))
+    if not exchange:
+        monkeypatch.setattr(_checkpoint, "_exchange", lambda a, b: False)
+    _checkpoint.publish(writing, final)
+    assert (final / "meta.pt").read_text() == "6" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "last.ckpt"
+    ]
+    probe = [tmp_path.parent / f"{tmp_path.name}-probe-{i}" for i in (0, 1)]
+    for p in probe:
+        p.mkdir()
+    swaps = _checkpoint._exchange(*probe)  # whether this platform and filesystem can swap two paths
+    if exchange and swaps:
+        assert renames == []  # one atomic swap: no moment without last.ckpt
+    else:
+        assert [Path(b).name for _, b in renames] == [".writing-0123.old", "last.ckpt"]
+    (tmp_path / ".writing-4567").mkdir()  # a first checkpoint of its name: one rename
+    _checkpoint.publish(tmp_path / ".writing-4567", tmp_path / "epoch=0-step=8.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=8.ckpt", "last.ckpt"]

@@ -87,14 +87,49 @@ def writing_path(final: Path) -> Path:
 def publish(writing: Path, final: Path) -> None:
     """Rename the whole checkpoint ``writing`` to ``final``. A checkpoint rewritten in place (``last.ckpt``)
     stays whole, and loadable, until the new one replaces it: a process killed while writing leaves the
-    previous one (and the partial one under its writing name, removed by the next checkpoint)."""
+    previous one (and the partial one under its writing name, removed by the next checkpoint). The two swap
+    places in one step where the filesystem can (:func:`_exchange`); elsewhere ``final`` is missing between two
+    renames, and a process killed there leaves the previous checkpoint under ``<writing>.old`` only."""
     old = writing.with_name(writing.name + ".old")
     with _POOL_LOCK:
         if os.path.lexists(final):
+            if _exchange(writing, final):  # the new one in place, the previous one under the writing name
+                _remove_path(writing)
+                return
             _remove_path(old)
             os.rename(final, old)
         os.rename(writing, final)
         _remove_path(old)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` atomically (Linux's ``renameat2`` with ``RENAME_EXCHANGE``); ``False``
+    where the platform, the C library or the filesystem cannot (nothing changed then).
+
+    Raises:
+        OSError: the exchange failed for another reason (a missing path, no permission).
+    """
+    import ctypes
+    import errno
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library without renameat2 (glibc < 2.28, some others)
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EXDEV):  # not supported here
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a))
 
 
 def remove_unpublished(directory: Path) -> None:
