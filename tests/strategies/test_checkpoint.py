@@ -39,3 +39,32 @@ def test_a_damaged_meta_file_is_a_checkpoint_error_naming_it(tmp_path: Path) -> 
         load_meta_file(tmp_path)
     torch.save({"epoch": 3}, tmp_path / "meta.pt")
     assert load_meta_file(tmp_path) == {"epoch": 3}
+
+
+def test_a_checkpoint_saved_inside_a_training_step_is_refused_for_a_resume(tmp_path: Path) -> None:
+    """Ctrl-C with Lightning's OnExceptionCheckpoint saved a checkpoint between a step's fetch and its optimizer
+    step: resumed, the run skipped that batch (its loader counted it) and went on from weights that may hold part
+    of the step, silently. A checkpoint written between steps resumes."""
+    import shutil
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from torchrec_lookahead.strategies._checkpoint import META_FILE, check_between_steps
+
+    from ..helpers import fit_cached
+
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    fit_cached(tmp_path / "a", 4, callbacks=[every])
+    between = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    meta = load_meta_file(between)
+    check_between_steps(meta, between)  # ModelCheckpoint's: fetched, processed, its end hooks running
+    inside = tmp_path / "inside.ckpt"
+    shutil.copytree(between, inside)
+    progress = meta["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for counters in (progress["total"], progress["current"]):  # step 3's batch fetched, not processed
+        counters.update(ready=3, started=3, processed=2, completed=2)
+    torch.save(meta, inside / META_FILE)
+    with pytest.raises(CheckpointError, match=r"was saved inside training step 3 \(after an interrupt"):
+        fit_cached(tmp_path / "b", 4, ckpt_path=str(inside))
+    trainer, _ = fit_cached(tmp_path / "c", 4, ckpt_path=str(between))
+    assert trainer.global_step == 4

@@ -409,6 +409,31 @@ def read_checkpoint_meta(path: Path, world_size: int) -> Dict[str, Any]:
     return meta
 
 
+def check_between_steps(meta: Dict[str, Any], path: Path) -> None:
+    """Refuse to resume training from a checkpoint saved inside a training step: after an interrupt (Ctrl-C, with
+    Lightning's ``OnExceptionCheckpoint``), between the step's batch being fetched and its optimizer step done.
+    Its data position counts that batch as trained, so the resumed run would skip it, and its weights may hold
+    part of the step (the embedding optimizers update in the backward).
+
+    Raises:
+        CheckpointError: the training loop's batch progress has a batch fetched but not processed.
+    """
+    loops = meta.get("loops")
+    fit_loop = loops.get("fit_loop") if isinstance(loops, dict) else None
+    progress = fit_loop.get("epoch_loop.batch_progress") if isinstance(fit_loop, dict) else None
+    total = progress.get("total") if isinstance(progress, dict) else None
+    if not isinstance(total, dict):
+        return
+    ready, processed = total.get("ready"), total.get("processed")
+    if isinstance(ready, int) and isinstance(processed, int) and processed < ready:
+        raise CheckpointError(
+            f"checkpoint {path} was saved inside training step {ready} (after an interrupt, e.g. Ctrl-C with "
+            "OnExceptionCheckpoint): its data position counts that step's batch as trained and its weights may "
+            "hold part of the step; resume from a checkpoint saved between steps (ModelCheckpoint's), and stop "
+            "runs with SIGTERM, which ends them between steps"
+        )
+
+
 def memory_available() -> Optional[int]:
     """The bytes this machine can still give processes without swapping (``MemAvailable`` of ``/proc/meminfo``;
     ``None`` where there is none)."""

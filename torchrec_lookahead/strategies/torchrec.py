@@ -50,6 +50,7 @@ from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules.checkpoint_files import StoreFiles, store_files
 from torchrec_lookahead.runtime import CacheSession, LookaheadBatch
 from torchrec_lookahead.strategies._checkpoint import (
+    check_between_steps,
     checkpoint_memory_shortfall,
     collect_pieces,
     keep_store_files,
@@ -564,6 +565,8 @@ class TorchRecStrategy(DDPStrategy):
         meta = read_checkpoint_meta(path, self.world_size)
         lm = self.lightning_module
         assert lm is not None
+        if lm._trainer is not None and lm._trainer.state.fn == TrainerFn.FITTING:
+            check_between_steps(meta, path)
         # tables in disk stores: loaded from the checkpoint's copies of their files
         with store_files() as files:
             target: Dict[str, Any] = {"state_dict": lm.state_dict()}
