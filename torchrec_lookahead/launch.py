@@ -78,6 +78,29 @@ class LookaheadCLI(LightningCLI):
                 f"cannot read the checkpoint {ckpt_path} ({type(e).__name__}: {first}): the file is damaged or not "
                 "a checkpoint; pass one ModelCheckpoint wrote"
             ) from e
+        self._check_checkpoint_dir()
+
+    def _check_checkpoint_dir(self) -> None:
+        """A ``ckpt_path`` directory (``strategy='torchrec'``'s checkpoints) checked before anything is built, as
+        the strategy checks it when it loads it: whole, readable and, for ``fit``, saved between training steps;
+        a damaged one is then the run's first line rather than one after the set-up and the sharding."""
+        from pathlib import Path
+
+        from torchrec_lookahead.strategies._checkpoint import (
+            check_between_steps,
+            check_dcp_metadata,
+            read_checkpoint_meta,
+        )
+
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not ckpt_path or not Path(str(ckpt_path)).is_dir():
+            return  # none, a file (read above), or "last" / "best" (Lightning finds them later)
+        path = Path(str(ckpt_path))
+        meta = read_checkpoint_meta(path, None)  # the rank count is checked when it is loaded
+        check_dcp_metadata(path)
+        if subcommand == "fit":
+            check_between_steps(meta, path)
 
     def before_instantiate_classes(self) -> None:
         """Refuse a local ``trainer.default_root_dir`` that cannot be a directory to write in (a file, under one, on

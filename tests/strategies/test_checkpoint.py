@@ -68,3 +68,42 @@ def test_a_checkpoint_saved_inside_a_training_step_is_refused_for_a_resume(tmp_p
         fit_cached(tmp_path / "b", 4, ckpt_path=str(inside))
     trainer, _ = fit_cached(tmp_path / "c", 4, ckpt_path=str(between))
     assert trainer.global_step == 4
+
+
+def test_a_checkpoint_directory_is_checked_before_anything_is_built(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Through the CLI a damaged or inside-a-step checkpoint was refused only when the strategy loaded it, after
+    about 55 lines of set-up and the sharding: now it is the run's first line."""
+    import shutil
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from torchrec_lookahead.launch import LookaheadCLI
+    from torchrec_lookahead.strategies._checkpoint import META_FILE
+
+    from ..cli.test_errors import TINY, _short_error
+    from ..helpers import fit_cached
+
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    fit_cached(tmp_path / "a", 2, callbacks=[every])
+    good = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built the Trainer, model and data before checking the checkpoint")
+
+    monkeypatch.setattr(LookaheadCLI, "instantiate_classes", never)
+    lost = tmp_path / "lost.ckpt"
+    shutil.copytree(good, lost)
+    (lost / ".metadata").unlink()
+    line = _short_error(capsys, ["fit", "--config", TINY, f"--ckpt_path={lost}"])
+    assert line.startswith(
+        f"CheckpointError: checkpoint {lost} is incomplete: torch.distributed.checkpoint's"
+    ), line
+    inside = tmp_path / "inside.ckpt"
+    shutil.copytree(good, inside)
+    meta = load_meta_file(inside)
+    meta["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"].update(ready=3, processed=2)
+    torch.save(meta, inside / META_FILE)
+    line = _short_error(capsys, ["fit", "--config", TINY, f"--ckpt_path={inside}"])
+    assert line.startswith(f"CheckpointError: checkpoint {inside} was saved inside training step 3"), line

@@ -361,9 +361,9 @@ def load_store_files(files: StoreFiles, path: Path, rank: int) -> None:
         ) from e
 
 
-def read_checkpoint_meta(path: Path, world_size: int) -> Dict[str, Any]:
+def read_checkpoint_meta(path: Path, world_size: Optional[int]) -> Dict[str, Any]:
     """The Lightning part of the checkpoint directory ``path``, after checking that the directory is whole
-    and was written by as many ranks as this run has.
+    and was written by as many ranks as this run has (``world_size``; ``None``: not checked).
 
     Raises:
         CheckpointError: the path does not exist, is a file (an exported checkpoint, read with
@@ -400,7 +400,7 @@ def read_checkpoint_meta(path: Path, world_size: int) -> Dict[str, Any]:
         )
     meta = load_meta_file(path)
     saved = meta.pop(WORLD_SIZE_KEY, None)
-    if saved is not None and int(saved) != world_size:
+    if saved is not None and world_size is not None and int(saved) != world_size:
         raise CheckpointError(
             f"checkpoint {path} was written by {saved} ranks but this run has {world_size}: each rank's "
             f"data position and cache state belong to a {saved}-rank job; resume it with {saved} ranks "
