@@ -149,3 +149,23 @@ def test_a_cached_fit_shows_the_cache_plan_and_the_capacity_check(capsys, caplog
     }
     assert "t_cat_2 140 rows" in texts["lookahead/cache/text_summary"], texts
     assert "t_cat_15: 64 of 110 cache rows" in texts["lookahead/capacity_check/text_summary"]
+
+
+def test_ctrl_c_while_the_libraries_import_is_one_line_and_status_130(capsys, monkeypatch):
+    """Ctrl-C in the first seconds (torch, TorchRec and Lightning importing) printed a 35-line KeyboardInterrupt
+    traceback through the libraries' imports."""
+    import importlib.abc
+    import runpy
+
+    class Interrupted(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torchrec_lookahead.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "torchrec_lookahead.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("torchrec_lookahead", run_name="__main__")
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err == "Interrupted while starting up\n"

@@ -56,3 +56,22 @@ def test_a_mid_epoch_position_is_refused_over_other_files(tmp_path):
     )
     loader().load_state_dict({**state, "batches_yielded": 0})  # an epoch's end: new data is a new epoch
     loader().load_state_dict({"batches_yielded": 2})  # a checkpoint that did not record its files
+
+
+def test_fit_does_not_read_the_test_files(tmp_path):
+    """``setup("fit")`` set up every split: an empty (or damaged) test file stopped a fit that never reads it."""
+    import pytest
+
+    from torchrec_lookahead import DataError
+    from torchrec_lookahead.data import CriteoTSVDataModule
+
+    from .test_readers import GOOD
+
+    train, empty = tmp_path / "train.tsv", tmp_path / "test.tsv"
+    train.write_text((GOOD + "\n") * 8)
+    empty.write_text("")
+    dm = CriteoTSVDataModule(train_files=str(train), test_files=str(empty), batch_size=4, num_embeddings=100)
+    dm.setup("fit")
+    assert len(list(dm.train_dataloader())) == 2
+    with pytest.raises(DataError, match="the test split would have no batches"):
+        dm.setup("test")

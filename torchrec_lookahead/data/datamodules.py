@@ -43,6 +43,10 @@ __all__ = [
 RowParser = Callable[[List[Row]], Batch]
 
 
+#: the splits each Lightning stage reads
+_STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}
+
+
 class RecDataModule(pl.LightningDataModule, abc.ABC):
     """Base of our DataModules: rank-aware, resumable loaders of TorchRec batches."""
 
@@ -73,7 +77,8 @@ class RecDataModule(pl.LightningDataModule, abc.ABC):
     @override
     def setup(self, stage: str) -> None:
         world, rank = self._ranks()
-        for split in ("train", "val", "test"):
+        # the splits the stage reads (the others are set up on first use): `fit` does not read the test files
+        for split in _STAGE_SPLITS.get(stage, ("train", "val", "test")):
             if split not in self._datasets:
                 ds = self._make_dataset(split, world, rank)
                 if ds is not None:
