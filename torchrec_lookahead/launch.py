@@ -211,12 +211,39 @@ def fail_fast_on_error() -> Iterator[None]:
                 raise SystemExit(1) from None
             raise
         code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
-        if code and not isinstance(e, SystemExit):
+        lost = peer_lost(e)
+        if lost is not None:  # the cause is the other rank's: its error (or torchrun's report) says it
+            sys.stderr.write(lost + "\n")
+        elif code and not isinstance(e, SystemExit):
             traceback.print_exc()
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+#: what gloo and torch.distributed say when the process at the other end of a collective is gone
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_lost(error: BaseException) -> Optional[str]:
+    """One line for ``error`` when it only says that another rank is gone (a collective whose peer ended: killed,
+    or failed with its own error); ``None`` for any other error.
+
+    Example:
+        >>> line = peer_lost(RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:5431"))
+        >>> line.startswith("RuntimeError: [pair.cc:534] Connection closed by peer"), line.endswith("says why)")
+        (True, True)
+        >>> peer_lost(ValueError("bad")) is None
+        True
+    """
+    text = str(error)
+    if type(error).__name__ != "DistNetworkError" and not any(m in text for m in _PEER_GONE):
+        return None
+    return (
+        f"{type(error).__name__}: {first_line(error, 200)} (another rank ended: its own error, or torchrun's "
+        "report, says why)"
+    )
 
 
 def find_lookahead_error(error: BaseException) -> Optional[LookaheadError]:
