@@ -1,6 +1,6 @@
 """The host-tier capacity check: per-shard window counts against a naive reference, the pre-scan's refusal of a
-window a disk store's host tier cannot hold (after the device check, the same facts), and host windows over the
-cold ids of a stream with pinned rows."""
+window a disk store's host tier cannot hold (after the device check, the same facts), and a stream with pinned
+rows over a read-ahead host tier."""
 
 from typing import Dict, List
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchrec_lookahead import CapacityError, ConfigError
-from torchrec_lookahead.runtime._host_windows import HostWindowCheck, cold_host_windows
+from torchrec_lookahead.runtime._host_windows import HostWindowCheck
 from torchrec_lookahead.runtime.capacity import check_stream
 from torchrec_lookahead.store.types import HostWindow
 
@@ -80,11 +80,28 @@ def test_the_shard_of_a_sharded_host_tier_is_named() -> None:
     assert (info.value.batch, info.value.needed) == (2, 4)  # batch 1's ids 3 and 4: only 4 on shard 1
 
 
-def test_host_windows_over_cold_ids_renumber_the_shards() -> None:
-    windows = {"t": HostWindow(0, (0, 50, 100), (5, 5)), "u": HostWindow(0, (0, 10), (5,))}
-    cold = cold_host_windows(windows, {"t": torch.tensor([3, 49, 50, 70])})
-    assert cold["t"].bounds == (0, 48, 96) and cold["u"] is windows["u"]
-    assert cold_host_windows(None, {}) == {}
+def test_fae_pinned_rows_over_a_disk_tier_read_ahead_train_as_resident(tmp_path) -> None:
+    """The host windows of a stream with pinned rows were renumbered below the hot ids while the cold batches keep
+    the tables' own ids: an IndexError in the planner's check (the read-ahead tier's window counts) once a cold id
+    passed the renumbered table's end."""
+    from torchrec_lookahead.verify import verify
+
+    from ..conftest import REPO
+
+    disk = tmp_path / "disk.yaml"
+    disk.write_text(
+        "trainer:\n  strategy:\n    class_path: torchrec_lookahead.strategies.TorchRecStrategy\n"
+        "    init_args:\n      sharders:\n"
+        "        - class_path: torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder\n"
+        "          init_args:\n            capacity: {t_cat_2: 200, t_cat_11: 160, t_cat_15: 150}\n"
+        f"            store: disk\n            store_dir: {tmp_path / 'stores'}\n"
+        "            host_budget_bytes: 60000\n"
+        "            disk_options: {host_policy: lookahead, disk_prefetch_depth: 1}\n"
+    )
+    out = verify(
+        str(REPO / "configs" / "dlrm_tiny_fae_lookahead.yaml"), steps=12, overrides=["--config", str(disk)]
+    )
+    assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["max_abs_loss_diff"] == 0.0, out
 
 
 def test_a_host_window_is_validated() -> None:

@@ -44,7 +44,6 @@ from torchrec_lookahead.runtime import (
     CapacityCheck,
     LoaderStats,
     LookaheadBatch,
-    cold_host_windows,
     prescan,
 )
 from torchrec_lookahead.runtime.report import report_text, scan_progress, sigterm_pending
@@ -365,8 +364,8 @@ def pinned_lookahead_loader(
     )
     if options.capacity_check is CapacityCheck.EPOCH:
         t0 = time.perf_counter()
-        windows = cold_host_windows(target.host_windows, pinned.hot_ids)  # the cold batches' ids
-        dynamic = replace(target, capacity=pinned.dynamic_capacity(), host_windows=windows)
+        # the cold batches' ids, in the tables' own numbering: the host windows as they are
+        dynamic = replace(target, capacity=pinned.dynamic_capacity())
         cold = _ColdParts(ColdBatches(hotcold.stream), pinned)
         with scan_progress(trainer, "Lookahead capacity check (cold batches)", None) as tick:
             scan = prescan(

@@ -5,7 +5,6 @@ capacity pre-scan (:func:`prescan`) and the adapters that read batches other tha
 top-down.
 """
 
-from torchrec_lookahead.runtime._host_windows import cold_host_windows
 from torchrec_lookahead.runtime._threads import LoaderStats, check_nice
 from torchrec_lookahead.runtime.adapter import BatchAdapter, DictBatchAdapter
 from torchrec_lookahead.runtime.batch import LookaheadBatch
@@ -30,5 +29,4 @@ __all__ = [
     "BatchAdapter",
     "DictBatchAdapter",
     "check_nice",
-    "cold_host_windows",
 ]

@@ -12,21 +12,12 @@ from dataclasses import dataclass
 from typing import Deque, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
-import torch
 
 from torchrec_lookahead._arrays import sorted_unique
 from torchrec_lookahead.errors import CapacityError
 from torchrec_lookahead.store.types import HostWindow
 
 __all__: List[str] = []
-
-
-def cold_host_windows(
-    windows: Optional[Mapping[str, HostWindow]], hot_ids: Mapping[str, torch.Tensor]
-) -> Dict[str, HostWindow]:
-    """``windows`` over the ids of the cold parts of batches, as the oracle sees them with rows pinned: each
-    table's rows without its sorted ``hot_ids``, renumbered below them."""
-    return {t: w.without_rows(hot_ids[t].numpy()) if t in hot_ids else w for t, w in (windows or {}).items()}
 
 
 @dataclass(frozen=True)

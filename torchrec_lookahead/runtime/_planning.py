@@ -17,7 +17,7 @@ from torchrec_lookahead.distributed.lrpp import LRPPTracker, slice_samples
 from torchrec_lookahead.modules import PreparedPlan, remap_kjt
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle import BatchPlan, LookaheadOracle, OracleConfig, UnknownFeatures, table_ids
-from torchrec_lookahead.runtime._host_windows import HostWindowCheck, cold_host_windows
+from torchrec_lookahead.runtime._host_windows import HostWindowCheck
 from torchrec_lookahead.runtime.batch import LookaheadBatch
 from torchrec_lookahead.runtime.target import CacheTarget
 from torchrec_lookahead.runtime.types import PinnedPart
@@ -60,10 +60,9 @@ class StepPlanner:
         )
         self._cached = sorted(target.capacity)
         self._f2t = dict(target.feature_to_table)
-        windows = dict(target.host_windows or {})
-        if pinned is not None:  # the oracle and the check see each batch's cold part, its ids renumbered
-            windows = cold_host_windows(windows, pinned.hot_ids)
-        self._host = HostWindowCheck(windows)
+        # with rows pinned the check sees each batch's cold part, in the table's own ids (hot ids never pass
+        # through the host tier: they are simply absent)
+        self._host = HostWindowCheck(dict(target.host_windows or {}))
         # the stores that rank their rows by the ids each batch looks up (a disk store's lookahead host policy)
         self._use_stores = {n: s for n, s in target.stores.items() if n in target.capacity and s.uses_hints}
         self._fed = 0  # batches given to the oracle: the step of the next one

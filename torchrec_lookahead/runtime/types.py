@@ -66,7 +66,8 @@ class PinnedPart(Protocol):
 
     @property
     def hot_ids(self) -> Dict[str, torch.Tensor]:
-        """The pinned rows' sorted ids per cached table (:meth:`cold_part` renumbers the others below them)."""
+        """The pinned rows' sorted ids per cached table (:meth:`cold_part` leaves them out; the others keep their
+        ids)."""
         ...
 
     def dynamic_capacity(self) -> Dict[str, int]:

@@ -62,8 +62,8 @@ class HostWindow:
     Example:
         >>> import numpy as np
         >>> w = HostWindow(depth=2, bounds=(0, 50, 100), rows=(10, 12), policy="lookahead")
-        >>> w.shard_of(np.array([3, 49, 50, 99])).tolist(), w.without_rows(np.array([1, 60])).bounds
-        ([0, 0, 1, 1], (0, 49, 98))
+        >>> w.shard_of(np.array([3, 49, 50, 99])).tolist()
+        [0, 0, 1, 1]
     """
 
     depth: int
@@ -97,15 +97,6 @@ class HostWindow:
         if len(self.bounds) == 2:
             return np.zeros(ids.shape, dtype=np.int64)
         return np.searchsorted(np.asarray(self.bounds[1:-1], dtype=np.int64), ids, side="right")
-
-    def without_rows(self, removed: np.ndarray) -> HostWindow:
-        """This window over the ids of the table without the sorted distinct ``removed`` rows (pinned hot rows
-        never pass through the host tier while a stream trains; the others are renumbered ``id - removed ids
-        below it``, as the oracle sees them)."""
-        if removed.size == 0:
-            return self
-        below = np.searchsorted(removed, np.asarray(self.bounds, dtype=np.int64))
-        return dataclasses.replace(self, bounds=tuple(int(b - n) for b, n in zip(self.bounds, below)))
 
 
 class PendingPiece:
