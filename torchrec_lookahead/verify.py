@@ -139,11 +139,21 @@ def _train(
 
 
 def _inexact_notes(strategy: Any) -> List[str]:
-    """Why the cached side may not be bit-exact: cDLRM's cache averaging, or caches trained with the PyTorch
-    kernel for an optimizer FBGEMM has on the device (the resident side trains with FBGEMM's kernel)."""
+    """Why the cached side may not be bit-exact: hierarchical training's group averaging, cDLRM's cache averaging,
+    or caches trained with the PyTorch kernel for an optimizer FBGEMM has on the device (the resident side trains
+    with FBGEMM's kernel)."""
     import dataclasses
 
+    from torchrec_lookahead.strategies import HierarchicalStrategy
+
     notes = []
+    if isinstance(strategy, HierarchicalStrategy) and strategy.num_groups > 1:
+        notes.append(
+            f"hierarchical training with {strategy.num_groups} groups averages the groups' dense replicas "
+            f"({strategy.averaging.value}, every {strategy.sync_every} steps) instead of synchronising every step: "
+            "approximate by design (docs/design.md, Hierarchical training); one group (group_size = the ranks) "
+            "is exact"
+        )
     for m in strategy.cached_modules():
         if m.average_every is not None:
             notes.append(

@@ -177,3 +177,23 @@ def test_verify_of_dict_batches_on_two_ranks_is_bit_exact(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["passed"] and result["max_abs_weight_diff"] == 0.0 and result["steps"] == 6
+
+
+def test_verify_notes_that_hierarchical_training_with_several_groups_is_approximate_by_design():
+    """Two groups (group_size 1 on 2 ranks) differ from synchronous training by design (0.44 after 12 steps in a
+    run): verify said only `"passed": false`."""
+    import torch
+
+    from torchrec_lookahead.strategies import HierarchicalStrategy
+    from torchrec_lookahead.verify import _inexact_notes
+
+    two = HierarchicalStrategy(group_size=1, sync_every=2)
+    two.parallel_devices = [torch.device("cpu")] * 2
+    (note,) = _inexact_notes(two)
+    assert note.startswith(
+        "hierarchical training with 2 groups averages the groups' dense replicas (easgd, every 2"
+    )
+    assert "approximate by design" in note
+    one = HierarchicalStrategy()  # one group of both ranks: exact, no note
+    one.parallel_devices = [torch.device("cpu")] * 2
+    assert _inexact_notes(one) == []
