@@ -122,10 +122,16 @@ def _train(
     recorder = _LossRecorder()
     # FAE's scheduler chooses the hot/cold interleaving: both sides train the stream it chooses.
     schedulers = [c for c in cli.trainer.callbacks if isinstance(c, HotColdScheduler)]
+    source = cli.trainer
     trainer = pl.Trainer(
-        accelerator=cli.trainer.accelerator,
-        devices=len(cli.trainer.device_ids),
-        num_nodes=cli.trainer.num_nodes,
+        accelerator=source.accelerator,
+        devices=len(source.device_ids),
+        num_nodes=source.num_nodes,
+        # what changes the arithmetic of a step, as configured (both sides alike)
+        precision=source.precision,
+        accumulate_grad_batches=source.accumulate_grad_batches,
+        gradient_clip_val=source.gradient_clip_val,
+        gradient_clip_algorithm=source.gradient_clip_algorithm,
         strategy=strategy,
         max_steps=steps,
         callbacks=[recorder, *schedulers],
@@ -144,9 +150,15 @@ def _inexact_notes(strategy: Any) -> List[str]:
     with FBGEMM's kernel)."""
     import dataclasses
 
-    from torchrec_lookahead.strategies import HierarchicalStrategy
+    from torchrec_lookahead.strategies import HierarchicalStrategy, TorchRecStrategy
 
     notes = []
+    if isinstance(strategy, TorchRecStrategy) and strategy._compute_kernel is None:
+        notes.append(
+            "compute_kernel: null lets TorchRec's planner choose the resident side's kernels (data_parallel "
+            "trains a small table with the dense optimizer), while the cache trains the embedding optimizer: set "
+            "compute_kernel: fused for a bit-exact comparison"
+        )
     if isinstance(strategy, HierarchicalStrategy) and strategy.num_groups > 1:
         notes.append(
             f"hierarchical training with {strategy.num_groups} groups averages the groups' dense replicas "

@@ -332,3 +332,12 @@ def test_a_split_turned_off_is_refused_before_the_cache_is_planned(capsys, monke
         f"ConfigError: `{subcommand}` has nothing to run: trainer.limit_{split}_batches is 0"
     ), line
     assert line.endswith(f"pass --trainer.limit_{split}_batches 1.0 to run it"), line
+
+
+def test_a_planner_chosen_kernel_beside_cached_tables_is_one_config_error(capsys):
+    """compute_kernel: null with some tables cached ended in TorchRec's planner traceback (its estimators cannot
+    price the lookahead sharder's kernel)."""
+    line = _fit(capsys, "--trainer.strategy.init_args.compute_kernel=null")
+    assert line.startswith(
+        "ConfigError: compute_kernel: null (TorchRec's planner choosing the kernels) cannot plan the resident tables"
+    ), line

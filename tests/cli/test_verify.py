@@ -197,3 +197,29 @@ def test_verify_notes_that_hierarchical_training_with_several_groups_is_approxim
     one = HierarchicalStrategy()  # one group of both ranks: exact, no note
     one.parallel_devices = [torch.device("cpu")] * 2
     assert _inexact_notes(one) == []
+
+
+def test_verify_trains_both_sides_with_the_configs_precision_and_notes_a_planner_chosen_kernel(capsys):
+    """verify built its Trainer from the accelerator and devices only: `--trainer.precision=16-true`, which fit
+    refuses with cached tables, passed as 0.0 (both sides trained in fp32); and compute_kernel: null, under which
+    TorchRec trains the resident side's small tables data-parallel with the dense optimizer, failed without a
+    word."""
+    code, out, err = cli_in_process(
+        capsys,
+        [
+            "verify",
+            "--config",
+            "configs/dlrm_tiny_lookahead.yaml",
+            "--steps",
+            "2",
+            "--trainer.precision=16-true",
+        ],
+    )
+    assert code == 1 and err.strip().splitlines()[-1].startswith("ConfigError: precision=16-true converts"), (
+        err
+    )
+    from torchrec_lookahead.strategies import TorchRecStrategy
+    from torchrec_lookahead.verify import _inexact_notes
+
+    (note,) = _inexact_notes(TorchRecStrategy(compute_kernel=None))
+    assert note.startswith("compute_kernel: null lets TorchRec's planner choose the resident side's kernels")

@@ -173,6 +173,15 @@ def lookahead_sharding_plan(
             f"{rows[t]:,} (a cache of the whole table), or leave the table out of capacity to keep it resident"
         )
     cons = dict(constraints or {})
+    free = sorted(t for t in tables if t not in cached and t not in cons)
+    if (
+        compute_kernel is None and free
+    ):  # TorchRec's estimators cannot price the lookahead sharder's own kernel
+        raise ConfigError(
+            f"compute_kernel: null (TorchRec's planner choosing the kernels) cannot plan the resident tables "
+            f"{free[:5]}{' ...' if len(free) > 5 else ''} beside cached ones; set compute_kernel (fused, the "
+            "default), or give those tables constraints"
+        )
     types = list(sharding_types or ["table_wise", "row_wise"])
     for t in tables:
         if t in cached:
