@@ -48,6 +48,22 @@ def test_resume_across_an_epoch_boundary(tmp_path):
 def test_adam_on_cpu_fused_kernel_is_refused_clearly(tmp_path):
     with pytest.raises(ConfigError, match="not available in FBGEMM's fused kernel on CPU"):
         fit(tmp_path, max_steps=1, emb="adam")
+    # some tables resident: refused for a resident one, not a cached one
+    with pytest.raises(ConfigError, match=r"parameter 'embedding_bags\.t_cat_0\.weight' is not available"):
+        fit_cached(tmp_path / "some", 1, emb="adam")
+
+
+def test_adam_on_the_cpu_trains_when_every_table_is_cached(tmp_path):
+    """The check of FBGEMM's CPU optimizers looked at every table, the cached ones too (which the cache's kernel
+    trains, Adam included): a job whose every table is cached was refused."""
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
+
+    from ..helpers import tiny_data_args
+
+    rows = CriteoSyntheticDataModule(**tiny_data_args()).num_embeddings_per_feature
+    capacity = {f"t_{f}": (n if n < 100 else n // 2) for f, n in rows.items()}
+    trainer, _ = fit_cached(tmp_path, 3, capacity=capacity, emb="adam")
+    assert trainer.global_step == 3
 
 
 def test_plain_file_is_not_a_sharded_checkpoint(tmp_path):

@@ -5,7 +5,7 @@ depend on DDP."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
@@ -49,21 +49,24 @@ def cpu_fuses(optimizer: type) -> bool:
     return optimizer.__name__ in _CPU_FUSED_OPTIMIZERS
 
 
-def cpu_unfused_optimizer(module: nn.Module) -> Optional[Tuple[str, str]]:
+def cpu_unfused_optimizer(module: nn.Module, cached: Collection[str] = ()) -> Optional[Tuple[str, str]]:
     """The first (optimizer, table parameter) of ``module``'s embedding bag collections that FBGEMM's fused CPU
-    kernel does not implement; ``None`` when there is none."""
+    kernel does not implement, among the tables not in ``cached`` (the lookahead cache's kernel trains those);
+    ``None`` when there is none."""
     for m in module.modules():
         if not isinstance(m, EmbeddingBagCollection):
             continue
         for name, p in m.named_parameters():
+            if name.split(".")[1:2] and name.split(".")[1] in cached:  # embedding_bags.<table>.weight
+                continue
             for cls in getattr(p, "_optimizer_classes", []):
                 if not cpu_fuses(cls):
                     return cls.__name__, name
     return None
 
 
-def check_cpu_fused_optimizers(module: nn.Module) -> None:
-    found = cpu_unfused_optimizer(module)
+def check_cpu_fused_optimizers(module: nn.Module, cached: Collection[str] = ()) -> None:
+    found = cpu_unfused_optimizer(module, cached)
     if found is not None:
         raise ConfigError(
             f"Embedding optimizer {found[0]} on table parameter {found[1]!r} is not available in FBGEMM's fused "

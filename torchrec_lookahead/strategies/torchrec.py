@@ -257,8 +257,6 @@ class TorchRecStrategy(DDPStrategy):
         """Wrap ``module`` in ``DistributedModelParallel`` on this rank's device (collective: every rank)."""
         if not dist.is_available() or not dist.is_initialized():
             raise SetupError("shard() needs an initialised process group; call it from the Trainer's set-up")
-        if self.root_device.type == "cpu" and self._compute_kernel == "fused":
-            check_cpu_fused_optimizers(module)
         pg = dist.group.WORLD
         # the given sharders add to TorchRec's defaults: a module type none of them handles keeps its default
         sharders = (
@@ -269,6 +267,10 @@ class TorchRecStrategy(DDPStrategy):
         lookahead = [s for s in sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)]
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         cached = size_caches(lookahead, module, trainer, self.world_size)
+        if (
+            self.root_device.type == "cpu" and self._compute_kernel == "fused"
+        ):  # the cached tables train in the cache
+            check_cpu_fused_optimizers(module, cached)
         for s in lookahead:
             if s.seed is None:
                 s.seed = self._init_seed or 0
