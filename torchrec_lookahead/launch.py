@@ -86,21 +86,17 @@ class LookaheadCLI(LightningCLI):
         a damaged one is then the run's first line rather than one after the set-up and the sharding."""
         from pathlib import Path
 
-        from torchrec_lookahead.strategies._checkpoint import (
-            check_between_steps,
-            check_dcp_metadata,
-            read_checkpoint_meta,
-        )
+        from torchrec_lookahead.strategies._checkpoint import check_dcp_metadata, read_checkpoint_meta
 
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if not ckpt_path or not Path(str(ckpt_path)).is_dir():
             return  # none, a file (read above), or "last" / "best" (Lightning finds them later)
         path = Path(str(ckpt_path))
-        meta = read_checkpoint_meta(path, None)  # the rank count is checked when it is loaded
+        read_checkpoint_meta(
+            path, None, fitting=subcommand == "fit"
+        )  # the rank count: checked when it is loaded
         check_dcp_metadata(path)
-        if subcommand == "fit":
-            check_between_steps(meta, path)
 
     def before_instantiate_classes(self) -> None:
         """Refuse a local ``trainer.default_root_dir`` that cannot be a directory to write in (a file, under one, on

@@ -208,7 +208,7 @@ def _check_resident_side(cli: Any) -> None:
     resident table trains with FBGEMM's fused kernel, which lacks some optimizers the cache's kernel has."""
     from lightning.pytorch.accelerators import CPUAccelerator
 
-    from torchrec_lookahead.optim import EmbeddingOptimizerSpec
+    from torchrec_lookahead.models import TorchRecModule
     from torchrec_lookahead.strategies import TorchRecStrategy
     from torchrec_lookahead.strategies._sharding import cpu_fuses, cpu_unfused_optimizer
 
@@ -219,10 +219,10 @@ def _check_resident_side(cli: Any) -> None:
         return
     # a module of the bundled kind declares its tables' optimizer now and builds them at set-up; another may have
     # built them already
-    spec = getattr(cli.model, "embedding_optimizer", None)
     found = cpu_unfused_optimizer(cli.model)
-    if found is None and isinstance(spec, EmbeddingOptimizerSpec) and not cpu_fuses(spec.optimizer_class()):
-        found = (spec.optimizer_class().__name__, "")
+    if found is None and isinstance(cli.model, TorchRecModule):
+        optimizer = cli.model.embedding_optimizer.optimizer_class()
+        found = None if cpu_fuses(optimizer) else (optimizer.__name__, "")
     if found is not None:
         where = f" (table parameter {found[1]!r})" if found[1] else ""
         raise ConfigError(

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from ..conftest import REPO, free_port
+from ..conftest import REPO, TINY_TABLES, free_port
 from .test_cli import clean_env, cli_in_process
 
 
@@ -64,34 +64,7 @@ def test_an_optimizer_the_resident_side_lacks_on_the_cpu_is_refused_before_the_c
         raise AssertionError("trained a side before finding that the resident side cannot train")
 
     monkeypatch.setattr(verify_command, "_train", never)
-    rows = [
-        50,
-        20,
-        300,
-        100,
-        7,
-        3,
-        40,
-        30,
-        2,
-        60,
-        25,
-        200,
-        15,
-        5,
-        35,
-        150,
-        4,
-        22,
-        18,
-        3,
-        120,
-        6,
-        5,
-        45,
-        9,
-        55,
-    ]
+    rows = TINY_TABLES
     capacity = ", ".join(f"t_cat_{i}: {r if r < 100 else r // 2}" for i, r in enumerate(rows))
     cfg = tmp_path / "adam.yaml"
     cfg.write_text(

@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from torchrec_lookahead.data.text import LineBatchDataset
 from torchrec_lookahead.errors import CheckpointError
 
 __all__ = ["ResumableBatchLoader"]
@@ -57,8 +58,8 @@ class ResumableBatchLoader(DataLoader):
             yield batch
 
     def _source(self) -> Optional[List[Any]]:
-        identity = getattr(self.dataset, "source_identity", None)
-        return identity() if callable(identity) else None
+        """The files a dataset of text lines reads (``None`` for any other dataset)."""
+        return self.dataset.source_identity() if isinstance(self.dataset, LineBatchDataset) else None
 
     def state_dict(self) -> Dict[str, Any]:
         """Batches handed out in the current epoch, and (a dataset of files) the files they came from."""

@@ -54,6 +54,7 @@ The state of one step, and who holds it::
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import (
@@ -84,6 +85,8 @@ if TYPE_CHECKING:
     from torchrec_lookahead.runtime.loader import LookaheadLoader
 
 __all__ = ["CacheSession", "CacheHost", "CacheStats"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -308,6 +311,16 @@ class CacheSession:
         it gathers, the training thread before it gathers itself)."""
         for m in self.modules:
             m.cache.land_write_backs()
+
+    def abort(self) -> None:
+        """After an error: stop the planning loader's threads, then flush without a barrier (other ranks may be
+        inside a collective; nobody reads afterwards). After an error outside training (a bad validation batch)
+        Lightning calls no DataModule teardown: the threads ran on, and the interpreter aborted at exit."""
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - the run already failed; the flush below still runs
+            log.warning("could not stop the lookahead loader's threads: %s", e)
+        self.flush(barrier=False)
 
     def flush(self, barrier: bool = True) -> None:
         """Write every cached row and its optimizer state back to the host stores (``barrier=False`` on an

@@ -361,9 +361,10 @@ def load_store_files(files: StoreFiles, path: Path, rank: int) -> None:
         ) from e
 
 
-def read_checkpoint_meta(path: Path, world_size: Optional[int]) -> Dict[str, Any]:
-    """The Lightning part of the checkpoint directory ``path``, after checking that the directory is whole
-    and was written by as many ranks as this run has (``world_size``; ``None``: not checked).
+def read_checkpoint_meta(path: Path, world_size: Optional[int], fitting: bool = False) -> Dict[str, Any]:
+    """The Lightning part of the checkpoint directory ``path``, after checking that the directory is whole,
+    was written by as many ranks as this run has (``world_size``; ``None``: not checked) and, to resume training
+    from (``fitting``), was saved between training steps (:func:`check_between_steps`).
 
     Raises:
         CheckpointError: the path does not exist, is a file (an exported checkpoint, read with
@@ -406,6 +407,8 @@ def read_checkpoint_meta(path: Path, world_size: Optional[int]) -> Dict[str, Any
             f"data position and cache state belong to a {saved}-rank job; resume it with {saved} ranks "
             f"(torchrun --nproc_per_node=... and --trainer.devices so that they make {saved}), or start a new run"
         )
+    if fitting:
+        check_between_steps(meta, path)
     return meta
 
 

@@ -76,10 +76,10 @@ def check_cpu_fused_optimizers(module: nn.Module, cached: Collection[str] = ()) 
 
 
 def sharding_options(
-    sharders: Optional[Sequence[ModuleSharder]],  # type: ignore[type-arg]
+    sharders: Optional[Sequence[ModuleSharder[nn.Module]]],
     compute_kernel: Optional[str],
     sharding_types: Optional[List[str]],
-) -> Tuple[Optional[List[ModuleSharder]], Optional[str], List[str]]:  # type: ignore[type-arg]
+) -> Tuple[Optional[List[ModuleSharder[nn.Module]]], Optional[str], List[str]]:
     """The strategy's ``sharders`` (a list), ``compute_kernel`` and ``sharding_types`` (TorchRec's values; the
     latter table-wise and row-wise by default), checked.
 
@@ -108,7 +108,7 @@ def sharding_options(
 
 
 def check_cached_precision(
-    sharders: Optional[Sequence[ModuleSharder]],  # type: ignore[type-arg]
+    sharders: Optional[Sequence[ModuleSharder[nn.Module]]],
     precision_plugin: Precision,
     precision: str,
 ) -> None:

@@ -111,9 +111,10 @@ def use_lockstep_signals(trainer: pl.Trainer) -> LockstepSignalConnector:
     return connector
 
 
-def announce_stop(trainer: Optional[pl.Trainer], exception: BaseException) -> None:
-    """With one process, say where SIGTERM stopped the run (Lightning stops it at the end of the step, or of the
-    validation batch, in which the signal came, without a word; several ranks say it when they agree)."""
+def announce_stop(module: Optional[pl.LightningModule], exception: BaseException) -> None:
+    """With one process, say where SIGTERM stopped ``module``'s run (Lightning stops it at the end of the step, or
+    of the validation batch, in which the signal came, without a word; several ranks say it when they agree)."""
+    trainer = module._trainer if module is not None else None
     if trainer is None or not isinstance(exception, SIGTERMException) or trainer.world_size > 1:
         return
     where = (

@@ -50,7 +50,6 @@ from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules.checkpoint_files import StoreFiles, store_files
 from torchrec_lookahead.runtime import CacheSession, LookaheadBatch
 from torchrec_lookahead.strategies._checkpoint import (
-    check_between_steps,
     checkpoint_memory_shortfall,
     collect_pieces,
     keep_store_files,
@@ -267,10 +266,8 @@ class TorchRecStrategy(DDPStrategy):
         lookahead = [s for s in sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)]
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         cached = size_caches(lookahead, module, trainer, self.world_size)
-        if (
-            self.root_device.type == "cpu" and self._compute_kernel == "fused"
-        ):  # the cached tables train in the cache
-            check_cpu_fused_optimizers(module, cached)
+        if self.root_device.type == "cpu" and self._compute_kernel == "fused":
+            check_cpu_fused_optimizers(module, cached)  # the cache's kernel trains the cached tables
         for s in lookahead:
             if s.seed is None:
                 s.seed = self._init_seed or 0
@@ -378,18 +375,10 @@ class TorchRecStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        lm = self.lightning_module
-        announce_stop(lm._trainer if lm is not None else None, exception)
+        announce_stop(self.lightning_module, exception)
         try:
             if self._session is not None:
-                # The loader's threads first (after an error, e.g. in validation, Lightning calls no DataModule
-                # teardown: they ran on, and the interpreter aborted at exit). Then flush without a barrier:
-                # other ranks may be inside a collective (nobody reads afterwards).
-                try:
-                    self._session.close()
-                except Exception as e:  # noqa: BLE001 - the run already failed; the flush below still runs
-                    log.warning("could not stop the lookahead loader's threads: %s", e)
-                self._session.flush(barrier=False)
+                self._session.abort()
         finally:
             super().on_exception(exception)
 
@@ -564,11 +553,10 @@ class TorchRecStrategy(DDPStrategy):
         if self._writer is not None:
             self._writer.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
-        meta = read_checkpoint_meta(path, self.world_size)
         lm = self.lightning_module
         assert lm is not None
-        if lm._trainer is not None and lm._trainer.state.fn == TrainerFn.FITTING:
-            check_between_steps(meta, path)
+        fitting = lm._trainer is not None and lm._trainer.state.fn == TrainerFn.FITTING
+        meta = read_checkpoint_meta(path, self.world_size, fitting)
         # tables in disk stores: loaded from the checkpoint's copies of their files
         with store_files() as files:
             target: Dict[str, Any] = {"state_dict": lm.state_dict()}
