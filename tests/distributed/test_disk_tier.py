@@ -74,8 +74,16 @@ def test_host_budget_is_split_by_table_bytes_and_a_share_below_one_row_is_refuse
     tiny = LookaheadEmbeddingBagCollectionSharder(
         capacity={"a": 10, "b": 10}, store="disk", store_dir=str(tmp_path), host_budget_bytes=50
     )
-    with pytest.raises(CapacityError, match="table 'b' gets 12 bytes .* below one row \\(20 bytes\\)"):
+    with pytest.raises(
+        CapacityError, match="table 'b' gets 12 bytes .* below one row \\(20 bytes\\)"
+    ) as info:
         tiny.cache_stores(cfgs, opt, _one_rank())
+    assert "raise host_budget_bytes to at least 80 " in str(info.value)  # b's quarter of 80 is its one row
+    enough = LookaheadEmbeddingBagCollectionSharder(
+        capacity={"a": 10, "b": 10}, store="disk", store_dir=str(tmp_path / "80"), host_budget_bytes=80
+    )
+    for s in enough.cache_stores(cfgs, opt, _one_rank()).values():
+        s.close()  # type: ignore[attr-defined]
 
 
 ROW_BYTES = 36  # embedding_dim 8 and row-wise Adagrad's one state column, float32
@@ -130,6 +138,9 @@ def test_a_host_budget_below_one_window_is_refused_before_training_and_one_at_it
         _fit_over_disk(tmp_path / "short", need - 1, steps, disk)
     facts = {"table": "t_cat_2", "batch": batch, "needed": need, "available": need - 1, "tier": "host"}
     assert info.value.facts == facts and steps.started == []
+    assert f"one int for all tables: host_budget_bytes >= {need * ROW_BYTES:,}" in str(
+        info.value
+    )  # one table
     assert 100 < need < 4000 // 4
     steps = _Steps()
     trainer, _ = _fit_over_disk(tmp_path / "exact", need, steps, disk)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -287,6 +288,17 @@ def test_budget_planner_splits_the_device_budget_between_pinned_and_dynamic_rows
     assert 100 < caps["a"] <= 100 + 300
     with pytest.raises(CapacityError, match="pinned hot rows"):
         plan(pinned_bytes, hot)
+    # a budget above the pinned rows but below the cold floor: the error speaks of the user's budget, and the
+    # total it asks for plans
+    small = pinned_bytes + 5 * bpr
+    with pytest.raises(CapacityError) as err:
+        plan(small, hot)
+    msg = str(err.value)
+    assert (
+        f"device_budget_bytes={small:,} leaves {5 * bpr:,} bytes after the {pinned_bytes:,} bytes" in msg
+    ), msg
+    enough = int(re.search(r"raise device_budget_bytes to at least ([\d,]+)", msg).group(1).replace(",", ""))
+    assert enough > pinned_bytes and plan(enough, hot)["a"] > 100
     with pytest.raises(ConfigError, match="tables \\['c'\\]"):
         plan(budget, {"c": torch.arange(3)})
 

@@ -109,3 +109,23 @@ def test_a_host_window_is_validated() -> None:
         HostWindow(0, (0, 10), (1, 2))
     with pytest.raises(ConfigError, match="host window needs"):
         HostWindow(-1, (0, 10), (1,))
+
+
+def test_a_one_int_host_budget_is_quoted_as_the_int_that_holds_every_short_table() -> None:
+    """With one ``host_budget_bytes`` split over the tables by size (``budget_split``: the tables' bytes and this
+    table's), the refusal quotes the int whose shares hold every short table's largest window."""
+    stream = [
+        {"f": torch.tensor(a), "g": torch.tensor(b)} for a, b in (([1, 2, 3], [1]), ([4], [2, 3, 4, 5, 6]))
+    ]
+    windows = {  # t: a third of the int, 2 rows; u: two thirds, 1 row; 10 bytes a row
+        "t": HostWindow(0, (0, 100), (2,), "lru", row_bytes=10, budget_split=(3000, 1000)),
+        "u": HostWindow(0, (0, 200), (1,), "lru", row_bytes=10, budget_split=(3000, 2000)),
+    }
+    with pytest.raises(CapacityError, match="needs 3 rows") as info:
+        check_stream(stream, {"t": 10, "u": 10}, {"f": "t", "g": "u"}, {"t": 100, "u": 200}, 1, windows)
+    # t needs 3 rows (30 bytes, 90 of the int), u needs 5 (50 bytes, 75 of the int): 90 holds both
+    assert "one int for all tables: host_budget_bytes >= 90" in str(info.value), str(info.value)
+    per_table = {t: HostWindow(0, w.bounds, w.rows, "lru", row_bytes=10) for t, w in windows.items()}
+    with pytest.raises(CapacityError) as info:
+        check_stream(stream, {"t": 10, "u": 10}, {"f": "t", "g": "u"}, {"t": 100, "u": 200}, 1, per_table)
+    assert "one int" not in str(info.value)

@@ -67,7 +67,9 @@ def plan_capacity(
     ]
     f2t = {f: c.name for c in dynamic for f in c.feature_names}
     samples = (cold_table_ids(getattr(b, "sparse_features", b), f2t, hot) for b in sample_batches)
-    plan = LookaheadPlanner(device_budget_bytes - pinned_bytes, **options).plan(dynamic, optimizer, samples)
+    planner = LookaheadPlanner(device_budget_bytes - pinned_bytes, **options)
+    planner.reserved = (pinned_bytes, f"the {sum(pinned_rows.values()):,} pinned hot rows")
+    plan = planner.plan(dynamic, optimizer, samples)
     return {t: c + pinned_rows.get(t, 0) for t, c in plan.capacity.items()}, plan
 
 

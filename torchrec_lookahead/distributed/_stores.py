@@ -112,7 +112,9 @@ class HostStores:
         budgets = self._host_budgets({c.name: c.num_embeddings * row_bytes(c, optimizer) for c in cfgs})
         return {c.name: s for c in cfgs if (s := self._store(c, optimizer, budgets[c.name])) is not None}
 
-    def _store(self, cfg: Any, optimizer: CacheOptimizerConfig, host_budget: int) -> Optional[EmbeddingStore]:
+    def _store(
+        self, cfg: Any, optimizer: CacheOptimizerConfig, host_budget: Tuple[int, Tuple[int, int]]
+    ) -> Optional[EmbeddingStore]:
         """The one-rank store of table ``cfg`` (``None``: the cache makes an in-RAM one)."""
         if cfg.name in self.options.stores:
             return self.options.stores[cfg.name]
@@ -130,11 +132,12 @@ class HostStores:
             seed=self.options.seed,
         )
 
-    def _host_budgets(self, table_bytes: Dict[str, int]) -> Dict[str, int]:
-        """Each table's share of ``host_budget_bytes`` (0 unless ``store="disk"``)."""
+    def _host_budgets(self, table_bytes: Dict[str, int]) -> Dict[str, Tuple[int, Tuple[int, int]]]:
+        """Each table's share of ``host_budget_bytes`` (0 unless ``store="disk"``), with how one int is split
+        (``(total, share)`` of the tables' bytes; ``(0, 0)`` where the budget is per table), for messages."""
         budget = self.options.host_budget_bytes
         if self.options.kind is not StoreKind.DISK or budget is None:
-            return dict.fromkeys(table_bytes, 0)
+            return dict.fromkeys(table_bytes, (0, (0, 0)))
         if isinstance(budget, dict):
             missing = sorted(set(table_bytes) - set(budget))
             if missing:
@@ -142,26 +145,33 @@ class HostStores:
                     f"host_budget_bytes gives no budget to the cached tables {missing}; give every cached table "
                     "one, or one int for all"
                 )
-            return {t: int(budget[t]) for t in table_bytes}
+            return {t: (int(budget[t]), (0, 0)) for t in table_bytes}
         total = max(1, sum(table_bytes.values()))
-        return {t: int(budget) * b // total for t, b in table_bytes.items()}
+        return {t: (int(budget) * b // total, (total, b)) for t, b in table_bytes.items()}
 
     def _disk_store(
         self,
         path: str,
         cfg: Any,
         optimizer: CacheOptimizerConfig,
-        host_budget: int,
+        budget: Tuple[int, Tuple[int, int]],
         rows: Optional[Tuple[int, int]] = None,
     ) -> DiskStore:
-        """A disk store of table ``cfg`` (of its rows ``[lo, hi)`` when ``rows`` is given)."""
+        """A disk store of table ``cfg`` (of its rows ``[lo, hi)`` when ``rows`` is given) with ``budget`` (its
+        share of ``host_budget_bytes`` and how one int is split: :meth:`_host_budgets`)."""
+        host_budget, split = budget
         lo, hi = rows or (0, cfg.num_embeddings)
         widths = optimizer.state_widths(cfg.embedding_dim)
         one_row = row_bytes(cfg, optimizer)
         if host_budget < one_row:
             raise CapacityError(
                 f"the host tier of table '{cfg.name}' gets {host_budget:,} bytes of host_budget_bytes="
-                f"{self.options.host_budget_bytes}, below one row ({one_row} bytes); raise host_budget_bytes",
+                f"{self.options.host_budget_bytes}, below one row ({one_row} bytes); raise host_budget_bytes"
+                + (
+                    f" to at least {-(-one_row * split[0] // split[1]):,} (one int is split by table size)"
+                    if split[1]
+                    else ""
+                ),
                 table=cfg.name,
                 needed=1,
                 available=0,
@@ -175,6 +185,7 @@ class HostStores:
             name=cfg.name,
             seed=self.options.seed,
             host_budget_bytes=host_budget,
+            budget_split=split,
             row_offset=lo,
             table_rows=cfg.num_embeddings,
             **self.options.disk_options,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Mapping, Optional, Tuple
+from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -42,9 +42,18 @@ class HostShortfall:
     available: int
     window: HostWindow
 
-    def error(self, largest: Optional[Mapping[str, int]] = None) -> CapacityError:
+    def _whole_budget(self, largest: Optional[Mapping[str, int]]) -> int:
+        """The one-int ``host_budget_bytes`` whose share gives this table the rows (0: budgets are per table)."""
+        w, rows = self.window, max(self.needed, (largest or {}).get(self.table, 0))
+        total, share = w.budget_split
+        return -(-rows * w.row_bytes * total // share) if w.row_bytes and share else 0
+
+    def error(
+        self, largest: Optional[Mapping[str, int]] = None, others: Sequence[HostShortfall] = ()
+    ) -> CapacityError:
         """The :class:`~torchrec_lookahead.errors.CapacityError` (``tier="host"``) that refuses this window;
-        ``largest``: the largest window need of each short table over the batches checked, for the message."""
+        ``largest``: the largest window need of each short table over the batches checked, and ``others``: the
+        other short tables' first windows, for the message (the one-int budget that holds them all)."""
         w = self.window
         where = f"batch {self.hi}" if self.lo == self.hi else f"batches {self.lo}..{self.hi}"
         if w.policy == "lookahead":
@@ -60,6 +69,9 @@ class HostShortfall:
             shard = f" (shard {self.shard} of {len(w.rows)}, rows [{lo}, {hi}))"
         at_least = max(self.needed, (largest or {}).get(self.table, 0))
         size = f" ({at_least * w.row_bytes:,} bytes)" if w.row_bytes else ""
+        whole = max(s._whole_budget(largest) for s in (self, *others))
+        if whole:
+            size += f"; one int for all tables: host_budget_bytes >= {whole:,}"
         also = ""
         if largest:
             also = f"; the checked batches' largest host windows need {dict(largest)} rows"

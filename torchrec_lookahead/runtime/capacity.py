@@ -172,5 +172,6 @@ def check_stream(
         )
     if host_first:
         largest = host.largest
-        raise host_first[sorted(host_first)[0]].error({t: largest[t] for t in sorted(host_first)})
+        first_short, *others = (host_first[t] for t in sorted(host_first))
+        raise first_short.error({t: largest[t] for t in sorted(host_first)}, others)
     return best

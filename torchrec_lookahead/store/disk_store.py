@@ -152,6 +152,7 @@ class DiskStore(LookaheadReads, _RowStore):
         preallocate: bool = True,
         host_policy: str = "lru",
         disk_prefetch_depth: int = 0,
+        budget_split: Tuple[int, int] = (0, 0),
     ) -> None:
         super().__init__(
             name, num_embeddings, embedding_dim, state_widths, seed, INIT_BLOCK_ROWS, row_offset, table_rows
@@ -167,6 +168,7 @@ class DiskStore(LookaheadReads, _RowStore):
         check_host_policy(host_policy, disk_prefetch_depth)
         self._path = os.fspath(path)
         self._budget = int(host_budget_bytes)
+        self._budget_split = (int(budget_split[0]), int(budget_split[1]))
         self._file = DiskFile(
             self._path,
             self._meta(),
@@ -297,7 +299,12 @@ class DiskStore(LookaheadReads, _RowStore):
         :class:`~torchrec_lookahead.store.types.HostWindow`)."""
         depth = self._depth if self._policy == "lookahead" else 0
         return HostWindow(
-            depth, (0, self.num_embeddings), (self._tier.capacity,), self._policy, self._shape.row_bytes
+            depth,
+            (0, self.num_embeddings),
+            (self._tier.capacity,),
+            self._policy,
+            self._shape.row_bytes,
+            self._budget_split,
         )
 
     @property

@@ -181,7 +181,12 @@ class RowShardedStore(ShapedStore):
             rows.append(self._bounds[k + 1] - self._bounds[k] if w is None else w.rows[0])
         known = [w for w in local_windows if w is not None]
         return HostWindow(
-            max(w.depth for w in known), tuple(self._bounds), tuple(rows), known[0].policy, known[0].row_bytes
+            max(w.depth for w in known),
+            tuple(self._bounds),
+            tuple(rows),
+            known[0].policy,
+            known[0].row_bytes,
+            known[0].budget_split,
         )
 
     def _check_local(self) -> str:

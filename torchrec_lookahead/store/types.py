@@ -58,6 +58,8 @@ class HostWindow:
             window exceeds).
         policy: the host policy (``"lru"`` or ``"lookahead"``), for messages.
         row_bytes: bytes of one row in the host tier (with its optimizer state), for messages (0: unknown).
+        budget_split: where one int ``host_budget_bytes`` is split over the tables by size, ``(total, share)``:
+            the tier gets ``int * share // total`` bytes; for messages (``(0, 0)``: given per table, or unknown).
 
     Example:
         >>> import numpy as np
@@ -71,6 +73,7 @@ class HostWindow:
     rows: Tuple[int, ...]
     policy: str = "lru"
     row_bytes: int = 0
+    budget_split: Tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         b = self.bounds

@@ -189,6 +189,8 @@ class LookaheadPlanner:
         self.num_sample_batches: int = int(num_sample_batches)
         self.warmup_batches: Optional[int] = None if warmup_batches is None else int(warmup_batches)
         self.capacity_growth: float = float(capacity_growth)
+        # bytes of the user's budget spent before this plan and on what (FAE's pinned rows), for the errors
+        self.reserved: Tuple[int, str] = (0, "")
 
     def plan(
         self,
@@ -334,11 +336,17 @@ class LookaheadPlanner:
             f"{t.name}: {floor[t.name]:,} rows x {t.bpr} B = {floor[t.name] * t.bpr:,} B" for t in worst[:5]
         )
         more = f" and {len(worst) - 5} more" if len(worst) > 5 else ""
+        taken, on = self.reserved
+        left = (
+            f" leaves {self.device_budget_bytes:,} bytes after the {taken:,} bytes of {on},"
+            if taken
+            else " is"
+        )
         raise CapacityError(
-            f"device_budget_bytes={self.device_budget_bytes:,} is below the {need:,} bytes the lookahead cache needs "
-            f"at least ({what}; largest: {listed}{more}); raise device_budget_bytes to at least {need:,}, lower "
-            f"prefetch_depth (now {self.prefetch_depth}), use smaller batches, or an optimizer with less per-row "
-            "state (row-wise Adagrad keeps one float per row)"
+            f"device_budget_bytes={self.device_budget_bytes + taken:,}{left} below the {need:,} bytes the lookahead "
+            f"cache needs at least ({what}; largest: {listed}{more}); raise device_budget_bytes to at least "
+            f"{need + taken:,}, lower prefetch_depth (now {self.prefetch_depth}), use smaller batches, or an optimizer "
+            "with less per-row state (row-wise Adagrad keeps one float per row)"
         )
 
     # ---------------------------------------------------------------- curves
