@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.oracle.reference import min_rows, random_trace, ref_fixed, ref_ttl, ref_window, replay
+from torchrec_lookahead.errors import CapacityError, ConfigError
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
 
 
@@ -109,6 +110,32 @@ def test_window_matches_reference(
         tp = plan.tables["a"]
         assert dict(zip(tp.fetch_ids.tolist(), tp.fetch_slots.tolist())) == fetched
         assert set(tp.evict_ids.tolist()) == evicted
+
+
+@pytest.mark.parametrize("ways, victims", [(8, None), (4, 3)])
+def test_a_window_capacity_below_two_sets_gives_the_least_that_works(ways: int, victims: object) -> None:
+    """The refusal names the least capacity that leaves two sets, and ``victim_rows`` only where it was set
+    (``LookaheadDataModule`` does not take it)."""
+    kw = {"num_embeddings": {"a": 1000}, "horizon": 4, "policy": "window", "window": 2, "ways": ways}
+    with pytest.raises(ConfigError, match="raise the capacity to at least") as info:
+        OracleConfig(capacity={"a": 9}, victim_rows=victims, **kw)  # type: ignore[arg-type]
+    least = int(str(info.value).split("at least ")[1].split(",")[0])
+    assert ("victim_rows" in str(info.value).split("raise")[1]) == (victims is not None)
+    OracleConfig(capacity={"a": least}, victim_rows=victims, **kw)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        OracleConfig(capacity={"a": least - 1}, victim_rows=victims, **kw)  # type: ignore[arg-type]
+
+
+def test_window_set_conflicts_beyond_the_victim_rows_are_refused_with_what_a_user_can_set() -> None:
+    cfg = OracleConfig(
+        capacity={"a": 20}, num_embeddings={"a": 1000}, horizon=3, policy="window", window=2, ways=2
+    )
+    batches = [{"a": torch.arange(0, 1000, 50)}, {"a": torch.arange(0, 1000, 50) + 1}]  # every id in one set
+    with pytest.raises(CapacityError, match="set conflicts") as info:
+        list(LookaheadOracle(cfg).plan_stream(batches))
+    msg = str(info.value)
+    assert "raise capacity['a'] (an eighth of it are victim rows), raise ways, or lower window" in msg, msg
+    assert "victim_rows" not in msg
 
 
 @pytest.mark.parametrize("policy", ["belady", "lru", "ttl", "window"])

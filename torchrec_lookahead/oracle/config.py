@@ -339,12 +339,23 @@ class OracleConfig:
         for table, cap in self.capacity.items():
             if self.direct_mapped(table):
                 continue
-            victims = self.victim_rows if self.victim_rows is not None else cap // 8
+            victims = self._victims(cap)
             if (cap - victims) // self.ways < 2:
+                least = next(
+                    c
+                    for c in range(cap + 1, cap + 4 * self.ways + 4)
+                    if (c - self._victims(c)) >= 2 * self.ways
+                )
+                victim = ", or lower victim_rows" if self.victim_rows is not None else ""
                 raise ConfigError(
                     f"capacity[{table!r}]={cap} leaves {cap - victims} rows after {victims} victim rows, fewer "
-                    f"than 2 sets of ways={self.ways}; raise the capacity or lower ways/victim_rows"
+                    f"than 2 sets of ways={self.ways} for policy 'window'; raise the capacity to at least {least}, "
+                    f"lower ways{victim}"
                 )
+
+    def _victims(self, capacity: int) -> int:
+        """Victim rows of a window cache of ``capacity`` rows (``victim_rows``, default an eighth)."""
+        return self.victim_rows if self.victim_rows is not None else capacity // 8
 
     def direct_mapped(self, table: str) -> bool:
         """Whether the window policy maps ``table`` directly (slot = id): its rows fit in its capacity.
@@ -373,5 +384,5 @@ class OracleConfig:
         if self.direct_mapped(table):
             return 0
         cap = self.capacity[table]
-        victims = self.victim_rows if self.victim_rows is not None else cap // 8
+        victims = self._victims(cap)
         return _next_prime_at_most(max(2, (cap - victims) // self.ways))

@@ -71,6 +71,9 @@ class WindowPlanner(_TablePlanner):
         self.direct_window = config.direct_mapped(name)
         self.sets = config.num_sets(name)
         self.ways = config.ways
+        self.victim_hint = (
+            " or victim_rows" if config.victim_rows is not None else " (an eighth of it are victim rows)"
+        )
         self.rng = window_rng(config.seed, name)
         self.n_resident = 0
 
@@ -118,7 +121,8 @@ class WindowPlanner(_TablePlanner):
             raise CapacityError(
                 f"table {self.name!r}: the window of batches {t}..{t + self.window - 1} has {over.size} set "
                 f"conflicts but {free_victim.size} free victim rows (capacity {cap}, {sets} sets x {ways} ways); "
-                f"raise capacity[{self.name!r}] or victim_rows, raise ways, or lower window",
+                f"raise capacity[{self.name!r}]{self.victim_hint}, raise ways, or "
+                "lower window (a set-associative cache: policy 'belady' needs no conflict rows)",
                 table=self.name,
                 batch=t,
                 needed=int(over.size),
