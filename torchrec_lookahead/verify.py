@@ -150,6 +150,7 @@ def _inexact_notes(strategy: Any) -> List[str]:
     with FBGEMM's kernel)."""
     import dataclasses
 
+    from torchrec_lookahead.distributed._optimizers import optimizer_differences
     from torchrec_lookahead.strategies import HierarchicalStrategy, TorchRecStrategy
 
     notes = []
@@ -166,6 +167,14 @@ def _inexact_notes(strategy: Any) -> List[str]:
             "approximate by design (docs/design.md, Hierarchical training); one group (group_size = the ranks) "
             "is exact"
         )
+    for sharder in getattr(strategy, "_sharders", None) or ():
+        declared = getattr(sharder, "overridden_optimizer", None)
+        if declared is not None:
+            notes.append(
+                "the sharder's optimizer replaces the one the model declares on the cached tables, which the "
+                f"resident side trains with ({optimizer_differences(sharder.optimizer, declared)}): drop one of "
+                "the two for a bit-exact comparison"
+            )
     for m in strategy.cached_modules():
         if m.average_every is not None:
             notes.append(

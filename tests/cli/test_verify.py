@@ -196,3 +196,32 @@ def test_verify_trains_both_sides_with_the_configs_precision_and_notes_a_planner
 
     (note,) = _inexact_notes(TorchRecStrategy(compute_kernel=None))
     assert note.startswith("compute_kernel: null lets TorchRec's planner choose the resident side's kernels")
+
+
+def test_a_sharder_optimizer_unlike_the_models_is_warned_and_noted_by_verify(caplog):
+    """The sharder's ``optimizer`` replaces the one the model declares on its cached tables: the cached tables
+    trained at another learning rate than resident training of the same model would (0.33 apart after 6 steps),
+    and verify said only `"passed": false`."""
+    import logging
+
+    from torchrec_lookahead.verify import verify
+
+    sharder = (
+        "--trainer.strategy.init_args.sharders=[{class_path: torchrec_lookahead.distributed."
+        "LookaheadEmbeddingBagCollectionSharder, init_args: {capacity: {t_cat_2: 140, t_cat_11: 120, t_cat_15: 110}, "
+        "optimizer: {optimizer: rowwise_adagrad, learning_rate: %s}}}]"
+    )
+    with caplog.at_level(logging.WARNING, logger="torchrec_lookahead"):
+        out = verify("configs/dlrm_tiny_lookahead.yaml", steps=3, overrides=[sharder % 0.1])
+    assert not out["passed"] and out["notes"] == [
+        "the sharder's optimizer replaces the one the model declares on the cached tables, which the resident side "
+        "trains with (learning_rate 0.1, not 0.05): drop one of the two for a bit-exact comparison"
+    ], out
+    assert (
+        "replaces the one the model declares on its cached tables (learning_rate 0.1, not 0.05)"
+        in caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torchrec_lookahead"):
+        same = verify("configs/dlrm_tiny_lookahead.yaml", steps=3, overrides=[sharder % 0.05])
+    assert same["passed"] and "notes" not in same and "replaces" not in caplog.text

@@ -5,6 +5,7 @@ resident tables can train in the cache's kernel with exactly TorchRec's arithmet
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Dict, List, Optional
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -68,6 +69,25 @@ def cache_optimizer_from_module(module: nn.Module, tables: List[str]) -> Optiona
             f"Cached tables declare different optimizers {found}; use one optimizer for all of them"
         )
     return next(iter(distinct)) if distinct else None
+
+
+def optimizer_differences(ours: CacheOptimizerConfig, theirs: CacheOptimizerConfig) -> str:
+    """The settings (the kernel aside) in which two optimizer configs differ, as ``name ours, not theirs``.
+
+    Example:
+        >>> optimizer_differences(CacheOptimizerConfig("sgd", 0.1), CacheOptimizerConfig("sgd", 0.05))
+        'learning_rate 0.1, not 0.05'
+    """
+    names = [f.name for f in dataclasses.fields(ours) if f.name != "kernel"]
+    return "; ".join(
+        f"{n} {_value(getattr(ours, n))}, not {_value(getattr(theirs, n))}"
+        for n in names
+        if getattr(ours, n) != getattr(theirs, n)
+    )
+
+
+def _value(v: Any) -> str:
+    return str(v.value) if isinstance(v, enum.Enum) else repr(v)
 
 
 _FUSABLE_SHARDINGS = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value)

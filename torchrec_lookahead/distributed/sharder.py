@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import logging
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Union
 
@@ -40,6 +41,7 @@ from torchrec_lookahead.distributed._groups import CacheGroups
 from torchrec_lookahead.distributed._optimizers import (
     cache_optimizer_from_kwargs,
     cache_optimizer_from_module,
+    optimizer_differences,
     why_not_fusable,
 )
 from torchrec_lookahead.distributed._store_dirs import StoreDirs
@@ -235,6 +237,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         _check_lookahead_options(self.planner_options)
         self.cache_plan: Optional[Any] = None
         self.optimizer = optimizer
+        # the optimizer the model declares on the cached tables where the sharder's ``optimizer`` replaced another
+        self.overridden_optimizer: Optional[CacheOptimizerConfig] = None
         self.stores = dict(stores or {})
         self.store_dir = store_dir
         self.keep_stores = bool(keep_stores)
@@ -430,7 +434,16 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         Raises:
             ConfigError: none is given, or the tables declare several.
         """
-        optimizer = self.optimizer or cache_optimizer_from_module(module, cached)
+        declared = cache_optimizer_from_module(module, cached)
+        if self.optimizer is not None and declared is not None:
+            if dataclasses.replace(declared, kernel=self.optimizer.kernel) != self.optimizer:
+                self.overridden_optimizer = declared
+                log.warning(
+                    "the sharder's optimizer replaces the one the model declares on its cached tables (%s): they "
+                    "train with the sharder's, unlike resident training of this model; drop one of the two",
+                    optimizer_differences(self.optimizer, declared),
+                )
+        optimizer = self.optimizer or declared
         if optimizer is None:
             fp = dict(self.fused_params or {})
             if "optimizer" not in fp:
