@@ -93,6 +93,16 @@ def test_bad_settings_are_refused_before_anything_runs():
         LookaheadTrainPipeline(model, opt, torch.device("cpu"), horizon=4, prefetch_depth=5)
     with pytest.raises(ConfigError, match=r"policy must be one of 'belady'.* but got 'fifo'"):
         LookaheadTrainPipeline(model, opt, torch.device("cpu"), policy="fifo")
+    # the loader's options, as LookaheadDataModule checks them (queue_depth was not checked; the others only
+    # with cached tables)
+    for kw, match in (
+        ({"queue_depth": 0}, "queue_depth must be an integer >= 1"),
+        ({"stop_timeout_s": 0}, "stop_timeout_s > 0"),
+        ({"stop_timeout_s": "1"}, "stop_timeout_s > 0"),
+        ({"planner_nice": 25}, "planner_nice in \\[0, 19\\]"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            LookaheadTrainPipeline(model, opt, torch.device("cpu"), **kw)  # type: ignore[arg-type]
 
 
 @pytest.mark.distributed

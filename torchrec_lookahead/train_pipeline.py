@@ -42,7 +42,7 @@ from torchrec_lookahead.distributed import ShardedLookaheadCollection
 from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.oracle import LookaheadSettings, Policy
 from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_DEPTH
-from torchrec_lookahead.runtime import CacheSession, LookaheadBatch, LookaheadLoader
+from torchrec_lookahead.runtime import CacheSession, LookaheadBatch, LookaheadLoader, check_loader_options
 
 __all__ = ["LookaheadTrainPipeline"]
 
@@ -71,7 +71,7 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         ways: associativity of the ``window`` policy.
         stop_timeout_s: with several ranks, how long a rank that stops waits for the others to join the planner's
             last id all-gather before it gives up with a :class:`~torchrec_lookahead.errors.SetupError`.
-        planner_nice: nice value of the planner thread (0 to 19; see
+        planner_nice: nice value of the reader and planner threads (0 to 19; see
             :class:`~torchrec_lookahead.data.LookaheadDataModule`).
 
     Raises:
@@ -142,6 +142,9 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         planner_nice: int = 19,
     ) -> None:
         settings = LookaheadSettings(horizon, prefetch_depth, policy, window, ways)
+        queue_depth, stop_timeout_s, planner_nice = check_loader_options(
+            queue_depth, stop_timeout_s, planner_nice
+        )
         super().__init__(model, optimizer, device)
         self._batches: Optional[Iterator[Batch]] = None
         #: the iterator of the cached stream in progress, and one a close() left mid-stream (read ahead of training:

@@ -71,8 +71,9 @@ def test_cache_monitor_logs_the_counters_deltas_through_lightning(tmp_path):
 
 
 def test_cache_monitor_validates_its_argument():
-    with pytest.raises(ConfigError, match="positive integer"):
-        CacheMonitor(log_every_n_steps=0)
+    for bad in (0, 2.5, True):  # a fraction or a bool was taken (the period rounded, or 1)
+        with pytest.raises(ConfigError, match="positive integer"):
+            CacheMonitor(log_every_n_steps=bad)  # type: ignore[arg-type]
 
 
 def test_samples_of_dict_batches_are_counted_through_the_datamodule_s_adapter():

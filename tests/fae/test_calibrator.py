@@ -263,6 +263,9 @@ def test_bad_budgets_and_fractions() -> None:
         calibrate(ds, ds.num_embeddings_per_feature(), _cfg(hot_budget_bytes=100))
     with pytest.raises(ConfigError, match="optimizer"):
         _cfg(optimizer="lamb")
+    for key, bad in (("num_chunks", 2.5), ("num_chunks", 1), ("chunk_rows", 1.5), ("chunk_rows", 0)):
+        with pytest.raises(ConfigError, match=key):
+            _cfg(**{key: bad})
 
 
 def test_empty_dataset_and_bad_ids() -> None:

@@ -116,8 +116,9 @@ def test_bad_arguments_and_setup() -> None:
         HotColdScheduler(initial_rate=0)
     with pytest.raises(ConfigError, match="rate"):
         HotColdScheduler(initial_rate=150)
-    with pytest.raises(ConfigError, match="patience"):
-        HotColdScheduler(patience=0)
+    for bad in (0, 1.5, True):  # 1.5 was cut to 1
+        with pytest.raises(ConfigError, match="patience"):
+            HotColdScheduler(patience=bad)  # type: ignore[arg-type]
     trainer = SimpleNamespace(datamodule=SimpleNamespace(), current_epoch=0)
     with pytest.raises(SetupError, match="HotColdDataModule"):
         HotColdScheduler().on_train_epoch_start(trainer, _MODULE)  # type: ignore[arg-type]

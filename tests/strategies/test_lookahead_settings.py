@@ -25,6 +25,27 @@ def test_the_sharder_takes_the_loader_settings_planner_options_leave_out():
     }
 
 
+def test_the_window_policys_window_and_ways_reach_the_planners_oracle():
+    """The budget planner sized a ``window``-policy cache for the oracle's default window and ways (8 and 8), not
+    the ones the loader plans with; a value ``oracle_options`` gives otherwise is refused, naming both."""
+    settings = LookaheadSettings(horizon=16, policy="window", window=3, ways=2)
+    sharder = LookaheadEmbeddingBagCollectionSharder(
+        device_budget_bytes=1 << 20, planner_options={"oracle_options": {"window": 3}}
+    )
+    sharder.use_lookahead_settings(settings, "LookaheadDataModule")
+    assert sharder.planner_options["oracle_options"] == {"window": 3, "ways": 2}
+    other = LookaheadEmbeddingBagCollectionSharder(
+        device_budget_bytes=1 << 20, planner_options={"oracle_options": {"ways": 8}}
+    )
+    with pytest.raises(
+        ConfigError, match="oracle_options ways=8 .* differs from ways=2 of LookaheadDataModule"
+    ):
+        other.use_lookahead_settings(settings, "LookaheadDataModule")
+    belady = LookaheadEmbeddingBagCollectionSharder(device_budget_bytes=1 << 20)
+    belady.use_lookahead_settings(LookaheadSettings(horizon=16), "LookaheadDataModule")
+    assert "oracle_options" not in belady.planner_options
+
+
 @pytest.mark.parametrize(
     "given, expected",
     [

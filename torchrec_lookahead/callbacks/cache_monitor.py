@@ -42,6 +42,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
+from torchrec_lookahead._checks import is_int
 from torchrec_lookahead.data import batch_adapter_of, trainer_datamodules
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.runtime import CacheHost, CacheSession, CacheStats
@@ -91,9 +92,9 @@ class CacheMonitor(Callback):
     """
 
     def __init__(self, log_every_n_steps: Optional[int] = None) -> None:
-        if log_every_n_steps is not None and log_every_n_steps < 1:
+        if log_every_n_steps is not None and (not is_int(log_every_n_steps) or log_every_n_steps < 1):
             raise ConfigError(
-                f"Expected log_every_n_steps to be a positive integer but got {log_every_n_steps}"
+                f"Expected log_every_n_steps to be a positive integer but got {log_every_n_steps!r}"
             )
         self.log_every_n_steps = log_every_n_steps
         self._last = CacheStats()

@@ -15,7 +15,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from torchrec_lookahead._checks import check_int
 from torchrec_lookahead.data.rank_split import split_for_ranks
 from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError
@@ -26,7 +25,7 @@ from torchrec_lookahead.runtime import (
     CacheSession,
     CapacityCheck,
     LookaheadLoader,
-    check_nice,
+    check_loader_options,
     prescan,
 )
 from torchrec_lookahead.runtime.adapter import BatchAdapter
@@ -94,8 +93,8 @@ class LookaheadDataModule(WrappedDataModule):
         stop_timeout_s: with several ranks, how long a rank that stopped training waits for the others to join
             the planner's last id all-gather (and the stager's last row gather over row-sharded stores) before
             it gives up with a typed error (a peer failed).
-        planner_nice: how much lower the planner thread runs than training (Linux nice value, 0 to 19;
-            default 19, 0 leaves it alone). The planner reads and plans batches ahead, so it only has to keep
+        planner_nice: how much lower the reader and planner threads run than training (Linux nice value, 0 to
+            19; default 19, 0 leaves them alone). They read and plan batches ahead, so they only have to keep
             up on average; at lower priority it takes the CPU time training leaves, instead of preempting
             the training thread or its OpenMP workers in the middle of a parallel operator (measured in
             ``docs/benchmarks.md``).
@@ -137,19 +136,17 @@ class LookaheadDataModule(WrappedDataModule):
                 "BatchAdapter(split=<batch -> (dense, KJT, labels)>)"
             )
         self.batch_adapter = batch_adapter
-        self.planner_nice = check_nice(planner_nice)
+        self.queue_depth, self.stop_timeout_s, self.planner_nice = check_loader_options(
+            queue_depth, stop_timeout_s, planner_nice
+        )
         if capacity_check not in (CapacityCheck.EPOCH, CapacityCheck.LOOKAHEAD):
             raise ConfigError(f"Expected capacity_check 'epoch' or 'lookahead' but got {capacity_check!r}")
         #: the most batches the ``"epoch"`` pre-scan reads, and its time bound in seconds (``None``: no bound)
         self.capacity_check_batches, self.capacity_check_seconds = check_scan_bounds(
             capacity_check_batches, capacity_check_seconds
         )
-        if not stop_timeout_s > 0:
-            raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s}")
-        self.stop_timeout_s = float(stop_timeout_s)
         #: the oracle's horizon, prefetch depth and policy, validated once (the loader plans with them)
         self.settings = LookaheadSettings(horizon, prefetch_depth, policy, window, ways)
-        self.queue_depth = check_int("queue_depth", queue_depth, 1, "give the planned batches kept ready")
         self.capacity_check = CapacityCheck(capacity_check)
         #: the training loader: a LookaheadLoader, or FAE's loader of pinned rows around one
         self.loader: Optional[CachedTrainingLoader] = None

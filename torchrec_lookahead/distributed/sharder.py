@@ -283,8 +283,9 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
     def use_lookahead_settings(self, settings: LookaheadSettings, owner: str) -> None:
         """Size the caches for the horizon, prefetch depth and policy the loader plans with (``settings``, of
-        ``owner``, e.g. the ``LookaheadDataModule``): those ``planner_options`` leaves out are taken from
-        ``settings``, and those it gives must equal them. The ``torchrec`` strategy calls it before planning.
+        ``owner``, e.g. the ``LookaheadDataModule``), and the ``window`` policy's ``window`` and ``ways`` (into
+        ``planner_options["oracle_options"]``): those ``planner_options`` leaves out are taken from ``settings``,
+        and those it gives must equal them. The ``torchrec`` strategy calls it before planning.
 
         Raises:
             ConfigError: ``planner_options`` gives a value that differs from the loader's; the message names both.
@@ -295,6 +296,10 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             >>> sharder.use_lookahead_settings(LookaheadSettings(horizon=32), "LookaheadDataModule")
             >>> sharder.planner_options["horizon"], sharder.planner_options["policy"]
             (32, 'belady')
+            >>> cdlrm = LookaheadEmbeddingBagCollectionSharder(device_budget_bytes=1 << 20)
+            >>> cdlrm.use_lookahead_settings(LookaheadSettings(32, policy="window", ways=4), "LookaheadDataModule")
+            >>> cdlrm.planner_options["policy"], cdlrm.planner_options["oracle_options"]
+            ('window', {'ways': 4})
         """
         loader: Dict[str, Union[int, str]] = {
             "horizon": settings.horizon,
@@ -312,6 +317,19 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                     f"{owner}: the caches would be sized for one {key} and trained with the other; state it once, "
                     f"in {owner}, and drop it from planner_options (or make the two equal)"
                 )
+        # the window policy's window and ways reach the planner's oracle too
+        window = {k: v for k, v in (("window", settings.window), ("ways", settings.ways)) if v is not None}
+        if window:
+            oracle = dict(self.planner_options.get("oracle_options") or {})
+            for key, value in window.items():
+                given = oracle.setdefault(key, value)
+                if given != value:
+                    raise ConfigError(
+                        f"planner_options oracle_options {key}={given!r} of {type(self).__name__} differs from "
+                        f"{key}={value!r} of {owner}: the caches would be sized for one {key} and trained with the "
+                        f"other; state it once, in {owner}"
+                    )
+            self.planner_options["oracle_options"] = oracle
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         """TorchRec's kernels, and inside :func:`lookahead_planning` the cache's for data-parallel tables.

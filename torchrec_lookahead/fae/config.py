@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from torchrec_lookahead._checks import is_int
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.optim import EmbeddingOptimizerName
 
@@ -89,12 +90,13 @@ class CalibrationConfig:
                 f"Expected sample_fraction in (0, 1] but got {self.sample_fraction}; e.g. 0.05 samples 5 % "
                 "of the training batches"
             )
-        if self.num_chunks < 2:
+        if not is_int(self.num_chunks) or self.num_chunks < 2:
             raise ConfigError(
-                f"Expected num_chunks >= 2 (a t-interval needs two chunks) but got {self.num_chunks}"
+                f"Expected num_chunks to be an integer >= 2 (a t-interval needs two chunks) but got "
+                f"{self.num_chunks!r}"
             )
-        if self.chunk_rows < 1:
-            raise ConfigError(f"Expected chunk_rows to be a positive integer but got {self.chunk_rows}")
+        if not is_int(self.chunk_rows) or self.chunk_rows < 1:
+            raise ConfigError(f"Expected chunk_rows to be a positive integer but got {self.chunk_rows!r}")
         if self.box_tolerance is not None and (
             isinstance(self.box_tolerance, bool)
             or not isinstance(self.box_tolerance, (int, float))

@@ -37,6 +37,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from torchrec_lookahead._checks import is_int
 from torchrec_lookahead.data.lookahead import LookaheadDataModule
 from torchrec_lookahead.data.wrapper import trainer_datamodules
 from torchrec_lookahead.errors import ConfigError, SetupError
@@ -64,8 +65,8 @@ class RateRule:
     def __init__(self, rate: float = 50.0, patience: int = 4) -> None:
         if not (0.0 < float(rate) <= 100.0):
             raise ConfigError(f"Expected the rate in (0, 100] percent but got {rate}; FAE starts at 50")
-        if patience < 1:
-            raise ConfigError(f"Expected patience to be a positive integer but got {patience}")
+        if not is_int(patience) or patience < 1:
+            raise ConfigError(f"Expected patience to be a positive integer but got {patience!r}")
         self.rate = float(rate)
         self.patience = int(patience)
         self.last_loss: Optional[float] = None

@@ -5,7 +5,7 @@ capacity pre-scan (:func:`prescan`) and the adapters that read batches other tha
 top-down.
 """
 
-from torchrec_lookahead.runtime._threads import LoaderStats, check_nice
+from torchrec_lookahead.runtime._threads import LoaderStats, check_loader_options, check_nice
 from torchrec_lookahead.runtime.adapter import BatchAdapter, DictBatchAdapter
 from torchrec_lookahead.runtime.batch import LookaheadBatch
 from torchrec_lookahead.runtime.capacity import CapacityCheck
@@ -28,5 +28,6 @@ __all__ = [
     "PreScan",
     "BatchAdapter",
     "DictBatchAdapter",
+    "check_loader_options",
     "check_nice",
 ]

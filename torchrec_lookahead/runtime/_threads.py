@@ -12,19 +12,27 @@ Example:
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import queue
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
-from torchrec_lookahead._checks import is_int
+from torchrec_lookahead._checks import check_int, is_int
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["single_threaded_ops", "lower_thread_priority", "check_nice", "ApplyProgress", "LoaderStats"]
+__all__ = [
+    "single_threaded_ops",
+    "lower_thread_priority",
+    "check_nice",
+    "check_loader_options",
+    "ApplyProgress",
+    "LoaderStats",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,29 @@ def check_nice(nice: int) -> int:
     if not is_int(nice) or not 0 <= int(nice) <= 19:
         raise ConfigError(f"Expected planner_nice in [0, 19] but got {nice!r}")
     return int(nice)
+
+
+def check_loader_options(
+    queue_depth: int, stop_timeout_s: float, planner_nice: int
+) -> Tuple[int, float, int]:
+    """The lookahead loader's ``queue_depth`` (an integer >= 1), ``stop_timeout_s`` (a number > 0) and
+    ``planner_nice`` (:func:`check_nice`), as ``LookaheadDataModule`` and ``LookaheadTrainPipeline`` take them.
+
+    Raises:
+        ConfigError: one is out of its range.
+
+    Example:
+        >>> check_loader_options(8, 60, 19)
+        (8, 60.0, 19)
+    """
+    depth = check_int("queue_depth", queue_depth, 1, "give the planned batches kept ready")
+    if (
+        isinstance(stop_timeout_s, bool)
+        or not isinstance(stop_timeout_s, numbers.Real)
+        or not stop_timeout_s > 0
+    ):
+        raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s!r}")
+    return depth, float(stop_timeout_s), check_nice(planner_nice)
 
 
 def lower_thread_priority(nice: int) -> None:

@@ -2,7 +2,8 @@
 
 What this adds to Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`:
 
-* the LightningModule's sharded submodule (``module_name``, default ``"model"``) is wrapped in
+* the LightningModule's sharded submodule (``module_name``; by default the child module holding the embedding
+  tables) is wrapped in
   :class:`~torchrec.distributed.DistributedModelParallel` with the configured sharders and planner, and the
   LightningModule is *not* wrapped in DDP a second time (DMP already data-parallelises the dense part);
 * the module is sharded for ``validate``/``test``/``predict`` too, not only for ``fit``;
