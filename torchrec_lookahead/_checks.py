@@ -12,12 +12,15 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import numbers
 import os
-from typing import Dict, Mapping, Type, TypeVar, Union, cast
+from typing import Any, Dict, Mapping, Type, TypeVar, Union, cast
 
-from torchrec_lookahead.errors import ConfigError
+import numpy as np
+
+from torchrec_lookahead.errors import ConfigError, first_line
 
 __all__ = [
     "is_int",
@@ -27,9 +30,12 @@ __all__ = [
     "check_choice",
     "check_output_file",
     "check_dir",
+    "check_bool",
+    "check_dataclass",
 ]
 
 E = TypeVar("E", bound=enum.Enum)
+D = TypeVar("D")
 
 
 def is_int(value: object) -> bool:
@@ -189,3 +195,65 @@ def check_dir(name: str, path: object) -> str:
         )
     _check_writable(name, path, existing)
     return path
+
+
+def check_bool(name: str, value: object, fix: str) -> bool:
+    """``value`` as a ``bool``: ``True`` or ``False`` (or a NumPy bool). A string such as ``"false"`` is refused,
+    not read as true.
+
+    Raises:
+        ConfigError: ``value`` is anything else; the message names ``name``, the value and ``fix``.
+
+    Example:
+        >>> check_bool("keep_stores", False, "give True or False")
+        False
+        >>> check_bool("keep_stores", "false", "give True or False")
+        Traceback (most recent call last):
+        ...
+        torchrec_lookahead.errors.ConfigError: keep_stores must be True or False but got 'false'; give True or False
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ConfigError(f"{name} must be True or False but got {value!r}; {fix}")
+
+
+def check_dataclass(name: str, value: object, cls: Type[D]) -> D:
+    """``value`` as a ``cls`` (a dataclass): an instance as it is, or a mapping of its fields to values, built
+    the way a config file's ``{key: value}`` is (``cls(**value)``).
+
+    Raises:
+        ConfigError: ``value`` is neither, a key is no field of ``cls``, a ``float`` field is given no number,
+            or ``cls`` refuses the values; the message names ``name``, the value and the allowed keys.
+
+    Example:
+        >>> from torchrec_lookahead.optim import DenseOptimizerSpec
+        >>> check_dataclass("dense_optimizer", {"name": "sgd", "lr": 0.1}, DenseOptimizerSpec)
+        DenseOptimizerSpec(name='sgd', lr=0.1, kwargs={})
+        >>> check_dataclass("dense_optimizer", {"name": "sgd", "learning_rate": 0.1}, DenseOptimizerSpec)
+        Traceback (most recent call last):
+        ...
+        torchrec_lookahead.errors.ConfigError: dense_optimizer has unknown keys ['learning_rate']; its keys are ...
+    """
+    if isinstance(value, cls):
+        return value
+    fields = [f for f in dataclasses.fields(cast(Any, cls)) if f.init]
+    allowed = [f.name for f in fields]
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"{name} must be {cls.__name__}(...) or a dict of its keys {allowed} but got {value!r}; "
+            f"e.g. {name}={{{allowed[0]!r}: ...}}"
+        )
+    unknown = sorted(repr(k) if not isinstance(k, str) else k for k in value if k not in allowed)
+    if unknown:
+        raise ConfigError(f"{name} has unknown keys {unknown}; its keys are {allowed} ({cls.__name__})")
+    for f in fields:
+        given = value.get(f.name)
+        if f.name in value and f.type in (float, "float"):
+            if not isinstance(given, numbers.Real) or isinstance(given, bool):
+                raise ConfigError(f"{name} {f.name} must be a number but got {given!r}; e.g. {f.default!r}")
+    try:
+        return cls(**value)
+    except ConfigError as e:
+        raise ConfigError(f"{name}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name} {dict(value)!r} is not a valid {cls.__name__}: {first_line(e)}") from None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import logging
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Union
 
@@ -35,7 +36,15 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from torchrec_lookahead._checks import check_bytes, check_choice, check_dir, check_int, is_int
+from torchrec_lookahead._checks import (
+    check_bool,
+    check_bytes,
+    check_choice,
+    check_dataclass,
+    check_dir,
+    check_int,
+    is_int,
+)
 from torchrec_lookahead.distributed._capacity import plan_capacity
 from torchrec_lookahead.distributed._groups import CacheGroups
 from torchrec_lookahead.distributed._optimizers import (
@@ -108,10 +117,10 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device_budget_bytes: instead of ``capacity``, a device memory budget: the ``torchrec`` strategy runs
             the :class:`~torchrec_lookahead.distributed.planner.LookaheadPlanner` on sampled training batches
             to choose resident tables and cache sizes (:meth:`plan_capacity`).
-        planner_options: keyword arguments of the planner (``num_sample_batches``, ...). Its ``horizon``,
-            ``prefetch_depth`` and ``policy`` are the loader's: under the ``torchrec`` strategy those of the
-            ``LookaheadDataModule`` (:meth:`use_lookahead_settings`); state them there, once (given here too,
-            they must be equal).
+        planner_options: keyword arguments of the planner (``num_sample_batches``, ...; another key is
+            refused). Its ``horizon``, ``prefetch_depth`` and ``policy`` are the loader's: under the ``torchrec``
+            strategy those of the ``LookaheadDataModule`` (:meth:`use_lookahead_settings`); state them there,
+            once (given here too, they must be equal).
         cache_layout: ``"pooled"`` (default): the cached tables of one kernel and dimension share one cache of
             the sum of their capacities, planned jointly, so rows go to whichever table the stream reads next;
             ``"per_table"``: every cached table keeps its own ``capacity`` rows
@@ -145,8 +154,9 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         seed: seed of the initial table values (identical to a resident model initialised with
             :func:`~torchrec_lookahead.modules.init_embedding_bag_tables_` and the same seed); default: the
             ``torchrec`` strategy's ``init_seed``, else 0.
-        optimizer: the cache's fused optimizer; by default the one declared on the table parameters with
-            ``apply_optimizer_in_backward``, else ``fused_params``.
+        optimizer: the cache's fused optimizer (a :class:`~torchrec_lookahead.modules.CacheOptimizerConfig`, or a
+            dict of its fields: ``{"optimizer": "rowwise_adagrad", "learning_rate": 0.05}``); by default the one
+            declared on the table parameters with ``apply_optimizer_in_backward``, else ``fused_params``.
         cdlrm_average_every: with several ranks, cDLRM's scheme instead of LRPP: each rank updates its cache
             replica with its own gradients only, and the replicas (rows and optimizer state) are averaged every
             this many steps, before evictions (use the ``window`` policy with ``window`` a multiple of it;
@@ -193,6 +203,10 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
         cache_layout: Union[CacheLayout, str] = CacheLayout.POOLED,
     ) -> None:
+        # a dict is built into the config as a config file's {optimizer: ..., learning_rate: ...} is
+        optimizer = (
+            None if optimizer is None else check_dataclass("optimizer", optimizer, CacheOptimizerConfig)
+        )
         if fused_params is None and optimizer is not None:
             fused_params = optimizer.fused_params()
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
@@ -230,10 +244,18 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             )
         self.store_sharding = StoreSharding(store_sharding or StoreSharding.HOST)
         self._groups = CacheGroups()
-        self.delayed_sync = bool(delayed_sync)
-        self.fuse_resident = None if fuse_resident is None else bool(fuse_resident)
+        self.delayed_sync = check_bool(
+            "delayed_sync", delayed_sync, "the default True syncs in the background"
+        )
+        self.fuse_resident = (
+            None
+            if fuse_resident is None
+            else check_bool(
+                "fuse_resident", fuse_resident, "or None (the default) to fuse where that is exact"
+            )
+        )
         self.device_budget_bytes = device_budget_bytes
-        self.planner_options = dict(planner_options or {})
+        self.planner_options = _check_planner_options(planner_options)
         _check_lookahead_options(self.planner_options)
         self.cache_plan: Optional[Any] = None
         self.optimizer = optimizer
@@ -241,7 +263,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self.overridden_optimizer: Optional[CacheOptimizerConfig] = None
         self.stores = dict(stores or {})
         self.store_dir = store_dir
-        self.keep_stores = bool(keep_stores)
+        self.keep_stores = check_bool("keep_stores", keep_stores, "the default False removes the stores")
         self.store_kind = store_kind(store, store_dir, host_budget_bytes, disk_options)
         self.host_budget_bytes = host_budget_bytes
         self.disk_options = dict(disk_options or {})
@@ -507,6 +529,27 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if why is not None:
             log.info("resident tables stay in TorchRec's sharded module: %s", why)
         return why is None
+
+
+def _check_planner_options(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """``planner_options`` as a dict, its keys :class:`~torchrec_lookahead.distributed.planner.LookaheadPlanner`'s
+    arguments (but ``device_budget_bytes``: the sharder's own)."""
+    from torchrec_lookahead.distributed.planner import LookaheadPlanner
+
+    allowed = [p for p in inspect.signature(LookaheadPlanner).parameters if p != "device_budget_bytes"]
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(
+            f"planner_options must be a dict of LookaheadPlanner arguments {allowed} but got {options!r}"
+        )
+    unknown = sorted(str(k) for k in options if k not in allowed)
+    if unknown:
+        extra = "; give device_budget_bytes to the sharder itself" if "device_budget_bytes" in unknown else ""
+        raise ConfigError(
+            f"planner_options has unknown keys {unknown}; LookaheadPlanner takes {allowed}{extra}"
+        )
+    return dict(options)
 
 
 def _check_lookahead_options(options: Mapping[str, Any]) -> None:

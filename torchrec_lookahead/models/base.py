@@ -12,7 +12,9 @@ for all.
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional
+import os
+from pathlib import Path
+from typing import IO, Any, Dict, List, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -26,7 +28,8 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from typing_extensions import override
 
-from torchrec_lookahead.errors import ConfigError, SetupError
+from torchrec_lookahead._checks import check_dataclass
+from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.optim import DenseOptimizerSpec, EmbeddingOptimizerSpec, StepOnceCombinedOptimizer
 
 __all__ = ["TorchRecModule", "embedding_modules", "require_positive", "make_table_configs"]
@@ -102,8 +105,14 @@ class TorchRecModule(pl.LightningModule, abc.ABC):
         num_embeddings_per_feature: rows of each sparse feature's table (the CLI links it from the data).
         num_dense_features: dense inputs per sample (linked from the data by the CLI).
         embedding_dim: embedding width.
-        embedding_optimizer: the embedding tables' optimizer.
-        dense_optimizer: the dense layers' optimizer.
+        embedding_optimizer: the embedding tables' optimizer: an
+            :class:`~torchrec_lookahead.optim.EmbeddingOptimizerSpec`, or a dict of its fields as a config
+            writes it (``{"name": "rowwise_adagrad", "lr": 0.05}``).
+        dense_optimizer: the dense layers' optimizer: a :class:`~torchrec_lookahead.optim.DenseOptimizerSpec`,
+            or a dict of its fields (``{"name": "adagrad", "lr": 0.05}``).
+
+    Raises:
+        ConfigError: an optimizer is neither, or its dict has a key the spec does not (the message lists them).
 
     Attributes:
         output_is_probability: ``True`` where the TorchRec model ends in a sigmoid (its output is a
@@ -130,14 +139,53 @@ class TorchRecModule(pl.LightningModule, abc.ABC):
         require_positive(num_dense_features=num_dense_features, embedding_dim=embedding_dim)
         self.tables = make_table_configs(dict(num_embeddings_per_feature), embedding_dim)
         self.num_dense_features = num_dense_features
-        self.embedding_optimizer = embedding_optimizer or EmbeddingOptimizerSpec()
-        self.dense_optimizer = dense_optimizer or DenseOptimizerSpec()
+        # a dict is built into its spec as a config's {name: ..., lr: ...} is
+        self.embedding_optimizer: EmbeddingOptimizerSpec = (
+            EmbeddingOptimizerSpec()
+            if embedding_optimizer is None
+            else check_dataclass("embedding_optimizer", embedding_optimizer, EmbeddingOptimizerSpec)
+        )
+        self.dense_optimizer: DenseOptimizerSpec = (
+            DenseOptimizerSpec()
+            if dense_optimizer is None
+            else check_dataclass("dense_optimizer", dense_optimizer, DenseOptimizerSpec)
+        )
         self.model: Optional[nn.Module] = None
         self.loss_fn: nn.Module = nn.BCELoss() if self.output_is_probability else nn.BCEWithLogitsLoss()
         self.val_auc = torchmetrics.classification.BinaryAUROC()
         self.test_auc = torchmetrics.classification.BinaryAUROC()
         self.val_logloss = torchmetrics.MeanMetric()
         self.test_logloss = torchmetrics.MeanMetric()
+
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: Union[str, Path, IO],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning's :meth:`~lightning.pytorch.core.LightningModule.load_from_checkpoint`, for a checkpoint
+        file. A checkpoint of ``strategy='torchrec'`` is a directory (``torch.distributed.checkpoint``, sharded):
+        export it to one file first (``python -m torchrec_lookahead export``), or resume from it with
+        ``Trainer.fit(..., ckpt_path=...)``.
+
+        Raises:
+            CheckpointError: ``checkpoint_path`` is a directory.
+        """
+        if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isdir(checkpoint_path):
+            path = os.fspath(checkpoint_path)
+            what = (
+                "a sharded checkpoint directory (torch.distributed.checkpoint, written by strategy='torchrec')"
+                if os.path.isfile(os.path.join(path, ".metadata"))
+                else "a directory, not a checkpoint file"
+            )
+            raise CheckpointError(
+                f"{cls.__name__}.load_from_checkpoint: {path!r} is {what}; export it to one file "
+                f"(`python -m torchrec_lookahead export --ckpt {path} --out model.ckpt`, or "
+                "torchrec_lookahead.export.export_checkpoint) and load that, or resume from it with "
+                "Trainer.fit(..., ckpt_path=...)"
+            )
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     @abc.abstractmethod
     def build_model(self, device: torch.device, dense_device: Optional[torch.device] = None) -> nn.Module:

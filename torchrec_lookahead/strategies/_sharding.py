@@ -84,13 +84,20 @@ def sharding_options(
     latter table-wise and row-wise by default), checked.
 
     Raises:
-        ConfigError: ``sharders`` is not a list, ``sharding_types`` a single string, or a kernel or sharding type
-            is not TorchRec's (the message lists TorchRec's).
+        ConfigError: ``sharders`` is not a list, or an item of it not a TorchRec ``ModuleSharder`` (a class path
+            string is a config's way of naming one: in Python pass the instance), ``sharding_types`` a single
+            string, or a kernel or sharding type is not TorchRec's (the message lists TorchRec's).
     """
     if sharders is not None and not isinstance(sharders, (list, tuple)):
         raise ConfigError(
             f"sharders must be a list of sharders but got {type(sharders).__name__}; wrap it: sharders=[...]"
         )
+    for i, sharder in enumerate(sharders or []):
+        if not isinstance(sharder, ModuleSharder):
+            raise ConfigError(
+                f"sharders[{i}] must be a TorchRec ModuleSharder but got {type(sharder).__name__} {sharder!r}; "
+                "pass an instance, e.g. LookaheadEmbeddingBagCollectionSharder(capacity={...})"
+            )
     if isinstance(sharding_types, str):
         raise ConfigError(
             f"sharding_types must be a list but got {sharding_types!r}; e.g. [{sharding_types!r}]"
