@@ -86,6 +86,25 @@ def test_an_iterator_whose_stream_was_closed_mid_way_is_refused_and_a_new_one_st
     pipeline.close()
 
 
+def test_another_iterator_in_the_middle_of_a_stream_is_refused_and_trains_after_a_reset(pg):
+    """``progress(iter(other))`` mid-stream kept training the first stream (its planned batches), never the new
+    data, without a word."""
+    _, pipeline, data = build(cached=True, steps=6)
+    it = iter(data)
+    pipeline.progress(it)
+    with pytest.raises(SetupError, match=r"another iterator while a stream is in progress.*call reset\(\)"):
+        pipeline.progress(iter(data))
+    pipeline.progress(it)  # the stream in progress goes on
+    pipeline.reset()
+    fresh = iter(data)
+    steps = 0
+    with pytest.raises(StopIteration):
+        while True:
+            pipeline.progress(fresh)
+            steps += 1
+    assert steps == 6
+
+
 def test_bad_settings_are_refused_before_anything_runs():
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

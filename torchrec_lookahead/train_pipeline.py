@@ -217,7 +217,15 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
 
         Raises:
             StopIteration: the stream has ended (the caches have been written back to the host stores).
+            SetupError: ``dataloader_iter`` is not the iterator of the stream in progress (call :meth:`reset`
+                first: the planner has read ahead of training from the stream's own iterator); nothing changes.
         """
+        if self._connected and self._source is not None and dataloader_iter is not self._source:
+            raise SetupError(
+                "progress() got another iterator while a stream is in progress: the cache's planner has read "
+                "batches ahead of training from the stream's own; call reset() (or close()) to end it first, "
+                "then pass the new iterator"
+            )
         try:
             return super().progress(dataloader_iter)
         except StopIteration:

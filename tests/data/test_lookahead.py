@@ -81,6 +81,33 @@ def test_unknown_table_in_capacity_is_refused(tmp_path):
         fit_cached(tmp_path, 2, capacity={"t_colour": 10})
 
 
+class _OneShot:
+    """A loader with ``len()`` that can be read once (a dataset over a generator or a queue)."""
+
+    def __init__(self, batches):
+        self._it, self._n = iter(list(batches)), len(batches)
+
+    def __len__(self):
+        return self._n
+
+    def __iter__(self):
+        return self._it
+
+
+def test_a_loader_that_cannot_be_read_twice_is_refused_at_the_end_of_its_stream(tmp_path, monkeypatch):
+    """The epoch's capacity check read the one pass such a loader gives, and training then read nothing: 0 steps
+    and exit 0, where a resident run trains the epoch."""
+    from torchrec_lookahead import DataError
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
+
+    plain = CriteoSyntheticDataModule.train_dataloader
+    monkeypatch.setattr(CriteoSyntheticDataModule, "train_dataloader", lambda self: _OneShot(plain(self)))
+    with pytest.raises(DataError, match="gave 0 batches where its pass for the capacity check gave 12"):
+        fit_cached(tmp_path / "a", 12)
+    trainer, _ = fit_cached(tmp_path / "b", 12, lookahead_kw={"capacity_check": "lookahead"})
+    assert trainer.global_step == 12  # read once, by training
+
+
 class _Boom(pl.Callback):
     def on_train_batch_end(self, trainer, *args):
         if trainer.global_step == 4:

@@ -194,8 +194,9 @@ class LookaheadDataModule(WrappedDataModule):
         check_cdlrm_schedule(self.policy.value, self.settings.window_length, target.average_every)
         if self.loader is not None:  # a reload: the previous loader's threads must not outlive it
             self.loader.close()
-        self._check_epoch(inner, session)
+        scanned = self._check_epoch(inner, session)
         self.loader = self._lookahead(inner, session)
+        self.loader.expected_batches = scanned
         return self.loader
 
     def _lookahead(
@@ -229,11 +230,12 @@ class LookaheadDataModule(WrappedDataModule):
         self.loader = source.pinned_loader(inner, session, self._lookahead, options)
         return self.loader
 
-    def _check_epoch(self, inner: Any, session: CacheSession) -> None:
-        """``capacity_check="epoch"``: fail before training if a window of the epoch does not fit (contract 2)."""
+    def _check_epoch(self, inner: Any, session: CacheSession) -> Optional[int]:
+        """``capacity_check="epoch"``: fail before training if a window of the epoch does not fit (contract 2).
+        Returns the epoch's batches where the check read the whole of it (``None`` otherwise)."""
         target = session.target
         if self.capacity_check is not CapacityCheck.EPOCH or self.policy is Policy.WINDOW:
-            return
+            return None
         try:
             len(inner)
         except TypeError:
@@ -241,7 +243,7 @@ class LookaheadDataModule(WrappedDataModule):
                 "LookaheadDataModule: the training loader has no len(), so its windows are checked as the oracle "
                 "reaches them (capacity_check='lookahead')"
             )
-            return
+            return None
 
         total = len(inner)
         bound = self.capacity_check_batches
@@ -275,6 +277,7 @@ class LookaheadDataModule(WrappedDataModule):
         lines = [f"{head}; the largest windows read need, of each cached table's rows:"]
         lines += [f"  {t}: {scan.need[t]:,} of {target.capacity[t]:,} cache rows" for t in sorted(scan.need)]
         report_text(self.trainer, "lookahead/capacity_check", "\n".join(lines))
+        return scan.batches if scan.ended else None
 
 
 def batch_adapter_of(datamodule: object) -> Optional[BatchAdapter]:

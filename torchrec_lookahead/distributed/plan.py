@@ -103,6 +103,44 @@ def embedding_table_configs(module: nn.Module) -> List[BaseEmbeddingConfig]:
 _COLLECTIONS = (EmbeddingBagCollection, EmbeddingCollection)
 
 
+def check_cached_features_unshared(module: nn.Module, cached: Mapping[str, int]) -> None:
+    """Refuse a feature that a cached table reads beside another table: the lookahead loader replaces a cached
+    table's feature values by cache slots in the batch, which every other reader of the feature would then read
+    as ids (wide & deep models with one ``item`` feature in two collections).
+
+    Raises:
+        ConfigError: such a feature; the message names it and its tables.
+
+    Example:
+        >>> from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+        >>> def ebc(name):
+        ...     table = EmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=10, feature_names=["item"])
+        ...     return EmbeddingBagCollection(tables=[table], device=torch.device("meta"))
+        >>> check_cached_features_unshared(nn.ModuleList([ebc("deep"), ebc("wide")]), {"deep": 5})
+        Traceback (most recent call last):
+        ...
+        torchrec_lookahead.errors.ConfigError: feature 'item' is read by the cached table 'deep' and by ['wide']: ...
+    """
+    readers: Dict[str, List[str]] = {}
+    for m in module.modules():
+        if isinstance(m, _COLLECTIONS):
+            for c in table_configs(m):
+                for f in c.feature_names or [c.name]:
+                    readers.setdefault(f, []).append(c.name)
+    for f, names in readers.items():
+        first = next((t for t in names if t in cached), None)
+        if first is None or len(names) == 1:
+            continue
+        others = list(names)
+        others.remove(first)
+        raise ConfigError(
+            f"feature {f!r} is read by the cached table {first!r} and by {others}: the cache hands a cached "
+            "table's feature to the model as cache slots, which the other tables would read as ids; give each "
+            f"of them a feature of its own (a copy of {f!r} under another key in the batch), or leave "
+            f"{first!r} resident"
+        )
+
+
 def _cache_sized(module: nn.Module, cached: Mapping[str, int]) -> nn.Module:
     tables = [
         dataclasses.replace(c, num_embeddings=min(int(cached[c.name]), c.num_embeddings))
@@ -172,6 +210,7 @@ def lookahead_sharding_plan(
             f"capacity of table {t!r} is {int(cached[t]):,} rows but the table has {rows[t]:,}; give at most "
             f"{rows[t]:,} (a cache of the whole table), or leave the table out of capacity to keep it resident"
         )
+    check_cached_features_unshared(module, cached)
     cons = dict(constraints or {})
     free = sorted(t for t in tables if t not in cached and t not in cons)
     if (

@@ -153,7 +153,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             Ignored with one rank.
         seed: seed of the initial table values (identical to a resident model initialised with
             :func:`~torchrec_lookahead.modules.init_embedding_bag_tables_` and the same seed); default: the
-            ``torchrec`` strategy's ``init_seed``, else 0.
+            ``torchrec`` strategy's ``init_seed``, else 0 (under the strategy, a seed unlike its ``init_seed``
+            is refused: the cached tables would start from other values than the resident ones).
         optimizer: the cache's fused optimizer (a :class:`~torchrec_lookahead.modules.CacheOptimizerConfig`, or a
             dict of its fields: ``{"optimizer": "rowwise_adagrad", "learning_rate": 0.05}``); by default the one
             declared on the table parameters with ``apply_optimizer_in_backward``, else ``fused_params``.

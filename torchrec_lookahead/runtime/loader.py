@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.distributed.lockstep import GatherStatus, IdGatherer, StageGathers
-from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
+from torchrec_lookahead.errors import CheckpointError, ConfigError, DataError, SetupError
 from torchrec_lookahead.modules import stage_rows
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle import (
@@ -133,6 +133,9 @@ class LookaheadLoader:
         self.disk_prefetch_depth = max((s.disk_prefetch_depth for s in target.stores.values()), default=0)
         self.queue_depth = max(queue_depth, prefetch_depth + 2, self.disk_prefetch_depth + 2)
         self._yielded = 0
+        #: the batches of a whole pass of the wrapped loader, where the capacity check read one (a stream that
+        #: ends with fewer is refused: the loader cannot be read twice)
+        self.expected_batches: Optional[int] = None
         self._resume_from = 0
         self._resume_state: Dict[str, Any] = {}
         self._source: Optional[Iterator[Any]] = None  # the wrapped loader's iterator, started by __iter__
@@ -268,6 +271,7 @@ class LookaheadLoader:
                 item = run.get()
                 self._count(LoaderStats(batch_wait_s=time.perf_counter() - t0))
                 if item is _END:
+                    self._check_whole_epoch()
                     return
                 if isinstance(item, BaseException):
                     raise item
@@ -277,6 +281,20 @@ class LookaheadLoader:
             self._stopped(run)
             if self._run is run:
                 self._run = None
+
+    def _check_whole_epoch(self) -> None:
+        """At the end of a stream: it gave as many batches as the whole pass of the capacity check did.
+
+        Raises:
+            DataError: fewer (a loader that cannot be read twice, such as a dataset wrapping a generator).
+        """
+        expected = self.expected_batches
+        if expected is not None and self._yielded < expected:
+            raise DataError(
+                f"the training loader gave {self._yielded} batches where its pass for the capacity check gave "
+                f"{expected}: it cannot be read twice (a dataset over a generator or a queue?); make its "
+                "__iter__ start the epoch again, or use LookaheadDataModule(capacity_check='lookahead')"
+            )
 
     def _start_source(self) -> Optional[Iterator[Any]]:
         """The wrapped loader's iterator with its first batch read (see :meth:`__iter__`); ``None`` for a loader

@@ -272,6 +272,12 @@ class TorchRecStrategy(DDPStrategy):
         for s in lookahead:
             if s.seed is None:
                 s.seed = self._init_seed or 0
+            elif self._init_seed is not None and s.seed != self._init_seed:
+                raise ConfigError(
+                    f"the sharder's seed={s.seed} differs from the strategy's init_seed={self._init_seed}: the cached "
+                    "tables would start from other values than the resident tables and than resident training of "
+                    "this model; state it once, as init_seed, and drop the sharder's seed (or make the two equal)"
+                )
         if plan is None and cached:
             plan = lookahead_sharding_plan(
                 module,
