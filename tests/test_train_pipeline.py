@@ -68,6 +68,16 @@ def test_eval_mode_is_refused_and_a_model_without_cached_tables_trains_as_under_
         pipeline.progress(it)
 
 
+def _steps_to_the_end(pipeline: LookaheadTrainPipeline, it) -> int:
+    """The steps ``pipeline`` trains from ``it`` until its stream ends."""
+    steps = 0
+    with pytest.raises(StopIteration):
+        while True:
+            pipeline.progress(it)
+            steps += 1
+    return steps
+
+
 def test_an_iterator_whose_stream_was_closed_mid_way_is_refused_and_a_new_one_starts_a_stream(pg):
     _, pipeline, data = build(cached=True, steps=6)
     it = iter(data)
@@ -76,13 +86,7 @@ def test_an_iterator_whose_stream_was_closed_mid_way_is_refused_and_a_new_one_st
     pipeline.close()  # the planner had read batches of `it` ahead of training: they went with the stream
     with pytest.raises(SetupError, match=r"closed mid-way.*pass a new iterator"):
         pipeline.progress(it)
-    fresh = iter(data)
-    steps = 0
-    with pytest.raises(StopIteration):
-        while True:
-            pipeline.progress(fresh)
-            steps += 1
-    assert steps == 6  # the whole stream, from the start
+    assert _steps_to_the_end(pipeline, iter(data)) == 6  # the whole stream, from the start
     pipeline.close()
 
 
@@ -96,13 +100,7 @@ def test_another_iterator_in_the_middle_of_a_stream_is_refused_and_trains_after_
         pipeline.progress(iter(data))
     pipeline.progress(it)  # the stream in progress goes on
     pipeline.reset()
-    fresh = iter(data)
-    steps = 0
-    with pytest.raises(StopIteration):
-        while True:
-            pipeline.progress(fresh)
-            steps += 1
-    assert steps == 6
+    assert _steps_to_the_end(pipeline, iter(data)) == 6
 
 
 def test_bad_settings_are_refused_before_anything_runs():
