@@ -81,6 +81,32 @@ def test_unknown_table_in_capacity_is_refused(tmp_path):
         fit_cached(tmp_path, 2, capacity={"t_colour": 10})
 
 
+def test_a_datamodule_with_batch_hooks_or_wrapped_twice_is_refused_and_the_wrapper_forwards_its_hooks():
+    """The wrapped DataModule's batch hooks were silently dropped in cached training (0.37 from resident), and a
+    LookaheadDataModule around another failed on the slots as out-of-range ids."""
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
+    from torchrec_lookahead.data.wrapper import WrappedDataModule
+
+    from ..conftest import tiny_data_args
+
+    class Hooked(CriteoSyntheticDataModule):
+        calls = 0
+
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            Hooked.calls += 1
+            return batch
+
+    hooked = Hooked(**tiny_data_args())
+    with pytest.raises(
+        ConfigError, match=r"Hooked overrides \['on_before_batch_transfer'\]: the lookahead cache"
+    ):
+        LookaheadDataModule(hooked)
+    plain = CriteoSyntheticDataModule(**tiny_data_args())
+    with pytest.raises(ConfigError, match="is a LookaheadDataModule already"):
+        LookaheadDataModule(LookaheadDataModule(plain))
+    assert WrappedDataModule(hooked).on_before_batch_transfer("batch", 0) == "batch" and Hooked.calls == 1
+
+
 class _OneShot:
     """A loader with ``len()`` that can be read once (a dataset over a generator or a queue)."""
 
@@ -106,6 +132,20 @@ def test_a_loader_that_cannot_be_read_twice_is_refused_at_the_end_of_its_stream(
         fit_cached(tmp_path / "a", 12)
     trainer, _ = fit_cached(tmp_path / "b", 12, lookahead_kw={"capacity_check": "lookahead"})
     assert trainer.global_step == 12  # read once, by training
+
+
+def test_a_list_of_training_loaders_is_refused_naming_it(tmp_path, monkeypatch):
+    """It failed with a DataError asking for a BatchAdapter, which cannot help."""
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
+
+    plain = CriteoSyntheticDataModule.train_dataloader
+    monkeypatch.setattr(
+        CriteoSyntheticDataModule, "train_dataloader", lambda self: [plain(self), plain(self)]
+    )
+    with pytest.raises(
+        ConfigError, match=r"train_dataloader\(\) returns a list of 2 loaders: the lookahead cache"
+    ):
+        fit_cached(tmp_path, 2)
 
 
 class _Boom(pl.Callback):

@@ -243,3 +243,37 @@ def test_a_sharder_seed_unlike_the_strategys_init_seed_is_refused(tmp_path):
     assert trainer.global_step == 1
     trainer, _ = fit_cached(tmp_path / "c", 1, sharder_kw={"seed": 3}, strategy_kw={"init_seed": None})
     assert trainer.global_step == 1  # TorchRec's random resident values: nothing to match
+
+
+def test_a_model_overriding_a_batch_hook_is_refused_for_cached_training(tmp_path):
+    """``on_after_batch_transfer`` saw cache slots where it expected ids (a hook re-hashing them trained 0.36 from
+    resident); one returning a new batch failed with a message blaming a missing LookaheadDataModule."""
+    from torchrec_lookahead.models import DLRMModule
+
+    class Hooked(DLRMModule):
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            return batch
+
+    with pytest.raises(
+        ConfigError, match=r"Hooked overrides \['on_after_batch_transfer'\]: with cached tables"
+    ):
+        fit_cached(tmp_path / "cached", 1, model_cls=Hooked)
+    trainer, _ = fit_cached(
+        tmp_path / "resident", 1, capacity={}, model_cls=Hooked
+    )  # nothing cached: the user's
+    assert trainer.global_step == 1
+
+
+def test_a_second_forward_of_the_cached_tables_in_a_step_is_named_as_such(tmp_path):
+    """Two passes of the batch in one training step (R-Drop, or a no_grad pass first) were refused with a message
+    saying to wrap the DataModule in LookaheadDataModule, which the user had done."""
+    from torchrec_lookahead.models import DLRMModule
+
+    class TwoPasses(DLRMModule):
+        def training_step(self, batch, batch_idx):
+            super().training_step(batch, batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(SetupError, match="A second training forward of the cached tables after the one that used "
+                                         "step 0's plan: a step's plan covers one forward"):  # fmt: skip
+        fit_cached(tmp_path, 1, model_cls=TwoPasses)

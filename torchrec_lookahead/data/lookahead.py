@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from torchrec_lookahead.data.rank_split import split_for_ranks
-from torchrec_lookahead.data.wrapper import WrappedDataModule
+from torchrec_lookahead.data.wrapper import WrappedDataModule, innermost_datamodule, overridden_batch_hooks
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.oracle import LookaheadSettings, Policy
 from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_DEPTH
@@ -129,6 +129,19 @@ class LookaheadDataModule(WrappedDataModule):
         batch_adapter: Optional[BatchAdapter] = None,
     ) -> None:
         super().__init__(datamodule)
+        if isinstance(datamodule, LookaheadDataModule):
+            raise ConfigError(
+                "datamodule is a LookaheadDataModule already: wrap the user's DataModule once (the outer one would "
+                "plan batches whose cached ids the inner one has made cache slots)"
+            )
+        hooks = overridden_batch_hooks(innermost_datamodule(datamodule), pl.LightningDataModule)
+        if hooks:
+            raise ConfigError(
+                f"{type(innermost_datamodule(datamodule)).__name__} overrides {hooks}: the lookahead cache plans the "
+                "batches its train_dataloader yields, and a hook that changed them after would train other ids "
+                "than the planned ones (they are cache slots by then); move what the hook does into the dataset "
+                "or the loader's collate_fn"
+            )
         if batch_adapter is not None and not isinstance(batch_adapter, BatchAdapter):
             raise ConfigError(
                 f"Expected batch_adapter to be a torchrec_lookahead.runtime.BatchAdapter (or DictBatchAdapter) but got "
@@ -186,6 +199,12 @@ class LookaheadDataModule(WrappedDataModule):
                 "LookaheadDataModule: the model has no cached tables; batches pass through unplanned"
             )
             return inner
+        if isinstance(inner, (list, tuple, dict)):
+            raise ConfigError(
+                f"{type(self.datamodule).__name__}.train_dataloader() returns a {type(inner).__name__} of "
+                f"{len(inner)} loaders: the lookahead cache plans one training stream; return one loader (over a "
+                "ConcatDataset of their datasets, say)"
+            )
         target = session.target
         if isinstance(self.datamodule, PinnedRowsSource):
             return self._pinned_loader(self.datamodule, inner, session)

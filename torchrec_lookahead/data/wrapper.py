@@ -2,20 +2,23 @@
 
 :class:`~torchrec_lookahead.data.LookaheadDataModule` (plans the cached tables ahead) and
 :class:`~torchrec_lookahead.fae.HotColdDataModule` (regroups samples into hot and cold mini-batches) both
-wrap a user's DataModule: everything but ``train_dataloader`` passes through to it, and the model's table
-sizes and dense width are read from it (the CLI links them).
+wrap a user's DataModule: everything but ``train_dataloader`` passes through to it (its batch hooks too), and
+the model's table sizes and dense width are read from it (the CLI links them).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["WrappedDataModule", "trainer_datamodules"]
+__all__ = ["WrappedDataModule", "trainer_datamodules", "overridden_batch_hooks", "innermost_datamodule"]
+
+#: Lightning's hooks around a batch's move to the device, which a DataModule and a LightningModule may override
+BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
 
 class WrappedDataModule(pl.LightningDataModule):
@@ -79,12 +82,44 @@ class WrappedDataModule(pl.LightningDataModule):
         return self.datamodule.predict_dataloader()
 
     @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return self.datamodule.on_before_batch_transfer(batch, dataloader_idx)
+
+    @override
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        return self.datamodule.transfer_batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return self.datamodule.on_after_batch_transfer(batch, dataloader_idx)
+
+    @override
     def state_dict(self) -> Dict[str, Any]:
         return {"datamodule": self.datamodule.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.datamodule.load_state_dict(state_dict.get("datamodule", {}))
+
+
+def innermost_datamodule(datamodule: pl.LightningDataModule) -> pl.LightningDataModule:
+    """The user's DataModule inside ``datamodule`` and the wrappers around it (itself when it wraps none)."""
+    while isinstance(datamodule, WrappedDataModule):
+        datamodule = datamodule.datamodule
+    return datamodule
+
+
+def overridden_batch_hooks(obj: object, base: type) -> List[str]:
+    """The batch hooks (:data:`BATCH_HOOKS`) that ``obj``'s class overrides from ``base``.
+
+    Example:
+        >>> class Casting(pl.LightningDataModule):
+        ...     def on_after_batch_transfer(self, batch, dataloader_idx):
+        ...         return batch
+        >>> overridden_batch_hooks(Casting(), pl.LightningDataModule)
+        ['on_after_batch_transfer']
+    """
+    return [h for h in BATCH_HOOKS if getattr(type(obj), h, None) is not getattr(base, h)]
 
 
 def trainer_datamodules(

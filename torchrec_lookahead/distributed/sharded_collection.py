@@ -392,11 +392,7 @@ class ShardedLookaheadCollection(
         if cache_kjt is not None:
             if self.training:
                 if self.cache.applied_plan is None:  # the cache's forward consumes it: one plan, one forward
-                    raise SetupError(
-                        "A training forward reached the lookahead cache without a plan for the step: wrap the "
-                        "DataModule in LookaheadDataModule and train with strategy='torchrec' (or call "
-                        "apply_plan() and feed slot-remapped features yourself)"
-                    )
+                    raise SetupError(_no_plan_message(self.cache.consumed_step))
                 outs.append(self.cache(cache_kjt))
             else:
                 if self.cache.applied_plan is not None:
@@ -446,3 +442,19 @@ def _select(kjt: KeyedJaggedTensor, keys: List[str]) -> KeyedJaggedTensor:
             "batch the features the model was built with"
         )
     return kjt.permute([index[k] for k in keys])
+
+
+def _no_plan_message(consumed_step: Optional[int]) -> str:
+    """Why a training forward reached the cache without a plan: a second forward after the one that used the
+    step's plan (``consumed_step``), or no plan at all."""
+    if consumed_step is not None:
+        return (
+            f"A second training forward of the cached tables after the one that used step {consumed_step}'s plan: "
+            "a step's plan covers one forward (two passes of the batch, as R-Drop or a no_grad pass first, look "
+            "the tables up once: call the embedding collection once and reuse its output)"
+        )
+    return (
+        "A training forward reached the lookahead cache without a plan for the step: wrap the DataModule in "
+        "LookaheadDataModule and train with strategy='torchrec' (or call apply_plan() and feed slot-remapped "
+        "features yourself)"
+    )

@@ -9,6 +9,7 @@ from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
@@ -29,6 +30,8 @@ __all__ = [
     "cpu_unfused_optimizer",
     "cpu_fuses",
     "check_cached_precision",
+    "check_cached_batch_hooks",
+    "seed_sharders",
     "sharding_options",
     "DistributedModelParallelKeys",
     "model_attribute",
@@ -126,18 +129,62 @@ def check_cached_precision(
             tables: those plugins convert every batch in place, and the cache's batches carry their plan
             unchanged (a ``-mixed`` precision trains them).
     """
-    from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
-
-    caches = any(
-        isinstance(s, LookaheadEmbeddingBagCollectionSharder)
-        and (s.capacity or s.device_budget_bytes is not None)
-        for s in sharders or []
-    )
-    if caches and isinstance(precision_plugin, (DoublePrecision, HalfPrecision)):
+    if _caches(sharders) and isinstance(precision_plugin, (DoublePrecision, HalfPrecision)):
         raise ConfigError(
             f"precision={precision} converts every batch in place, which the lookahead cache's planned "
             "batches do not allow; use 32-true, or bf16-mixed / 16-mixed (which train cached tables exactly)"
         )
+
+
+def check_cached_batch_hooks(
+    sharders: Optional[Sequence[ModuleSharder[nn.Module]]], lm: pl.LightningModule, fn: TrainerFn
+) -> None:
+    """Refuse a LightningModule that overrides a batch hook (``on_before_batch_transfer``,
+    ``transfer_batch_to_device``, ``on_after_batch_transfer``) when it is fitted (``fn``) and a lookahead sharder
+    caches tables (evaluation batches are not planned: its hooks are the user's there).
+
+    Raises:
+        ConfigError: such a hook: it would see (and could change) a planned batch, whose cached ids are cache
+            slots by then, or replace it by one without a plan.
+    """
+    from torchrec_lookahead.data.wrapper import overridden_batch_hooks
+
+    hooks = overridden_batch_hooks(lm, pl.LightningModule)
+    if hooks and fn == TrainerFn.FITTING and _caches(sharders):
+        raise ConfigError(
+            f"{type(lm).__name__} overrides {hooks}: with cached tables a training batch's cached ids are cache "
+            "slots when it reaches the hooks, planned steps ahead; move what the hook does into the dataset or "
+            "the loader's collate_fn (or training_step, for the dense features)"
+        )
+
+
+def seed_sharders(sharders: Sequence[Any], init_seed: Optional[int]) -> None:
+    """Give the lookahead ``sharders`` without a ``seed`` the strategy's ``init_seed`` (else 0).
+
+    Raises:
+        ConfigError: a sharder's own seed differs from ``init_seed``: the cached tables would start from other
+            values than the resident ones.
+    """
+    for s in sharders:
+        if s.seed is None:
+            s.seed = init_seed or 0
+        elif init_seed is not None and s.seed != init_seed:
+            raise ConfigError(
+                f"the sharder's seed={s.seed} differs from the strategy's init_seed={init_seed}: the cached tables "
+                "would start from other values than the resident tables and than resident training of this model; "
+                "state it once, as init_seed, and drop the sharder's seed (or make the two equal)"
+            )
+
+
+def _caches(sharders: Optional[Sequence[ModuleSharder[nn.Module]]]) -> bool:
+    """Whether a lookahead sharder of ``sharders`` caches tables."""
+    from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+
+    return any(
+        isinstance(s, LookaheadEmbeddingBagCollectionSharder)
+        and (s.capacity or s.device_budget_bytes is not None)
+        for s in sharders or []
+    )
 
 
 class DistributedModelParallelKeys(DistributedModelParallel):

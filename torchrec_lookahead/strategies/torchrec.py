@@ -65,11 +65,13 @@ from torchrec_lookahead.strategies._checkpoint_writer import PiecesWriter, write
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
 from torchrec_lookahead.strategies._sharding import (
     DistributedModelParallelKeys,
+    check_cached_batch_hooks,
     check_cached_precision,
     check_cpu_fused_optimizers,
     embedding_collections,
     init_resident_tables,
     model_attribute,
+    seed_sharders,
     sharding_options,
 )
 from torchrec_lookahead.strategies._signals import (
@@ -269,15 +271,7 @@ class TorchRecStrategy(DDPStrategy):
         cached = size_caches(lookahead, module, trainer, self.world_size)
         if self.root_device.type == "cpu" and self._compute_kernel == "fused":
             check_cpu_fused_optimizers(module, cached)  # the cache's kernel trains the cached tables
-        for s in lookahead:
-            if s.seed is None:
-                s.seed = self._init_seed or 0
-            elif self._init_seed is not None and s.seed != self._init_seed:
-                raise ConfigError(
-                    f"the sharder's seed={s.seed} differs from the strategy's init_seed={self._init_seed}: the cached "
-                    "tables would start from other values than the resident tables and than resident training of "
-                    "this model; state it once, as init_seed, and drop the sharder's seed (or make the two equal)"
-                )
+        seed_sharders(lookahead, self._init_seed)
         if plan is None and cached:
             plan = lookahead_sharding_plan(
                 module,
@@ -347,9 +341,7 @@ class TorchRecStrategy(DDPStrategy):
                 raise SetupError("a planned batch reached a strategy whose model has no cached tables")
             self._session.apply(batch)
         if isinstance(batch, LookaheadBatch):
-            batch = (
-                batch.user_batch()
-            )  # a batch read through a BatchAdapter goes back to the model's own type
+            batch = batch.user_batch()  # one read through a BatchAdapter: the model's own type again
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def _agree_on_sigterm(self, validating: bool) -> None:
@@ -460,6 +452,7 @@ class TorchRecStrategy(DDPStrategy):
         if self.model is None:
             raise SetupError("No model attached to the strategy")
         check_cached_precision(self._sharders, self.precision_plugin, trainer.precision)
+        check_cached_batch_hooks(self._sharders, self.model, trainer.state.fn)  # type: ignore[arg-type]
         self.precision_plugin.convert_module(self.model)
         self._shard_lightning_module()
         self._ensure_session()
