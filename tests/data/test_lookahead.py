@@ -318,6 +318,50 @@ def _late_window_capacity(table: str, batches: int, early: int):
     return cap
 
 
+def _late_ttl_capacity(table: str, batches: int, horizon: int, late: int) -> int:
+    """A capacity for ``table`` with which the ``ttl`` policy (horizon ``horizon``) first runs short at a batch
+    after ``late``: the oracle planning the tiny data alone, capacity by capacity."""
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
+    from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
+
+    from ..conftest import tiny_data_args
+
+    dm = CriteoSyntheticDataModule(**tiny_data_args(num_train_batches=batches))
+    dm.setup("fit")
+    stream = [{table: b.sparse_features[table[len("t_") :]].values()} for b in dm.train_dataloader()]
+    rows = dm.num_embeddings_per_feature[table[len("t_") :]]
+    for cap in range(1, rows):
+        config = OracleConfig(
+            capacity={table: cap}, num_embeddings={table: rows}, horizon=horizon, policy="ttl"
+        )
+        try:
+            list(LookaheadOracle(config).plan_stream(stream))
+        except CapacityError as e:
+            if e.batch is not None and e.batch > late:
+                return cap
+            continue
+        break
+    raise AssertionError("the data has no late ttl shortfall")
+
+
+def test_the_ttl_policys_own_need_is_checked_before_training(tmp_path):
+    """The epoch's check measured window working sets, which the ttl policy exceeds (it keeps a row while its next
+    use is within the horizon): a capacity the check passed ran short mid-epoch. The check now runs the loader's
+    oracle over the batches it reads."""
+    table, batches = "t_cat_15", 40
+    cap = _late_ttl_capacity(table, batches, horizon=8, late=20)
+    steps = []
+
+    class Count(pl.Callback):
+        def on_train_batch_start(self, *args):
+            steps.append(1)
+
+    with pytest.raises(CapacityError, match=rf"'{table}': policy 'ttl' needs \d+ cache rows at batch"):
+        fit_cached(tmp_path, batches, capacity={table: cap}, policy="ttl", data={"num_train_batches": batches},
+                   callbacks=[Count()])  # fmt: skip
+    assert steps == []
+
+
 @pytest.mark.parametrize("check, fails_before_training", [("epoch", True), ("lookahead", False)])
 def test_a_late_window_that_does_not_fit(tmp_path, check, fails_before_training):
     table, batches = "t_cat_11", 40

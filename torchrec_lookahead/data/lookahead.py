@@ -9,7 +9,7 @@ not slots.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
@@ -213,9 +213,8 @@ class LookaheadDataModule(WrappedDataModule):
         check_cdlrm_schedule(self.policy.value, self.settings.window_length, target.average_every)
         if self.loader is not None:  # a reload: the previous loader's threads must not outlive it
             self.loader.close()
-        scanned = self._check_epoch(inner, session)
         self.loader = self._lookahead(inner, session)
-        self.loader.expected_batches = scanned
+        self.loader.expected_batches = self._check_epoch(inner, session, self.loader.oracle_fields)
         return self.loader
 
     def _lookahead(
@@ -249,9 +248,10 @@ class LookaheadDataModule(WrappedDataModule):
         self.loader = source.pinned_loader(inner, session, self._lookahead, options)
         return self.loader
 
-    def _check_epoch(self, inner: Any, session: CacheSession) -> Optional[int]:
-        """``capacity_check="epoch"``: fail before training if a window of the epoch does not fit (contract 2).
-        Returns the epoch's batches where the check read the whole of it (``None`` otherwise)."""
+    def _check_epoch(self, inner: Any, session: CacheSession, oracle_fields: Dict[str, Any]) -> Optional[int]:
+        """``capacity_check="epoch"``: fail before training if a window of the epoch does not fit (contract 2;
+        under ``ttl``, the loader's oracle itself, ``oracle_fields``, plans the batches read). Returns the epoch's
+        batches where the check read the whole of it (``None`` otherwise)."""
         target = session.target
         if self.capacity_check is not CapacityCheck.EPOCH or self.policy is Policy.WINDOW:
             return None
@@ -279,6 +279,7 @@ class LookaheadDataModule(WrappedDataModule):
                 max_batches=bound,
                 max_seconds=self.capacity_check_seconds,
                 signalled=sigterm_pending(self.trainer),
+                oracle_fields=oracle_fields if self.policy is Policy.TTL else None,
             )
         if scan.ended or scan.batches >= total:
             head = f"Lookahead capacity check: {scan.batches:,} batches read ahead in {scan.seconds:.1f} s"

@@ -205,6 +205,11 @@ class LookaheadLoader:
         """
         return self._stats
 
+    @property
+    def oracle_fields(self) -> Dict[str, Any]:
+        """The :class:`~torchrec_lookahead.oracle.OracleConfig` arguments of the planner's oracle (a copy)."""
+        return dict(self._oracle_kwargs)
+
     def _count(self, work: LoaderStats) -> None:
         """Add a thread's ``work`` to :meth:`stats` (the planner, the stager and the training thread count
         concurrently)."""

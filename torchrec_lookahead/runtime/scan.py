@@ -15,6 +15,7 @@ from torchrec.datasets.utils import Batch
 from torchrec_lookahead._rng import preserved_rng
 from torchrec_lookahead.distributed.lockstep import IdGatherer
 from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, UnknownFeatures
 from torchrec_lookahead.runtime.adapter import BatchAdapter, as_torchrec_batch
 from torchrec_lookahead.runtime.capacity import check_stream
 from torchrec_lookahead.runtime.target import CacheTarget
@@ -73,7 +74,8 @@ class PreScan:
     """What a capacity pre-scan (:func:`prescan`) read.
 
     Attributes:
-        need: the largest window working set per cached table, over the batches read.
+        need: the largest window working set per cached table, over the batches read (under the ``ttl``
+            policy, what its oracle held at most, which is more).
         batches: batches read (with several ranks: global batches, the same on every rank).
         ended: the loader ended: the whole epoch was read (``False``: the scan stopped at its bound).
         seconds: the scan's wall time on this rank.
@@ -95,6 +97,7 @@ def prescan(
     max_batches: Optional[int] = None,
     max_seconds: Optional[float] = None,
     signalled: Callable[[], bool] = lambda: False,
+    oracle_fields: Optional[Dict[str, Any]] = None,
 ) -> PreScan:
     """Read the first batches of an epoch of ``inner`` (a loader of TorchRec batches, or of others read through
     ``adapter``) and check their windows and ids against the cache before training
@@ -110,6 +113,10 @@ def prescan(
     (:func:`~torchrec_lookahead.runtime.report.sigterm_pending`): with several ranks it is exchanged before each
     batch with the time decision, and once some rank has it every rank ends the scan before the same batch and
     raises Lightning's ``SIGTERMException`` (one process stops through ``on_batch`` instead).
+    ``oracle_fields`` (the loader's :class:`~torchrec_lookahead.oracle.OracleConfig` arguments) runs the oracle
+    itself over the batches read too: for a policy whose need is not a window's working set (``ttl`` keeps a row
+    while its next use is within the horizon), its own refusal comes before training, and ``need`` is its most
+    rows held.
 
     Raises:
         CapacityError, InvalidIdError: see :func:`~torchrec_lookahead.runtime.capacity.check_stream`.
@@ -171,12 +178,23 @@ def prescan(
                 "their error)"
             )
 
+    oracle = None
+    if oracle_fields is not None:
+        config = OracleConfig(
+            feature_to_table=dict(target.feature_to_table),
+            unknown_features=UnknownFeatures.IGNORE,
+            **oracle_fields,
+        )
+        oracle = LookaheadOracle(config)
+
     def ticking() -> Generator[Any, None, None]:
         ids = sparse()
         try:
             for kjt in ids:
                 if on_batch is not None:
                     on_batch()
+                if oracle is not None:
+                    oracle.feed(kjt)
                 yield kjt
         finally:
             ids.close()  # at once: with several ranks, the other ranks learn that this one stopped
@@ -195,6 +213,10 @@ def prescan(
             )
     finally:
         stream.close()
+    if oracle is not None and not terminated:
+        if ended:
+            oracle.finish()
+        need = {t: max(n, int(oracle.stats().get(t, {}).get("peak_rows", 0))) for t, n in need.items()}
     if terminated:
         rank_zero_info(f"SIGTERM: every rank stops in the capacity pre-scan, before batch {read}")
         raise SIGTERMException()
