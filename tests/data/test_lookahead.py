@@ -96,15 +96,27 @@ def test_a_datamodule_with_batch_hooks_or_wrapped_twice_is_refused_and_the_wrapp
             Hooked.calls += 1
             return batch
 
+    class Moving(CriteoSyntheticDataModule):  # a move only, after the plan is applied: kept
+        def transfer_batch_to_device(self, batch, device, dataloader_idx):
+            return batch.to(device)
+
     hooked = Hooked(**tiny_data_args())
     with pytest.raises(
         ConfigError, match=r"Hooked overrides \['on_before_batch_transfer'\]: the lookahead cache"
     ):
         LookaheadDataModule(hooked)
+    moving = LookaheadDataModule(Moving(**tiny_data_args()))
+    assert moving.transfer_batch_to_device.__func__ is Moving.transfer_batch_to_device  # the wrapped one's
     plain = CriteoSyntheticDataModule(**tiny_data_args())
     with pytest.raises(ConfigError, match="is a LookaheadDataModule already"):
         LookaheadDataModule(LookaheadDataModule(plain))
     assert WrappedDataModule(hooked).on_before_batch_transfer("batch", 0) == "batch" and Hooked.calls == 1
+    # hooks the wrapped DataModule does not override stay the LightningModule's (Lightning runs a DataModule's
+    # hook instead of the LightningModule's where the DataModule has its own)
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    assert not is_overridden("on_after_batch_transfer", WrappedDataModule(hooked), pl.LightningDataModule)
+    assert is_overridden("on_before_batch_transfer", WrappedDataModule(hooked), pl.LightningDataModule)
 
 
 class _OneShot:
@@ -132,6 +144,30 @@ def test_a_loader_that_cannot_be_read_twice_is_refused_at_the_end_of_its_stream(
         fit_cached(tmp_path / "a", 12)
     trainer, _ = fit_cached(tmp_path / "b", 12, lookahead_kw={"capacity_check": "lookahead"})
     assert trainer.global_step == 12  # read once, by training
+
+
+class _Shrinking:
+    """A loader whose third pass (after the capacity check's and the first epoch's) is one batch shorter: a
+    bucketing sampler's epoch lengths vary."""
+
+    def __init__(self, batches):
+        self._batches, self.passes = list(batches), 0
+
+    def __len__(self):
+        return len(self._batches)
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(self._batches if self.passes <= 2 else self._batches[:-1])
+
+
+def test_only_the_pass_after_the_capacity_check_is_compared_with_it(tmp_path, monkeypatch):
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
+
+    plain = CriteoSyntheticDataModule.train_dataloader
+    monkeypatch.setattr(CriteoSyntheticDataModule, "train_dataloader", lambda self: _Shrinking(plain(self)))
+    trainer, _ = fit_cached(tmp_path, 23)
+    assert trainer.global_step == 23  # 12, then 11 in the second epoch: no refusal
 
 
 def test_a_list_of_training_loaders_is_refused_naming_it(tmp_path, monkeypatch):

@@ -112,7 +112,7 @@ def test_window_matches_reference(
         assert set(tp.evict_ids.tolist()) == evicted
 
 
-@pytest.mark.parametrize("ways, victims", [(8, None), (4, 3)])
+@pytest.mark.parametrize("ways, victims", [(8, None), (4, 3), (4, 100)])
 def test_a_window_capacity_below_two_sets_gives_the_least_that_works(ways: int, victims: object) -> None:
     """The refusal names the least capacity that leaves two sets, and ``victim_rows`` only where it was set
     (``LookaheadDataModule`` does not take it)."""

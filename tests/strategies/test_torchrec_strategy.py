@@ -243,6 +243,14 @@ def test_a_sharder_seed_unlike_the_strategys_init_seed_is_refused(tmp_path):
     assert trainer.global_step == 1
     trainer, _ = fit_cached(tmp_path / "c", 1, sharder_kw={"seed": 3}, strategy_kw={"init_seed": None})
     assert trainer.global_step == 1  # TorchRec's random resident values: nothing to match
+    # a sharder without a seed of its own takes each strategy's: reused with another init_seed, it trains
+    from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+    from torchrec_lookahead.strategies._sharding import seed_sharders
+
+    reused = LookaheadEmbeddingBagCollectionSharder(capacity={"t_cat_2": 140})
+    seed_sharders([reused], 1)
+    seed_sharders([reused], 2)
+    assert reused.seed == 2
 
 
 def test_a_model_overriding_a_batch_hook_is_refused_for_cached_training(tmp_path):
@@ -277,3 +285,27 @@ def test_a_second_forward_of_the_cached_tables_in_a_step_is_named_as_such(tmp_pa
     with pytest.raises(SetupError, match="A second training forward of the cached tables after the one that used "
                                          "step 0's plan: a step's plan covers one forward"):  # fmt: skip
         fit_cached(tmp_path, 1, model_cls=TwoPasses)
+
+
+def test_a_model_overriding_a_batch_hook_keeps_it_under_a_pass_through_lookahead_datamodule(tmp_path):
+    """With no cached tables the LookaheadDataModule passes batches through: the LightningModule's own hooks run
+    (the wrapper defined every hook, and Lightning runs a DataModule's instead of the LightningModule's)."""
+    from torchrec_lookahead.data import CriteoSyntheticDataModule, LookaheadDataModule
+    from torchrec_lookahead.models import DLRMModule
+
+    from ..conftest import tiny_data_args
+    from ..helpers import _trainer, make_model
+
+    calls = []
+
+    class Hooked(DLRMModule):
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            calls.append(1)
+            return batch
+
+    inner = CriteoSyntheticDataModule(**tiny_data_args())
+    trainer = _trainer(tmp_path, 3, None, strategy=TorchRecStrategy())
+    trainer.fit(make_model(inner, model_cls=Hooked), datamodule=LookaheadDataModule(inner))
+    assert len(calls) >= 3
+    with pytest.raises(TypeError, match="instance"):  # Lightning's guard: it returns a new model
+        make_model(inner).load_from_checkpoint("model.ckpt")

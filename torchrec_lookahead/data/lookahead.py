@@ -16,7 +16,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from torchrec_lookahead.data.rank_split import split_for_ranks
-from torchrec_lookahead.data.wrapper import WrappedDataModule, innermost_datamodule, overridden_batch_hooks
+from torchrec_lookahead.data.wrapper import (
+    PLANNED_BATCH_HOOKS,
+    WrappedDataModule,
+    innermost_datamodule,
+    overridden_batch_hooks,
+)
 from torchrec_lookahead.errors import ConfigError
 from torchrec_lookahead.oracle import LookaheadSettings, Policy
 from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_DEPTH
@@ -134,7 +139,9 @@ class LookaheadDataModule(WrappedDataModule):
                 "datamodule is a LookaheadDataModule already: wrap the user's DataModule once (the outer one would "
                 "plan batches whose cached ids the inner one has made cache slots)"
             )
-        hooks = overridden_batch_hooks(innermost_datamodule(datamodule), pl.LightningDataModule)
+        hooks = overridden_batch_hooks(
+            innermost_datamodule(datamodule), pl.LightningDataModule, PLANNED_BATCH_HOOKS
+        )
         if hooks:
             raise ConfigError(
                 f"{type(innermost_datamodule(datamodule)).__name__} overrides {hooks}: the lookahead cache plans the "

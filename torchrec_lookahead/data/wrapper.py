@@ -15,10 +15,20 @@ from typing_extensions import override
 
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["WrappedDataModule", "trainer_datamodules", "overridden_batch_hooks", "innermost_datamodule"]
+__all__ = [
+    "WrappedDataModule",
+    "trainer_datamodules",
+    "overridden_batch_hooks",
+    "innermost_datamodule",
+    "BATCH_HOOKS",
+    "PLANNED_BATCH_HOOKS",
+]
 
 #: Lightning's hooks around a batch's move to the device, which a DataModule and a LightningModule may override
 BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+#: those that see a training batch's sparse features as they are planned, cache slots (``transfer_batch_to_device``
+#: only moves the batch, after the plan is applied)
+PLANNED_BATCH_HOOKS = ("on_before_batch_transfer", "on_after_batch_transfer")
 
 
 class WrappedDataModule(pl.LightningDataModule):
@@ -42,6 +52,10 @@ class WrappedDataModule(pl.LightningDataModule):
                 f"{type(datamodule).__name__}; wrap the DataModule that serves the training batches"
             )
         self.datamodule = datamodule
+        # the wrapped DataModule's own batch hooks, and only those: Lightning runs a DataModule's hook instead of
+        # the LightningModule's where the DataModule overrides it
+        for hook in overridden_batch_hooks(datamodule, pl.LightningDataModule):
+            setattr(self, hook, getattr(datamodule, hook))
 
     def __str__(self) -> str:
         # LightningDataModule's __str__ builds the training loader (a LookaheadDataModule's before the Trainer
@@ -82,18 +96,6 @@ class WrappedDataModule(pl.LightningDataModule):
         return self.datamodule.predict_dataloader()
 
     @override
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return self.datamodule.on_before_batch_transfer(batch, dataloader_idx)
-
-    @override
-    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
-        return self.datamodule.transfer_batch_to_device(batch, device, dataloader_idx)
-
-    @override
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return self.datamodule.on_after_batch_transfer(batch, dataloader_idx)
-
-    @override
     def state_dict(self) -> Dict[str, Any]:
         return {"datamodule": self.datamodule.state_dict()}
 
@@ -109,8 +111,8 @@ def innermost_datamodule(datamodule: pl.LightningDataModule) -> pl.LightningData
     return datamodule
 
 
-def overridden_batch_hooks(obj: object, base: type) -> List[str]:
-    """The batch hooks (:data:`BATCH_HOOKS`) that ``obj``'s class overrides from ``base``.
+def overridden_batch_hooks(obj: object, base: type, hooks: Tuple[str, ...] = BATCH_HOOKS) -> List[str]:
+    """The batch ``hooks`` (default :data:`BATCH_HOOKS`) that ``obj``'s class overrides from ``base``.
 
     Example:
         >>> class Casting(pl.LightningDataModule):
@@ -119,7 +121,7 @@ def overridden_batch_hooks(obj: object, base: type) -> List[str]:
         >>> overridden_batch_hooks(Casting(), pl.LightningDataModule)
         ['on_after_batch_transfer']
     """
-    return [h for h in BATCH_HOOKS if getattr(type(obj), h, None) is not getattr(base, h)]
+    return [h for h in hooks if getattr(type(obj), h, None) is not getattr(base, h)]
 
 
 def trainer_datamodules(

@@ -136,8 +136,8 @@ def check_cached_features_unshared(module: nn.Module, cached: Mapping[str, int])
         raise ConfigError(
             f"feature {f!r} is read by the cached table {first!r} and by {others}: the cache hands a cached "
             "table's feature to the model as cache slots, which the other tables would read as ids; give each "
-            f"of them a feature of its own (a copy of {f!r} under another key in the batch), or leave "
-            f"{first!r} resident"
+            f"of them a feature of its own (a copy of {f!r} under another key in the batch), or keep "
+            f"{[t for t in names if t in cached]} resident"
         )
 
 

@@ -270,6 +270,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self.disk_options = dict(disk_options or {})
         self._dirs = StoreDirs()
         self.seed = seed
+        #: whether ``seed`` was given (else the ``torchrec`` strategy sets it to its ``init_seed`` each time)
+        self.seed_given = seed is not None
 
     def plan_capacity(
         self,

@@ -19,6 +19,7 @@ from typing import IO, Any, Dict, List, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torchmetrics
+from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -157,7 +158,7 @@ class TorchRecModule(pl.LightningModule, abc.ABC):
         self.val_logloss = torchmetrics.MeanMetric()
         self.test_logloss = torchmetrics.MeanMetric()
 
-    @classmethod
+    @_restricted_classmethod  # Lightning's: called on an instance, a TypeError (it returns a new model)
     def load_from_checkpoint(
         cls,
         checkpoint_path: Union[str, Path, IO],

@@ -554,6 +554,7 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
             if t.slot_to_id is not None:
                 t.slot_to_id.fill_(-1)
         self._applied = None
+        self.consumed_step = None
 
     def stats(self) -> Dict[str, Dict[str, int]]:
         """Per cached table: steps, lookups, hits, rows_fetched, rows_written_back, rows_flushed, bytes_moved.

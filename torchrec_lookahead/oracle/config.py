@@ -341,17 +341,22 @@ class OracleConfig:
                 continue
             victims = self._victims(cap)
             if (cap - victims) // self.ways < 2:
-                least = next(
-                    c
-                    for c in range(cap + 1, cap + 4 * self.ways + 4)
-                    if (c - self._victims(c)) >= 2 * self.ways
-                )
+                least = self._least_window_capacity()
                 victim = ", or lower victim_rows" if self.victim_rows is not None else ""
                 raise ConfigError(
                     f"capacity[{table!r}]={cap} leaves {cap - victims} rows after {victims} victim rows, fewer "
                     f"than 2 sets of ways={self.ways} for policy 'window'; raise the capacity to at least {least}, "
                     f"lower ways{victim}"
                 )
+
+    def _least_window_capacity(self) -> int:
+        """The least capacity that leaves two sets of ``ways`` after the victim rows."""
+        if self.victim_rows is not None:
+            return self.victim_rows + 2 * self.ways
+        c = 2 * self.ways  # c - c // 8 grows with c
+        while c - c // 8 < 2 * self.ways:
+            c += 1
+        return c
 
     def _victims(self, capacity: int) -> int:
         """Victim rows of a window cache of ``capacity`` rows (``victim_rows``, default an eighth)."""

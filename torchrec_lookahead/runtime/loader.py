@@ -133,8 +133,8 @@ class LookaheadLoader:
         self.disk_prefetch_depth = max((s.disk_prefetch_depth for s in target.stores.values()), default=0)
         self.queue_depth = max(queue_depth, prefetch_depth + 2, self.disk_prefetch_depth + 2)
         self._yielded = 0
-        #: the batches of a whole pass of the wrapped loader, where the capacity check read one (a stream that
-        #: ends with fewer is refused: the loader cannot be read twice)
+        #: the batches of a whole pass of the wrapped loader, where the capacity check read one: the next stream
+        #: (the pass after the check's) that ends with fewer is refused, the loader cannot be read twice
         self.expected_batches: Optional[int] = None
         self._resume_from = 0
         self._resume_state: Dict[str, Any] = {}
@@ -258,6 +258,7 @@ class LookaheadLoader:
             self.loader.load_state_dict({**self._resume_state, "batches_yielded": start})
         if self.pinned is None:
             self.session.new_stream()
+        expected, self.expected_batches = self.expected_batches, None  # the pass after the check's only
         self._yielded = start
         self.progress.reset()
         self._planned = -1
@@ -276,7 +277,7 @@ class LookaheadLoader:
                 item = run.get()
                 self._count(LoaderStats(batch_wait_s=time.perf_counter() - t0))
                 if item is _END:
-                    self._check_whole_epoch()
+                    self._check_whole_epoch(expected)
                     return
                 if isinstance(item, BaseException):
                     raise item
@@ -287,13 +288,12 @@ class LookaheadLoader:
             if self._run is run:
                 self._run = None
 
-    def _check_whole_epoch(self) -> None:
-        """At the end of a stream: it gave as many batches as the whole pass of the capacity check did.
+    def _check_whole_epoch(self, expected: Optional[int]) -> None:
+        """At the end of a stream: it gave as many batches as the capacity check's whole pass (``expected``).
 
         Raises:
             DataError: fewer (a loader that cannot be read twice, such as a dataset wrapping a generator).
         """
-        expected = self.expected_batches
         if expected is not None and self._yielded < expected:
             raise DataError(
                 f"the training loader gave {self._yielded} batches where its pass for the capacity check gave "

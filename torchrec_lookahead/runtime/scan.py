@@ -193,9 +193,9 @@ def prescan(
             for kjt in ids:
                 if on_batch is not None:
                     on_batch()
-                if oracle is not None:
-                    oracle.feed(kjt)
                 yield kjt
+                if oracle is not None:  # after the window and id checks of the batch (their summary first)
+                    oracle.feed(kjt)
         finally:
             ids.close()  # at once: with several ranks, the other ranks learn that this one stopped
 
@@ -216,7 +216,10 @@ def prescan(
     if oracle is not None and not terminated:
         if ended:
             oracle.finish()
-        need = {t: max(n, int(oracle.stats().get(t, {}).get("peak_rows", 0))) for t, n in need.items()}
+        # a table of a shared slot space reports the space's peak: its own need is the windows'
+        pooled = {t for members in target.slot_spaces.values() if len(members) > 1 for t in members}
+        peaks = {t: int(s.get("peak_rows", 0)) for t, s in oracle.stats().items() if t not in pooled}
+        need = {t: max(n, peaks.get(t, 0)) for t, n in need.items()}
     if terminated:
         rank_zero_info(f"SIGTERM: every rank stops in the capacity pre-scan, before batch {read}")
         raise SIGTERMException()

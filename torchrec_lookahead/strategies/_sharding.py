@@ -139,17 +139,17 @@ def check_cached_precision(
 def check_cached_batch_hooks(
     sharders: Optional[Sequence[ModuleSharder[nn.Module]]], lm: pl.LightningModule, fn: TrainerFn
 ) -> None:
-    """Refuse a LightningModule that overrides a batch hook (``on_before_batch_transfer``,
-    ``transfer_batch_to_device``, ``on_after_batch_transfer``) when it is fitted (``fn``) and a lookahead sharder
-    caches tables (evaluation batches are not planned: its hooks are the user's there).
+    """Refuse a LightningModule that overrides ``on_before_batch_transfer`` or ``on_after_batch_transfer`` when it
+    is fitted (``fn``) and a lookahead sharder caches tables (evaluation batches are not planned: its hooks are
+    the user's there; ``transfer_batch_to_device`` only moves the batch, after its plan is applied).
 
     Raises:
         ConfigError: such a hook: it would see (and could change) a planned batch, whose cached ids are cache
             slots by then, or replace it by one without a plan.
     """
-    from torchrec_lookahead.data.wrapper import overridden_batch_hooks
+    from torchrec_lookahead.data.wrapper import PLANNED_BATCH_HOOKS, overridden_batch_hooks
 
-    hooks = overridden_batch_hooks(lm, pl.LightningModule)
+    hooks = overridden_batch_hooks(lm, pl.LightningModule, PLANNED_BATCH_HOOKS)
     if hooks and fn == TrainerFn.FITTING and _caches(sharders):
         raise ConfigError(
             f"{type(lm).__name__} overrides {hooks}: with cached tables a training batch's cached ids are cache "
@@ -166,7 +166,7 @@ def seed_sharders(sharders: Sequence[Any], init_seed: Optional[int]) -> None:
             values than the resident ones.
     """
     for s in sharders:
-        if s.seed is None:
+        if not s.seed_given:  # a sharder reused by another strategy takes that one's seed
             s.seed = init_seed or 0
         elif init_seed is not None and s.seed != init_seed:
             raise ConfigError(
