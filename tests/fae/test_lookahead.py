@@ -176,6 +176,26 @@ def test_fae_cached_equals_resident_on_the_same_stream(optimizer: str) -> None:
     assert out["steps"] == 30
 
 
+def test_fae_cached_under_ttl_equals_resident_with_the_cold_batches_planned_by_the_pre_scan(
+    monkeypatch,
+) -> None:
+    """Under ``ttl`` the epoch's check plans the cold batches with the loader's own oracle (its need exceeds a
+    window's): the pinned path runs it too, on the dynamic capacities."""
+    from torchrec_lookahead.fae import lookahead as fae_lookahead
+
+    seen: List[Any] = []
+    prescan = fae_lookahead.prescan
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("oracle_fields"))
+        return prescan(*args, **kwargs)
+
+    monkeypatch.setattr(fae_lookahead, "prescan", recording)
+    out = verify(TINY, steps=12, overrides=["--data.init_args.policy=ttl"])
+    assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["steps"] == 12, out
+    assert seen and seen[0]["policy"] == "ttl" and seen[0]["capacity"]["t_cat_2"] < 200, seen
+
+
 def test_a_training_order_left_behind_the_shared_read_reads_on_its_own_and_stays_exact(monkeypatch) -> None:
     import torchrec_lookahead.fae.lookahead as module
 

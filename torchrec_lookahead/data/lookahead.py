@@ -251,6 +251,7 @@ class LookaheadDataModule(WrappedDataModule):
             self.trainer,
             self.capacity_check_batches,
             self.capacity_check_seconds,
+            self.settings,
         )
         self.loader = source.pinned_loader(inner, session, self._lookahead, options)
         return self.loader

@@ -367,6 +367,17 @@ def pinned_lookahead_loader(
         # the cold batches' ids, in the tables' own numbering: the host windows as they are
         dynamic = replace(target, capacity=pinned.dynamic_capacity())
         cold = _ColdParts(ColdBatches(hotcold.stream), pinned)
+        oracle_fields = None
+        if (
+            options.policy is Policy.TTL and options.settings is not None
+        ):  # the planner's own oracle, as it plans
+            oracle_fields = dict(
+                capacity=pinned.dynamic_capacity(),
+                **options.settings.oracle_fields(),
+                num_embeddings=dict(target.num_embeddings),
+                slot_spaces=dict(target.slot_spaces),
+                **({"num_ranks": target.num_ranks} if target.num_ranks > 1 else {}),
+            )
         with scan_progress(trainer, "Lookahead capacity check (cold batches)", None) as tick:
             scan = prescan(
                 cold,
@@ -376,6 +387,7 @@ def pinned_lookahead_loader(
                 max_batches=options.capacity_check_batches,
                 max_seconds=options.capacity_check_seconds,
                 signalled=sigterm_pending(trainer),
+                oracle_fields=oracle_fields,
             )
         rest = (
             ""

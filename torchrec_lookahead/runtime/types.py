@@ -27,7 +27,7 @@ from typing import (
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lookahead.oracle import Policy
+from torchrec_lookahead.oracle import LookaheadSettings, Policy
 from torchrec_lookahead.oracle.types import BatchPlan
 from torchrec_lookahead.runtime.adapter import BatchAdapter
 from torchrec_lookahead.runtime.capacity import CapacityCheck
@@ -101,6 +101,7 @@ class PinnedLoaderOptions:
         trainer: where set-up reports go (text on rank 0 and TensorBoard; ``None``: logging only).
         capacity_check_batches: the pre-scan's bound in batches (``None``: none).
         capacity_check_seconds: the pre-scan's bound in seconds (``None``: none).
+        settings: the oracle's settings (the pre-scan plans the cold batches with them under ``ttl``).
     """
 
     policy: Policy
@@ -110,6 +111,7 @@ class PinnedLoaderOptions:
     trainer: Optional[Any] = None
     capacity_check_batches: Optional[int] = None
     capacity_check_seconds: Optional[float] = None
+    settings: Optional[LookaheadSettings] = None
 
 
 @runtime_checkable
