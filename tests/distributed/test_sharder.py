@@ -116,27 +116,6 @@ def test_sharding_plan_marks_cached_tables_customized_and_refuses_unknown_tables
         lookahead_sharding_plan(ebc, [sharder], {"t1": 10**11}, Topology(world_size=1, compute_device="cpu"))
 
 
-def test_a_feature_a_cached_table_shares_with_another_table_is_refused_before_planning():
-    """Wide & deep with one ``item`` feature in two collections: the batch's ``item`` values became cache slots,
-    which the resident wide table read as ids (0.195 from resident training at step 0, without a word)."""
-    from torch import nn
-    from torchrec import EmbeddingBagCollection
-
-    def ebc(name: str) -> EmbeddingBagCollection:
-        table = EmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=100, feature_names=["item"])
-        return EmbeddingBagCollection(tables=[table], device=torch.device("meta"))
-
-    model = nn.ModuleDict({"deep": ebc("deep_item"), "wide": ebc("wide_item")})
-    sharder = LookaheadEmbeddingBagCollectionSharder(capacity={"deep_item": 10})
-    topology = Topology(world_size=1, compute_device="cpu")
-    for cached in ({"deep_item": 10}, {"wide_item": 10}, {"deep_item": 10, "wide_item": 10}):
-        with pytest.raises(
-            ConfigError, match=r"feature 'item' is read by the cached table '\w+' and by \['\w+'\]"
-        ):
-            lookahead_sharding_plan(model, [sharder], cached, topology)
-    lookahead_sharding_plan(model, [sharder], {}, topology)  # both resident: nothing remapped
-
-
 @pytest.mark.parametrize("capacity", [[1, 2], 100, "t_cat_2"])
 def test_a_capacity_that_is_not_a_mapping_is_refused(capacity):
     with pytest.raises(ConfigError, match=r"capacity must be a mapping of table name to cache rows"):

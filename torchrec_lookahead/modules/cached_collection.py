@@ -160,8 +160,7 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
         )
         self._tables: Dict[str, _Table] = {}
         self._applied: Optional[AppliedPlan] = None  # the plan the next forward covers (see apply_plan)
-        #: the step of the last plan a forward covered (``None``: none yet), for the message of a second forward
-        self.consumed_step: Optional[int] = None
+        self.consumed_step: Optional[int] = None  #: the last plan's step a forward covered (None: none yet)
         self._feature_names: List[str] = []
         self._feature_to_table: Dict[str, str] = {}
         for cfg in self._configs:
@@ -521,8 +520,7 @@ class CachedCollection(SlotSpaceViews, nn.Module, abc.ABC, Generic[_ConfigT, _Ou
         """:attr:`applied_plan`, forgotten: the forward calls it, so that a trusted plan's skipped slot checks
         cover exactly one forward (the next one runs every check unless another plan is applied first)."""
         applied, self._applied = self._applied, None
-        if applied is not None:
-            self.consumed_step = applied.step
+        self.consumed_step = applied.step if applied is not None else self.consumed_step
         return applied
 
     # ------------------------------------------------------------------------------------------------------

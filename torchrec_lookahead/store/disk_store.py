@@ -114,6 +114,7 @@ class DiskStore(LookaheadReads, _RowStore):
         disk_prefetch_depth: with ``host_policy="lookahead"``, how many steps ahead of the gathered step the
             background thread reads the planned rows into the host tier (0: no background reads; the hints
             still rank the evictions).
+        budget_split: how one int ``host_budget_bytes`` was split (messages only; see ``HostWindow``).
 
     Raises:
         ConfigError: a size is not positive, the budget holds no row, an unknown host policy or a negative
@@ -298,14 +299,8 @@ class DiskStore(LookaheadReads, _RowStore):
         ``disk_prefetch_depth`` steps' under ``"lookahead"`` (see
         :class:`~torchrec_lookahead.store.types.HostWindow`)."""
         depth = self._depth if self._policy == "lookahead" else 0
-        return HostWindow(
-            depth,
-            (0, self.num_embeddings),
-            (self._tier.capacity,),
-            self._policy,
-            self._shape.row_bytes,
-            self._budget_split,
-        )
+        what = (self._policy, self._shape.row_bytes, self._budget_split)
+        return HostWindow(depth, (0, self.num_embeddings), (self._tier.capacity,), *what)
 
     @property
     def direct_io(self) -> bool:
