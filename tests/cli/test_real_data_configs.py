@@ -10,6 +10,7 @@ from torchrec_lookahead.verify import verify
 from ..conftest import REPO, shared_data
 
 CONFIGS = {
+    "avazu_lookahead": ("avazu_head", "avazu_train_head_8999.csv"),
     "criteo_tsv_lookahead": ("criteo_kaggle_head", "head8000_split_train.txt"),
     "criteo_tsv_fae": ("criteo_kaggle_head", "head8000_split_train.txt"),
     "taobao_fae": ("taobao_userbehavior_head", "UserBehavior_head.csv"),

@@ -3,6 +3,7 @@ other types are read through a :class:`~torchrec_lookahead.runtime.BatchAdapter`
 
 from torchrec_lookahead.data.criteo_spec import CRITEO_KAGGLE_CARDINALITIES, scaled_cardinalities
 from torchrec_lookahead.data.datamodules import (
+    AvazuDataModule,
     CriteoSyntheticDataModule,
     CriteoTSVDataModule,
     MovieLensDataModule,
@@ -11,7 +12,7 @@ from torchrec_lookahead.data.datamodules import (
 )
 from torchrec_lookahead.data.history import MovieLensHistoryDataModule, MovieLensHistoryParser
 from torchrec_lookahead.data.lookahead import LookaheadDataModule, batch_adapter_of
-from torchrec_lookahead.data.readers import CriteoTSVParser, MovieLensParser, TaobaoParser
+from torchrec_lookahead.data.readers import AvazuParser, CriteoTSVParser, MovieLensParser, TaobaoParser
 from torchrec_lookahead.data.resumable import ResumableBatchLoader
 from torchrec_lookahead.data.synthetic import CriteoSyntheticDataset, SyntheticCriteoConfig
 from torchrec_lookahead.data.text import LineBatchDataset
@@ -30,11 +31,13 @@ __all__ = [
     "MovieLensHistoryDataModule",
     "MovieLensHistoryParser",
     "TaobaoDataModule",
+    "AvazuDataModule",
     "ResumableBatchLoader",
     "LookaheadDataModule",
     "CriteoTSVParser",
     "MovieLensParser",
     "TaobaoParser",
+    "AvazuParser",
     "CriteoSyntheticDataset",
     "SyntheticCriteoConfig",
     "LineBatchDataset",

@@ -1,4 +1,5 @@
-"""Lightning DataModules yielding TorchRec batches: synthetic Criteo, Criteo TSV, MovieLens, Taobao.
+"""Lightning DataModules yielding TorchRec batches: synthetic Criteo, Criteo TSV, MovieLens, Taobao,
+Avazu.
 
 All of them hand out whole batches through :class:`~torchrec_lookahead.data.resumable.ResumableBatchLoader`
 (exact mid-epoch resume), split each global batch over the ranks of the run, and tell the model its inputs
@@ -18,8 +19,10 @@ from typing_extensions import override
 from torchrec_lookahead._checks import check_int
 from torchrec_lookahead.data.criteo_spec import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
 from torchrec_lookahead.data.readers import (
+    AVAZU_FEATURES,
     MOVIELENS_FEATURES,
     TAOBAO_FEATURES,
+    AvazuParser,
     CriteoTSVParser,
     MovieLensParser,
     TaobaoParser,
@@ -36,6 +39,7 @@ __all__ = [
     "CriteoTSVDataModule",
     "MovieLensDataModule",
     "TaobaoDataModule",
+    "AvazuDataModule",
 ]
 
 
@@ -301,7 +305,26 @@ class CriteoTSVDataModule(_FileDataModule):
         return INT_FEATURE_COUNT
 
 
-class MovieLensDataModule(_FileDataModule):
+class _ModuloDataModule(_FileDataModule):
+    """A file DataModule whose parser takes raw ids modulo the tables of its ``_features`` and gives one dense
+    feature."""
+
+    _features: Sequence[str] = ()
+    _parse: Union[MovieLensParser, TaobaoParser, AvazuParser]
+
+    def _parser(self) -> RowParser:
+        return self._parse
+
+    @property
+    def num_embeddings_per_feature(self) -> Dict[str, int]:
+        return dict(zip(self._features, self._parse.sizes))
+
+    @property
+    def num_dense_features(self) -> int:
+        return 1
+
+
+class MovieLensDataModule(_ModuloDataModule):
     """MovieLens ratings in file order: user, movie and genres (multi-hot); label ``rating >= 4``.
 
     Args:
@@ -313,6 +336,9 @@ class MovieLensDataModule(_FileDataModule):
         batch_size: rows per batch per rank.
         drop_last: drop a final partial batch (default: only with several ranks).
     """
+
+    _features = MOVIELENS_FEATURES
+    _parse: MovieLensParser
 
     def __init__(
         self,
@@ -331,19 +357,8 @@ class MovieLensDataModule(_FileDataModule):
             list(num_embeddings) if not isinstance(num_embeddings, dict) else num_embeddings, genres
         )
 
-    def _parser(self) -> RowParser:
-        return self._parse
 
-    @property
-    def num_embeddings_per_feature(self) -> Dict[str, int]:
-        return dict(zip(MOVIELENS_FEATURES, self._parse.sizes))
-
-    @property
-    def num_dense_features(self) -> int:
-        return 1
-
-
-class TaobaoDataModule(_FileDataModule):
+class TaobaoDataModule(_ModuloDataModule):
     """Taobao UserBehavior in file order: user, item, category; label buy/cart/fav vs pv.
 
     Args:
@@ -354,6 +369,9 @@ class TaobaoDataModule(_FileDataModule):
         batch_size: rows per batch per rank.
         drop_last: drop a final partial batch (default: only with several ranks).
     """
+
+    _features = TAOBAO_FEATURES
+    _parse: TaobaoParser
 
     def __init__(
         self,
@@ -370,13 +388,41 @@ class TaobaoDataModule(_FileDataModule):
             list(num_embeddings) if not isinstance(num_embeddings, dict) else num_embeddings
         )
 
-    def _parser(self) -> TaobaoParser:
-        return self._parse
 
-    @property
-    def num_embeddings_per_feature(self) -> Dict[str, int]:
-        return dict(zip(TAOBAO_FEATURES, self._parse.sizes))
+#: default rows of Avazu's tables, in :data:`~torchrec_lookahead.data.readers.AVAZU_FEATURES` order (above the
+#: distinct values of the full ``train.csv``; ``hour_of_day`` one row per hour)
+AVAZU_DEFAULT_ROWS = (
+    16, 8, 8192, 8192, 32, 16384, 1024, 64, 4_194_304, 8_388_608, 16384, 8, 8,
+    4096, 1024, 1024, 4096, 4, 2048, 2048, 256, 24,
+)  # fmt: skip
 
-    @property
-    def num_dense_features(self) -> int:
-        return 1
+
+class AvazuDataModule(_ModuloDataModule):
+    """Avazu CTR ``train.csv`` in file order: its 21 categorical columns and the hour of day; label ``click``.
+
+    Args:
+        train_files: ``train.csv`` file(s) (with header).
+        val_files: validation file(s).
+        test_files: test file(s).
+        num_embeddings: rows for the 22 features (``C1`` .. ``C21``, ``hour_of_day``; ids are taken modulo these).
+        batch_size: rows per batch per rank.
+        drop_last: drop a final partial batch (default: only with several ranks).
+    """
+
+    _features = AVAZU_FEATURES
+    _parse: AvazuParser
+
+    def __init__(
+        self,
+        train_files: Union[str, List[str]],
+        val_files: Union[None, str, List[str]] = None,
+        test_files: Union[None, str, List[str]] = None,
+        num_embeddings: Union[Sequence[int], Dict[str, int]] = AVAZU_DEFAULT_ROWS,
+        batch_size: int = 512,
+        drop_last: Optional[bool] = None,
+    ) -> None:
+        super().__init__(train_files, val_files, test_files, batch_size, drop_last)
+        self.save_hyperparameters()
+        self._parse = AvazuParser(
+            list(num_embeddings) if not isinstance(num_embeddings, dict) else num_embeddings
+        )

@@ -1,4 +1,4 @@
-"""Parsers of real data sets into TorchRec batches: Criteo TSV, MovieLens ratings, Taobao UserBehavior.
+"""Parsers of real data sets into TorchRec batches: Criteo TSV, MovieLens ratings, Taobao UserBehavior, Avazu.
 
 Each parser turns rows (this rank's slice of a global batch) into a :class:`~torchrec.datasets.utils.Batch`
 and refuses a malformed row with a :class:`~torchrec_lookahead.errors.DataError` naming its file and line.
@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import datetime
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -27,12 +28,14 @@ from torchrec_lookahead.data.text import Header, LineFormat, Row
 from torchrec_lookahead.errors import ConfigError, DataError
 
 __all__ = [
+    "AvazuParser",
     "CriteoTSVParser",
     "MovieLensParser",
     "TaobaoParser",
     "MOVIELENS_FEATURES",
     "TAOBAO_FEATURES",
     "TAOBAO_POSITIVE",
+    "AVAZU_FEATURES",
 ]
 
 MOVIELENS_FEATURES = ["user", "movie", "genres"]
@@ -41,6 +44,22 @@ TAOBAO_BEHAVIOURS = ("pv", "buy", "cart", "fav")
 TAOBAO_POSITIVE = frozenset({"buy", "cart", "fav"})
 MOVIELENS_COLUMNS = ("userId", "movieId", "rating", "timestamp")
 MOVIES_COLUMNS = ("movieId", "title", "genres")
+#: Avazu's categorical columns: hashed ids written as hexadecimal, and integers
+AVAZU_HEX = (
+    "site_id", "site_domain", "site_category", "app_id", "app_domain", "app_category", "device_id", "device_ip",
+    "device_model",
+)  # fmt: skip
+AVAZU_CATEGORICAL = (
+    "C1",
+    "banner_pos",
+    *AVAZU_HEX,
+    "device_type",
+    "device_conn_type",
+    *(f"C{k}" for k in range(14, 22)),
+)
+#: the columns of Avazu's header line (``id`` is not read; other columns are ignored)
+AVAZU_COLUMNS = ("id", "click", "hour", *AVAZU_CATEGORICAL)
+AVAZU_FEATURES = [*AVAZU_CATEGORICAL, "hour_of_day"]
 
 #: Criteo integer features are 64-bit integers (``log1p`` of a larger one overflows or is not a count)
 CRITEO_INT_MIN, CRITEO_INT_MAX = -(2**63), 2**63 - 1
@@ -243,8 +262,9 @@ class MovieLensParser(LineFormat):
         )
 
 
-def _header(row: Row, names: Sequence[str], what: str) -> Header:
-    """The columns of ``names`` in a MovieLens file's header line ``row`` (any order, other columns ignored).
+def _header(row: Row, names: Sequence[str], what: str, source: str = "MovieLens") -> Header:
+    """The columns of ``names`` in a ``source`` (MovieLens, Avazu) file's header line ``row`` (any order, other
+    columns ignored).
 
     Raises:
         DataError: the line is not such a header line.
@@ -256,11 +276,12 @@ def _header(row: Row, names: Sequence[str], what: str) -> Header:
         got = (
             f"lacks the column(s) {', '.join(missing)}"
             if len(missing) < len(names)
-            else f"{line} is not MovieLens's header line"
+            else f"{line} is not {source}'s header line"
         )
-        tabs = " (it holds tabs: MovieLens files are comma-separated)" if "\t" in row.fields[0] else ""
+        tabs = f" (it holds tabs: {source} files are comma-separated)" if "\t" in row.fields[0] else ""
+        article = "an" if source[0] in "AEIOU" else "a"
         raise row.fail(
-            f"the first line {got}{tabs}; a MovieLens {what} file starts with the header line "
+            f"the first line {got}{tabs}; {article} {source} {what} file starts with the header line "
             f"{','.join(names)} (columns in any order): add it"
         )
     return Header([have.index(n) for n in names], len(have))
@@ -360,5 +381,80 @@ class TaobaoParser(LineFormat):
         return Batch(
             dense_features=torch.tensor(dense, dtype=torch.float32),
             sparse_features=_kjt(TAOBAO_FEATURES, cols),
+            labels=torch.tensor(labels, dtype=torch.float32),
+        )
+
+
+class AvazuParser(LineFormat):
+    """Avazu CTR rows (Kaggle ``train.csv``: ``id,click,hour,C1,banner_pos,site_id,...,C21``): the 21 categorical
+    columns and ``hour_of_day`` (the last two digits of ``hour``, ``YYMMDDHH``) as sparse features; label
+    ``click``; one dense feature, the day of week in [0, 1) (Monday 0).
+
+    Each file starts with Avazu's header line, which names the columns (in any order; others are ignored; ``id``
+    is not read). The hashed ids (``site_id`` .. ``app_category``, ``device_id``, ``device_ip``, ``device_model``) are
+    parsed as hexadecimal, the other categoricals as integers, and hashed into each table (``value % rows``, as
+    Criteo's).
+
+    Args:
+        num_embeddings: rows per table, a list of 22 (in :data:`AVAZU_FEATURES` order) or a mapping feature name
+            -> rows.
+
+    Example:
+        >>> parse = AvazuParser([100] * 22)
+        >>> header = "id,click,hour," + ",".join(AVAZU_CATEGORICAL)
+        >>> parse.first_line(Row(header.split(","), "a.csv", 1)).identity
+        True
+        >>> fields = ["7", "1", "14102117", "1005", "0"] + ["1fbe01fe"] * 9 + ["1", "2"] + ["320"] * 8
+        >>> b = parse([Row(fields, "a.csv", 2)])
+        >>> b.labels.tolist(), b.sparse_features["hour_of_day"].values().tolist(), b.dense_features.tolist()
+        ([1.0], [17], [[0.1428571492433548]])
+    """
+
+    num_fields = len(AVAZU_COLUMNS)
+
+    def __init__(self, num_embeddings: Sequence[int] | Dict[str, int]):
+        self.sizes = _sizes(num_embeddings, AVAZU_FEATURES)
+
+    def wrong_field_count(self, n: int, header: Optional[Header] = None) -> str:
+        width = header.width if header is not None else self.num_fields
+        return f"expected {width} comma-separated fields (as in the header line) but got {n}"
+
+    def first_line(self, row: Row) -> Optional[Header]:
+        return _header(row, AVAZU_COLUMNS, "train", "Avazu")
+
+    def __call__(self, rows: List[Row]) -> Batch:
+        cats: List[List[List[int]]] = [[] for _ in AVAZU_FEATURES]
+        dense: List[List[float]] = []
+        labels: List[float] = []
+        for row in rows:
+            f = row.fields
+            if len(f) != self.num_fields:
+                raise row.fail(self.wrong_field_count(len(f)))
+            if f[1] not in ("0", "1"):
+                raise row.fail(f"click must be 0 or 1 but got {_quote(f[1])}")
+            h = f[2]
+            try:
+                if len(h) != 8 or not (h.isascii() and h.isdigit()):
+                    raise ValueError(h)
+                day = datetime.date(2000 + int(h[:2]), int(h[2:4]), int(h[4:6]))
+                hour = int(h[6:])
+                if hour > 23:
+                    raise ValueError(h)
+            except ValueError:
+                raise row.fail(f"hour must be YYMMDDHH (as 14102100) but got {_quote(h)}") from None
+            for k, (name, s) in enumerate(zip(AVAZU_CATEGORICAL, f[3:])):
+                hexadecimal = name in AVAZU_HEX
+                try:
+                    v = int(s, 16 if hexadecimal else 10)
+                except ValueError:
+                    kind = "hexadecimal" if hexadecimal else "an integer"
+                    raise row.fail(f"categorical feature {name} is not {kind}: {_quote(s)}") from None
+                cats[k].append([v % self.sizes[k]])
+            cats[-1].append([hour % self.sizes[-1]])
+            dense.append([day.weekday() / 7.0])
+            labels.append(float(f[1]))
+        return Batch(
+            dense_features=torch.tensor(dense, dtype=torch.float32),
+            sparse_features=_kjt(AVAZU_FEATURES, cats),
             labels=torch.tensor(labels, dtype=torch.float32),
         )
