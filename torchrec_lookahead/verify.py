@@ -167,6 +167,15 @@ def _inexact_notes(strategy: Any) -> List[str]:
             "approximate by design (docs/design.md, Hierarchical training); one group (group_size = the ranks) "
             "is exact"
         )
+    if isinstance(strategy, HierarchicalStrategy) and strategy.compression.value != "none":
+        if max(strategy.world_size, len(strategy.parallel_devices or ())) > 1:  # traffic between ranks
+            what = (
+                "gradients" if strategy.compression.value == "bf16" else "gradients and forward activations"
+            )
+            notes.append(
+                f"hierarchical compression: {strategy.compression.value} rounds the group's {what} on the way "
+                "between ranks: approximate by design; compression: none is exact with one group"
+            )
     for sharder in getattr(strategy, "_sharders", None) or ():
         declared = getattr(sharder, "overridden_optimizer", None)
         if declared is not None:
