@@ -150,6 +150,7 @@ def _inexact_notes(strategy: Any) -> List[str]:
     with FBGEMM's kernel)."""
     import dataclasses
 
+    from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
     from torchrec_lookahead.distributed._optimizers import optimizer_differences
     from torchrec_lookahead.strategies import HierarchicalStrategy, TorchRecStrategy
 
@@ -176,8 +177,13 @@ def _inexact_notes(strategy: Any) -> List[str]:
                 f"hierarchical compression: {strategy.compression.value} rounds the group's {what} on the way "
                 "between ranks: approximate by design; compression: none is exact with one group"
             )
-    for sharder in getattr(strategy, "_sharders", None) or ():
-        declared = getattr(sharder, "overridden_optimizer", None)
+    sharders = strategy._sharders if isinstance(strategy, TorchRecStrategy) else None
+    for sharder in sharders or ():
+        declared = (
+            sharder.overridden_optimizer
+            if isinstance(sharder, LookaheadEmbeddingBagCollectionSharder)
+            else None
+        )
         if declared is not None:
             notes.append(
                 "the sharder's optimizer replaces the one the model declares on the cached tables, which the "

@@ -389,12 +389,33 @@ class TaobaoDataModule(_ModuloDataModule):
         )
 
 
-#: default rows of Avazu's tables, in :data:`~torchrec_lookahead.data.readers.AVAZU_FEATURES` order (above the
-#: distinct values of the full ``train.csv``; ``hour_of_day`` one row per hour)
-AVAZU_DEFAULT_ROWS = (
-    16, 8, 8192, 8192, 32, 16384, 1024, 64, 4_194_304, 8_388_608, 16384, 8, 8,
-    4096, 1024, 1024, 4096, 4, 2048, 2048, 256, 24,
-)  # fmt: skip
+# rows of Avazu's tables by default: above the distinct values of the full ``train.csv``; one row per hour of day
+_AVAZU_ROWS = {
+    "C1": 16,
+    "banner_pos": 8,
+    "site_id": 8192,
+    "site_domain": 8192,
+    "site_category": 32,
+    "app_id": 16384,
+    "app_domain": 1024,
+    "app_category": 64,
+    "device_id": 4_194_304,
+    "device_ip": 8_388_608,
+    "device_model": 16384,
+    "device_type": 8,
+    "device_conn_type": 8,
+    "C14": 4096,
+    "C15": 1024,
+    "C16": 1024,
+    "C17": 4096,
+    "C18": 4,
+    "C19": 2048,
+    "C20": 2048,
+    "C21": 256,
+    "hour_of_day": 24,
+}
+#: default rows of Avazu's tables, in :data:`~torchrec_lookahead.data.readers.AVAZU_FEATURES` order
+AVAZU_DEFAULT_ROWS = tuple(_AVAZU_ROWS[f] for f in AVAZU_FEATURES)
 
 
 class AvazuDataModule(_ModuloDataModule):

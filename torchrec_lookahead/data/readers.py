@@ -46,9 +46,16 @@ MOVIELENS_COLUMNS = ("userId", "movieId", "rating", "timestamp")
 MOVIES_COLUMNS = ("movieId", "title", "genres")
 #: Avazu's categorical columns: hashed ids written as hexadecimal, and integers
 AVAZU_HEX = (
-    "site_id", "site_domain", "site_category", "app_id", "app_domain", "app_category", "device_id", "device_ip",
+    "site_id",
+    "site_domain",
+    "site_category",
+    "app_id",
+    "app_domain",
+    "app_category",
+    "device_id",
+    "device_ip",
     "device_model",
-)  # fmt: skip
+)
 AVAZU_CATEGORICAL = (
     "C1",
     "banner_pos",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from torchrec_lookahead.errors import ConfigError
@@ -121,7 +122,7 @@ def overridden_batch_hooks(obj: object, base: type, hooks: Tuple[str, ...] = BAT
         >>> overridden_batch_hooks(Casting(), pl.LightningDataModule)
         ['on_after_batch_transfer']
     """
-    return [h for h in hooks if getattr(type(obj), h, None) is not getattr(base, h)]
+    return [h for h in hooks if is_overridden(h, obj, base)]
 
 
 def trainer_datamodules(

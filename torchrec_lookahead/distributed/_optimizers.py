@@ -78,11 +78,9 @@ def optimizer_differences(ours: CacheOptimizerConfig, theirs: CacheOptimizerConf
         >>> optimizer_differences(CacheOptimizerConfig("sgd", 0.1), CacheOptimizerConfig("sgd", 0.05))
         'learning_rate 0.1, not 0.05'
     """
-    names = [f.name for f in dataclasses.fields(ours) if f.name != "kernel"]
+    a, b = dataclasses.asdict(ours), dataclasses.asdict(theirs)
     return "; ".join(
-        f"{n} {_value(getattr(ours, n))}, not {_value(getattr(theirs, n))}"
-        for n in names
-        if getattr(ours, n) != getattr(theirs, n)
+        f"{n} {_value(v)}, not {_value(b[n])}" for n, v in a.items() if n != "kernel" and v != b[n]
     )
 
 
