@@ -156,3 +156,49 @@ def test_the_ttl_policys_own_need_is_checked_before_training(tmp_path):
         fit_cached(tmp_path, batches, capacity={table: cap}, policy="ttl", data={"num_train_batches": batches},
                    callbacks=[Count()])  # fmt: skip
     assert steps == []
+
+
+class _BadResidentId:
+    """The batches of a loader, with one id of resident feature ``cat_0`` out of its table at batch 5."""
+
+    def __init__(self, loader, rows):
+        self._loader, self._rows = loader, rows
+
+    def __len__(self):
+        return len(self._loader)
+
+    def __iter__(self):
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        for i, b in enumerate(self._loader):
+            if i == 5:
+                kjt = b.sparse_features
+                values = kjt.values().clone()
+                values[kjt.offset_per_key()[kjt.keys().index("cat_0")]] = self._rows
+                b.sparse_features = KeyedJaggedTensor(kjt.keys(), values, lengths=kjt.lengths())
+            yield b
+
+
+def test_a_resident_tables_bad_id_is_refused_before_training(tmp_path, monkeypatch):
+    """The pre-scan checked only the cached tables' ids: a resident table's bad id failed at its step, after the
+    steps before it had trained."""
+    from torchrec_lookahead import InvalidIdError
+    from torchrec_lookahead.data import CriteoSyntheticDataModule
+
+    plain = CriteoSyntheticDataModule.train_dataloader
+
+    def bad(self):
+        return _BadResidentId(plain(self), self.num_embeddings_per_feature["cat_0"])
+
+    monkeypatch.setattr(CriteoSyntheticDataModule, "train_dataloader", bad)
+    steps = []
+
+    class Count(pl.Callback):
+        def on_train_batch_start(self, *args):
+            steps.append(1)
+
+    with pytest.raises(
+        InvalidIdError, match=r"feature 'cat_0' of resident table 't_cat_0': batch 5 holds id"
+    ):
+        fit_cached(tmp_path, 12, callbacks=[Count()])
+    assert steps == []

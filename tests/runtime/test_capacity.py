@@ -1,11 +1,12 @@
-"""The capacity pre-scan's check of a stream: a table alone, and the tables of a shared slot space."""
+"""The capacity pre-scan's check of a stream: a table alone, the tables of a shared slot space, and the ids of
+the resident tables it reads on the way."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from torchrec_lookahead.errors import CapacityError
+from torchrec_lookahead.errors import CapacityError, InvalidIdError
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
 from torchrec_lookahead.runtime.capacity import check_stream
 
@@ -39,3 +40,19 @@ def test_a_space_too_small_is_refused_naming_its_tables() -> None:
     with pytest.raises(CapacityError, match=r"the cache tables \['a', 'b'\] share .* holds 5") as err:
         check_stream(STREAM, {"a": 3, "b": 2}, FEATURES, ROWS, 1, slot_spaces={"s": ("a", "b")})
     assert err.value.needed == 6 and err.value.available == 5
+
+
+@pytest.mark.parametrize("bad", [-1, 7])
+def test_a_resident_features_id_out_of_its_table_is_refused_naming_the_feature_and_batch(bad: int) -> None:
+    """Only the cached tables' ids were checked: a resident table's bad id failed at the step that read it."""
+    resident = {"fr": ("r", 7)}
+    caps = {"a": 4, "b": 2}
+    good = [dict(b, fr=torch.tensor([0, 6])) for b in STREAM]
+    assert check_stream(good, caps, FEATURES, ROWS, 1, resident_features=resident) == caps
+    stream = good + [{"fa": torch.tensor([0]), "fb": torch.tensor([0]), "fr": torch.tensor([3, bad])}]
+    with pytest.raises(
+        InvalidIdError, match=rf"feature 'fr' of resident table 'r': batch 2 holds id {bad} outside \[0, 7\)"
+    ) as err:
+        check_stream(stream, caps, FEATURES, ROWS, 1, resident_features=resident)
+    assert (err.value.table, err.value.batch, err.value.id, err.value.num_rows) == ("r", 2, bad, 7)
+    assert check_stream(stream, caps, FEATURES, ROWS, 1) == caps  # none given: not checked

@@ -3,7 +3,8 @@
 The oracle raises :class:`~torchrec_lookahead.errors.CapacityError` when a window (a batch and the next
 ``prefetch_depth``) needs more rows than a table's cache holds, but it plans only ``horizon`` batches ahead of
 training, so a window late in an epoch would surface mid-training. :func:`check_stream` scans a stream first:
-the same per-window working sets, ids checked against the table sizes, and nothing planned or moved. The
+the same per-window working sets, ids checked against the table sizes (the resident tables' too, a min and a max
+per feature, which the step would otherwise refuse only when it reads them), and nothing planned or moved. The
 pre-scan before training (:func:`~torchrec_lookahead.runtime.scan.prescan`) runs it over the epoch's first
 batches, up to a bound in batches or seconds, so that a large epoch is not read before the first step; the
 oracle still checks every window it plans, those beyond the bound included, before it is trained.
@@ -25,7 +26,7 @@ import numpy as np
 
 from torchrec_lookahead._checks import check_int
 from torchrec_lookahead.errors import CapacityError, ConfigError, InvalidIdError
-from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, split_batch
+from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, split_batch, table_ids
 from torchrec_lookahead.oracle.oracle import window_working_sets
 from torchrec_lookahead.oracle.types import describe_window
 from torchrec_lookahead.runtime._host_windows import HostShortfall, HostWindowCheck
@@ -74,6 +75,25 @@ def check_scan_bounds(batches: object, seconds: object) -> Tuple[Optional[int], 
     return n, float(seconds)
 
 
+def _check_resident(ids: Mapping[str, Any], resident: Mapping[str, Tuple[str, int]], step: int) -> None:
+    """Refuse batch ``step`` if a resident feature's ids (feature -> ids) leave its table's rows."""
+    for feature, values in ids.items():
+        if not values.numel():
+            continue
+        table, rows = resident[feature]
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high >= rows:
+            bad = low if low < 0 else high
+            raise InvalidIdError(
+                f"feature {feature!r} of resident table {table!r}: batch {step} holds id {bad} outside [0, "
+                f"{rows}); remap or hash ids into the table before training",
+                table=table,
+                batch=step,
+                id=bad,
+                num_rows=rows,
+            )
+
+
 def check_stream(
     batches: Iterable[Any],
     capacity: Mapping[str, int],
@@ -82,6 +102,7 @@ def check_stream(
     prefetch_depth: int,
     host_windows: Optional[Mapping[str, HostWindow]] = None,
     slot_spaces: Optional[Mapping[str, Sequence[str]]] = None,
+    resident_features: Optional[Mapping[str, Tuple[str, int]]] = None,
 ) -> Dict[str, int]:
     """Scan a stream of sparse features (KJTs or mappings) and fail at the first window a cache cannot hold.
 
@@ -96,6 +117,9 @@ def check_stream(
             checked after the device caches.
         slot_spaces: slot space -> the cached tables that share one cache of the sum of their capacities
             (:attr:`CacheTarget.slot_spaces`): a window must fit in the space, whatever each member's share.
+        resident_features: feature -> (table, rows) of resident tables (:attr:`CacheTarget.resident_features`):
+            each batch's ids of these features are checked against their table's rows too (a min and a max per
+            feature), so that a bad id fails here rather than at the step that reads it.
 
     Returns:
         The largest window working set per table (the smallest capacity that would do).
@@ -104,7 +128,8 @@ def check_stream(
         CapacityError: a window needs more rows than a table's capacity (names the first such window, the
             rows it needs and the rows available, and the largest window of each short table); else a window
             needs more rows on a shard than its host tier holds (``tier="host"``, the same facts).
-        InvalidIdError: an id is negative or not below the table's size (names the table and the batch).
+        InvalidIdError: an id of a cached table, or of a resident feature, is negative or not below the table's
+            size (names the table, the batch and the id; for a resident table the feature too).
 
     Example:
         >>> import torch
@@ -123,12 +148,17 @@ def check_stream(
     host = HostWindowCheck({t: w for t, w in (host_windows or {}).items() if t in capacity})
     host_first: Dict[str, HostShortfall] = {}
 
-    def table_ids() -> Iterator[Dict[str, np.ndarray]]:
-        for batch in batches:
+    resident = dict(resident_features or {})
+    by_feature = {f: f for f in resident}
+
+    def cached_ids() -> Iterator[Dict[str, np.ndarray]]:
+        for step, batch in enumerate(batches):
+            if resident:
+                _check_resident(table_ids(batch, by_feature, unknown=UnknownFeatures.IGNORE), resident, step)
             parts = split_batch(batch, names, feature_to_table, False, UnknownFeatures.IGNORE)
             yield {n: parts[n][0] for n in names}
 
-    for step, sets in window_working_sets(table_ids(), prefetch_depth):
+    for step, sets in window_working_sets(cached_ids(), prefetch_depth):
         for n, (uniq, need) in sets.items():
             if uniq.size and (int(uniq[0]) < 0 or int(uniq[-1]) >= int(num_embeddings[n])):
                 bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])

@@ -210,6 +210,7 @@ def prescan(
                 prefetch_depth,
                 target.host_windows,
                 target.slot_spaces,
+                target.resident_features,
             )
     finally:
         stream.close()

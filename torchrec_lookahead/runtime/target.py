@@ -50,6 +50,8 @@ class CacheTarget:
             the stores report.
         slot_spaces: slot space -> the cached tables sharing its cache rows (the caches' ``slot_spaces``); a
             table in none has a cache of its own (``capacity`` rows).
+        resident_features: feature -> (table, rows) of the resident tables of the cached collections, whose
+            ids the pre-scan checks too (:func:`~torchrec_lookahead.runtime.capacity.check_stream`).
     """
 
     capacity: Mapping[str, int]
@@ -63,6 +65,7 @@ class CacheTarget:
     exchanges: Tuple[ExchangeSpec, ...] = ()
     host_windows: Optional[Mapping[str, HostWindow]] = None
     slot_spaces: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
+    resident_features: Mapping[str, Tuple[str, int]] = field(default_factory=dict)
 
     def cache_rows(self) -> Dict[str, int]:
         """Per cached table, the rows of the cache its slots index: its slot space's (the sum of its members'
@@ -97,6 +100,7 @@ class CacheTarget:
         stores: Dict[str, EmbeddingStore] = {}
         exchanges: List[ExchangeSpec] = []
         spaces: Dict[str, Tuple[str, ...]] = {}
+        resident: Dict[str, Tuple[str, int]] = {}
         for m in modules:
             cache = m.cache
             clash = sorted(set(capacity) & set(cache.capacity))
@@ -114,6 +118,12 @@ class CacheTarget:
             rows.update({c.name: c.num_embeddings for c in cache.table_configs() if c.name in cache.capacity})
             exchanges += m.exchange_specs()
             spaces.update(cache.slot_spaces)
+            for c in cache.table_configs():
+                if c.name in cache.capacity:
+                    continue
+                for f in c.feature_names:  # a feature two collections read: the smaller table refuses first
+                    if f not in resident or c.num_embeddings < resident[f][1]:
+                        resident[f] = (c.name, int(c.num_embeddings))
         return cls(
             capacity=capacity,
             feature_to_table=f2t,
@@ -125,4 +135,5 @@ class CacheTarget:
             average_every=next((m.average_every for m in modules if m.average_every is not None), None),
             exchanges=tuple(exchanges),
             slot_spaces=spaces,
+            resident_features=resident,
         )
