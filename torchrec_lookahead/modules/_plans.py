@@ -26,8 +26,9 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
+import numpy as np
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
@@ -132,7 +133,15 @@ def cached_table(tables: Mapping[str, _Table], step: int, name: str) -> _Table:
     return t
 
 
+def _bounds(arr: np.ndarray) -> Tuple[int, int]:
+    """``(min, max)`` of a non-empty array (the ufuncs' reductions, without the ndarray methods' wrappers: this
+    runs for every field of every plan)."""
+    return int(np.minimum.reduce(arr)), int(np.maximum.reduce(arr))
+
+
 def _as_index(name: str, what: str, t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, torch.Tensor) and t.dtype is torch.int64 and t.is_cpu and t.dim() == 1:
+        return t  # the oracle's own plans: nothing to convert
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
         raise DataError(f"plan field {what} of table '{name}' must be a 1-D integer tensor but got {t!r}")
     return t.to(device="cpu", dtype=torch.int64)
@@ -191,7 +200,7 @@ def validate_plan(
         if not s.numel():
             continue
         arr = s.numpy()  # NumPy's reductions: no intra-op threads for a plan's few hundred entries
-        low, high = int(arr.min()), int(arr.max())
+        low, high = _bounds(arr)
         if low >= 0 and high < limit:
             continue
         bad = low if low < 0 else high

@@ -12,7 +12,7 @@ in KJT key order; the plan's ``slots`` follow the same order::
 
 from __future__ import annotations
 
-from typing import Collection, Dict, List, Mapping
+from typing import Collection, Dict, Mapping
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -64,17 +64,17 @@ def remap_kjt(
     refuse_variable_batch(kjt)
     values = kjt.values()
     bounds = kjt.offset_per_key()
-    # the remapped values, piece by piece in key order: a cached feature's slots, the others' own ids (one
-    # concatenation instead of a copy of the values and a write per feature)
-    pieces: List[torch.Tensor] = []
+    # a new tensor in every case: the batch's values and the plan's slots stay untouched; the cached features'
+    # ranges are then overwritten with their slots (through NumPy views on the CPU: a few calls, not a
+    # concatenation of every feature's piece)
+    new_values = values.clone()
+    host = new_values.numpy() if new_values.device.type == "cpu" and _numpy_dtype(new_values) else None
     used: Dict[str, int] = {}
     for i, key in enumerate(kjt.keys()):
         table = feature_to_table.get(key)
-        lo, hi = bounds[i], bounds[i + 1]
         if table is None or table not in cached_tables:
-            if hi > lo:
-                pieces.append(values[lo:hi])
             continue
+        lo, hi = bounds[i], bounds[i + 1]
         pos = used.get(table, 0)
         if hi > lo:
             table_plan = plan.tables.get(table)
@@ -83,12 +83,16 @@ def remap_kjt(
                     f"batch of step {plan.step} looks up cached table '{table}' (feature '{key}') but the plan "
                     "has no entry for it; plan every cached table the batch uses"
                 )
-            if table_plan.slots.numel() < pos + hi - lo:
+            slots = table_plan.slots
+            if slots.numel() < pos + hi - lo:
                 raise DataError(
-                    f"plan step {plan.step} has {table_plan.slots.numel()} slots for table '{table}' but the "
+                    f"plan step {plan.step} has {slots.numel()} slots for table '{table}' but the "
                     f"batch looks up more ids in it; the plan was made for another batch"
                 )
-            pieces.append(table_plan.slots[pos : pos + hi - lo].to(values.dtype))
+            if host is not None and slots.device.type == "cpu":
+                host[lo:hi] = slots.numpy()[pos : pos + hi - lo]
+            else:
+                new_values[lo:hi] = slots[pos : pos + hi - lo].to(new_values.device, new_values.dtype)
         used[table] = pos + hi - lo
     for table, table_plan in plan.tables.items():
         if table_plan.slots.numel() != used.get(table, 0):
@@ -96,10 +100,6 @@ def remap_kjt(
                 f"plan step {plan.step} has {table_plan.slots.numel()} slots for table '{table}' but the batch "
                 f"looks up {used.get(table, 0)} ids in it; the plan was made for another batch"
             )
-    if values.numel() > bounds[-1]:  # values past the last key's (kept, as a copy of the values would)
-        pieces.append(values[bounds[-1] :])
-    # a new tensor in every case: the batch's values and the plan's slots stay untouched
-    new_values = torch.cat(pieces) if len(pieces) > 1 else (pieces[0] if pieces else values).clone()
     return KeyedJaggedTensor(
         keys=kjt.keys(),
         values=new_values,
@@ -111,3 +111,8 @@ def remap_kjt(
         length_per_key=kjt.length_per_key(),
         offset_per_key=bounds,
     )
+
+
+def _numpy_dtype(t: torch.Tensor) -> bool:
+    """Whether ``t``'s dtype has a NumPy view (the integer types ids come in)."""
+    return t.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)

@@ -167,7 +167,7 @@ class _RowStore(ShapedStore):
                 f"weights for table '{self.name}' must have shape ({n}, {self.embedding_dim}) but got "
                 f"{tuple(weights.shape)}"
             )
-        parts = [weights.detach().to(device="cpu", dtype=torch.float32)]
+        parts = [_host_float(weights)]
         for key, width in self._shape.state_widths.items():
             val = states[key].detach()
             if width == 1 and val.dim() == 1:
@@ -177,7 +177,7 @@ class _RowStore(ShapedStore):
                     f"state '{key}' for table '{self.name}' must have shape ({n}, {width}) but got "
                     f"{tuple(states[key].shape)}"
                 )
-            parts.append(val.to(device="cpu", dtype=torch.float32))
+            parts.append(_host_float(val))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def _split(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -209,7 +209,8 @@ class _RowStore(ShapedStore):
         if type(self).scatter is not _RowStore.scatter:
             self.scatter(ids, weights, states)
             return
-        ids = ids.to(device="cpu", dtype=torch.int64)
+        if not (ids.dtype is torch.int64 and ids.is_cpu):
+            ids = ids.to(device="cpu", dtype=torch.int64)
         self._write(ids, self._pack(ids.numel(), weights, states))
 
     def _write(self, ids: torch.Tensor, packed: torch.Tensor) -> None:
@@ -308,3 +309,9 @@ class _RowStore(ShapedStore):
             f"{type(self).__name__}(name={self.name!r}, num_embeddings={self.num_embeddings}, "
             f"embedding_dim={self.embedding_dim}, state_widths={self._shape.state_widths})"
         )
+
+
+def _host_float(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, as float32 in host memory (as is when it already is: the cache's rows on the CPU)."""
+    t = t.detach()
+    return t if t.dtype is torch.float32 and t.is_cpu else t.to(device="cpu", dtype=torch.float32)

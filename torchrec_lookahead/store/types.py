@@ -32,6 +32,9 @@ import torch.distributed as dist
 from torchrec_lookahead._arrays import sorted_unique
 from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
 
+#: the ids :meth:`StoreShape.check_ids` returns with an error (none)
+_NO_IDS = torch.zeros(0, dtype=torch.int64)
+
 __all__ = ["EmbeddingStore", "HostWindow", "PendingPiece", "StoreShape", "ShapedStore", "check_load"]
 
 
@@ -371,7 +374,7 @@ class StoreShape:
         """``(None, ids)`` as a contiguous CPU int64 tensor when ``ids`` is a 1-D integer tensor of ids in
         ``[0, num_embeddings)`` (distinct, if ``unique``); else ``(error, no ids)``, for the store to raise
         (a collective store raises it on every rank)."""
-        empty = torch.zeros(0, dtype=torch.int64)
+        empty = _NO_IDS
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
             desc = (
                 f"tensor of shape {tuple(ids.shape)} and dtype {ids.dtype}"
@@ -381,7 +384,8 @@ class StoreShape:
             return InvalidIdError(
                 f"ids for table '{self.name}' must be a 1-D integer tensor but got {desc}", table=self.name
             ), empty
-        ids = ids.to(device="cpu", dtype=torch.int64).contiguous()
+        if not (ids.dtype is torch.int64 and ids.is_cpu and ids.is_contiguous()):
+            ids = ids.to(device="cpu", dtype=torch.int64).contiguous()
         if ids.numel() == 0:
             return None, ids
         arr = ids.numpy()  # NumPy's reductions: no intra-op threads for a few hundred ids
