@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead._checks import check_dir
+from torchrec_lookahead._log_dirs import refused_run_logs
 from torchrec_lookahead._parse_errors import LookaheadArgumentParser, nested_nulls
 from torchrec_lookahead.errors import CheckpointError, ConfigError, LookaheadError, first_line, recent_errors
 
@@ -159,6 +160,13 @@ class LookaheadCLI(LightningCLI):
             sys.stdout.write("\n".join(lines) + "\n")
             sys.stdout.flush()
 
+    def fit(self, **kwargs: Any) -> None:
+        """``Trainer.fit``; a run refused before its first step (a :class:`~torchrec_lookahead.errors.LookaheadError`
+        or Lightning's refusal of a setting) leaves no TensorBoard version of its own that holds only its config
+        and hyperparameters (:func:`~torchrec_lookahead._log_dirs.refused_run_logs`)."""
+        with refused_run_logs(self.trainer, _refusal):
+            self.trainer.fit(**kwargs)
+
     def after_fit(self) -> None:
         self._summary()
 
@@ -269,6 +277,11 @@ def find_lookahead_error(error: BaseException) -> Optional[LookaheadError]:
         if str(e) and str(e) in text:
             return e
     return None
+
+
+def _refusal(error: BaseException) -> bool:
+    """Whether ``error`` is a refusal the CLI reports as one line (:func:`short_lookahead_errors`)."""
+    return find_lookahead_error(error) is not None or isinstance(error, MisconfigurationException)
 
 
 def _rank() -> int:

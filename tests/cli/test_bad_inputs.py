@@ -14,7 +14,7 @@ import yaml
 from torchrec_lookahead._parse_errors import type_error, unknown_error
 from torchrec_lookahead.cli import main
 
-from .test_errors import TINY, _short_error, _tsv_config
+from .test_errors import SHARDERS, TINY, _short_error, _tsv_config
 
 SHARDER = "torchrec_lookahead.distributed.LookaheadEmbeddingBagCollectionSharder"
 BUDGET = "configs/dlrm_lookahead_budget.yaml"
@@ -341,3 +341,21 @@ def test_a_planner_chosen_kernel_beside_cached_tables_is_one_config_error(capsys
     assert line.startswith(
         "ConfigError: compute_kernel: null (TorchRec's planner choosing the kernels) cannot plan the resident tables"
     ), line
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        # refused by the strategy's set-up (config.yaml and an empty event file), by the capacity pre-scan
+        # (hparams.yaml and the cache plan's report too)
+        "--trainer.precision=64-true",
+        SHARDERS.replace("CAP", "5"),
+    ],
+)
+def test_a_fit_refused_at_start_up_leaves_no_log_version_of_its_own(capsys, tmp_path, override):
+    """The refused run left an empty `lightning_logs/version_N` beside the runs that trained."""
+    logs = tmp_path / "lightning_logs"
+    (logs / "version_0").mkdir(parents=True)  # an earlier run's, empty too: not this run's to remove
+    line = _fit(capsys, override, f"--trainer.default_root_dir={tmp_path}")
+    assert line.startswith(("ConfigError: precision=64-true", "CapacityError: table 't_cat_2'")), line
+    assert sorted(p.name for p in logs.iterdir()) == ["version_0"]
