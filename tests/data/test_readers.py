@@ -210,6 +210,19 @@ def test_movies_file_header_is_read_and_an_empty_one_refused(tmp_path):
             read_movielens_genres(str(movies))
 
 
+def test_a_rated_movie_missing_from_the_movies_file_is_a_data_error_naming_it(tmp_path):
+    """It silently had genre 0, as if no movies file were given."""
+    from torchrec_lookahead.data import MovieLensHistoryDataModule
+
+    movies = tmp_path / "movies.csv"
+    movies.write_text("movieId,title,genres\n5,A,Comedy\n6,B,Drama\n")
+    ratings = _ratings(tmp_path, "1,5,4.0,100", "1,7,4.0,101", "2,8,3.0,102", "2,6,3.0,103")
+    for make in (MovieLensDataModule, MovieLensHistoryDataModule):
+        with pytest.raises(DataError, match=rf"r.csv:3: movieId 7 is not in the movies file {movies}; give"):
+            _batches(make(ratings, movies_file=str(movies), batch_size=2))
+    assert len(_batches(MovieLensDataModule(ratings, batch_size=2))) == 2  # no movies file: genre 0
+
+
 @pytest.mark.parametrize(
     "make, lines, match",
     [

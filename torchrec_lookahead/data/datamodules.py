@@ -331,7 +331,7 @@ class MovieLensDataModule(_ModuloDataModule):
         train_files: ``ratings.csv`` file(s) (with header).
         val_files: validation file(s).
         test_files: test file(s).
-        movies_file: ``movies.csv`` for genres (optional).
+        movies_file: ``movies.csv`` for genres (optional; a rated movie it lacks is a ``DataError``).
         num_embeddings: rows for ``user``, ``movie``, ``genres``.
         batch_size: rows per batch per rank.
         drop_last: drop a final partial batch (default: only with several ranks).
@@ -354,7 +354,9 @@ class MovieLensDataModule(_ModuloDataModule):
         self.save_hyperparameters()
         genres = read_movielens_genres(movies_file) if movies_file else None
         self._parse = MovieLensParser(
-            list(num_embeddings) if not isinstance(num_embeddings, dict) else num_embeddings, genres
+            list(num_embeddings) if not isinstance(num_embeddings, dict) else num_embeddings,
+            genres,
+            movies_file,
         )
 
 

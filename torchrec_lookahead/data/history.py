@@ -41,14 +41,16 @@ class MovieLensHistoryParser(LineFormat):
         num_embeddings: rows per table for ``user``, ``movie``, ``genres``; history ids share the movie table's
             size (ids are taken modulo it).
         genres: movie id -> genre ids.
+        movies_file: the file ``genres`` was read from (see :class:`MovieLensParser`).
     """
 
     def __init__(
         self,
         num_embeddings: Union[Sequence[int], Dict[str, int]],
         genres: Optional[Dict[int, List[int]]] = None,
+        movies_file: Optional[str] = None,
     ):
-        self.ratings = MovieLensParser(num_embeddings, genres)
+        self.ratings = MovieLensParser(num_embeddings, genres, movies_file)
         self.sizes = self.ratings.sizes
 
     num_fields = 5  # the rows it is given: the file's four and the history
@@ -112,7 +114,7 @@ class MovieLensHistoryDataModule(MovieLensDataModule):
         train_files: ``ratings.csv`` file(s) (with header).
         val_files: validation file(s) (their histories are their own files').
         test_files: test file(s).
-        movies_file: ``movies.csv`` for genres (optional).
+        movies_file: ``movies.csv`` for genres (optional; a rated movie it lacks is a ``DataError``).
         num_embeddings: rows for ``user``, ``movie``, ``genres`` (``history`` shares the movie table).
         history_length: most recent earlier ratings kept per sample (0: empty histories).
         batch_size: rows per batch per rank.
@@ -138,7 +140,9 @@ class MovieLensHistoryDataModule(MovieLensDataModule):
             train_files, val_files, test_files, movies_file, num_embeddings, batch_size, drop_last
         )
         self.history_length = history_length
-        self._history_parse = MovieLensHistoryParser(self._parse.sizes, self._parse.genres)
+        self._history_parse = MovieLensHistoryParser(
+            self._parse.sizes, self._parse.genres, self._parse.movies_file
+        )
 
     def _parser(self) -> MovieLensHistoryParser:
         return self._history_parse

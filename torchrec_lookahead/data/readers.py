@@ -215,14 +215,20 @@ class MovieLensParser(LineFormat):
 
     Args:
         num_embeddings: rows per table for ``user``, ``movie``, ``genres`` (ids are taken modulo the size).
-        genres: movie id -> genre ids (empty when ``movies.csv`` is not given).
+        genres: movie id -> genre ids (empty when ``movies.csv`` is not given: every movie has genre 0); when
+            given, a rating of a movie it lacks is refused (:class:`~torchrec_lookahead.errors.DataError`).
+        movies_file: the file ``genres`` was read from, named in that error.
     """
 
     def __init__(
-        self, num_embeddings: Sequence[int] | Dict[str, int], genres: Optional[Dict[int, List[int]]] = None
+        self,
+        num_embeddings: Sequence[int] | Dict[str, int],
+        genres: Optional[Dict[int, List[int]]] = None,
+        movies_file: Optional[str] = None,
     ):
         self.sizes = _sizes(num_embeddings, MOVIELENS_FEATURES)
         self.genres = genres or {}
+        self.movies_file = movies_file
 
     num_fields = 4
 
@@ -257,15 +263,25 @@ class MovieLensParser(LineFormat):
                 )
             if not -TIMESTAMP_LIMIT < ts < TIMESTAMP_LIMIT:
                 raise row.fail(_bad_timestamp(f[3]))
+            movie_genres = self.genres.get(m) if self.genres else [0]
+            if movie_genres is None:
+                raise row.fail(self._missing_movie(m))
             users.append([u % nu])
             movies.append([m % nm])
-            genres.append([g % ng for g in self.genres.get(m, [0])])
+            genres.append([g % ng for g in movie_genres])
             dense.append([(ts - 788_918_400) / 31_557_600.0])
             labels.append(1.0 if r >= 4.0 else 0.0)
         return Batch(
             dense_features=torch.tensor(dense, dtype=torch.float32),
             sparse_features=_kjt(MOVIELENS_FEATURES, [users, movies, genres]),
             labels=torch.tensor(labels, dtype=torch.float32),
+        )
+
+    def _missing_movie(self, movie: int) -> str:
+        source = f"the movies file {self.movies_file}" if self.movies_file else "the genres given"
+        return (
+            f"movieId {movie} is not in {source}; give the movies.csv of the same MovieLens release as the "
+            "ratings, or no movies_file (every movie then has genre 0)"
         )
 
 
