@@ -328,7 +328,7 @@ def _summarize(
     bandwidth: Optional[Dict[str, float]],
 ) -> Dict[str, float]:
     """Add to ``figures`` the medians, samples/s and ratios of the runs done so far, and per run (``runs``) its
-    traffic figures (:func:`~benchmarks._uvm.per_step`), the step time over its bandwidth floor and a UVM run's
+    traffic figures (:func:`~benchmarks._uvm_traffic.per_step`), the step time over its bandwidth floor and a UVM run's
     FBGEMM facts; returns the median step times (ms)."""
     med = {k: median(v) * 1e3 for k, v in times.items() if v}
     figures.update({f"{k}_step_ms": v for k, v in med.items()})

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import fae
+from benchmarks._fae_calibration import DATA
 
 
 @pytest.mark.slow
@@ -73,8 +74,8 @@ def test_fae_cache_comparison_quick_variant(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_fae_recalibration_quick_variant(tmp_path: Path) -> None:
-    if not (fae.DATA / "taobao_userbehavior_head").exists():
-        pytest.skip(f"the Taobao sample is absent ({fae.DATA})")
+    if not (DATA / "taobao_userbehavior_head").exists():
+        pytest.skip(f"the Taobao sample is absent ({DATA})")
     out = tmp_path / "recal.json"
     fae.main(["--recalibrate", "--quick", "--json", str(out)])
     figures = json.loads(out.read_text())

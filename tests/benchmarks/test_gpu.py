@@ -275,7 +275,7 @@ def test_uvm_loop_runs_on_the_cpu_without_a_cache(process_group: None) -> None:
 
 
 def fake_tbe(stats: Any = None, misses: Any = None, occupied: int = 0, slots: int = 64) -> Any:
-    """What :func:`benchmarks._uvm.cache_snapshot` reads of a CUDA TBE with a cache."""
+    """What :func:`benchmarks._uvm_traffic.cache_snapshot` reads of a CUDA TBE with a cache."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import RecordCacheMetrics
 
     state = torch.full((slots // 32, 32), -1, dtype=torch.int64)
