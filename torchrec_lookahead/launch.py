@@ -215,8 +215,9 @@ def fail_fast_on_error() -> Iterator[None]:
                 raise SystemExit(1) from None
             raise
         code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
-        lost = peer_lost(e)
+        lost = peer_lost(e, _rank())
         if lost is not None:  # the cause is the other rank's: its error (or torchrun's report) says it
+            _end_progress_bar_line()
             sys.stderr.write(lost + "\n")
         elif code and not isinstance(e, SystemExit):
             traceback.print_exc()
@@ -230,23 +231,28 @@ def fail_fast_on_error() -> Iterator[None]:
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def peer_lost(error: BaseException) -> Optional[str]:
+def peer_lost(error: BaseException, rank: int = 0) -> Optional[str]:
     """One line for ``error`` when it only says that another rank is gone (a collective whose peer ended: killed,
-    or failed with its own error); ``None`` for any other error.
+    or failed with its own error); ``None`` for any other error. The library's message is quoted up to its first
+    sentence (gloo's goes on with advice about the remote worker), and a ``rank`` other than 0 prefixes
+    ``[rank N]``, as :func:`short_lookahead_errors` does.
 
     Example:
         >>> line = peer_lost(RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:5431"))
         >>> line.startswith("RuntimeError: [pair.cc:534] Connection closed by peer"), line.endswith("says why)")
         (True, True)
+        >>> peer_lost(RuntimeError("Connection reset by peer. This is typically..."), rank=1).split(" (")[0]
+        '[rank 1] RuntimeError: Connection reset by peer'
         >>> peer_lost(ValueError("bad")) is None
         True
     """
     text = str(error)
     if type(error).__name__ != "DistNetworkError" and not any(m in text for m in _PEER_GONE):
         return None
+    prefix = "" if rank == 0 else f"[rank {rank}] "
     return (
-        f"{type(error).__name__}: {first_line(error, 200)} (another rank ended: its own error, or torchrun's "
-        "report, says why)"
+        f"{prefix}{type(error).__name__}: {first_line(error, 200, sentence=True)} (another rank ended: its own "
+        "error, or torchrun's report, says why)"
     )
 
 

@@ -57,3 +57,51 @@ def test_every_rank_reports_at_once_and_a_rank_other_than_zero_prefixes_its_rank
     assert _report(monkeypatch, capsys, "0") == "ConfigError: bad policy\n"
     assert _report(monkeypatch, capsys, "1") == "[rank 1] ConfigError: bad policy\n"
     assert _report(monkeypatch, capsys, "3") == "[rank 3] ConfigError: bad policy\n"
+
+
+class _Exited(Exception):
+    pass
+
+
+def test_a_rank_whose_peer_died_says_so_in_one_line_of_its_own_with_its_rank(monkeypatch, capsys):
+    """gloo's message of a killed peer is quoted up to its first sentence (not cut mid-word), on a line of its own
+    after an open progress bar, prefixed with the rank like every other error of a rank other than 0."""
+    import atexit
+    import os
+
+    import pytest
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from torchrec_lookahead import launch
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(launch, "_rank", lambda: 1)
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: None)
+    codes = []
+
+    def _exit(code):
+        codes.append(code)
+        raise _Exited
+
+    monkeypatch.setattr(os, "_exit", _exit)
+    gloo = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:34499: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application. "
+        "Check the logs of the remote worker before reporting an error."
+    )
+    bar = tqdm(total=10, desc="Epoch 0")
+    try:
+        with pytest.raises(_Exited), launch.fail_fast_on_error():
+            raise RuntimeError(gloo)
+    finally:
+        bar.close()
+    assert codes == [1]
+    lines = capsys.readouterr().err.split("\n")
+    line = next(x for x in lines if "RuntimeError" in x)
+    assert line == (
+        "[rank 1] RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:34499: Connection reset by peer (another rank ended: its own error, or torchrun's report, says "
+        "why)"
+    )
