@@ -141,7 +141,20 @@ class LookaheadCLI(LightningCLI):
             ) from None
         use_embedding_summary(trainer)
         use_resuming_progress_bar(trainer)
+        self._agree_across_ranks(trainer)
         return trainer
+
+    def _agree_across_ranks(self, trainer: pl.Trainer) -> None:
+        """Under the ``torchrec`` (or ``hierarchical``) strategy, have the ranks compare their parsed settings
+        once the process group exists: ranks given different configs or seeds are refused there
+        (:mod:`torchrec_lookahead.strategies._rank_settings`)."""
+        from torchrec_lookahead.strategies import TorchRecStrategy
+        from torchrec_lookahead.strategies._rank_settings import flat_settings
+
+        if not isinstance(trainer.strategy, TorchRecStrategy):
+            return
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        trainer.strategy.agree_on_settings(flat_settings(config.as_dict()))
 
     def _summary(self) -> None:
         trainer = self.trainer
