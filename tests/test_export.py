@@ -156,3 +156,54 @@ def test_export_checks_its_config_before_reading_the_checkpoint(tmp_path: Path, 
     ckpt.write_bytes(b"")
     with pytest.raises(ConfigError, match="Config file not found"):
         export_checkpoint(ckpt, tmp_path / "o.ckpt", [str(tmp_path / "nope.yaml")])
+
+
+# what torch's zip writer raises when the disk refuses its last bytes (seen on a full tmpfs)
+_SHORT_WRITE = "[enforce fail at inline_container.cc:672] . unexpected pos 11456 vs 11408"
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [RuntimeError(_SHORT_WRITE), OSError(28, "No space left on device")],
+    ids=["short_write", "enospc"],
+)
+def test_export_on_a_full_disk_is_a_checkpoint_error_naming_out_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    import torchrec_lookahead.export as export
+
+    ckpt, out = tmp_path / "c.ckpt", tmp_path / "served.ckpt"
+    torch.save({"state_dict": {"model.w": torch.zeros(4)}, "epoch": 0}, ckpt)
+
+    def full(obj: object, path: Path) -> None:
+        Path(path).write_bytes(b"half")
+        raise failure
+
+    monkeypatch.setattr(export.torch, "save", full)
+    with pytest.raises(CheckpointError, match=rf"cannot write --out {out}: no space left .* bytes were free"):
+        export_checkpoint(ckpt, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt"]
+
+
+def test_export_with_a_full_temporary_directory_says_so_not_that_the_checkpoint_is_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed.checkpoint.format_utils as format_utils
+
+    import torchrec_lookahead.strategies._checkpoint as checkpoint
+
+    ckpt = tmp_path / "c.ckpt"
+    ckpt.mkdir()
+    for name in ("meta.pt", ".metadata", "__0_0.distcp"):
+        (ckpt / name).write_bytes(b"x" * 10)
+    monkeypatch.setattr(checkpoint, "load_meta_file", lambda path: {"epoch": 0})
+    monkeypatch.setattr(checkpoint, "check_dcp_metadata", lambda path: None)
+
+    def full(src: Path, dst: Path) -> None:
+        raise RuntimeError(_SHORT_WRITE)
+
+    monkeypatch.setattr(format_utils, "dcp_to_torch_save", full)
+    with pytest.raises(CheckpointError, match=r"temporary directory .* no space left .* set TMPDIR") as info:
+        export_checkpoint(ckpt, tmp_path / "o.ckpt")
+    assert "cannot read" not in str(info.value)
+    assert not (tmp_path / "o.ckpt").exists()

@@ -18,7 +18,9 @@ Example::
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -73,6 +75,22 @@ def resident_state_dict(state: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` is a write refused for lack of room: ``ENOSPC`` / ``EDQUOT``, or torch's zip writer finding
+    fewer bytes in its file than it wrote (``unexpected pos``: what a full disk leaves of a ``torch.save``)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "unexpected pos" in str(e) or "No space left on device" in str(e)
+
+
+def _free_bytes(path: Path) -> str:
+    """The free bytes of ``path``'s file system, formatted, for a message ("unknown" if it cannot be read)."""
+    try:
+        return f"{shutil.disk_usage(path).free:,}"
+    except OSError:
+        return "unknown"
+
+
 def _load_whole(ckpt: Path) -> Dict[str, Any]:
     """A checkpoint as one dict of whole tensors: a TorchRecStrategy directory (gathered), or a file."""
     if ckpt.is_dir():
@@ -89,14 +107,26 @@ def _load_whole(ckpt: Path) -> Dict[str, Any]:
 
         full = dict(load_meta_file(ckpt))  # both small files first: the gathering below is the slow part
         check_dcp_metadata(ckpt)
+        full_tmp: Optional[BaseException] = None
+        free = _free_bytes(Path(tempfile.gettempdir()))  # before: a failed write may hold its bytes a while
         with tempfile.TemporaryDirectory() as tmp:
             whole = Path(tmp) / "whole.pt"
             try:
                 dcp_to_torch_save(ckpt, whole)
                 data = torch.load(whole, weights_only=False)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - several types on damage
-                first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                raise CheckpointError(f"cannot read the checkpoint {ckpt}: {first}") from e
+                if not _out_of_space(e):
+                    first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                    raise CheckpointError(f"cannot read the checkpoint {ckpt}: {first}") from e
+                full_tmp = e
+        if full_tmp is not None:
+            root = tempfile.gettempdir()
+            shards = sum(f.stat().st_size for f in ckpt.glob("*.distcp"))
+            raise CheckpointError(
+                f"cannot export {ckpt}: the temporary directory {root} has no space left to gather its shards "
+                f"into one file (about {shards:,} bytes; {free} bytes were free there); the "
+                "checkpoint itself was read: free space there, or set TMPDIR to a directory with room"
+            ) from full_tmp
         full["state_dict"] = _tables_from_files(ckpt, data["state_dict"])
         return full
     if ckpt.is_file():
@@ -169,7 +199,7 @@ def export_checkpoint(ckpt: Path, out: Path, config: Optional[Sequence[str]] = N
 
     Raises:
         CheckpointError: the checkpoint is missing or damaged, or does not fit the config's model; ``out`` is a
-            directory.
+            directory; the disk of ``out``, or the temporary directory the shards are gathered in, is full.
         ConfigError: a config file is missing or invalid, or ``out`` lies under a file or in a directory that
             cannot be written (checked, like a directory ``out``, before the checkpoint is read).
     """
@@ -193,11 +223,19 @@ def export_checkpoint(ckpt: Path, out: Path, config: Optional[Sequence[str]] = N
     exported["state_dict"] = state
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
+    free = _free_bytes(out.parent)  # before: a failed write may hold its bytes a while
     try:
         torch.save(exported, tmp)
         tmp.replace(out)  # nothing half-written at ``out``
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)  # nor beside it (a full disk, an interrupt)
+        if isinstance(e, Exception) and _out_of_space(e):
+            size = sum(v.numel() * v.element_size() for v in state.values())
+            raise CheckpointError(
+                f"cannot write --out {out}: no space left on its disk (the export holds about {size:,} bytes; "
+                f"{free} bytes were free there); nothing was written: free space or choose "
+                "another --out"
+            ) from e
         raise
     tables = sorted({k.split(".embedding_bags.")[1].split(".")[0] for k in state if ".embedding_bags." in k})
     return {
