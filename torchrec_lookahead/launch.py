@@ -142,7 +142,29 @@ class LookaheadCLI(LightningCLI):
         use_embedding_summary(trainer)
         use_resuming_progress_bar(trainer)
         self._agree_across_ranks(trainer)
+        self._refuse_unfindable_last(trainer)
         return trainer
+
+    def _refuse_unfindable_last(self, trainer: pl.Trainer) -> None:
+        """``fit --ckpt_path=last`` under ``torchrun --max-restarts``, with the last checkpoint written under the
+        logger's ``version_N``: a restarted attempt logs to a new version and Lightning finds no last checkpoint
+        there, so the attempt silently trains from the start. Refused before anything is built, with the fix."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        if self.subcommand != "fit" or self.config["fit"].get("ckpt_path") != "last":
+            return
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) < 1:
+            return
+        if trainer.logger is None or getattr(trainer.logger, "_version", 0) is not None:
+            return  # no logger, or a fixed version: the checkpoints' directory is the same for every attempt
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath is None:
+                raise ConfigError(
+                    "--ckpt_path=last under torchrun --max-restarts: ModelCheckpoint(save_last=True) has no dirpath, "
+                    "so it writes under the logger's version_N, and a restarted attempt (a new version_N) would find "
+                    "no last checkpoint and train from the start; give it a fixed directory "
+                    "(--trainer.callbacks.dirpath=<dir>, or dirpath: in the config) or the logger a version"
+                )
 
     def _agree_across_ranks(self, trainer: pl.Trainer) -> None:
         """Under the ``torchrec`` (or ``hierarchical``) strategy, have the ranks compare their parsed settings

@@ -105,3 +105,35 @@ def test_a_rank_whose_peer_died_says_so_in_one_line_of_its_own_with_its_rank(mon
         "[127.0.0.1]:34499: Connection reset by peer (another rank ended: its own error, or torchrun's report, says "
         "why)"
     )
+
+
+def test_ckpt_path_last_under_torchrun_restarts_without_a_fixed_checkpoint_directory_is_refused(tmp_path):
+    """A restarted attempt logs to a new version_N: a ModelCheckpoint under the logger's version would never be
+    found by --ckpt_path=last, and the attempt would train from the start. Refused before anything is built; with a
+    dirpath the same job trains."""
+    import subprocess
+    import sys
+
+    from ..conftest import REPO
+    from .test_cli import clean_env
+
+    env = {**clean_env(), "TORCHELASTIC_MAX_RESTARTS": "1"}
+    args = [
+        sys.executable, "-m", "torchrec_lookahead", "fit", "--config", "configs/dlrm_tiny_lookahead.yaml",
+        "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.save_last=true", "--ckpt_path=last",
+        "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path / 'logs'}",
+    ]  # fmt: skip
+    refused = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert refused.returncode == 1
+    assert (
+        refused.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "ConfigError: --ckpt_path=last under torchrun --max-restarts: ModelCheckpoint(save_last=True) has no dirpath"
+        )
+    ), refused.stderr[-2000:]
+    assert not (tmp_path / "logs").exists()  # before anything is built
+    fixed = [*args, f"--trainer.callbacks.dirpath={tmp_path / 'ckpts'}"]
+    trained = subprocess.run(fixed, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert (tmp_path / "ckpts" / "last.ckpt").exists()
