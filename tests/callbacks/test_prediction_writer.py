@@ -46,9 +46,37 @@ def test_a_path_that_cannot_be_written_is_refused_at_set_up_and_a_failed_write_l
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(
+        ConfigError, match=r"'.*q.pt' cannot be written: no space left on its disk .* bytes were free"
+    ):
         PredictionWriter(str(tmp_path / "q.pt")).write_on_epoch_end(one, None, [torch.ones(2)], None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "p.rank1.pt"]
+
+
+def test_a_full_disk_seen_by_torch_zip_writer_is_one_config_error_not_its_enforce_message(
+    tmp_path, monkeypatch
+):
+    from torchrec_lookahead.errors import ConfigError
+
+    def short_write(obj, f):  # what torch.save raises when a full disk refuses its last bytes
+        with open(f, "wb") as out:
+            out.write(b"half")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(torch, "save", short_write)
+    one = SimpleNamespace(global_rank=0, world_size=1)
+    with pytest.raises(
+        ConfigError, match=r"cannot be written: no space left on its disk \(the predictions take"
+    ):
+        PredictionWriter(str(tmp_path / "q.pt")).write_on_epoch_end(one, None, [torch.ones(3)], None)
+    assert list(tmp_path.iterdir()) == []
+
+    def other(obj, f):  # any other failure is not dressed up as a full disk
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(torch, "save", other)
+    with pytest.raises(RuntimeError, match="boom"):
+        PredictionWriter(str(tmp_path / "q.pt")).write_on_epoch_end(one, None, [torch.ones(3)], None)
 
 
 def test_predict_to_a_directory_is_one_config_error_before_anything_is_predicted(
