@@ -51,12 +51,15 @@ class StepState:
         pending: delayed exchanges of the last backward, not landed yet.
         dirty: a plan was applied since the last complete flush.
         eval_flushed: the cache has been flushed for the current evaluation (reset by ``train()``).
+        unflushed_reported: the exception path's flush has said that the rows since the last checkpoint are
+            not written back (the strategy and the session both flush there: said once).
     """
 
     lrpp: Optional[LRPPPlan] = None
     pending: List[PendingExchange] = dataclasses.field(default_factory=list)
     dirty: bool = False
     eval_flushed: bool = False
+    unflushed_reported: bool = False
 
 
 class RankSync:

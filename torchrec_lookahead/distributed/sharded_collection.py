@@ -310,7 +310,8 @@ class ShardedLookaheadCollection(
         if not barrier and self.collective_stores:
             # Row-sharded stores are written with collectives, which another rank (gone, or inside another
             # collective on this exception path) may never join: keep the last checkpoint instead of hanging.
-            if self.step_state.dirty:
+            if self.step_state.dirty and not self.step_state.unflushed_reported:
+                self.step_state.unflushed_reported = True
                 log.warning(
                     "not flushing the lookahead cache to its row-sharded stores on this exit path (peers may be "
                     "gone); updates since the last checkpoint are lost"
