@@ -207,3 +207,26 @@ def test_export_with_a_full_temporary_directory_says_so_not_that_the_checkpoint_
         export_checkpoint(ckpt, tmp_path / "o.ckpt")
     assert "cannot read" not in str(info.value)
     assert not (tmp_path / "o.ckpt").exists()
+
+
+def test_export_against_another_config_is_one_line_naming_the_differences(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchrec_lookahead.export as export
+
+    ckpt = tmp_path / "c.ckpt"
+    torch.save({"state_dict": {"model.w": torch.zeros(4), "model.old": torch.zeros(1)}}, ckpt)
+    other = torch.nn.Module()
+    other.model = torch.nn.Module()
+    other.model.w = torch.nn.Parameter(torch.zeros(5))
+    other.model.new = torch.nn.Parameter(torch.zeros(1))
+    monkeypatch.setattr(export, "_resident_model", lambda config: other)
+    with pytest.raises(CheckpointError) as info:
+        export_checkpoint(ckpt, tmp_path / "o.ckpt", ["other.yaml"])
+    message = str(info.value)
+    assert "\n" not in message and "\t" not in message
+    assert "does not fit the resident model of the config(s) ['other.yaml']" in message
+    assert 'Missing key(s) in state_dict: "model.new"' in message
+    assert 'Unexpected key(s) in state_dict: "model.old"' in message
+    assert "size mismatch for model.w" in message and message.endswith("with the config that trained it")
+    assert not (tmp_path / "o.ckpt").exists()

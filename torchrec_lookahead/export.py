@@ -217,8 +217,13 @@ def export_checkpoint(ckpt: Path, out: Path, config: Optional[Sequence[str]] = N
     if model is not None:
         try:
             model.load_state_dict(dict(state), strict=True)
-        except RuntimeError as e:
-            raise CheckpointError(f"the checkpoint does not fit the config's resident model: {e}") from e
+        except RuntimeError as e:  # torch's report: a heading and one indented line per kind of difference
+            lines = [line.strip() for line in str(e).splitlines()]
+            report = "; ".join(line.rstrip(". ") for line in lines[1:] if line) or str(e)
+            raise CheckpointError(
+                f"the checkpoint {ckpt} does not fit the resident model of the config(s) {list(config or [])}: "
+                f"{report}; export it with the config that trained it"
+            ) from e
     exported = {k: v for k, v in data.items() if k not in ("state_dict", "optimizer_states", "lr_schedulers")}
     exported["state_dict"] = state
     out.parent.mkdir(parents=True, exist_ok=True)
