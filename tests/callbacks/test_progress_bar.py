@@ -52,3 +52,33 @@ def test_only_the_plain_bar_is_replaced(tmp_path: Any) -> None:
     own = pl.Trainer(default_root_dir=tmp_path, logger=False, callbacks=[Own(refresh_rate=3)])
     use_resuming_progress_bar(own)
     assert type(own.progress_bar_callback) is Own
+
+
+class _Start(pl.Callback):
+    """The training bar's count when training starts (after the bar's own ``on_train_start``)."""
+
+    def __init__(self, bar: TQDMProgressBar) -> None:
+        self.bar = bar
+        self.n: Any = None
+
+    def on_train_start(self, *args: Any) -> None:
+        self.n = self.bar.train_progress_bar.n
+
+
+def test_a_run_resumed_from_a_checkpoint_of_every_n_train_steps_starts_its_bar_at_that_step(
+    tmp_path: Any,
+) -> None:
+    # ModelCheckpoint(every_n_train_steps) saves in on_train_batch_end, before Lightning counts the batch as
+    # completed: the bar started one short (3/12 after 4 batches) and jumped to 5 at the first step
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    fit_cached(tmp_path / "first", 4, callbacks=[ckpt])
+    bar = ResumingProgressBar()
+    start = _Start(bar)
+    fit_cached(
+        tmp_path / "resumed",
+        6,
+        callbacks=[bar, start],
+        ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt"),
+        enable_progress_bar=True,
+    )
+    assert start.n == 4

@@ -32,8 +32,10 @@ class ResumingProgressBar(TQDMProgressBar):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         if trainer.fit_loop.restarted_mid_epoch and self.train_progress_bar is not None:
-            # the epoch's batches, counted from the batch it resumes after, as the steps' batch_idx go on
-            done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+            # the epoch's batches, counted from the batch it resumes after, as the steps' batch_idx go on:
+            # ``processed``, not ``completed``, which a checkpoint of on_train_batch_end (every_n_train_steps)
+            # holds one short (Lightning counts that batch completed only when the loop is reset, after this)
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
             bar = self.train_progress_bar
             bar.reset(total=convert_inf(trainer.num_training_batches))
             bar.initial = bar.n = done
