@@ -61,17 +61,25 @@ class ResumableBatchLoader(DataLoader):
         """The files a dataset of text lines reads (``None`` for any other dataset)."""
         return self.dataset.source_identity() if isinstance(self.dataset, LineBatchDataset) else None
 
+    def _batch_size(self) -> Optional[int]:
+        """Rows per batch of a dataset of text lines (``None`` for any other dataset)."""
+        return int(self.dataset.batch_size) if isinstance(self.dataset, LineBatchDataset) else None
+
     def state_dict(self) -> Dict[str, Any]:
-        """Batches handed out in the current epoch, and (a dataset of files) the files they came from."""
+        """Batches handed out in the current epoch, and (a dataset of files) the files they came from and the
+        rows of each batch."""
         source = self._source()
-        return {"batches_yielded": self._yielded, **({"source": source} if source is not None else {})}
+        if source is None:
+            return {"batches_yielded": self._yielded}
+        return {"batches_yielded": self._yielded, "source": source, "batch_size": self._batch_size()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Make the next iteration start after the batches already handed out.
 
         Raises:
             CheckpointError: the state has no position, or it is inside an epoch over other files than the
-                dataset's (names and sizes): the rest of the epoch would come from other rows.
+                dataset's (names and sizes), or of batches of another size: the rest of the epoch would come
+                from other rows.
         """
         if "batches_yielded" not in state_dict:
             raise CheckpointError(
@@ -84,6 +92,14 @@ class ResumableBatchLoader(DataLoader):
                 f"the checkpoint stopped after batch {start} of an epoch over the files {_named(saved)}, but the "
                 f"data module reads {_named(now)}: the rest of the epoch would come from other rows; resume with "
                 "the files it was trained on, or from an end-of-epoch checkpoint"
+            )
+        rows, now_rows = state_dict.get("batch_size"), self._batch_size()
+        if start and rows is not None and now_rows is not None and int(rows) != now_rows:
+            raise CheckpointError(
+                f"the checkpoint stopped after batch {start} of an epoch of batches of {int(rows):,} rows per rank, "
+                f"but the data module makes batches of {now_rows:,}: the rest of the epoch would start at row "
+                f"{start * now_rows:,} instead of {start * int(rows):,} (rows trained twice, or skipped); resume "
+                f"with batch_size {int(rows)}, or from an end-of-epoch checkpoint"
             )
         self._resume_from = start
 
