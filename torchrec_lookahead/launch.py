@@ -167,16 +167,13 @@ class LookaheadCLI(LightningCLI):
                 )
 
     def _agree_across_ranks(self, trainer: pl.Trainer) -> None:
-        """Under the ``torchrec`` (or ``hierarchical``) strategy, have the ranks compare their parsed settings
-        once the process group exists: ranks given different configs or seeds are refused there
-        (:mod:`torchrec_lookahead.strategies._rank_settings`)."""
-        from torchrec_lookahead.strategies import TorchRecStrategy
-        from torchrec_lookahead.strategies._rank_settings import flat_settings
+        """Keep this process's parsed settings: the ``torchrec`` (and ``hierarchical``) strategy compares them
+        across the ranks once the process group exists, also in the Trainers ``verify`` builds, and refuses
+        ranks given different configs or seeds (:mod:`torchrec_lookahead.strategies._rank_settings`)."""
+        from torchrec_lookahead.strategies._rank_settings import flat_settings, remember_settings
 
-        if not isinstance(trainer.strategy, TorchRecStrategy):
-            return
         config = self.config[self.subcommand] if self.subcommand else self.config
-        trainer.strategy.agree_on_settings(flat_settings(config.as_dict()))
+        remember_settings(flat_settings(config.as_dict()))
 
     def _summary(self) -> None:
         trainer = self.trainer

@@ -59,27 +59,31 @@ main(args)
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "override, setting",
+    "command, override, setting",
     [
         (
+            "fit",
             "--model.init_args.embedding_optimizer.lr=0.1",
-            "model.init_args.embedding_optimizer.lr is 0.05 on rank 0",
+            "model.init_args.embedding_optimizer.lr is 0.05",
         ),
         (
+            "fit",
             "--data.init_args.datamodule.init_args.seed=1",
-            "data.init_args.datamodule.init_args.seed is 0 on rank 0",
+            "data.init_args.datamodule.init_args.seed is 0",
         ),
+        ("verify", "--data.init_args.horizon=4", "data.init_args.horizon is 8 on rank 0"),  # its own Trainers
     ],
 )
 def test_ranks_given_different_settings_are_refused_before_training(
-    tmp_path: Path, override: str, setting: str
+    tmp_path: Path, command: str, override: str, setting: str
 ):
     script = tmp_path / "by_rank.py"
     script.write_text(_BY_RANK.format(repo=str(REPO), override=override))
+    steps = "--steps=2" if command == "verify" else "--trainer.max_steps=2"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        str(script), "fit", "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2",
-        "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path / 'logs'}",
+        str(script), command, "--config", "configs/dlrm_tiny_lookahead.yaml", "--trainer.devices=2", steps,
+        f"--trainer.default_root_dir={tmp_path / 'logs'}",
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=clean_env())
     assert done.returncode != 0, done.stderr[-2000:]

@@ -17,10 +17,32 @@ import torch.distributed as dist
 
 from torchrec_lookahead.errors import ConfigError
 
-__all__ = ["flat_settings", "settings_disagreement", "check_ranks_agree"]
+__all__ = [
+    "flat_settings",
+    "settings_disagreement",
+    "check_ranks_agree",
+    "remember_settings",
+    "remembered_settings",
+]
 
 #: settings shown in the error (the rest counted)
 _SHOWN = 3
+
+#: this process's command-line settings (:func:`remember_settings`), compared by every TorchRecStrategy it sets up
+#: (``verify`` builds Trainers of its own from the command line's)
+_REMEMBERED: Optional[Dict[str, str]] = None
+
+
+def remember_settings(settings: Mapping[str, str]) -> None:
+    """Keep the settings this process was started with (the CLI's parsed config, :func:`flat_settings`): every
+    ``TorchRecStrategy`` compares them across the ranks once its process group exists."""
+    global _REMEMBERED
+    _REMEMBERED = dict(settings)
+
+
+def remembered_settings() -> Optional[Dict[str, str]]:
+    """The settings :func:`remember_settings` kept (``None``: none, as in a Trainer built in Python)."""
+    return None if _REMEMBERED is None else dict(_REMEMBERED)
 
 
 def flat_settings(config: Mapping[str, Any], prefix: str = "") -> Dict[str, str]:

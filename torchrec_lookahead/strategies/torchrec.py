@@ -63,7 +63,7 @@ from torchrec_lookahead.strategies._checkpoint import (
 )
 from torchrec_lookahead.strategies._checkpoint_writer import PiecesWriter, write_checkpoint
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
-from torchrec_lookahead.strategies._rank_settings import check_ranks_agree
+from torchrec_lookahead.strategies._rank_settings import check_ranks_agree, remembered_settings
 from torchrec_lookahead.strategies._sharding import (
     DistributedModelParallelKeys,
     check_cached_batch_hooks,
@@ -163,8 +163,6 @@ class TorchRecStrategy(DDPStrategy):
         # the tables kept in files by the last checkpoint state dict, for save_checkpoint to copy
         self._store_files: Optional[StoreFiles] = None
         self.dmp: Optional[DistributedModelParallel] = None
-        # the command line's settings, compared across ranks once the process group exists (agree_on_settings)
-        self._rank_settings: Optional[Dict[str, str]] = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -209,13 +207,9 @@ class TorchRecStrategy(DDPStrategy):
         if restart > 0 and agent_store and dist.is_available() and not dist.is_initialized():
             self._init_restarted_process_group(restart)
         super().setup_distributed()  # returns early once the default group exists
-        if self._rank_settings is not None:
-            check_ranks_agree(self._rank_settings)
-
-    def agree_on_settings(self, settings: Mapping[str, str]) -> None:
-        """Have every rank's ``settings`` (the CLI's parsed config, :func:`flat_settings`) compared once the
-        process group exists: ranks that differ are refused with a ``ConfigError`` before anything is built."""
-        self._rank_settings = dict(settings)
+        settings = remembered_settings()  # the command line's (the CLI keeps them): the same on every rank
+        if settings is not None:
+            check_ranks_agree(settings)
 
     def _init_restarted_process_group(self, restart: int) -> None:
         """The default process group of attempt ``restart`` of a ``torchrun --max-restarts`` job, on the agent's
