@@ -122,8 +122,13 @@ class _GroupDataParallelWrapper(DenseDataParallelWrapper):
         ddp = dmp._dmp_wrapped_module
         # After DDP: its module.to() replaces DTensor parameters (and would drop hooks set before).
         self.hooked = scale_split_gradients(ddp, self._mesh.size())
-        if self._compression is not Compression.NONE and isinstance(ddp, nn.parallel.DistributedDataParallel):
-            # Registered here on every device: Lightning registers DDP hooks on CUDA only.
+        if (
+            self._compression is not Compression.NONE
+            and isinstance(ddp, nn.parallel.DistributedDataParallel)
+            and group.size() > 1
+        ):
+            # Registered here on every device: Lightning registers DDP hooks on CUDA only. A group of one rank
+            # sends nothing: its gradients are not rounded to bf16 for a transfer that does not happen.
             ddp.register_comm_hook(group, bf16_allreduce_hook)
 
 
