@@ -230,3 +230,37 @@ def test_export_against_another_config_is_one_line_naming_the_differences(
     assert 'Unexpected key(s) in state_dict: "model.old"' in message
     assert "size mismatch for model.w" in message and message.endswith("with the config that trained it")
     assert not (tmp_path / "o.ckpt").exists()
+
+
+def test_export_with_no_room_beside_the_checkpoint_for_a_disk_store_scratch_file_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchrec_lookahead.export as export
+    import torchrec_lookahead.store.pieces as pieces_module
+    import torchrec_lookahead.strategies._checkpoint as checkpoint
+    from torchrec_lookahead.errors import StoreError
+
+    ckpt = tmp_path / "c.ckpt"
+    (ckpt / "stores" / "rank0").mkdir(parents=True)
+    piece = tmp_path / "t.0.abc.rows"
+    piece.write_bytes(b"x" * 64)
+    monkeypatch.setattr(checkpoint, "read_chain", lambda ckpt, rank, table: [str(piece)])
+
+    def full(pieces: object, scratch: str) -> None:  # what open_pieces raises on a full disk
+        raise StoreError(f"writing the index of '{scratch}/scratch.rows' failed (No space left on device)")
+
+    monkeypatch.setattr(pieces_module, "open_pieces", full)
+    state = {"model.sparse_arch.ebc.embedding_bags.t.store_files": 10}
+    with pytest.raises(CheckpointError) as info:
+        export._tables_from_files(ckpt, state)
+    message = str(info.value)
+    assert message.startswith(f"cannot export {ckpt}: no space left in {tmp_path} for the scratch file")
+    assert "table embedding_bags.t's disk store" in message and "about 64 bytes" in message
+    assert "cannot read the chain" not in message
+
+    def damaged(pieces: object, scratch: str) -> None:  # other failures still read as a damaged chain
+        raise StoreError("piece is not a checkpoint piece")
+
+    monkeypatch.setattr(pieces_module, "open_pieces", damaged)
+    with pytest.raises(CheckpointError, match="cannot read the chain of pieces"):
+        export._tables_from_files(ckpt, state)

@@ -162,10 +162,18 @@ def _tables_from_files(ckpt: Path, state: Mapping[str, Any]) -> Dict[str, Any]:
             pieces = read_chain(ckpt, int(rank_dir.name[len("rank") :]), table)
             if not pieces:  # a rank without rows of the table
                 continue
+            free = _free_bytes(ckpt.parent)  # before: a failed write may hold its bytes a while
             with tempfile.TemporaryDirectory(dir=ckpt.parent, prefix=".export-") as scratch:
                 try:
                     store = open_pieces(pieces, scratch)
                 except Exception as e:  # noqa: BLE001 - a damaged piece: ConfigError, SetupError, StoreError
+                    if _out_of_space(e):  # the pieces were read; the scratch file beside them found no room
+                        raise CheckpointError(
+                            f"cannot export {ckpt}: no space left in {ckpt.parent} for the scratch file that table "
+                            f"{table}'s disk store is read into (about {Path(pieces[0]).stat().st_size:,} bytes; "
+                            f"{free} bytes were free there): free space there, or copy the checkpoint directory "
+                            "with its .store_pieces to a disk with room"
+                        ) from e
                     raise CheckpointError(f"cannot read the chain of pieces {pieces} of {ckpt}: {e}") from e
                 try:
                     lo, hi = store.row_offset, store.row_offset + store.num_embeddings
