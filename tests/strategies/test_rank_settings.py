@@ -13,7 +13,7 @@ from ..cli.test_cli import clean_env
 from ..conftest import REPO, free_port
 
 
-def test_flat_settings_names_every_setting_by_its_dotted_key_without_the_config_files():
+def test_flat_settings_names_every_setting_by_its_dotted_key_without_the_config_files_or_the_log_dir():
     from jsonargparse.typing import Path_fr
 
     settings = flat_settings(
@@ -21,7 +21,7 @@ def test_flat_settings_names_every_setting_by_its_dotted_key_without_the_config_
             "config": [Path_fr(str(REPO / "configs" / "dlrm_tiny_lookahead.yaml"))],
             "seed_everything": 0,
             "data": {"init_args": {"horizon": 8, "datamodule": {"init_args": {"seed": 0}}}},
-            "trainer": {"callbacks": [{"class_path": "CacheMonitor"}]},
+            "trainer": {"callbacks": [{"class_path": "CacheMonitor"}], "default_root_dir": "/local/logs"},
         }
     )
     assert settings == {

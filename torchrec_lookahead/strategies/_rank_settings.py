@@ -28,6 +28,10 @@ __all__ = [
 #: settings shown in the error (the rest counted)
 _SHOWN = 3
 
+#: settings that may differ between hosts: rank 0 alone writes the logs there, and the checkpoint directory
+#: every rank writes in is rank 0's (Lightning broadcasts it)
+_MAY_DIFFER = frozenset({"trainer.default_root_dir"})
+
 #: this process's command-line settings (:func:`remember_settings`), compared by every TorchRecStrategy it sets up
 #: (``verify`` builds Trainers of its own from the command line's)
 _REMEMBERED: Optional[Dict[str, str]] = None
@@ -47,7 +51,8 @@ def remembered_settings() -> Optional[Dict[str, str]]:
 
 def flat_settings(config: Mapping[str, Any], prefix: str = "") -> Dict[str, str]:
     """``config`` (nested mappings, as the CLI parsed them) as ``{dotted.key: repr(value)}``, without the
-    ``config`` entries (the files' paths: their contents are the other settings).
+    ``config`` entries (the files' paths: their contents are the other settings) and ``trainer.default_root_dir``
+    (it may be a directory of each host's own).
 
     Example:
         >>> flat_settings({"config": ["a.yaml"], "data": {"init_args": {"horizon": 8}}, "seed_everything": 0})
@@ -56,7 +61,7 @@ def flat_settings(config: Mapping[str, Any], prefix: str = "") -> Dict[str, str]
     out: Dict[str, str] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
-        if name == "config" or key == "__path__":
+        if name == "config" or key == "__path__" or name in _MAY_DIFFER:
             continue
         if isinstance(value, Mapping):
             out.update(flat_settings(value, f"{name}."))
