@@ -139,6 +139,17 @@ def test_loader_stages_rows_and_refuses_out_of_range_ids():
         list(bad)
 
 
+def test_a_loader_state_of_another_pipeline_is_a_checkpoint_error_that_says_whose():
+    from torchrec_lookahead import CheckpointError
+
+    loader = _loader([], {"t": 4}, {"t": TensorStore(10, 4, name="t")}, 10)
+    with pytest.raises(CheckpointError, match="written by a run with FAE's HotColdDataModule; resume it with"):
+        loader.load_state_dict({"hot_served": 3, "cold_served": 5})
+    with pytest.raises(CheckpointError, match="not a lookahead loader's .*; resume it with the config that wrote"):
+        loader.load_state_dict({"epoch": 1})
+    loader.load_state_dict({"batches_yielded": 2})
+
+
 def test_lookahead_datamodule_validates_its_arguments():
     from torchrec_lookahead.data import CriteoSyntheticDataModule
 

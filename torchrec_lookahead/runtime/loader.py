@@ -496,7 +496,12 @@ class LookaheadLoader:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if "batches_yielded" not in state_dict:
-            raise CheckpointError(f"Loader state {state_dict} has no 'batches_yielded'")
+            hotcold = "hot_served" in state_dict and "cold_served" in state_dict
+            raise CheckpointError(
+                f"the checkpoint's loader state {dict(state_dict)} is not a lookahead loader's (no 'batches_yielded')"
+                + (": it was written by a run with FAE's HotColdDataModule" if hotcold else "")
+                + "; resume it with the config that wrote it, or start a new run from its weights"
+            )
         self._resume_from = int(state_dict["batches_yielded"])
         # the rest goes to the wrapped loader when the next epoch starts there
         self._resume_state = {k: v for k, v in state_dict.items() if k != "batches_yielded"}
