@@ -82,6 +82,21 @@ def first_line(error: BaseException, limit: Optional[int] = None, sentence: bool
     return line if limit is None else line[:limit]
 
 
+#: what gloo (and torch's TCP store) say when the other end of a collective is gone
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_gone(error: BaseException) -> bool:
+    """Whether ``error`` only says that another rank is gone (a collective whose peer ended: killed, or failed
+    with its own error, which that rank reports).
+
+    Example:
+        >>> peer_gone(RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:5431")), peer_gone(KeyError())
+        (True, False)
+    """
+    return type(error).__name__ == "DistNetworkError" or any(m in str(error) for m in _PEER_GONE)
+
+
 def recent_errors() -> List[LookaheadError]:
     """The last few :class:`LookaheadError` s created in this process, oldest first."""
     return list(_RECENT)

@@ -143,11 +143,38 @@ def test_a_loader_state_of_another_pipeline_is_a_checkpoint_error_that_says_whos
     from torchrec_lookahead import CheckpointError
 
     loader = _loader([], {"t": 4}, {"t": TensorStore(10, 4, name="t")}, 10)
-    with pytest.raises(CheckpointError, match="written by a run with FAE's HotColdDataModule; resume it with"):
+    with pytest.raises(
+        CheckpointError, match="written by a run with FAE's HotColdDataModule; resume it with"
+    ):
         loader.load_state_dict({"hot_served": 3, "cold_served": 5})
-    with pytest.raises(CheckpointError, match="not a lookahead loader's .*; resume it with the config that wrote"):
+    with pytest.raises(
+        CheckpointError, match="not a lookahead loader's .*; resume it with the config that wrote"
+    ):
         loader.load_state_dict({"epoch": 1})
     loader.load_state_dict({"batches_yielded": 2})
+
+
+def test_a_peers_death_at_the_threads_shutdown_is_not_logged_again_as_an_error(caplog):
+    """The training thread's own error reports a dead peer; the background threads' shutdown error saying the same
+    is kept for close() but logged at debug level; any other shutdown error is logged as an error."""
+    import logging
+
+    class _Run:
+        def __init__(self, err):
+            self.err = err
+
+        def stop(self):
+            return self.err
+
+    loader = _loader([], {"t": 4}, {"t": TensorStore(10, 4, name="t")}, 10)
+    with caplog.at_level(logging.DEBUG, logger="torchrec_lookahead.runtime.loader"):
+        loader._stopped(_Run(RuntimeError("[pair.cc:534] Connection reset by peer [127.0.0.1]:5431")))
+        loader._stopped(_Run(SetupError("the stager did not stop")))
+    levels = [(r.levelno, r.getMessage().split(" [")[0]) for r in caplog.records]
+    assert levels == [
+        (logging.DEBUG, "[pair.cc:534] Connection reset by peer"),
+        (logging.ERROR, "the stager did not stop"),
+    ]
 
 
 def test_lookahead_datamodule_validates_its_arguments():

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.distributed.lockstep import GatherStatus, IdGatherer, StageGathers
-from torchrec_lookahead.errors import CheckpointError, ConfigError, DataError, SetupError
+from torchrec_lookahead.errors import CheckpointError, ConfigError, DataError, SetupError, peer_gone
 from torchrec_lookahead.modules import stage_rows
 from torchrec_lookahead.modules.types import StagedRows
 from torchrec_lookahead.oracle import (
@@ -236,7 +236,9 @@ class LookaheadLoader:
     def _stopped(self, run: _Run) -> None:
         err = run.stop()
         if err is not None:
-            log.error("%s", err)
+            # a peer's death is reported by the training thread's own error (the collective it was in): a second
+            # line from a background thread's shutdown only repeats it
+            log.log(logging.DEBUG if peer_gone(err) else logging.ERROR, "%s", err)
             self._stop_error = err
 
     def __iter__(self) -> Iterator[LookaheadBatch]:
