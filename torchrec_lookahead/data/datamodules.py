@@ -47,8 +47,14 @@ __all__ = [
 RowParser = Callable[[List[Row]], Batch]
 
 
-#: the splits each Lightning stage reads
-_STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}
+#: the splits each Lightning stage reads, with the trainer's ``limit_*_batches`` attribute of each
+_STAGE_SPLITS = {
+    "fit": (("train", "limit_train_batches"), ("val", "limit_val_batches")),
+    "validate": (("val", "limit_val_batches"),),
+    "test": (("test", "limit_test_batches"),),
+    "predict": (("test", "limit_predict_batches"),),
+}
+_ALL_SPLITS = (("train", None), ("val", None), ("test", None))
 
 
 class RecDataModule(pl.LightningDataModule, abc.ABC):
@@ -78,12 +84,18 @@ class RecDataModule(pl.LightningDataModule, abc.ABC):
             return 1, 0
         return trainer.world_size, trainer.global_rank
 
+    def _reads_none(self, limit_attr: Optional[str]) -> bool:
+        """Whether the trainer reads no batches of a split (its ``limit_*_batches`` is 0)."""
+        limit = getattr(self.trainer, limit_attr, None) if limit_attr and self.trainer is not None else None
+        return isinstance(limit, (int, float)) and limit == 0
+
     @override
     def setup(self, stage: str) -> None:
         world, rank = self._ranks()
-        # the splits the stage reads (the others are set up on first use): `fit` does not read the test files
-        for split in _STAGE_SPLITS.get(stage, ("train", "val", "test")):
-            if split not in self._datasets:
+        # the splits the stage reads (the others are set up on first use): `fit` does not read the test files,
+        # nor the val files with limit_val_batches 0
+        for split, limit_attr in _STAGE_SPLITS.get(stage, _ALL_SPLITS):
+            if split not in self._datasets and not self._reads_none(limit_attr):
                 ds = self._make_dataset(split, world, rank)
                 if ds is not None:
                     self._datasets[split] = ds
@@ -249,12 +261,22 @@ class _FileDataModule(RecDataModule):
         )
         if len(dataset) == 0:  # counts the rows once (the count is kept for Lightning's len())
             rows = dataset.num_rows()
-            why = (
-                "hold no data rows; give files that hold data"
-                if rows == 0
-                else f"hold {rows} rows, fewer than one batch of {self.batch_size} x {world_size} ranks with "
-                "drop_last; use a smaller batch_size or drop_last=False"
-            )
+            if rows == 0:
+                why = "hold no data rows; give files that hold data"
+            else:
+                fix = (
+                    "use drop_last=False or a smaller batch_size"
+                    if world_size == 1
+                    else f"use a batch_size of at most {rows // world_size} (rows // ranks)"
+                    if rows >= world_size
+                    else "give files with at least one row per rank"
+                )
+                if split != "train":
+                    fix += f", or do not read it (trainer.limit_{split}_batches: 0)"
+                why = (
+                    f"hold {rows} rows, fewer than one batch of {self.batch_size} x {world_size} ranks with "
+                    f"drop_last; {fix}"
+                )
             raise DataError(f"the {split} split would have no batches: the files {files} {why}")
         return dataset
 
