@@ -18,9 +18,7 @@ Example::
 from __future__ import annotations
 
 import argparse
-import errno
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +27,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import torch
 
 from torchrec_lookahead._checks import check_output_file
+from torchrec_lookahead._disk_space import free_bytes, out_of_space
 from torchrec_lookahead.errors import CheckpointError
 
 __all__ = ["resident_key", "resident_state_dict", "export_checkpoint", "main"]
@@ -75,20 +74,10 @@ def resident_state_dict(state: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _out_of_space(e: BaseException) -> bool:
-    """Whether ``e`` is a write refused for lack of room: ``ENOSPC`` / ``EDQUOT``, or torch's zip writer finding
-    fewer bytes in its file than it wrote (``unexpected pos``: what a full disk leaves of a ``torch.save``)."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return "unexpected pos" in str(e) or "No space left on device" in str(e)
-
-
 def _free_bytes(path: Path) -> str:
     """The free bytes of ``path``'s file system, formatted, for a message ("unknown" if it cannot be read)."""
-    try:
-        return f"{shutil.disk_usage(path).free:,}"
-    except OSError:
-        return "unknown"
+    free = free_bytes(path)
+    return "unknown" if free is None else f"{free:,}"
 
 
 def _load_whole(ckpt: Path) -> Dict[str, Any]:
@@ -115,7 +104,7 @@ def _load_whole(ckpt: Path) -> Dict[str, Any]:
                 dcp_to_torch_save(ckpt, whole)
                 data = torch.load(whole, weights_only=False)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - several types on damage
-                if not _out_of_space(e):
+                if not out_of_space(e):
                     first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
                     raise CheckpointError(f"cannot read the checkpoint {ckpt}: {first}") from e
                 full_tmp = e
@@ -167,7 +156,7 @@ def _tables_from_files(ckpt: Path, state: Mapping[str, Any]) -> Dict[str, Any]:
                 try:
                     store = open_pieces(pieces, scratch)
                 except Exception as e:  # noqa: BLE001 - a damaged piece: ConfigError, SetupError, StoreError
-                    if _out_of_space(e):  # the pieces were read; the scratch file beside them found no room
+                    if out_of_space(e):  # the pieces were read; the scratch file beside them found no room
                         raise CheckpointError(
                             f"cannot export {ckpt}: no space left in {ckpt.parent} for the scratch file that table "
                             f"{table}'s disk store is read into (about {Path(pieces[0]).stat().st_size:,} bytes; "
@@ -242,7 +231,7 @@ def export_checkpoint(ckpt: Path, out: Path, config: Optional[Sequence[str]] = N
         tmp.replace(out)  # nothing half-written at ``out``
     except BaseException as e:
         tmp.unlink(missing_ok=True)  # nor beside it (a full disk, an interrupt)
-        if isinstance(e, Exception) and _out_of_space(e):
+        if isinstance(e, Exception) and out_of_space(e):
             size = sum(v.numel() * v.element_size() for v in state.values())
             raise CheckpointError(
                 f"cannot write --out {out}: no space left on its disk (the export holds about {size:,} bytes; "

@@ -6,8 +6,6 @@ config (or ``--trainer.callbacks+=torchrec_lookahead.callbacks.PredictionWriter`
 
 from __future__ import annotations
 
-import errno
-import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -17,6 +15,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from typing_extensions import override
 
 from torchrec_lookahead._checks import check_output_file
+from torchrec_lookahead._disk_space import free_bytes, out_of_space
 from torchrec_lookahead.errors import ConfigError
 
 __all__ = ["PredictionWriter"]
@@ -74,18 +73,13 @@ class PredictionWriter(BasePredictionWriter):
         path = self.rank_path(trainer.global_rank, trainer.world_size)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        try:
-            free: Optional[int] = shutil.disk_usage(
-                path.parent
-            ).free  # before: a failed write holds its bytes
-        except OSError:
-            free = None
+        free = free_bytes(path.parent)  # before: a failed write holds its bytes
         try:
             torch.save(out, tmp)
             tmp.replace(path)  # nothing half-written at ``path``
         except BaseException as e:
             tmp.unlink(missing_ok=True)  # nor beside it
-            if isinstance(e, Exception) and _out_of_space(e):
+            if isinstance(e, Exception) and out_of_space(e):
                 room = "" if free is None else f"; {free:,} bytes were free there"
                 raise ConfigError(
                     f"path of PredictionWriter '{path}' cannot be written: no space left on its disk (the "
@@ -93,11 +87,3 @@ class PredictionWriter(BasePredictionWriter):
                     "written: free space or choose another path"
                 ) from e
             raise
-
-
-def _out_of_space(e: BaseException) -> bool:
-    """Whether ``e`` is a write refused for lack of room: ``ENOSPC`` / ``EDQUOT``, or torch's zip writer finding
-    fewer bytes in its file than it wrote (``unexpected pos``: what a full disk leaves of a ``torch.save``)."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return "unexpected pos" in str(e) or "No space left on device" in str(e)

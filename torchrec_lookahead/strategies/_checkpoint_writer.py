@@ -22,7 +22,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from torchrec_lookahead._disk_space import free_bytes, out_of_space
 from torchrec_lookahead.errors import CheckpointError
 from torchrec_lookahead.modules.checkpoint_files import StoreFiles
 from torchrec_lookahead.store.types import PendingPiece
@@ -106,9 +108,13 @@ def write_checkpoint(
     Raises:
         StoreError: a piece cannot be written; the checkpoint's directory (rank 0) and this rank's new pieces
             are removed.
+        CheckpointError: the disk is full while the sharded state or the Lightning part is written; the
+            checkpoint's directory (rank 0) and this rank's new pieces are removed.
     """
     path = writing_path(final)
     writers: List[PendingPiece] = []
+    free = free_bytes(final.parent)  # before: a failed write may hold its bytes a while
+    needed = _state_bytes(checkpoint)
     try:
         writers = save_store_files(files, path, rank, max_chain) if files else []
         if background is None:  # before the shards: a checkpoint killed while writing lacks .metadata
@@ -123,10 +129,11 @@ def write_checkpoint(
                 torch.save(checkpoint, path / META_FILE)
                 publish(path, final)
             return
-    except BaseException:
+    except BaseException as e:
         for pending in writers:  # those not written let go of what they hold
             pending.drop()
         _remove(path, rank)
+        _raise_if_full(e, final, needed, free)
         raise
     mine = path / STORE_FILES_DIR / f"rank{rank}"
     mine.mkdir(parents=True, exist_ok=True)
@@ -140,13 +147,56 @@ def write_checkpoint(
                 torch.save(checkpoint, path / META_FILE)
                 publish(path, final)
                 collect_pieces(final.parent)  # the pieces only the checkpoint it replaced named
-        except BaseException:
+        except BaseException as e:
             if mine.is_dir():
                 (mine / _FAILED).touch()
             _remove(path, rank)
+            _raise_if_full(e, final, needed, free)
             raise
 
     background.start(finish)
+
+
+def _state_bytes(checkpoint: Dict[str, Any]) -> Optional[int]:
+    """The bytes of this rank's tensors in ``checkpoint`` (its local shards), or ``None`` if they cannot be
+    counted."""
+    total = 0
+    todo: List[Any] = [checkpoint]
+    try:
+        while todo:
+            value = todo.pop()
+            if isinstance(value, dict):
+                todo.extend(value.values())
+            elif isinstance(value, (list, tuple)):
+                todo.extend(value)
+            elif isinstance(value, torch.Tensor):
+                local = getattr(value, "local_shards", None)
+                if callable(local):  # a ShardedTensor: this rank's shards
+                    todo.extend(shard.tensor for shard in local())
+                elif hasattr(value, "to_local"):  # a DTensor
+                    todo.append(value.to_local())
+                else:
+                    total += value.numel() * value.element_size()
+    except Exception:  # noqa: BLE001 - a count for a message only
+        return None
+    return total
+
+
+def _raise_if_full(e: BaseException, final: Path, needed: Optional[int], free: Optional[int]) -> None:
+    """Raise a :class:`CheckpointError` for ``e`` if it is a full disk (the checkpoint is already removed)."""
+    if (
+        not isinstance(e, (Exception, CheckpointException))
+        or isinstance(e, CheckpointError)
+        or not out_of_space(e)
+    ):
+        return
+    size = "" if needed is None else f"this rank's part takes about {needed:,} bytes; "
+    room = "unknown" if free is None else f"{free:,}"
+    raise CheckpointError(
+        f"cannot write the checkpoint {final}: no space left on the disk of {final.parent} ({size}{room} bytes "
+        "were free there); the checkpoint is removed, the earlier ones are whole: free space, or point "
+        "ModelCheckpoint's dirpath (or --trainer.default_root_dir) at a disk with room"
+    ) from e
 
 
 def _write_all(writers: List[PendingPiece]) -> None:
