@@ -169,7 +169,8 @@ def _inexact_notes(strategy: Any) -> List[str]:
             "is exact"
         )
     if isinstance(strategy, HierarchicalStrategy) and strategy.compression.value != "none":
-        if max(strategy.world_size, len(strategy.parallel_devices or ())) > 1:  # traffic between ranks
+        # traffic between the ranks of a group: groups of one rank send nothing and compress nothing (exact)
+        if strategy.group_size > 1:
             what = (
                 "gradients" if strategy.compression.value == "bf16" else "gradients and forward activations"
             )

@@ -180,6 +180,24 @@ def test_verify_notes_that_hierarchical_training_with_several_groups_is_approxim
     )
 
 
+def test_verify_notes_no_compression_when_every_group_has_one_rank():
+    """Groups of one rank send nothing, so compression rounds nothing (exact): verify still noted "hierarchical
+    compression ... approximate by design" because it looked at the world size, not the group size."""
+    import torch
+
+    from torchrec_lookahead.strategies import HierarchicalStrategy
+    from torchrec_lookahead.verify import _inexact_notes
+
+    alone = HierarchicalStrategy(group_size=1, compression="int8")
+    alone.parallel_devices = [torch.device("cpu")] * 2
+    notes = _inexact_notes(alone)
+    assert not [n for n in notes if n.startswith("hierarchical compression")], notes
+    assert [n for n in notes if n.startswith("hierarchical training with 2 groups")]  # the averaging still is
+    single = HierarchicalStrategy(compression="bf16")  # one rank: one group of one
+    single.parallel_devices = [torch.device("cpu")]
+    assert _inexact_notes(single) == []
+
+
 def test_verify_trains_both_sides_with_the_configs_precision_and_notes_a_planner_chosen_kernel(capsys):
     """verify built its Trainer from the accelerator and devices only: `--trainer.precision=16-true`, which fit
     refuses with cached tables, passed as 0.0 (both sides trained in fp32); and compute_kernel: null, under which
