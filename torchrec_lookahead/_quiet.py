@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import warnings
-from typing import List, Tuple, Type
+from typing import Any, List, Tuple, Type
 
-__all__ = ["VERBOSE_FLAG", "KNOWN_WARNINGS", "KNOWN_LOG_MESSAGES", "quiet_known_messages", "pop_verbose_flag"]
+__all__ = [
+    "VERBOSE_FLAG",
+    "KNOWN_WARNINGS",
+    "KNOWN_LOG_MESSAGES",
+    "KNOWN_THREAD_ERRORS",
+    "quiet_known_messages",
+    "pop_verbose_flag",
+]
 
 VERBOSE_FLAG = "--verbose"
 """The command-line flag that shows the messages below."""
@@ -58,6 +66,15 @@ KNOWN_LOG_MESSAGES: List[Tuple[str, str, str]] = [
 ]
 """(logger, message regex, why) of the log records the CLI hides by default."""
 
+KNOWN_THREAD_ERRORS: List[Tuple[str, str]] = [
+    (
+        "_AsyncWriterThread",
+        "TensorBoard's event writer thread prints the error that ends it (a full disk), which the training thread "
+        "raises again at its next flush: the CLI reports it there, once, as one line",
+    ),
+]
+"""(thread class name, why) of the threads whose ending error the CLI does not print: another thread raises it."""
+
 
 class _DropMatching(logging.Filter):
     def __init__(self, pattern: str) -> None:
@@ -74,6 +91,21 @@ def quiet_known_messages() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
     for logger, message, _ in KNOWN_LOG_MESSAGES:
         logging.getLogger(logger).addFilter(_DropMatching(message))
+    threading.excepthook = _quiet_thread_errors(threading.excepthook)
+
+
+def _quiet_thread_errors(previous: Any) -> Any:
+    """``threading.excepthook`` without the errors of :data:`KNOWN_THREAD_ERRORS`'s threads."""
+    if getattr(previous, "_quiet", False):
+        return previous
+    names = {name for name, _ in KNOWN_THREAD_ERRORS}
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__name__ not in names or not isinstance(args.exc_value, Exception):
+            previous(args)
+
+    hook._quiet = True  # type: ignore[attr-defined]
+    return hook
 
 
 def pop_verbose_flag(argv: List[str]) -> Tuple[List[str], bool]:

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead._checks import check_dir
+from torchrec_lookahead._disk_space import free_bytes, out_of_space
 from torchrec_lookahead._log_dirs import refused_run_logs
 from torchrec_lookahead._parse_errors import LookaheadArgumentParser, nested_nulls
 from torchrec_lookahead.errors import CheckpointError, ConfigError, LookaheadError, first_line, recent_errors
@@ -196,8 +197,23 @@ class LookaheadCLI(LightningCLI):
         """``Trainer.fit``; a run refused before its first step (a :class:`~torchrec_lookahead.errors.LookaheadError`
         or Lightning's refusal of a setting) leaves no TensorBoard version of its own that holds only its config
         and hyperparameters (:func:`~torchrec_lookahead._log_dirs.refused_run_logs`)."""
-        with refused_run_logs(self.trainer, _refusal):
+        with refused_run_logs(self.trainer, _refusal), full_disk_refused(self.trainer):
             self.trainer.fit(**kwargs)
+
+    def validate(self, **kwargs: Any) -> None:
+        """``Trainer.validate``, a full disk under its logs one line (:func:`full_disk_refused`)."""
+        with full_disk_refused(self.trainer):
+            self.trainer.validate(**kwargs)
+
+    def test(self, **kwargs: Any) -> None:
+        """``Trainer.test``, a full disk under its logs one line (:func:`full_disk_refused`)."""
+        with full_disk_refused(self.trainer):
+            self.trainer.test(**kwargs)
+
+    def predict(self, **kwargs: Any) -> None:
+        """``Trainer.predict``, a full disk under its logs one line (:func:`full_disk_refused`)."""
+        with full_disk_refused(self.trainer):
+            self.trainer.predict(**kwargs)
 
     def after_fit(self) -> None:
         self._summary()
@@ -207,6 +223,47 @@ class LookaheadCLI(LightningCLI):
 
     def after_test(self) -> None:
         self._summary()
+
+
+@contextlib.contextmanager
+def full_disk_refused(trainer: pl.Trainer) -> Iterator[None]:
+    """Turn a full disk met while the Trainer writes its config copy, logs or other files (``ENOSPC`` from
+    fsspec, TensorBoard's writer, ``torch.save``) into one :class:`~torchrec_lookahead.errors.ConfigError` naming
+    the file (or the run's log directory) and the bytes free there. Our own errors pass unchanged."""
+    try:
+        yield
+    except BaseException as e:
+        full = None if find_lookahead_error(e) is not None else _full_disk_cause(e)
+        if full is None:
+            raise
+        where = getattr(full, "filename", None) or _log_dir(trainer)
+        free = free_bytes(where)
+        room = "" if free is None else f" ({free:,} bytes free there)"
+        raise ConfigError(
+            f"no space left on device writing {where}{room}: free space, or point --trainer.default_root_dir at a "
+            "disk with room"
+        ) from e
+
+
+def _full_disk_cause(error: BaseException) -> Optional[BaseException]:
+    """``error`` or an error in its chain of causes that is a write refused for lack of room, else ``None``."""
+    seen = set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if out_of_space(e):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _log_dir(trainer: pl.Trainer) -> str:
+    """Where the Trainer writes its logs: its logger's directory, or ``default_root_dir``."""
+    try:
+        log_dir = trainer.logger.log_dir if trainer.logger is not None else None
+    except Exception:  # noqa: BLE001 - only for a message
+        log_dir = None
+    return str(log_dir or trainer.default_root_dir)
 
 
 def shutdown_distributed(exit_code: Optional[int] = None) -> None:

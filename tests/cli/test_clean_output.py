@@ -56,3 +56,27 @@ def test_verbose_shows_the_known_harmless_messages(tmp_path: Path) -> None:
         if "not by fit" not in why  # the predict loop's (tests/cli/test_predict.py)
     ]
     assert all(re.search(pattern, text) for pattern in shown), text[-5000:]
+
+
+def test_tensorboard_writer_thread_errors_are_left_to_the_thread_that_raises_them_again(capsys) -> None:
+    import threading
+
+    from torchrec_lookahead._quiet import _quiet_thread_errors
+
+    seen = []
+    hook = _quiet_thread_errors(seen.append)
+
+    class _AsyncWriterThread(threading.Thread):
+        pass
+
+    class Other(threading.Thread):
+        pass
+
+    def args(thread: threading.Thread) -> object:
+        return threading.ExceptHookArgs((OSError, OSError(28, "No space left on device"), None, thread))
+
+    hook(args(_AsyncWriterThread()))
+    assert seen == []
+    hook(args(Other()))
+    assert len(seen) == 1
+    assert _quiet_thread_errors(hook) is hook

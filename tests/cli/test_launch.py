@@ -129,7 +129,8 @@ def test_ckpt_path_last_under_torchrun_restarts_without_a_fixed_checkpoint_direc
         refused.stderr.strip()
         .splitlines()[-1]
         .startswith(
-            "ConfigError: --ckpt_path=last under torchrun --max-restarts: ModelCheckpoint(save_last=True) has no dirpath"
+            "ConfigError: --ckpt_path=last under torchrun --max-restarts: "
+            "ModelCheckpoint(save_last=True) has no dirpath"
         )
     ), refused.stderr[-2000:]
     assert not (tmp_path / "logs").exists()  # before anything is built
@@ -137,3 +138,34 @@ def test_ckpt_path_last_under_torchrun_restarts_without_a_fixed_checkpoint_direc
     trained = subprocess.run(fixed, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert (tmp_path / "ckpts" / "last.ckpt").exists()
+
+
+def test_a_full_disk_under_the_logs_is_one_config_error_line_naming_the_file(tmp_path, capsys):
+    """fsspec writing config.yaml, TensorBoard writing its events: ENOSPC was a traceback; it is one line naming
+    the file (or the logger's directory when the error names none) and the bytes free there."""
+    import errno
+    from types import SimpleNamespace
+
+    import pytest
+
+    from torchrec_lookahead import launch
+
+    trainer = SimpleNamespace(
+        logger=SimpleNamespace(log_dir=str(tmp_path / "version_0")), default_root_dir="."
+    )
+    for error, where in [
+        (
+            OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "config.yaml")),
+            tmp_path / "config.yaml",
+        ),
+        (OSError(errno.ENOSPC, "No space left on device"), tmp_path / "version_0"),
+    ]:
+        with pytest.raises(SystemExit):
+            with launch.short_lookahead_errors(), launch.full_disk_refused(trainer):  # type: ignore[arg-type]
+                raise RuntimeError("while logging") from error
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"ConfigError: no space left on device writing {where} ("), err
+        assert "bytes free there" in err and "\n" not in err
+    with pytest.raises(ValueError, match="other"):
+        with launch.full_disk_refused(trainer):  # type: ignore[arg-type]
+            raise ValueError("other")
