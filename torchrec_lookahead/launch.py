@@ -80,7 +80,29 @@ class LookaheadCLI(LightningCLI):
                 f"cannot read the checkpoint {ckpt_path} ({type(e).__name__}: {first}): the file is damaged or not "
                 "a checkpoint; pass one ModelCheckpoint wrote"
             ) from e
+        self._refuse_export_for_fit()
         self._check_checkpoint_dir()
+
+    def _refuse_export_for_fit(self) -> None:
+        """``fit --ckpt_path <an export>``: an export (:mod:`torchrec_lookahead.export`) holds the loops' progress
+        but no optimizer state, and Lightning's restore failed with a ``KeyError`` that blamed
+        ``save_weights_only``. Refused before anything is built, with what to do instead."""
+        from pathlib import Path
+
+        ckpt_path = self.config["fit"].get("ckpt_path") if self.config.get("subcommand") == "fit" else None
+        if not ckpt_path or not Path(str(ckpt_path)).is_file():
+            return
+        try:
+            ckpt = torch.load(str(ckpt_path), weights_only=True, map_location="cpu", mmap=True)
+        except Exception:  # noqa: BLE001 - read above; a file torch cannot map is left to Lightning
+            return
+        if isinstance(ckpt, dict) and "loops" in ckpt and "optimizer_states" not in ckpt:
+            raise CheckpointError(
+                f"--ckpt_path {ckpt_path} is an export (python -m torchrec_lookahead export): it holds the model's "
+                "weights only, no optimizer state, so fit cannot resume from it; resume from the training "
+                "checkpoint it was exported from, or evaluate the export with validate/test/predict "
+                "--trainer.strategy=auto (or YourModule.load_from_checkpoint) as README.md's export section shows"
+            )
 
     def _check_checkpoint_dir(self) -> None:
         """A ``ckpt_path`` directory (``strategy='torchrec'``'s checkpoints) checked before anything is built, as

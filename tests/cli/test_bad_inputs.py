@@ -359,3 +359,18 @@ def test_a_fit_refused_at_start_up_leaves_no_log_version_of_its_own(capsys, tmp_
     line = _fit(capsys, override, f"--trainer.default_root_dir={tmp_path}")
     assert line.startswith(("ConfigError: precision=64-true", "CapacityError: table 't_cat_2'")), line
     assert sorted(p.name for p in logs.iterdir()) == ["version_0"]
+
+
+def test_fit_from_an_export_is_one_checkpoint_error_saying_what_an_export_holds(capsys, tmp_path):
+    """Lightning's KeyError blamed save_weights_only; an export keeps the loops' progress but no optimizer."""
+    import torch
+
+    export = tmp_path / "served.ckpt"
+    torch.save({"epoch": 0, "global_step": 5, "loops": {}, "callbacks": {}, "state_dict": {}}, export)
+    line = _fit(capsys, "--trainer.strategy=auto", "--ckpt_path", str(export))
+    assert line.startswith(f"CheckpointError: --ckpt_path {export} is an export"), line
+    assert (
+        "weights only" in line
+        and "resume from the training checkpoint" in line
+        and "save_weights_only" not in line
+    )
