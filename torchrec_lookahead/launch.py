@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -219,7 +220,7 @@ class LookaheadCLI(LightningCLI):
         """``Trainer.fit``; a run refused before its first step (a :class:`~torchrec_lookahead.errors.LookaheadError`
         or Lightning's refusal of a setting) leaves no TensorBoard version of its own that holds only its config
         and hyperparameters (:func:`~torchrec_lookahead._log_dirs.refused_run_logs`)."""
-        with refused_run_logs(self.trainer, _refusal), full_disk_refused(self.trainer):
+        with refused_run_logs(self.trainer, _refusal), full_disk_refused(self.trainer), _setting_refused():
             self.trainer.fit(**kwargs)
 
     def validate(self, **kwargs: Any) -> None:
@@ -265,6 +266,32 @@ def full_disk_refused(trainer: pl.Trainer) -> Iterator[None]:
             f"no space left on device writing {where}{room}: free space, or point --trainer.default_root_dir at a "
             "disk with room"
         ) from e
+
+
+_VAL_CHECK = re.compile(
+    r"`val_check_interval` \((?P<interval>\d+)\) must be less than or equal to the number of the training "
+    r"batches \((?P<batches>\d+)\)"
+)
+
+
+@contextlib.contextmanager
+def _setting_refused() -> Iterator[None]:
+    """Lightning's ``ValueError`` for a ``val_check_interval`` above the epoch's training batches (met once the
+    loaders are built, before the first step) as one :class:`~torchrec_lookahead.errors.ConfigError`, so that
+    the CLI reports it in a line and the refused run leaves no log version."""
+    try:
+        yield
+    except ValueError as e:
+        found = None if isinstance(e, LookaheadError) else _VAL_CHECK.search(str(e))
+        if found is None:
+            raise
+        interval, batches = found["interval"], found["batches"]
+        raise ConfigError(
+            f"trainer.val_check_interval must be at most the {batches} training batches of an epoch but got "
+            f"{interval}: pass --trainer.val_check_interval {batches} (or less), "
+            "--trainer.check_val_every_n_epoch null to count batches across epochs, or "
+            "--trainer.limit_val_batches 0 to turn validation off"
+        ) from None
 
 
 def _full_disk_cause(error: BaseException) -> Optional[BaseException]:

@@ -374,3 +374,33 @@ def test_fit_from_an_export_is_one_checkpoint_error_saying_what_an_export_holds(
         and "resume from the training checkpoint" in line
         and "save_weights_only" not in line
     )
+
+
+def test_a_val_check_interval_above_the_epoch_is_one_config_error_and_leaves_no_log_version(capsys, tmp_path):
+    """Lightning's ValueError traceback, once the loaders were built, left the refused run's version_N behind."""
+    err = _short_error_any(
+        capsys,
+        [
+            "fit",
+            "--config",
+            TINY,
+            "--trainer.val_check_interval=50",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+    )
+    assert err == (
+        "ConfigError: trainer.val_check_interval must be at most the 12 training batches of an epoch but got 50: "
+        "pass --trainer.val_check_interval 12 (or less), --trainer.check_val_every_n_epoch null to count batches "
+        "across epochs, or --trainer.limit_val_batches 0 to turn validation off"
+    ), err
+    assert not (tmp_path / "lightning_logs").exists() or not any((tmp_path / "lightning_logs").iterdir())
+
+
+def _short_error_any(capsys: pytest.CaptureFixture, args: list) -> str:
+    """The last line of a CLI error, after whatever the run printed before it."""
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-2000:]
+    return err.strip().splitlines()[-1]
