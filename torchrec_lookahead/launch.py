@@ -21,7 +21,7 @@ import re
 import sys
 import traceback
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -135,14 +135,24 @@ class LookaheadCLI(LightningCLI):
 
     def _refuse_nothing_to_run(self, trainer: Any) -> None:
         """``validate``, ``test`` or ``predict`` with its split's ``limit_*_batches`` at 0 would plan the cache and
-        exit having run nothing (a config for training often turns validation off): refused before anything is
-        built."""
+        exit having run nothing (a config for training often turns validation off), and one whose file-reading
+        DataModule has no files for the split would fail once the checkpoint is restored: refused before anything
+        is built."""
         subcommand = self.config.get("subcommand")
         split = {"validate": "val", "test": "test", "predict": "predict"}.get(str(subcommand))
         if split is None or trainer is None:
             return
+        files = "test" if split == "predict" else split  # predict scores the test split
+        missing = _missing_split_files(self.config[str(subcommand)].get("data"), files)
+        if missing is not None:
+            name, key = missing
+            also = f" and --trainer.limit_{split}_batches 1.0" if _turned_off(trainer, split) else ""
+            raise ConfigError(
+                f"`{subcommand}` has nothing to run: the config's {name} has no {files}_files; "
+                f"pass --{key} <file(s)>{also}"
+            )
         limit = trainer.get(f"limit_{split}_batches")
-        if limit is not None and not isinstance(limit, bool) and float(limit) == 0:
+        if _turned_off(trainer, split):
             raise ConfigError(
                 f"`{subcommand}` has nothing to run: trainer.limit_{split}_batches is {limit} (this config turns "
                 f"that split off); pass --trainer.limit_{split}_batches 1.0 to run it"
@@ -246,6 +256,29 @@ class LookaheadCLI(LightningCLI):
 
     def after_test(self) -> None:
         self._summary()
+
+
+def _turned_off(trainer: Any, split: str) -> bool:
+    """Whether the parsed trainer settings turn ``split`` off (``limit_<split>_batches`` 0)."""
+    limit = trainer.get(f"limit_{split}_batches")
+    return limit is not None and not isinstance(limit, bool) and float(limit) == 0
+
+
+def _missing_split_files(data: Any, split: str) -> Optional[Tuple[str, str]]:
+    """(DataModule class name, ``<its setting's path>``) when the parsed ``data`` config reads files and gives
+    none for ``split`` (``val_files`` / ``test_files`` unset); ``None`` otherwise (batches, or the files given)."""
+    path = "data"
+    while data is not None and hasattr(data, "get"):
+        init_args = data.get("init_args")
+        if init_args is None or not hasattr(init_args, "get"):
+            return None
+        if "train_files" in init_args:
+            if init_args.get(f"{split}_files"):
+                return None
+            name = str(data.get("class_path", "DataModule")).rsplit(".", 1)[-1]
+            return name, f"{path}.init_args.{split}_files"
+        data, path = init_args.get("datamodule"), f"{path}.init_args.datamodule"
+    return None
 
 
 @contextlib.contextmanager

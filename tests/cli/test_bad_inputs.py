@@ -404,3 +404,28 @@ def _short_error_any(capsys: pytest.CaptureFixture, args: list) -> str:
     err = capsys.readouterr().err
     assert "Traceback" not in err, err[-2000:]
     return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "subcommand, config, split",
+    [
+        ("validate", "movielens", "val"),
+        ("validate", "taobao", "val"),
+        ("validate", "avazu", "val"),
+        ("test", "movielens", "test"),
+        ("predict", "movielens", "test"),
+    ],
+)
+def test_a_split_without_files_is_one_error_up_front_not_after_the_checkpoint_is_restored(
+    capsys, tmp_path, subcommand, config, split
+):
+    """The limit_val_batches hint was followed by a second error, "no 'val' data", once the checkpoint was read."""
+    line = _short_error(
+        capsys,
+        [subcommand, "--config", f"configs/{config}_lookahead.yaml", "--ckpt_path", str(tmp_path / "c.ckpt")],
+    )
+    assert line.startswith(f"ConfigError: `{subcommand}` has nothing to run: the config's "), line
+    assert (
+        f"has no {split}_files; pass --data.init_args.datamodule.init_args.{split}_files <file(s)>" in line
+    ), line
+    assert ("limit_val_batches 1.0" in line) == (split == "val"), line
