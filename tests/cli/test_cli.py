@@ -133,7 +133,11 @@ def test_a_cached_fit_shows_the_cache_plan_and_the_capacity_check(capsys, caplog
     text = out + err + caplog.text
     assert "Lookahead cache: t_cat_11 120 rows, t_cat_15 110 rows, t_cat_2 140 rows" in text, text[-3000:]
     assert "Lookahead capacity check: 12 batches read ahead" in text
-    assert "t_cat_2: 68 of 140 cache rows" in text
+    # the three tables share one cache (the pooled layout): its need against the sum of their capacities; each
+    # table's own need is no overflow of its share (it printed as "t_cat_15: 3,160 of 2,800 cache rows")
+    assert "tables t_cat_2, t_cat_11, t_cat_15 (one shared cache): 182 of 370 cache rows" in text
+    assert "each table's own windows: t_cat_2 68, t_cat_11 63, t_cat_15 64" in text
+    assert "t_cat_2: 68 of 140" not in text
     assert "Lookahead capacity check: 100%" in err and "12/12" in err  # the pre-scan's progress bar
     assert "args parameter" not in err  # no warning about the CLI's own argument passing
     # ... and both as text in the TensorBoard logs
@@ -148,7 +152,7 @@ def test_a_cached_fit_shows_the_cache_plan_and_the_capacity_check(capsys, caplog
         if tag.startswith("lookahead/")
     }
     assert "t_cat_2 140 rows" in texts["lookahead/cache/text_summary"], texts
-    assert "t_cat_15: 64 of 110 cache rows" in texts["lookahead/capacity_check/text_summary"]
+    assert "182 of 370 cache rows" in texts["lookahead/capacity_check/text_summary"]
 
 
 def test_ctrl_c_while_the_libraries_import_is_one_line_and_status_130(capsys, monkeypatch):

@@ -206,7 +206,9 @@ def test_a_shared_space_too_small_names_its_tables() -> None:
         capacity={"a": 2, "b": 2}, num_embeddings={"a": 10, "b": 10}, slot_spaces={"s": ["a", "b"]}, horizon=2
     )
     with pytest.raises(
-        CapacityError, match=r"shared by tables \['a', 'b'\] \(the sum of their capacities, 4 rows\)"
+        CapacityError,
+        match=r"shared by tables \['a', 'b'\] \(the sum of their capacities, 4 rows\): batch 0 needs 5 cache rows "
+        r"but it holds 4; raise",
     ):
         list(LookaheadOracle(cfg).plan_stream([{"a": torch.tensor([1, 2, 3]), "b": torch.tensor([4, 5])}]))
 

@@ -8,7 +8,7 @@ import torch
 
 from torchrec_lookahead.errors import CapacityError, InvalidIdError
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig
-from torchrec_lookahead.runtime.capacity import check_stream
+from torchrec_lookahead.runtime.capacity import check_stream, scan_stream
 
 # window of batches 0..1 (prefetch depth 1): "a" reads 4 distinct ids, "b" 2
 STREAM = [
@@ -37,9 +37,27 @@ def test_a_space_needs_room_for_its_members_together_not_each_its_share() -> Non
 
 
 def test_a_space_too_small_is_refused_naming_its_tables() -> None:
-    with pytest.raises(CapacityError, match=r"the cache tables \['a', 'b'\] share .* holds 5") as err:
+    """The refusal named the space's first table as if it alone needed the space's rows ("table 'a': ... needs 6
+    cache rows", a table of 3 rows in a report on real data): it names the space's tables and their need together."""
+    with pytest.raises(CapacityError) as err:
         check_stream(STREAM, {"a": 3, "b": 2}, FEATURES, ROWS, 1, slot_spaces={"s": ("a", "b")})
-    assert err.value.needed == 6 and err.value.available == 5
+    msg = str(err.value)
+    assert msg.startswith(
+        "the cache shared by tables ['a', 'b'] (the sum of their capacities, 5 rows): batches 0..1 (batch 1 and "
+    ), msg
+    want = (
+        "need 6 cache rows but it holds 5; the scanned batches' largest windows need 6 rows for tables ['a', "
+    )
+    assert want + "'b'] together: raise" in msg, msg
+    assert "table 'a'" not in msg
+    assert err.value.needed == 6 and err.value.available == 5 and err.value.table == "s"
+
+
+def test_a_space_reports_its_tables_need_together() -> None:
+    """A member's own need may exceed its share of the space's rows while the space holds the window."""
+    need, spaces = scan_stream(STREAM, {"a": 3, "b": 3}, FEATURES, ROWS, 1, slot_spaces={"s": ("a", "b")})
+    assert need == {"a": 4, "b": 2} and spaces == {"s": 6}
+    assert scan_stream(STREAM, {"a": 4, "b": 2}, FEATURES, ROWS, 1) == ({"a": 4, "b": 2}, {})
 
 
 @pytest.mark.parametrize("bad", [-1, 7])

@@ -94,3 +94,25 @@ def test_a_bounded_scan_leaves_a_shuffling_loaders_order_and_the_random_streams_
     after = [b.sparse_features.values().tolist() for b in loader]
     torch.manual_seed(0)
     assert after == [b.sparse_features.values().tolist() for b in loader]
+
+
+def test_a_shared_space_reports_its_tables_need_together() -> None:
+    """A pooled cache's need is its tables' windows together, against the sum of their capacities: a member's
+    own need above its share is no overflow."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    def batch(a: List[int], b: List[int]) -> Any:
+        kjt = KeyedJaggedTensor(keys=["fa", "fb"], values=torch.tensor(a + b), lengths=torch.ones(len(a) + len(b),
+                                dtype=torch.int32))  # fmt: skip
+        return Batch(torch.zeros(len(a), 1), kjt, torch.zeros(len(a)))
+
+    target = CacheTarget(
+        capacity={"a": 2, "b": 4},
+        feature_to_table={"fa": "a", "fb": "b"},
+        num_embeddings={"a": ROWS, "b": ROWS},
+        stores={},
+        slot_spaces={"a+1": ("a", "b")},
+    )
+    scan = prescan(_Counted([batch([1, 2], [5, 6]), batch([3, 4], [5, 6])]), target, prefetch_depth=1)
+    assert scan.need == {"a": 4, "b": 2} and scan.space_need == {"a+1": 6}

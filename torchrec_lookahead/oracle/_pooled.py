@@ -105,7 +105,13 @@ class _SharedUnit(_Unit):
 
     def _too_small(self, err: CapacityError) -> CapacityError:
         """``err`` of the space's planner, in the words of its tables (capacity is set per table)."""
-        detail = str(err).split(": ", 1)[-1].split("; raise")[0].replace(f"capacity[{self.name!r}]", "it")
+        detail = (
+            str(err)
+            .split(": ", 1)[-1]
+            .split("; raise")[0]
+            .replace(f"capacity[{self.name!r}] is", "it holds")
+            .replace(f"capacity[{self.name!r}]", "its capacity")
+        )
         return CapacityError(
             f"the cache shared by tables {list(self.tables)} (the sum of their capacities, {self.capacity} rows): "
             f"{detail}; raise the capacities of these tables (or the device budget), lower prefetch_depth, or "

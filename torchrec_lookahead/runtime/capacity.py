@@ -32,7 +32,7 @@ from torchrec_lookahead.oracle.types import describe_window
 from torchrec_lookahead.runtime._host_windows import HostShortfall, HostWindowCheck
 from torchrec_lookahead.store.types import HostWindow
 
-__all__ = ["CapacityCheck", "check_stream", "check_scan_bounds", "DEFAULT_SCAN_SECONDS"]
+__all__ = ["CapacityCheck", "check_stream", "scan_stream", "check_scan_bounds", "DEFAULT_SCAN_SECONDS"]
 
 
 class CapacityCheck(enum.StrEnum):
@@ -104,6 +104,40 @@ def check_stream(
     slot_spaces: Optional[Mapping[str, Sequence[str]]] = None,
     resident_features: Optional[Mapping[str, Tuple[str, int]]] = None,
 ) -> Dict[str, int]:
+    """:func:`scan_stream`'s largest window working set per table (its arguments, raises and checks).
+
+    Example:
+        >>> import torch
+        >>> stream = [{"f": torch.tensor([1, 2])}, {"f": torch.tensor([3])}, {"f": torch.tensor([3, 4])}]
+        >>> check_stream(stream, {"t": 3}, {"f": "t"}, {"t": 10}, prefetch_depth=1)
+        {'t': 3}
+    """
+    return scan_stream(
+        batches,
+        capacity,
+        feature_to_table,
+        num_embeddings,
+        prefetch_depth,
+        host_windows,
+        slot_spaces,
+        resident_features,
+    )[0]
+
+
+def _shared_label(members: Sequence[str]) -> str:
+    return f"the cache shared by tables {list(members)}"
+
+
+def scan_stream(
+    batches: Iterable[Any],
+    capacity: Mapping[str, int],
+    feature_to_table: Mapping[str, str],
+    num_embeddings: Mapping[str, int],
+    prefetch_depth: int,
+    host_windows: Optional[Mapping[str, HostWindow]] = None,
+    slot_spaces: Optional[Mapping[str, Sequence[str]]] = None,
+    resident_features: Optional[Mapping[str, Tuple[str, int]]] = None,
+) -> Tuple[Dict[str, int], Dict[str, int]]:
     """Scan a stream of sparse features (KJTs or mappings) and fail at the first window a cache cannot hold.
 
     Args:
@@ -122,7 +156,9 @@ def check_stream(
             feature), so that a bad id fails here rather than at the step that reads it.
 
     Returns:
-        The largest window working set per table (the smallest capacity that would do).
+        The largest window working set per table (for a table alone, the smallest capacity that would do), and
+        per shared slot space (of ``slot_spaces``, two tables or more) the largest window working set of its
+        tables together, which is what the space's capacity (the sum of its members') must hold.
 
     Raises:
         CapacityError: a window needs more rows than a table's capacity (names the first such window, the
@@ -133,18 +169,26 @@ def check_stream(
 
     Example:
         >>> import torch
-        >>> stream = [{"f": torch.tensor([1, 2])}, {"f": torch.tensor([3])}, {"f": torch.tensor([3, 4])}]
-        >>> check_stream(stream, {"t": 3}, {"f": "t"}, {"t": 10}, prefetch_depth=1)
-        {'t': 3}
+        >>> five = torch.tensor([5])
+        >>> stream = [{"f": torch.tensor([1, 2]), "g": five}, {"f": torch.tensor([3]), "g": five}]
+        >>> caps, features = {"t": 2, "u": 2}, {"f": "t", "g": "u"}
+        >>> scan_stream(stream, caps, features, {"t": 10, "u": 10}, 1, slot_spaces={"s": ("t", "u")})
+        ({'t': 3, 'u': 1}, {'s': 4})
     """
     names = sorted(capacity)
     best = {n: 0 for n in names}
     first: Dict[str, Tuple[int, int, int]] = {}
     # a cache: a table alone, or the tables of a shared slot space (their id ranges are disjoint, so the space's
     # window needs the sum of theirs)
-    shared = [tuple(m) for m in (slot_spaces or {}).values() if len(m) > 1 and all(t in capacity for t in m)]
+    spaces = {
+        name: tuple(m)
+        for name, m in (slot_spaces or {}).items()
+        if len(m) > 1 and all(t in capacity for t in m)
+    }
+    shared = list(spaces.values())
     in_space = {t for members in shared for t in members}
     caches = [(n,) for n in names if n not in in_space] + shared
+    cache_best = {members: 0 for members in caches}
     host = HostWindowCheck({t: w for t, w in (host_windows or {}).items() if t in capacity})
     host_first: Dict[str, HostShortfall] = {}
 
@@ -173,6 +217,7 @@ def check_stream(
             best[n] = max(best[n], need)
         for members in caches:
             need = sum(sets[t][1] for t in members)
+            cache_best[members] = max(cache_best[members], need)
             if need > sum(int(capacity[t]) for t in members) and members[0] not in first:
                 first[members[0]] = (max(step - prefetch_depth, 0), step, need)
         if host:
@@ -182,20 +227,26 @@ def check_stream(
         n = sorted(first)[0]
         lo, hi, need = first[n]
         members = next(m for m in caches if m[0] == n)
-        short_tables = sorted(t for m in caches if m[0] in first for t in m)
-        short = {t: best[t] for t in short_tables}
+        # a shared space's need is its tables' together (one table's share of it is no bound of its own)
+        short_caches = sorted(m for m in caches if m[0] in first)
+        alone = {m[0]: cache_best[m] for m in short_caches if len(m) == 1}
+        short = " and ".join(
+            ([f"{alone} rows"] if alone else [])
+            + [f"{cache_best[m]} rows for tables {list(m)} together" for m in short_caches if len(m) > 1]
+        )
         available = sum(int(capacity[t]) for t in members)
-        where = (
-            f"capacity[{n!r}] is {available}"
+        window = f"{describe_window(lo, hi, prefetch_depth)} need{'s' if lo == hi else ''} {need} cache rows"
+        what = (
+            f"table {n!r}: {window} but capacity[{n!r}] is {available}"
             if len(members) == 1
-            else f"the cache tables {list(members)} share (the sum of their capacities) holds {available}"
+            else f"{_shared_label(members)} (the sum of their capacities, {available} rows): {window} but it "
+            f"holds {available}"
         )
         raise CapacityError(
-            f"table {n!r}: {describe_window(lo, hi, prefetch_depth)} need{'s' if lo == hi else ''} {need} "
-            f"cache rows but {where}; the scanned batches' largest windows need "
-            f"{short} rows: raise those capacities, lower prefetch_depth, or use smaller batches (found before "
-            "training by LookaheadDataModule(capacity_check='epoch'))",
-            table=n,
+            f"{what}; the scanned batches' largest windows need {short}: raise those capacities, lower "
+            "prefetch_depth, or use smaller batches (found before training by "
+            "LookaheadDataModule(capacity_check='epoch'))",
+            table=n if len(members) == 1 else next(k for k, m in spaces.items() if m == members),
             batch=hi,
             needed=need,
             available=available,
@@ -204,4 +255,4 @@ def check_stream(
         largest = host.largest
         first_short, *others = (host_first[t] for t in sorted(host_first))
         raise first_short.error({t: largest[t] for t in sorted(host_first)}, others)
-    return best
+    return best, {k: cache_best[m] for k, m in spaces.items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Generator, Iterator, Optional, Protocol, Tuple, runtime_checkable
 
 from lightning.pytorch.utilities import rank_zero_info
@@ -17,7 +17,7 @@ from torchrec_lookahead.distributed.lockstep import IdGatherer
 from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, UnknownFeatures
 from torchrec_lookahead.runtime.adapter import BatchAdapter, as_torchrec_batch
-from torchrec_lookahead.runtime.capacity import check_stream
+from torchrec_lookahead.runtime.capacity import scan_stream
 from torchrec_lookahead.runtime.target import CacheTarget
 
 __all__ = ["global_batches", "prescan", "PreScan", "LockstepLoader"]
@@ -75,16 +75,20 @@ class PreScan:
 
     Attributes:
         need: the largest window working set per cached table, over the batches read (under the ``ttl``
-            policy, what its oracle held at most, which is more).
+            policy, what its oracle held at most, which is more). A table of a shared slot space is bound by
+            its space's need, not by its share of the space's rows.
         batches: batches read (with several ranks: global batches, the same on every rank).
         ended: the loader ended: the whole epoch was read (``False``: the scan stopped at its bound).
         seconds: the scan's wall time on this rank.
+        space_need: per shared slot space (two tables or more), what its tables' windows need together (under
+            ``ttl``, what the space held at most), against the sum of its members' capacities.
     """
 
     need: Dict[str, int]
     batches: int
     ended: bool
     seconds: float
+    space_need: Dict[str, int] = field(default_factory=dict)
 
 
 def prescan(
@@ -101,7 +105,7 @@ def prescan(
 ) -> PreScan:
     """Read the first batches of an epoch of ``inner`` (a loader of TorchRec batches, or of others read through
     ``adapter``) and check their windows and ids against the cache before training
-    (:func:`~torchrec_lookahead.runtime.capacity.check_stream`; with several ranks over the global batches,
+    (:func:`~torchrec_lookahead.runtime.capacity.scan_stream`; with several ranks over the global batches,
     gathered in lockstep). Random states, the loader's generators included, are restored.
 
     The scan stops at the end of the epoch, or before reading batch ``max_batches``, or before reading the next
@@ -119,7 +123,7 @@ def prescan(
     rows held.
 
     Raises:
-        CapacityError, InvalidIdError: see :func:`~torchrec_lookahead.runtime.capacity.check_stream`.
+        CapacityError, InvalidIdError: see :func:`~torchrec_lookahead.runtime.capacity.scan_stream`.
         SetupError: another rank failed during its scan.
         SIGTERMException: some rank received SIGTERM during the scan (several ranks).
     """
@@ -202,7 +206,7 @@ def prescan(
     stream = ticking()
     try:
         with preserved_rng(inner):
-            need = check_stream(
+            need, space_need = scan_stream(
                 stream,
                 target.capacity,
                 target.feature_to_table,
@@ -217,11 +221,17 @@ def prescan(
     if oracle is not None and not terminated:
         if ended:
             oracle.finish()
-        # a table of a shared slot space reports the space's peak: its own need is the windows'
+        # a table of a shared slot space reports its space's peak (the space's need): the table's is the windows'
         pooled = {t for members in target.slot_spaces.values() if len(members) > 1 for t in members}
-        peaks = {t: int(s.get("peak_rows", 0)) for t, s in oracle.stats().items() if t not in pooled}
+        stats = oracle.stats()
+        peaks = {t: int(s.get("peak_rows", 0)) for t, s in stats.items() if t not in pooled}
         need = {t: max(n, peaks.get(t, 0)) for t, n in need.items()}
+        # the space's peak is the space's
+        space_need = {
+            k: max(n, *(int(stats.get(t, {}).get("peak_rows", 0)) for t in target.slot_spaces[k]))
+            for k, n in space_need.items()
+        }
     if terminated:
         rank_zero_info(f"SIGTERM: every rank stops in the capacity pre-scan, before batch {read}")
         raise SIGTERMException()
-    return PreScan(need, read, ended, time.perf_counter() - t0)
+    return PreScan(need, read, ended, time.perf_counter() - t0, space_need)
