@@ -48,6 +48,25 @@ def test_store_sharding_is_a_string_enum_and_bad_values_list_the_valid_ones():
         LookaheadEmbeddingBagCollectionSharder(store_sharding="rows")
 
 
+def test_a_disk_store_refuses_an_explicit_host_sharding(tmp_path):
+    """The disk tier is row-sharded (a host tier per rank): `store: disk` with `store_sharding: host` ran row-wise
+    without a word."""
+    from torchrec_lookahead.distributed import StoreSharding
+
+    disk = {"store": "disk", "store_dir": str(tmp_path), "host_budget_bytes": 1 << 20}
+    with pytest.raises(
+        ConfigError, match=r"store_sharding='host' with store='disk': the disk tier is row-sharded"
+    ):
+        LookaheadEmbeddingBagCollectionSharder(store_sharding="host", **disk)
+    with pytest.raises(ConfigError, match="the disk tier is row-sharded"):
+        LookaheadEmbeddingBagCollectionSharder(store_sharding=StoreSharding.HOST, **disk)
+    assert (
+        LookaheadEmbeddingBagCollectionSharder(store_sharding="row_wise", **disk).store_sharding == "row_wise"
+    )
+    assert LookaheadEmbeddingBagCollectionSharder(**disk).store_kind == "disk"  # unset: row-sharded
+    assert LookaheadEmbeddingBagCollectionSharder(store_sharding="host").store_sharding == "host"  # ram: fine
+
+
 def test_dmp_without_a_lookahead_plan_is_refused_with_the_fix():
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed import DistributedModelParallel

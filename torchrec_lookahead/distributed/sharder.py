@@ -57,6 +57,7 @@ from torchrec_lookahead.distributed._store_dirs import StoreDirs
 from torchrec_lookahead.distributed._stores import (
     STORE_SHARDINGS,
     HostStores,
+    StoreKind,
     StoreOptions,
     StoreSharding,
     store_kind,
@@ -129,8 +130,8 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         store: what holds the cached tables on the host: ``"ram"``, ``"mmap"`` (a memory-mapped file under
             ``store_dir``) or ``"disk"`` (a :class:`~torchrec_lookahead.store.DiskStore`: a file under ``store_dir``,
             default the temp directory, read with direct I/O under a host tier of ``host_budget_bytes``; with
-            several ranks one row shard per rank, as ``store_sharding="row_wise"``). Default: ``"mmap"`` when
-            ``store_dir`` is given, else ``"ram"``.
+            several ranks one row shard per rank, as ``store_sharding="row_wise"``; ``"host"`` is refused).
+            Default: ``"mmap"`` when ``store_dir`` is given, else ``"ram"``.
         store_dir: where the files of ``"mmap"`` and ``"disk"`` stores go: a fresh directory
             ``<store_dir>/torchrec_lookahead_stores_*/`` per run, removed when the process exits (a later run
             removes those of runs that were killed) unless ``keep_stores``.
@@ -266,6 +267,11 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         self.store_dir = store_dir
         self.keep_stores = check_bool("keep_stores", keep_stores, "the default False removes the stores")
         self.store_kind = store_kind(store, store_dir, host_budget_bytes, disk_options)
+        if self.store_kind is StoreKind.DISK and store_sharding == StoreSharding.HOST:
+            raise ConfigError(
+                "store_sharding='host' with store='disk': the disk tier is row-sharded (one row shard per rank, "
+                "its host tier in that rank's memory); leave store_sharding unset or use 'row_wise'"
+            )
         self.host_budget_bytes = host_budget_bytes
         self.disk_options = dict(disk_options or {})
         self._dirs = StoreDirs()
