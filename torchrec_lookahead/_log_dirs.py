@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Set, Tuple
@@ -119,3 +120,55 @@ def _remove_unused(root: Path, existed: Optional[Set[str]], log_dir: Path) -> No
             root.rmdir()
     except OSError as e:  # the refusal is what the user needs to read: a failed removal is only logged
         log.warning("could not remove the refused run's log directory %s: %s", log_dir, e)
+
+
+def _checkpoints_in(directory: Path) -> List[Path]:
+    """The checkpoints (``*.ckpt`` files or directories, whole: not in writing) in ``directory``."""
+    if not directory.is_dir():
+        return []
+    return [p for p in directory.iterdir() if p.suffix == ".ckpt" and not p.name.startswith(".")]
+
+
+def _is_last(path: Path) -> bool:
+    """Whether Lightning's ``ckpt_path="last"`` would pick ``path`` (``last.ckpt``, ``last-v1.ckpt``)."""
+    return re.match(r"^last(-v?\d+)?$", path.stem) is not None
+
+
+def unreachable_checkpoints(trainer: pl.Trainer) -> Optional[Tuple[Path, bool]]:
+    """For ``fit --ckpt_path=last``: the newest checkpoint Lightning will not find, and whether it lies under an
+    earlier logger version (the ModelCheckpoint has no ``dirpath``). ``None`` when Lightning finds a last
+    checkpoint, or when none exists (a first run: it starts from the beginning).
+
+    Lightning looks for ``last*.ckpt`` only in the ModelCheckpoint's directory: its ``dirpath``, or the logger's
+    ``version_N/checkpoints``, a new version for each run whose logger has no fixed version, so that a run never
+    finds the one before it; and a ``last.ckpt`` never written (a kill during its first write) leaves the
+    epoch's checkpoints beside it unused."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    found: List[Tuple[Path, bool]] = []
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        logger = trainer.loggers[0] if trainer.loggers else None
+        if callback.dirpath is not None:
+            dirs, earlier = [Path(str(callback.dirpath))], False
+        elif logger is None:
+            dirs, earlier = [Path(str(trainer.default_root_dir)) / "checkpoints"], False
+        else:
+            root = Path(str(logger.save_dir or trainer.default_root_dir)) / str(logger.name)
+            fixed = getattr(logger, "_version", None)
+            if fixed is not None:  # the version a resumed run logs to again
+                dirs = [root / (fixed if isinstance(fixed, str) else f"version_{fixed}") / "checkpoints"]
+                earlier = False
+            else:  # this run logs to a new version: every earlier one is out of Lightning's reach
+                dirs = sorted(root.glob("version_*/checkpoints")) if root.is_dir() else []
+                earlier = True
+        if any("://" in str(d) for d in dirs):
+            continue  # a remote directory: fsspec's
+        ckpts = [p for d in dirs for p in _checkpoints_in(d)]
+        if not earlier and any(_is_last(p) for p in ckpts):
+            return None  # Lightning finds it
+        found += [(p, earlier) for p in ckpts]
+    if not found:
+        return None
+    return max(found, key=lambda pe: pe[0].stat().st_mtime)

@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import os
 import re
+import shlex
 import sys
 import traceback
 import warnings
@@ -32,7 +33,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchrec")
 from torchrec_lookahead._checks import check_dir
 from torchrec_lookahead._disk_space import free_bytes, out_of_space
-from torchrec_lookahead._log_dirs import refused_run_logs
+from torchrec_lookahead._log_dirs import refused_run_logs, unreachable_checkpoints
 from torchrec_lookahead._parse_errors import LookaheadArgumentParser, nested_nulls
 from torchrec_lookahead.errors import CheckpointError, ConfigError, LookaheadError, first_line, recent_errors
 
@@ -230,6 +231,8 @@ class LookaheadCLI(LightningCLI):
         """``Trainer.fit``; a run refused before its first step (a :class:`~torchrec_lookahead.errors.LookaheadError`
         or Lightning's refusal of a setting) leaves no TensorBoard version of its own that holds only its config
         and hyperparameters (:func:`~torchrec_lookahead._log_dirs.refused_run_logs`)."""
+        if kwargs.get("ckpt_path") == "last":
+            _refuse_unreachable_checkpoints(self.trainer)
         with refused_run_logs(self.trainer, _refusal), full_disk_refused(self.trainer), _setting_refused():
             self.trainer.fit(**kwargs)
 
@@ -256,6 +259,27 @@ class LookaheadCLI(LightningCLI):
 
     def after_test(self) -> None:
         self._summary()
+
+
+def _refuse_unreachable_checkpoints(trainer: pl.Trainer) -> None:
+    """``fit --ckpt_path=last`` when Lightning would find no last checkpoint though checkpoints exist (it would
+    train from step 0, with only a warning): refused, naming the newest one (:func:`unreachable_checkpoints`)."""
+    found = unreachable_checkpoints(trainer)
+    if found is None:
+        return
+    newest, earlier_version = found
+    if earlier_version:
+        raise CheckpointError(
+            "--ckpt_path=last finds no last checkpoint: ModelCheckpoint has no dirpath, so each run writes its "
+            f"checkpoints under a new logger version_N, and the newest is {newest}; resume from it with --ckpt_path "
+            f"{shlex.quote(str(newest))}, and give ModelCheckpoint a dirpath (--trainer.callbacks.dirpath=<dir>, "
+            "or dirpath: in the config) so that --ckpt_path=last finds the last checkpoint of the next runs"
+        )
+    raise CheckpointError(
+        f"--ckpt_path=last finds no last checkpoint in {newest.parent} (none written: save_last off, or a run "
+        f"killed while writing the first one), but the checkpoint {newest.name} is there; resume from it with "
+        f"--ckpt_path {shlex.quote(str(newest))}"
+    )
 
 
 def _turned_off(trainer: Any, split: str) -> bool:

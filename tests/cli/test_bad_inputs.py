@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -429,3 +430,27 @@ def test_a_split_without_files_is_one_error_up_front_not_after_the_checkpoint_is
         f"has no {split}_files; pass --data.init_args.datamodule.init_args.{split}_files <file(s)>" in line
     ), line
     assert ("limit_val_batches 1.0" in line) == (split == "val"), line
+
+
+@pytest.mark.parametrize("dirpath", [False, True])
+def test_ckpt_path_last_with_checkpoints_lightning_will_not_find_is_refused_naming_the_newest(
+    capsys, tmp_path, dirpath
+):
+    """Without a dirpath each run logs to a new version_N and never finds the last checkpoint of the one before;
+    with one, a run killed while writing its first last.ckpt leaves only the epoch's checkpoint. Both trained from
+    step 0 with a warning; a first run (no checkpoint anywhere) still starts fresh."""
+    ckpts = tmp_path / "ckpts" if dirpath else tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    (ckpts / "epoch=0-step=5.ckpt").mkdir(parents=True)
+    args = [
+        "fit", "--config", TINY, "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.save_last=true",
+        "--ckpt_path=last", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}",
+    ]  # fmt: skip
+    if dirpath:
+        args.append(f"--trainer.callbacks.dirpath={ckpts}")
+    line = _short_error(capsys, args)
+    assert line.startswith("CheckpointError: --ckpt_path=last finds no last checkpoint"), line
+    assert f"resume from it with --ckpt_path {shlex.quote(str(ckpts / 'epoch=0-step=5.ckpt'))}" in line, line
+    assert ("give ModelCheckpoint a dirpath" in line) != dirpath, line
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").glob("*")) == (
+        [] if dirpath else ["version_0"]
+    )
