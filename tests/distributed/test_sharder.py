@@ -424,3 +424,16 @@ def test_one_rank_store_dir_is_removed_after_the_run_unless_kept(tmp_path, monke
         for f, a in at_exit:  # what the process runs when it exits
             f(*a)
         assert not any(p.startswith("torchrec_lookahead_") for p in os.listdir(tmp_path))
+
+
+def test_the_design_notes_give_the_age_at_which_dead_runs_store_directories_are_removed():
+    """docs/design.md said "older than a minute"; the code removes them from 10 s."""
+    import pathlib
+    import re
+
+    from torchrec_lookahead.distributed._store_dirs import _ORPHAN_MIN_AGE_S
+
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "design.md").read_text()
+    paragraph = text.split("**The shared store after a restart.**", 1)[1].split("\n\n", 1)[0]
+    (age,) = re.findall(r"older than (\d+) seconds", " ".join(paragraph.split()))
+    assert float(age) == _ORPHAN_MIN_AGE_S
