@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shlex
 import sys
 import traceback
 import warnings
@@ -221,7 +222,9 @@ class LookaheadCLI(LightningCLI):
         lines: List[str] = []
         if trainer.logger is not None and trainer.logger.log_dir is not None:
             lines.append(f"TensorBoard logs: {trainer.logger.log_dir}")
-            lines.append(f"  open them with: tensorboard --logdir {trainer.logger.save_dir}")
+            lines.append(
+                f"  open them with: tensorboard --logdir {shlex.quote(str(trainer.logger.save_dir))}"
+            )
         metrics: Dict[str, Any] = {
             k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if isinstance(v, torch.Tensor)
         }

@@ -169,3 +169,23 @@ def test_a_full_disk_under_the_logs_is_one_config_error_line_naming_the_file(tmp
     with pytest.raises(ValueError, match="other"):
         with launch.full_disk_refused(trainer):  # type: ignore[arg-type]
             raise ValueError("other")
+
+
+def _summary(capsys, save_dir: str, metrics: dict) -> str:
+    from types import SimpleNamespace
+
+    import torch
+
+    from torchrec_lookahead.launch import LookaheadCLI
+
+    logger = SimpleNamespace(log_dir=f"{save_dir}/lightning_logs/version_0", save_dir=save_dir)
+    trainer = SimpleNamespace(
+        is_global_zero=True, logger=logger, callback_metrics={k: torch.tensor(v) for k, v in metrics.items()}
+    )
+    LookaheadCLI._summary(SimpleNamespace(trainer=trainer))  # type: ignore[arg-type]
+    return capsys.readouterr().out
+
+
+def test_the_tensorboard_command_quotes_a_directory_with_spaces(capsys):
+    out = _summary(capsys, "/tmp/my runs", {"train/loss": 0.5})
+    assert "  open them with: tensorboard --logdir '/tmp/my runs'\n" in out, out
