@@ -51,6 +51,14 @@ def test_a_split_that_will_not_be_read_is_not_refused(tmp_path):
     dm.trainer = _trainer()
     with pytest.raises(DataError, match="the val split would have no batches"):
         dm.setup("validate")
+    # a fit whose module has no validation_step does not read the val split either (Lightning's loop skips it)
+    import lightning.pytorch as pl
+
+    fresh = CriteoTSVDataModule(train, val_files=small, num_embeddings=100, batch_size=256)
+    fresh.trainer = _trainer()
+    fresh.trainer.lightning_module = pl.LightningModule()
+    fresh.setup("fit")
+    assert len(fresh.dataset("train")) == 2
 
 
 def test_no_batches_on_several_ranks_hints_a_batch_size_that_works(tmp_path):

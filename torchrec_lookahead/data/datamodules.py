@@ -12,6 +12,7 @@ import abc
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import IterableDataset
 from torchrec.datasets.utils import Batch
 from typing_extensions import override
@@ -47,14 +48,15 @@ __all__ = [
 RowParser = Callable[[List[Row]], Batch]
 
 
-#: the splits each Lightning stage reads, with the trainer's ``limit_*_batches`` attribute of each
+#: the splits each Lightning stage reads, with the trainer's ``limit_*_batches`` attribute of each and the
+#: module's step without which Lightning does not read it
 _STAGE_SPLITS = {
-    "fit": (("train", "limit_train_batches"), ("val", "limit_val_batches")),
-    "validate": (("val", "limit_val_batches"),),
-    "test": (("test", "limit_test_batches"),),
-    "predict": (("test", "limit_predict_batches"),),
+    "fit": (("train", "limit_train_batches", None), ("val", "limit_val_batches", "validation_step")),
+    "validate": (("val", "limit_val_batches", "validation_step"),),
+    "test": (("test", "limit_test_batches", "test_step"),),
+    "predict": (("test", "limit_predict_batches", None),),
 }
-_ALL_SPLITS = (("train", None), ("val", None), ("test", None))
+_ALL_SPLITS = (("train", None, None), ("val", None, None), ("test", None, None))
 
 
 class RecDataModule(pl.LightningDataModule, abc.ABC):
@@ -84,18 +86,25 @@ class RecDataModule(pl.LightningDataModule, abc.ABC):
             return 1, 0
         return trainer.world_size, trainer.global_rank
 
-    def _reads_none(self, limit_attr: Optional[str]) -> bool:
-        """Whether the trainer reads no batches of a split (its ``limit_*_batches`` is 0)."""
-        limit = getattr(self.trainer, limit_attr, None) if limit_attr and self.trainer is not None else None
-        return isinstance(limit, (int, float)) and limit == 0
+    def _reads_none(self, limit_attr: Optional[str], step: Optional[str]) -> bool:
+        """Whether the trainer reads no batches of a split: its ``limit_*_batches`` is 0, or the module has no
+        ``step`` (``validation_step``, ``test_step``), as Lightning's evaluation loop decides."""
+        trainer = self.trainer
+        if trainer is None:
+            return False
+        limit = getattr(trainer, limit_attr, None) if limit_attr else None
+        if isinstance(limit, (int, float)) and limit == 0:
+            return True
+        module = getattr(trainer, "lightning_module", None)
+        return step is not None and module is not None and not is_overridden(step, module)
 
     @override
     def setup(self, stage: str) -> None:
         world, rank = self._ranks()
         # the splits the stage reads (the others are set up on first use): `fit` does not read the test files,
-        # nor the val files with limit_val_batches 0
-        for split, limit_attr in _STAGE_SPLITS.get(stage, _ALL_SPLITS):
-            if split not in self._datasets and not self._reads_none(limit_attr):
+        # nor the val files with limit_val_batches 0 or no validation_step
+        for split, limit_attr, step in _STAGE_SPLITS.get(stage, _ALL_SPLITS):
+            if split not in self._datasets and not self._reads_none(limit_attr, step):
                 ds = self._make_dataset(split, world, rank)
                 if ds is not None:
                     self._datasets[split] = ds
