@@ -228,8 +228,15 @@ class LookaheadCLI(LightningCLI):
         metrics: Dict[str, Any] = {
             k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if isinstance(v, torch.Tensor)
         }
-        if metrics:
-            lines.append("Final metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        per_table = [
+            k for k in metrics if k.startswith("cache/") and k.count("/") >= 2
+        ]  # cache/<table>/<name>
+        shown = {k: v for k, v in metrics.items() if k not in per_table}
+        if shown:
+            line = "Final metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in shown.items())
+            if per_table:
+                line += f" (and {len(per_table)} per-table metrics, cache/<table>/..., in TensorBoard)"
+            lines.append(line)
         if lines:
             sys.stdout.write("\n".join(lines) + "\n")
             sys.stdout.flush()
