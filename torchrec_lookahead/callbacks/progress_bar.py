@@ -35,7 +35,8 @@ class ResumingProgressBar(TQDMProgressBar):
             # the epoch's batches, counted from the batch it resumes after, as the steps' batch_idx go on:
             # ``processed``, not ``completed``, which a checkpoint of on_train_batch_end (every_n_train_steps)
             # holds one short (Lightning counts that batch completed only when the loop is reset, after this)
-            done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            # (a _ProcessedTracker, which Lightning's dataclass annotates as its base class)
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
             bar = self.train_progress_bar
             bar.reset(total=convert_inf(trainer.num_training_batches))
             bar.initial = bar.n = done
