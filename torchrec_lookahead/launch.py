@@ -73,6 +73,14 @@ class LookaheadCLI(LightningCLI):
         """Lightning's reading of the model's hyperparameters from a ``ckpt_path`` file, a file that is not a
         checkpoint (damaged, or of another kind) refused with a :class:`~torchrec_lookahead.errors.CheckpointError`
         instead of the unpickler's traceback."""
+        from pathlib import Path
+
+        from torchrec_lookahead.strategies._checkpoint import check_not_inside_checkpoint
+
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path:
+            check_not_inside_checkpoint(Path(str(ckpt_path)))  # before Lightning unpickles a piece of it
         try:
             with warnings.catch_warnings():
                 # a pickle of another kind: torch's note on its protocol would come before the error

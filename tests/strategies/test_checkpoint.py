@@ -107,3 +107,41 @@ def test_a_checkpoint_directory_is_checked_before_anything_is_built(
     torch.save(meta, inside / META_FILE)
     line = _short_error(capsys, ["fit", "--config", TINY, f"--ckpt_path={inside}"])
     assert line.startswith(f"CheckpointError: checkpoint {inside} was saved inside training step 3"), line
+
+
+def _fake_checkpoint(path: Path, world_size: int) -> Path:
+    path.mkdir(parents=True)
+    torch.save({"torchrec_lookahead_world_size": world_size, "epoch": 0}, path / "meta.pt")
+    (path / ".metadata").write_bytes(b"")
+    (path / "__0_0.distcp").write_bytes(b"")
+    return path
+
+
+@pytest.mark.parametrize("name", ["meta.pt", "__0_0.distcp"])
+def test_a_file_inside_a_checkpoint_directory_says_to_pass_the_directory(tmp_path: Path, name: str) -> None:
+    """It said "an ordinary checkpoint ... run with --trainer.strategy=auto"."""
+    from torchrec_lookahead.strategies._checkpoint import read_checkpoint_meta
+
+    ckpt = _fake_checkpoint(tmp_path / "epoch=0-step=20.ckpt", 1)
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint_meta(ckpt / name, 1)
+    assert str(info.value) == (
+        f"{ckpt / name} is a file inside the checkpoint directory {ckpt}: a checkpoint of TorchRecStrategy is the "
+        f"whole directory; pass --ckpt_path {ckpt}"
+    )
+
+
+def test_a_directory_of_checkpoints_names_the_newest_to_pass(tmp_path: Path) -> None:
+    import os
+
+    from torchrec_lookahead.strategies._checkpoint import read_checkpoint_meta
+
+    old = _fake_checkpoint(tmp_path / "epoch=0-step=5.ckpt", 1)
+    new = _fake_checkpoint(tmp_path / "epoch=0-step=10.ckpt", 1)
+    os.utime(old, (1, 1))
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint_meta(tmp_path, 1)
+    assert str(info.value) == (
+        f"{tmp_path} is a directory of 2 checkpoint(s) (a ModelCheckpoint dirpath), not one checkpoint: pass one "
+        f"of them, e.g. the newest, --ckpt_path {new}"
+    )

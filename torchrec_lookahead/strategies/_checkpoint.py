@@ -29,6 +29,7 @@ __all__ = [
     "WORLD_SIZE_KEY",
     "checkpoint_memory_shortfall",
     "check_dcp_metadata",
+    "check_not_inside_checkpoint",
     "collect_pieces",
     "keep_store_files",
     "load_meta_file",
@@ -376,6 +377,7 @@ def read_checkpoint_meta(path: Path, world_size: Optional[int], fitting: bool = 
             f"checkpoint {path} does not exist; check ckpt_path (under strategy='torchrec' a checkpoint is the "
             "directory ModelCheckpoint wrote, e.g. <dirpath>/epoch=0-step=100.ckpt)"
         )
+    check_not_inside_checkpoint(path)
     if path.is_file():
         raise CheckpointError(
             f"{path} is a checkpoint file, not a directory written by TorchRecStrategy: an ordinary checkpoint "
@@ -390,6 +392,12 @@ def read_checkpoint_meta(path: Path, world_size: Optional[int], fitting: bool = 
             "or the writing failed, while the checkpoint was being written); resume from another checkpoint"
         )
     if not (path / META_FILE).is_file():
+        held = sorted((p for p in path.iterdir() if p.suffix == ".ckpt"), key=lambda p: p.stat().st_mtime)
+        if held:
+            raise CheckpointError(
+                f"{path} is a directory of {len(held)} checkpoint(s) (a ModelCheckpoint dirpath), not one "
+                f"checkpoint: pass one of them, e.g. the newest, --ckpt_path {held[-1]}"
+            )
         raise CheckpointError(
             f"{path} is not a checkpoint written by TorchRecStrategy (no {META_FILE} inside); checkpoints of "
             "sharded models are directories written by torch.distributed.checkpoint on every rank"
@@ -410,6 +418,21 @@ def read_checkpoint_meta(path: Path, world_size: Optional[int], fitting: bool = 
     if fitting:
         check_between_steps(meta, path)
     return meta
+
+
+def check_not_inside_checkpoint(path: Path) -> None:
+    """Refuse a file inside a checkpoint directory of TorchRecStrategy (``meta.pt``, a ``.distcp`` shard) given as
+    the checkpoint: the checkpoint is the directory.
+
+    Raises:
+        CheckpointError: ``path`` is a file whose directory holds a checkpoint's ``meta.pt`` or ``.metadata``.
+    """
+    parent = path.parent
+    if path.is_file() and ((parent / META_FILE).is_file() or (parent / ".metadata").is_file()):
+        raise CheckpointError(
+            f"{path} is a file inside the checkpoint directory {parent}: a checkpoint of TorchRecStrategy is the "
+            f"whole directory; pass --ckpt_path {parent}"
+        )
 
 
 def check_between_steps(meta: Dict[str, Any], path: Path) -> None:
