@@ -145,3 +145,17 @@ def test_a_directory_of_checkpoints_names_the_newest_to_pass(tmp_path: Path) -> 
         f"{tmp_path} is a directory of 2 checkpoint(s) (a ModelCheckpoint dirpath), not one checkpoint: pass one "
         f"of them, e.g. the newest, --ckpt_path {new}"
     )
+
+
+def test_another_world_size_says_rank_once_and_offers_export_where_nothing_is_resumed(tmp_path: Path) -> None:
+    """It said "written by 1 ranks" and told predict to "resume it with 2 ranks"."""
+    from torchrec_lookahead.strategies._checkpoint import read_checkpoint_meta
+
+    ckpt = _fake_checkpoint(tmp_path / "c.ckpt", 1)
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint_meta(ckpt, 2, fitting=False)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {ckpt} was written by 1 rank but this run has 2: "), message
+    assert f"python -m torchrec_lookahead export --ckpt {ckpt}" in message and "resume" not in message
+    with pytest.raises(CheckpointError, match=r"written by 1 rank but .* resume it with 1 rank \("):
+        read_checkpoint_meta(ckpt, 2, fitting=True)

@@ -410,9 +410,17 @@ def read_checkpoint_meta(path: Path, world_size: Optional[int], fitting: bool = 
     meta = load_meta_file(path)
     saved = meta.pop(WORLD_SIZE_KEY, None)
     if saved is not None and world_size is not None and int(saved) != world_size:
+        ranks = f"{saved} rank" + ("" if int(saved) == 1 else "s")
+        if not fitting:  # validate, test, predict: an export reads on any number of ranks
+            raise CheckpointError(
+                f"checkpoint {path} was written by {ranks} but this run has {world_size}: its tables are sharded "
+                f"for {ranks}; export it to one file (python -m torchrec_lookahead export --ckpt {path} --out "
+                "<file>), which the plain model reads on any number of ranks with --trainer.strategy=auto, or run "
+                f"with {ranks}"
+            )
         raise CheckpointError(
-            f"checkpoint {path} was written by {saved} ranks but this run has {world_size}: each rank's "
-            f"data position and cache state belong to a {saved}-rank job; resume it with {saved} ranks "
+            f"checkpoint {path} was written by {ranks} but this run has {world_size}: each rank's "
+            f"data position and cache state belong to a {saved}-rank job; resume it with {ranks} "
             f"(torchrun --nproc_per_node=... and --trainer.devices so that they make {saved}), or start a new run"
         )
     if fitting:
