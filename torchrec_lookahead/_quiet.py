@@ -7,17 +7,20 @@ leaves the process's warning and logging configuration alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 import warnings
-from typing import Any, List, Tuple, Type
+from typing import Any, Iterator, List, Tuple, Type
 
 __all__ = [
     "VERBOSE_FLAG",
     "KNOWN_WARNINGS",
     "KNOWN_LOG_MESSAGES",
     "KNOWN_THREAD_ERRORS",
+    "KNOWN_EVALUATION_WARNINGS",
+    "quiet_evaluation_warnings",
     "quiet_known_messages",
     "pop_verbose_flag",
 ]
@@ -66,6 +69,26 @@ KNOWN_LOG_MESSAGES: List[Tuple[str, str, str]] = [
 ]
 """(logger, message regex, why) of the log records the CLI hides by default."""
 
+KNOWN_EVALUATION_WARNINGS: List[Tuple[Type[Warning], str, str]] = [
+    (
+        UserWarning,
+        r"The dirpath has changed from",
+        "Lightning's ModelCheckpoint, restored from the checkpoint `validate`/`test`/`predict` read, will not keep "
+        "its best-k list under the new run's directory; these commands write no checkpoint (shown where fit "
+        "resumes, where it is news)",
+    ),
+    (
+        UserWarning,
+        r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint",
+        "Lightning lists the callbacks of the run that wrote the checkpoint (ModelCheckpoint, CacheMonitor) "
+        "missing from this one; `validate`/`test`/`predict` resume nothing they would restore (shown where fit "
+        "resumes, where it is news)",
+    ),
+]
+"""(category, message regex, why) of the warnings the CLI hides in ``validate``, ``test`` and ``predict``."""
+
+_quiet = False  # quiet_known_messages() was called: the CLI without --verbose
+
 KNOWN_THREAD_ERRORS: List[Tuple[str, str]] = [
     (
         "_AsyncWriterThread",
@@ -86,12 +109,26 @@ class _DropMatching(logging.Filter):
 
 
 def quiet_known_messages() -> None:
-    """Hide :data:`KNOWN_WARNINGS` and :data:`KNOWN_LOG_MESSAGES` in this process."""
+    """Hide :data:`KNOWN_WARNINGS` and :data:`KNOWN_LOG_MESSAGES` in this process (and
+    :data:`KNOWN_EVALUATION_WARNINGS` inside :func:`quiet_evaluation_warnings`)."""
+    global _quiet
+    _quiet = True
     for category, message, _ in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     for logger, message, _ in KNOWN_LOG_MESSAGES:
         logging.getLogger(logger).addFilter(_DropMatching(message))
     threading.excepthook = _quiet_thread_errors(threading.excepthook)
+
+
+@contextlib.contextmanager
+def quiet_evaluation_warnings() -> Iterator[None]:
+    """Hide :data:`KNOWN_EVALUATION_WARNINGS` inside (``validate``, ``test``, ``predict``) where the CLI hides the
+    known messages (:func:`quiet_known_messages`, not ``--verbose``)."""
+    with warnings.catch_warnings():
+        if _quiet:
+            for category, message, _ in KNOWN_EVALUATION_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=category)
+        yield
 
 
 def _quiet_thread_errors(previous: Any) -> Any:

@@ -33,6 +33,7 @@ import torchrec_lookahead.strategies  # noqa: F401  (registers strategy="torchre
 from torchrec_lookahead._checks import check_dir
 from torchrec_lookahead._log_dirs import refused_run_logs
 from torchrec_lookahead._parse_errors import LookaheadArgumentParser, nested_nulls
+from torchrec_lookahead._quiet import quiet_evaluation_warnings
 from torchrec_lookahead._refusals import (
     full_disk_refused,
     missing_split_files,
@@ -259,18 +260,21 @@ class LookaheadCLI(LightningCLI):
             self.trainer.fit(**kwargs)
 
     def validate(self, **kwargs: Any) -> None:
-        """``Trainer.validate``, a full disk under its logs one line (:func:`full_disk_refused`)."""
-        with full_disk_refused(self.trainer):
+        """``Trainer.validate``, a full disk under its logs one line (:func:`full_disk_refused`), Lightning's notes on
+        the callbacks of the checkpoint it reads hidden (:mod:`torchrec_lookahead._quiet`)."""
+        with full_disk_refused(self.trainer), quiet_evaluation_warnings():
             self.trainer.validate(**kwargs)
 
     def test(self, **kwargs: Any) -> None:
-        """``Trainer.test``, a full disk under its logs one line (:func:`full_disk_refused`)."""
-        with full_disk_refused(self.trainer):
+        """``Trainer.test``, a full disk under its logs one line (:func:`full_disk_refused`), Lightning's notes on
+        the callbacks of the checkpoint it reads hidden (:mod:`torchrec_lookahead._quiet`)."""
+        with full_disk_refused(self.trainer), quiet_evaluation_warnings():
             self.trainer.test(**kwargs)
 
     def predict(self, **kwargs: Any) -> None:
-        """``Trainer.predict``, a full disk under its logs one line (:func:`full_disk_refused`)."""
-        with full_disk_refused(self.trainer):
+        """``Trainer.predict``, a full disk under its logs one line (:func:`full_disk_refused`), Lightning's notes on
+        the callbacks of the checkpoint it reads hidden (:mod:`torchrec_lookahead._quiet`)."""
+        with full_disk_refused(self.trainer), quiet_evaluation_warnings():
             self.trainer.predict(**kwargs)
 
     def after_fit(self) -> None:

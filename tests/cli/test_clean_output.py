@@ -80,3 +80,21 @@ def test_tensorboard_writer_thread_errors_are_left_to_the_thread_that_raises_the
     hook(args(Other()))
     assert len(seen) == 1
     assert _quiet_thread_errors(hook) is hook
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("python_warnings_shown")
+def test_validate_from_a_checkpoint_prints_no_note_on_the_callbacks_it_restores(tmp_path: Path) -> None:
+    """Lightning's "The dirpath has changed from ..." (and "Be aware that when using `ckpt_path`, callbacks ...")
+    are about resuming; validate, test and predict resume nothing. --verbose still shows them."""
+    trained = run_cli(
+        "fit", "--config", TINY, "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}/a"
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    (ckpt,) = (tmp_path / "a").glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    args = ["validate", "--config", TINY, f"--ckpt_path={ckpt}", f"--trainer.default_root_dir={tmp_path}/b"]
+    out = run_cli(*args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _foreign_warnings(out.stdout + out.stderr) == [], (out.stdout + out.stderr)[-5000:]
+    verbose = run_cli(*args, "--verbose")
+    assert "The dirpath has changed from" in verbose.stdout + verbose.stderr
