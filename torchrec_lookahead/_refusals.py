@@ -6,8 +6,10 @@ disk under the run's logs, each turned into one :class:`~torchrec_lookahead.erro
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shlex
+import socket
 from typing import Any, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
@@ -17,6 +19,7 @@ from torchrec_lookahead._log_dirs import unreachable_checkpoints
 from torchrec_lookahead.errors import CheckpointError, ConfigError, LookaheadError
 
 __all__ = [
+    "refuse_busy_master_port",
     "full_disk_refused",
     "missing_split_files",
     "refuse_unreachable_checkpoints",
@@ -137,3 +140,35 @@ def _log_dir(trainer: pl.Trainer) -> str:
     except Exception:  # noqa: BLE001 - only for a message
         log_dir = None
     return str(log_dir or trainer.default_root_dir)
+
+
+def refuse_busy_master_port(trainer: pl.Trainer) -> None:
+    """A ``MASTER_PORT`` in use, on one machine whose processes Lightning starts itself (``--trainer.devices=2``
+    without torchrun): rank 0 failed to bind its store there with a long ``DistNetworkError`` traceback, after
+    starting the other ranks, which then waited for it forever. Refused before any other rank is started.
+
+    Raises:
+        ConfigError: the port cannot be bound on this machine.
+    """
+    port = os.environ.get("MASTER_PORT")
+    env = getattr(trainer.strategy, "cluster_environment", None)
+    if not port or env is None or env.creates_processes_externally or trainer.num_nodes != 1:
+        return  # no port given (Lightning picks a free one), or processes started by torchrun / a scheduler
+    if trainer.world_size < 2 or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    try:
+        number = int(port)
+    except ValueError:
+        raise ConfigError(
+            f"MASTER_PORT must be a port number but got {port!r}; unset it or give a free port"
+        ) from None
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.bind(("", number))
+    except OSError as e:
+        raise ConfigError(
+            f"MASTER_PORT {number} is in use on this machine ({e.strerror}): rank 0 could not serve the ranks' "
+            "rendezvous there; unset MASTER_PORT (Lightning then picks a free port) or choose a free one"
+        ) from None
+    finally:
+        probe.close()

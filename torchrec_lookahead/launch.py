@@ -37,6 +37,7 @@ from torchrec_lookahead._quiet import quiet_evaluation_warnings
 from torchrec_lookahead._refusals import (
     full_disk_refused,
     missing_split_files,
+    refuse_busy_master_port,
     refuse_unreachable_checkpoints,
     setting_refused,
     turned_off,
@@ -254,6 +255,7 @@ class LookaheadCLI(LightningCLI):
         """``Trainer.fit``; a run refused before its first step (a :class:`~torchrec_lookahead.errors.LookaheadError`
         or Lightning's refusal of a setting) leaves no TensorBoard version of its own that holds only its config
         and hyperparameters (:func:`~torchrec_lookahead._log_dirs.refused_run_logs`)."""
+        refuse_busy_master_port(self.trainer)
         if kwargs.get("ckpt_path") == "last":
             refuse_unreachable_checkpoints(self.trainer)
         with refused_run_logs(self.trainer, _refusal), full_disk_refused(self.trainer), setting_refused():
@@ -262,18 +264,21 @@ class LookaheadCLI(LightningCLI):
     def validate(self, **kwargs: Any) -> None:
         """``Trainer.validate``, a full disk under its logs one line (:func:`full_disk_refused`), Lightning's notes on
         the callbacks of the checkpoint it reads hidden (:mod:`torchrec_lookahead._quiet`)."""
+        refuse_busy_master_port(self.trainer)
         with full_disk_refused(self.trainer), quiet_evaluation_warnings():
             self.trainer.validate(**kwargs)
 
     def test(self, **kwargs: Any) -> None:
         """``Trainer.test``, a full disk under its logs one line (:func:`full_disk_refused`), Lightning's notes on
         the callbacks of the checkpoint it reads hidden (:mod:`torchrec_lookahead._quiet`)."""
+        refuse_busy_master_port(self.trainer)
         with full_disk_refused(self.trainer), quiet_evaluation_warnings():
             self.trainer.test(**kwargs)
 
     def predict(self, **kwargs: Any) -> None:
         """``Trainer.predict``, a full disk under its logs one line (:func:`full_disk_refused`), Lightning's notes on
         the callbacks of the checkpoint it reads hidden (:mod:`torchrec_lookahead._quiet`)."""
+        refuse_busy_master_port(self.trainer)
         with full_disk_refused(self.trainer), quiet_evaluation_warnings():
             self.trainer.predict(**kwargs)
 

@@ -201,3 +201,33 @@ def test_final_metrics_show_the_aggregates_and_count_the_per_table_ones(capsys):
         "Final metrics: cache/hit_rate=0.2500, train/loss=0.5000, val/auroc=0.7500 (and 6 per-table metrics, "
         "cache/<table>/..., in TensorBoard)"
     ), line
+
+
+def test_a_busy_master_port_under_lightnings_launcher_is_one_line_and_starts_no_other_rank(tmp_path):
+    """Rank 0 printed a 55-line DistNetworkError (EADDRINUSE) after starting rank 1, which then hung."""
+    import socket
+    import subprocess
+    import sys
+
+    from ..conftest import REPO
+    from .test_cli import clean_env
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        args = [
+            sys.executable, "-m", "torchrec_lookahead", "fit", "--config", "configs/dlrm_tiny_lookahead.yaml",
+            "--trainer.devices=2", f"--trainer.default_root_dir={tmp_path}",
+        ]  # fmt: skip
+        env = {**clean_env(), "MASTER_PORT": str(port)}
+        out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        busy.close()
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"ConfigError: MASTER_PORT {port} is in use on this machine"), out.stderr[
+        -3000:
+    ]
+    assert "Traceback" not in out.stderr and "[rank 1]" not in out.stderr, out.stderr[-3000:]
