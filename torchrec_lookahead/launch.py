@@ -42,7 +42,14 @@ from torchrec_lookahead._refusals import (
     setting_refused,
     turned_off,
 )
-from torchrec_lookahead.errors import CheckpointError, ConfigError, LookaheadError, first_line, recent_errors
+from torchrec_lookahead.errors import (
+    CheckpointError,
+    ConfigError,
+    LookaheadError,
+    first_line,
+    peer_gone,
+    recent_errors,
+)
 
 __all__ = [
     "LookaheadCLI",
@@ -343,9 +350,6 @@ def fail_fast_on_error() -> Iterator[None]:
 
 
 #: what gloo and torch.distributed say when the process at the other end of a collective is gone
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
 def peer_lost(error: BaseException, rank: int = 0) -> Optional[str]:
     """One line for ``error`` when it only says that another rank is gone (a collective whose peer ended: killed,
     or failed with its own error); ``None`` for any other error. The library's message is quoted up to its first
@@ -361,8 +365,7 @@ def peer_lost(error: BaseException, rank: int = 0) -> Optional[str]:
         >>> peer_lost(ValueError("bad")) is None
         True
     """
-    text = str(error)
-    if type(error).__name__ != "DistNetworkError" and not any(m in text for m in _PEER_GONE):
+    if not peer_gone(error):
         return None
     prefix = "" if rank == 0 else f"[rank {rank}] "
     return (
