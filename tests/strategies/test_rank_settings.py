@@ -13,14 +13,22 @@ from ..cli.test_cli import clean_env
 from ..conftest import REPO, free_port
 
 
-def test_flat_settings_names_every_setting_by_its_dotted_key_without_the_config_files_or_the_log_dir():
+def test_flat_settings_names_every_setting_by_its_dotted_key_without_the_config_files_log_dir_or_locations():
     from jsonargparse.typing import Path_fr
 
     settings = flat_settings(
         {
             "config": [Path_fr(str(REPO / "configs" / "dlrm_tiny_lookahead.yaml"))],
             "seed_everything": 0,
-            "data": {"init_args": {"horizon": 8, "datamodule": {"init_args": {"seed": 0}}}},
+            "data": {
+                "init_args": {
+                    "horizon": 8,
+                    "datamodule": {
+                        "init_args": {"seed": 0, "train_files": ["/host1/a.tsv"], "movies_file": "m"}
+                    },
+                }
+            },
+            "model": {"init_args": {"store_dir": "/local/ssd", "emb_path": "x"}},
             "trainer": {"callbacks": [{"class_path": "CacheMonitor"}], "default_root_dir": "/local/logs"},
         }
     )
@@ -28,8 +36,9 @@ def test_flat_settings_names_every_setting_by_its_dotted_key_without_the_config_
         "seed_everything": "0",
         "data.init_args.horizon": "8",
         "data.init_args.datamodule.init_args.seed": "0",
+        "model.init_args.emb_path": "'x'",
         "trainer.callbacks": "[{'class_path': 'CacheMonitor'}]",
-    }
+    }  # files and directories may be each host's own (data copies, local disks): not compared
 
 
 def test_the_disagreement_names_the_settings_their_values_and_the_ranks():

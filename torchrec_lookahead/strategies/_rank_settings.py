@@ -31,6 +31,9 @@ _SHOWN = 3
 #: settings that may differ between hosts: rank 0 alone writes the logs there, and the checkpoint directory
 #: every rank writes in is rank 0's (Lightning broadcasts it)
 _MAY_DIFFER = frozenset({"trainer.default_root_dir"})
+#: settings naming files or directories (``train_files``, ``movies_file``, ``store_dir``): a host's own copy of the
+#: data or its own local disk is a location, not a setting; what the files hold is the user's to keep equal
+_LOCATIONS = ("_dir", "_file", "_files")
 
 #: this process's command-line settings (:func:`remember_settings`), compared by every TorchRecStrategy it sets up
 #: (``verify`` builds Trainers of its own from the command line's)
@@ -51,8 +54,9 @@ def remembered_settings() -> Optional[Dict[str, str]]:
 
 def flat_settings(config: Mapping[str, Any], prefix: str = "") -> Dict[str, str]:
     """``config`` (nested mappings, as the CLI parsed them) as ``{dotted.key: repr(value)}``, without the
-    ``config`` entries (the files' paths: their contents are the other settings) and ``trainer.default_root_dir``
-    (it may be a directory of each host's own).
+    ``config`` entries (the files' paths: their contents are the other settings), ``trainer.default_root_dir``
+    and the settings that name files or directories (``*_dir``, ``*_file``, ``*_files``: each host may read its own
+    copy of the data and write its own local disk).
 
     Example:
         >>> flat_settings({"config": ["a.yaml"], "data": {"init_args": {"horizon": 8}}, "seed_everything": 0})
@@ -61,7 +65,7 @@ def flat_settings(config: Mapping[str, Any], prefix: str = "") -> Dict[str, str]
     out: Dict[str, str] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
-        if name == "config" or key == "__path__" or name in _MAY_DIFFER:
+        if name == "config" or key == "__path__" or name in _MAY_DIFFER or str(key).endswith(_LOCATIONS):
             continue
         if isinstance(value, Mapping):
             out.update(flat_settings(value, f"{name}."))
