@@ -245,9 +245,10 @@ class LookaheadCLI(LightningCLI):
         metrics: Dict[str, Any] = {
             k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if isinstance(v, torch.Tensor)
         }
+        # cache/<table>/<name>; cache/sync/<name> are the rank's synchronisation totals, not a table's
         per_table = [
-            k for k in metrics if k.startswith("cache/") and k.count("/") >= 2
-        ]  # cache/<table>/<name>
+            k for k in metrics if k.startswith("cache/") and k.count("/") >= 2 and k.split("/")[1] != "sync"
+        ]
         shown = {k: v for k, v in metrics.items() if k not in per_table}
         if shown:
             line = "Final metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in shown.items())

@@ -193,14 +193,19 @@ def test_the_tensorboard_command_quotes_a_directory_with_spaces(capsys):
 
 def test_final_metrics_show_the_aggregates_and_count_the_per_table_ones(capsys):
     """~160 per-table cache metrics on the Criteo configs drowned the line."""
-    metrics = {"train/loss": 0.5, "val/auroc": 0.75, "cache/hit_rate": 0.25}
+    metrics = {
+        "train/loss": 0.5,
+        "val/auroc": 0.75,
+        "cache/hit_rate": 0.25,
+        "cache/sync/grad_floats_sent": 8.0,
+    }
     metrics.update({f"cache/t_cat_{i}/{m}": 1.0 for i in range(3) for m in ("hit_rate", "occupancy")})
     out = _summary(capsys, "/tmp/r", metrics)
     line = next(x for x in out.splitlines() if x.startswith("Final metrics:"))
     assert line == (
-        "Final metrics: cache/hit_rate=0.2500, train/loss=0.5000, val/auroc=0.7500 (and 6 per-table metrics, "
-        "cache/<table>/..., in TensorBoard)"
-    ), line
+        "Final metrics: cache/hit_rate=0.2500, cache/sync/grad_floats_sent=8.0000, train/loss=0.5000, "
+        "val/auroc=0.7500 (and 6 per-table metrics, cache/<table>/..., in TensorBoard)"
+    ), line  # the rank's synchronisation totals (cache/sync/...) are aggregates
 
 
 def test_a_busy_master_port_under_lightnings_launcher_is_one_line_and_starts_no_other_rank(tmp_path):
