@@ -21,7 +21,7 @@ import shlex
 import sys
 import traceback
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -269,26 +269,22 @@ class LookaheadCLI(LightningCLI):
         with refused_run_logs(self.trainer, _refusal), full_disk_refused(self.trainer), setting_refused():
             self.trainer.fit(**kwargs)
 
-    def validate(self, **kwargs: Any) -> None:
-        """``Trainer.validate``, a full disk under its logs one line (:func:`full_disk_refused`), Lightning's notes on
-        the callbacks of the checkpoint it reads hidden (:mod:`torchrec_lookahead._quiet`)."""
+    def _evaluate(self, run: Callable[..., Any], **kwargs: Any) -> None:
+        """``run`` (``Trainer.validate``, ``test`` or ``predict``), a full disk under its logs one line
+        (:func:`full_disk_refused`), Lightning's notes on the callbacks of the checkpoint it reads hidden
+        (:mod:`torchrec_lookahead._quiet`)."""
         refuse_busy_master_port(self.trainer)
         with full_disk_refused(self.trainer), quiet_evaluation_warnings():
-            self.trainer.validate(**kwargs)
+            run(**kwargs)
+
+    def validate(self, **kwargs: Any) -> None:
+        self._evaluate(self.trainer.validate, **kwargs)
 
     def test(self, **kwargs: Any) -> None:
-        """``Trainer.test``, a full disk under its logs one line (:func:`full_disk_refused`), Lightning's notes on
-        the callbacks of the checkpoint it reads hidden (:mod:`torchrec_lookahead._quiet`)."""
-        refuse_busy_master_port(self.trainer)
-        with full_disk_refused(self.trainer), quiet_evaluation_warnings():
-            self.trainer.test(**kwargs)
+        self._evaluate(self.trainer.test, **kwargs)
 
     def predict(self, **kwargs: Any) -> None:
-        """``Trainer.predict``, a full disk under its logs one line (:func:`full_disk_refused`), Lightning's notes on
-        the callbacks of the checkpoint it reads hidden (:mod:`torchrec_lookahead._quiet`)."""
-        refuse_busy_master_port(self.trainer)
-        with full_disk_refused(self.trainer), quiet_evaluation_warnings():
-            self.trainer.predict(**kwargs)
+        self._evaluate(self.trainer.predict, **kwargs)
 
     def after_fit(self) -> None:
         self._summary()

@@ -116,10 +116,13 @@ def settings_disagreement(gathered: Sequence[Mapping[str, str]]) -> Optional[str
     )
 
 
-def check_ranks_agree(settings: Mapping[str, str]) -> None:
+def check_ranks_agree(settings: Optional[Mapping[str, str]] = None) -> None:
     """Refuse, on every rank, settings that differ between the ranks of the default process group (a
-    collective: every rank calls it once the group exists; one rank alone returns at once)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    collective: every rank calls it once the group exists; one rank alone returns at once). ``settings``: by
+    default the command line's (:func:`remember_settings`; none kept, as in a Trainer built in Python: nothing to
+    compare)."""
+    settings = remembered_settings() if settings is None else settings
+    if settings is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
     gathered: List[Optional[Dict[str, str]]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dict(settings))

@@ -137,7 +137,7 @@ def check_cached_precision(
 
 
 def check_cached_batch_hooks(
-    sharders: Optional[Sequence[ModuleSharder[nn.Module]]], lm: pl.LightningModule, fn: TrainerFn
+    sharders: Optional[Sequence[ModuleSharder[nn.Module]]], lm: nn.Module, fn: Optional[TrainerFn]
 ) -> None:
     """Refuse a LightningModule that overrides ``on_before_batch_transfer`` or ``on_after_batch_transfer`` when it
     is fitted (``fn``) and a lookahead sharder caches tables (evaluation batches are not planned: its hooks are

@@ -63,7 +63,7 @@ from torchrec_lookahead.strategies._checkpoint import (
 )
 from torchrec_lookahead.strategies._checkpoint_writer import PiecesWriter, write_checkpoint
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
-from torchrec_lookahead.strategies._rank_settings import check_ranks_agree, remembered_settings
+from torchrec_lookahead.strategies._rank_settings import check_ranks_agree
 from torchrec_lookahead.strategies._sharding import (
     DistributedModelParallelKeys,
     check_cached_batch_hooks,
@@ -207,9 +207,7 @@ class TorchRecStrategy(DDPStrategy):
         if restart > 0 and agent_store and dist.is_available() and not dist.is_initialized():
             self._init_restarted_process_group(restart)
         super().setup_distributed()  # returns early once the default group exists
-        settings = remembered_settings()  # the command line's (the CLI keeps them): the same on every rank
-        if settings is not None:
-            check_ranks_agree(settings)
+        check_ranks_agree()  # the settings the command line gave this rank: the same on every rank
 
     def _init_restarted_process_group(self, restart: int) -> None:
         """The default process group of attempt ``restart`` of a ``torchrun --max-restarts`` job, on the agent's
@@ -265,9 +263,7 @@ class TorchRecStrategy(DDPStrategy):
             raise SetupError("shard() needs an initialised process group; call it from the Trainer's set-up")
         pg = dist.group.WORLD
         # the given sharders add to TorchRec's defaults: a module type none of them handles keeps its default
-        sharders = (
-            with_default_sharders(self._sharders) if self._sharders is not None else get_default_sharders()
-        )
+        sharders = get_default_sharders() if self._sharders is None else with_default_sharders(self._sharders)
         plan = self._plan
         topology = make_topology(self.world_size, self.root_device.type, local_world_size=self.num_processes)
         lookahead = [s for s in sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)]
@@ -456,7 +452,7 @@ class TorchRecStrategy(DDPStrategy):
         if self.model is None:
             raise SetupError("No model attached to the strategy")
         check_cached_precision(self._sharders, self.precision_plugin, trainer.precision)
-        check_cached_batch_hooks(self._sharders, self.model, trainer.state.fn)  # type: ignore[arg-type]
+        check_cached_batch_hooks(self._sharders, self.model, trainer.state.fn)
         self.precision_plugin.convert_module(self.model)
         self._shard_lightning_module()
         self._ensure_session()
