@@ -349,10 +349,20 @@ class LoaderWindow(pl.Callback):
         self.warmup = warmup
         self._first: Optional[Tuple[int, CacheStats]] = None
         self._last: Optional[Tuple[int, CacheStats]] = None
+        #: a resident job's :class:`BackgroundLoader`: (step, seconds waited for batches) at the first and last
+        #: timed step
+        self._waits: List[Tuple[int, float]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
-        if loader is None or trainer.global_step < self.warmup:
+        datamodule = getattr(trainer, "datamodule", None)
+        if trainer.global_step < self.warmup:
+            return
+        background = getattr(datamodule, "background", None)
+        if isinstance(background, BackgroundLoader):
+            self._waits[1:] = []
+            self._waits.append((trainer.global_step, background.wait_s))
+        loader = getattr(datamodule, "loader", None)
+        if loader is None:
             return
         session = trainer.strategy.cache_session() if isinstance(trainer.strategy, TorchRecStrategy) else None
         snap = (trainer.global_step, CacheStats(loader.stats()) if session is None else session.stats())
@@ -361,6 +371,9 @@ class LoaderWindow(pl.Callback):
         self._last = snap
 
     def figures(self) -> Dict[str, float]:
+        if len(self._waits) == 2 and self._waits[1][0] > self._waits[0][0]:
+            (a, wait_a), (b, wait_b) = self._waits
+            return {"batch wait ms/step": (wait_b - wait_a) / (b - a) * 1e3}
         if self._first is None or self._last is None or self._last[0] == self._first[0]:
             return {}
         steps = self._last[0] - self._first[0]
@@ -453,10 +466,12 @@ def torchrun_worker(script: str, world: int, *args: str) -> Any:
 class BackgroundLoader:
     """Iterates over ``loader`` with its batches read ahead by a background thread (at most ``depth`` waiting),
     the way the lookahead loader's planner thread reads the cached job's batches: at nice ``nice`` and with
-    single-threaded torch operators. ``len()`` is the wrapped loader's."""
+    single-threaded torch operators. ``len()`` is the wrapped loader's; ``wait_s``: the seconds the training
+    thread has waited for its batches (as the lookahead loader's ``batch_wait_s``)."""
 
     def __init__(self, loader: Any, depth: int = 8, nice: int = 19) -> None:
         self.loader, self.depth, self.nice = loader, depth, nice
+        self.wait_s = 0.0
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -488,7 +503,9 @@ class BackgroundLoader:
         thread.start()
         try:
             while True:
+                t0 = time.perf_counter()
                 item = items.get()
+                self.wait_s += time.perf_counter() - t0
                 if item is end:
                     return
                 if isinstance(item, BaseException):
@@ -505,6 +522,9 @@ class BackgroundLoadingDataModule(WrappedDataModule):
     def __init__(self, datamodule: pl.LightningDataModule, nice: int = 19) -> None:
         super().__init__(datamodule)
         self.nice = nice
+        #: the loader of the last ``train_dataloader()`` call
+        self.background: Optional[BackgroundLoader] = None
 
     def train_dataloader(self) -> Any:
-        return BackgroundLoader(self.datamodule.train_dataloader(), nice=self.nice)
+        self.background = BackgroundLoader(self.datamodule.train_dataloader(), nice=self.nice)
+        return self.background

@@ -389,6 +389,9 @@ def main() -> None:
                 "samples/s": res["samples_per_s"],
             }
             threads[kind] = res["torch_threads"]
+            if kind == "resident_bg" and "batch wait ms/step" in res["loader"]:
+                row["batch wait ms/step"] = res["loader"]["batch wait ms/step"]
+                background.setdefault("resident_bg batch wait ms/step", []).append(row["batch wait ms/step"])
             if kind == "cached":
                 c = cache_counters(res["strategy"])
                 counters = c
@@ -459,6 +462,10 @@ def main() -> None:
             for name, k in KIND_NAMES.items()
         },
         "cached_batch_wait_ms_per_step": median(background["batch wait ms/step"]),
+        # the same wait of the resident job whose loader thread reads its batches: does that thread keep up?
+        "resident_background_loading_batch_wait_ms_per_step": median(
+            background.get("resident_bg batch wait ms/step") or [float("nan")]
+        ),
         "reader_cpu_ms_per_batch": median(background["reader cpu ms/batch"]),
         "planner_cpu_ms_per_batch": median(background["planner cpu ms/batch"]),
         "stager_cpu_ms_per_batch": median(background["stager cpu ms/batch"]),
@@ -487,7 +494,9 @@ def main() -> None:
         f"resident with background loading {bg_ms:.1f} ms; cached / it = "
         f"{figures['step_time_ratio_background_loading']:.3f} (per pair: "
         f"{', '.join(f'{x:.2f}' for x in pair_ratios_bg)})  on {machine()['cpu']}, {machine()['threads']} threads; "
-        f"torch threads resident {threads['resident']}, cached {threads['cached']}"
+        f"torch threads resident {threads['resident']}, cached {threads['cached']}\n"
+        f"waiting for the next batch, ms a step: cached {figures['cached_batch_wait_ms_per_step']:.2f}, resident "
+        f"with background loading {figures['resident_background_loading_batch_wait_ms_per_step']:.2f}"
     )
     kaggle_steps = args.kaggle_steps if args.kaggle_steps is not None else (30 if args.quick else 60)
     if kaggle_steps > 0:

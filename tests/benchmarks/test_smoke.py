@@ -68,6 +68,7 @@ def check_cache_overhead(f: Dict[str, Any]) -> None:
     assert close(f["cached_samples_per_s"] * f["cached_step_ms"] / 1e3, 64)
     for k in (
         "cached_batch_wait_ms_per_step",
+        "resident_background_loading_batch_wait_ms_per_step",
         "reader_cpu_ms_per_batch",
         "planner_cpu_ms_per_batch",
         "stager_cpu_ms_per_batch",
