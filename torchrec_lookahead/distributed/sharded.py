@@ -22,6 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead.distributed.sharded_collection import ShardedLookaheadCollection
 from torchrec_lookahead.errors import InvalidIdError
+from torchrec_lookahead.modules._kernels import mean_of_sums
 
 __all__ = ["ShardedLookaheadEmbeddingBagCollection"]
 
@@ -96,18 +97,16 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedLookaheadCollection[Embeddin
                     )
                 inverse, rows = ids, self.cache.cache_weights(table)
             weights = jt.weights() if self._is_weighted else None
-            mean = cfg.pooling == PoolingType.MEAN
             pooled = F.embedding_bag(
                 inverse.to(self.cache.device),
                 rows.to(self.cache.device),
                 offsets=jt.offsets()[:-1].to(torch.int64),
-                # torch has no weighted mean: FBGEMM's is the weighted sum over the bag's length
-                mode="mean" if mean and weights is None else "sum",
+                mode="sum",
                 per_sample_weights=weights,
                 include_last_offset=False,
             )
-            if mean and weights is not None:
-                pooled = pooled / jt.lengths().to(pooled.device, pooled.dtype).clamp(min=1).unsqueeze(1)
+            if cfg.pooling == PoolingType.MEAN:  # FBGEMM's mean, as training's forward computes it
+                pooled = mean_of_sums(pooled, jt.lengths())
             outs.append(pooled)
             dims.append(cfg.embedding_dim)
         return KeyedTensor(keys=kjt.keys(), length_per_key=dims, values=torch.cat(outs, dim=1))

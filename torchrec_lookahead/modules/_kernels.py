@@ -388,16 +388,15 @@ class _TorchKernel(_CacheKernel):
             off = offsets[f * batch : (f + 1) * batch + 1]
             lo, hi = bounds[f], bounds[f + 1]
             psw = weights[lo:hi] if weights is not None else None
-            outs.append(
-                F.embedding_bag(
-                    indices[lo:hi],
-                    self._weights[t],
-                    off - lo,
-                    mode=self._mode,
-                    per_sample_weights=psw,
-                    include_last_offset=True,
-                )
+            pooled = F.embedding_bag(
+                indices[lo:hi],
+                self._weights[t],
+                off - lo,
+                mode="sum",
+                per_sample_weights=psw,
+                include_last_offset=True,
             )
+            outs.append(mean_of_sums(pooled, off.diff()) if self._mode == "mean" else pooled)
         return torch.cat(outs, dim=1)
 
     @torch.no_grad()
@@ -515,6 +514,14 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     midpoint = (s != rd) & ((rd + nd) * 0.5 == s)
     toward_n = ((nd > rd) & (err > 0)) | ((nd < rd) & (err < 0))
     return torch.where(midpoint & toward_n, n, r)
+
+
+def mean_of_sums(sums: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """MEAN pooling as FBGEMM's forward computes it, from the bags' (weighted) sums: each sum times the float32
+    reciprocal of its bag's length (an empty bag's sum, 0, unchanged). Torch's ``embedding_bag`` mean divides, which
+    differs from it in the last bit."""
+    scale = 1.0 / lengths.to(sums.device, torch.float32).clamp(min=1)
+    return sums * scale.to(sums.dtype).unsqueeze(1)
 
 
 def rowwise_mean_square(g: torch.Tensor) -> torch.Tensor:
