@@ -31,7 +31,7 @@ from torchrec_lookahead.oracle.batch_ids import split_batch
 from torchrec_lookahead.oracle.belady import BeladyPlanner
 from torchrec_lookahead.oracle.config import OracleConfig, Policy
 from torchrec_lookahead.oracle.lru import LRUPlanner
-from torchrec_lookahead.oracle.ttl import TTLPlanner
+from torchrec_lookahead.oracle.ttl import Shortfall, TTLPlanner
 from torchrec_lookahead.oracle.types import BatchPlan, TablePlan
 from torchrec_lookahead.oracle.window import WindowPlanner
 
@@ -90,6 +90,35 @@ class LookaheadOracle:
     def next_step(self) -> int:
         """Index of the next plan to be handed out."""
         return self._next
+
+    def measure(self) -> None:
+        """Under the ``ttl`` policy, let each cache grow past its capacity instead of refusing, and record by how
+        much (:meth:`shortfalls`): the policy has no replacement decision, so the rows it holds do not depend on
+        the capacity, and one pass tells the largest need of the whole stream (the capacity pre-scan's use; the
+        plans are not a bounded cache's). Other policies refuse as they plan.
+
+        Example:
+            >>> import torch
+            >>> oracle = LookaheadOracle(OracleConfig(capacity={"t": 2}, horizon=2, policy="ttl"))
+            >>> oracle.measure()
+            >>> _ = list(oracle.plan_stream([{"t": torch.tensor(b)} for b in ([1, 2], [3, 1], [4, 5], [1])]))
+            >>> short = oracle.shortfalls()["t"]
+            >>> short.first_batch, short.first_need, short.peak, short.peak_batch
+            (2, 3, 3, 2)
+        """
+        for unit in self._units.values():
+            if isinstance(unit.planner, TTLPlanner):
+                unit.planner.measure()
+
+    def shortfalls(self) -> Dict[str, Shortfall]:
+        """Per planning unit (a table alone, or a shared slot space by its name) whose cache grew past its
+        capacity while measuring (:meth:`measure`), what it held."""
+        out = {}
+        for name, unit in self._units.items():
+            short = unit.planner.shortfall() if isinstance(unit.planner, TTLPlanner) else None
+            if short is not None:
+                out[name] = short
+        return out
 
     def feed(self, batch: Any) -> List[BatchPlan]:
         """Read one batch; returns the plans that became ready (at most one).

@@ -20,16 +20,41 @@ Bagpipe's Figure 6 (horizon 2):
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from torchrec_lookahead.errors import CapacityError
-from torchrec_lookahead.oracle._table import _EMPTY, INF, _TablePlanner
+from torchrec_lookahead.oracle._table import _EMPTY, FREE, INF, _TablePlanner
 from torchrec_lookahead.oracle.types import TablePlan
 
-__all__: List[str] = ["TTLPlanner"]
+__all__: List[str] = ["TTLPlanner", "Shortfall"]
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """What a ``ttl`` cache held beyond its capacity over a stream measured with
+    :meth:`LookaheadOracle.measure <torchrec_lookahead.oracle.LookaheadOracle.measure>`: the policy has no
+    replacement decision, so the rows it holds do not depend on the capacity, and the largest is the capacity
+    the stream needs.
+
+    Attributes:
+        capacity: the configured capacity (rows).
+        first_batch: the first batch at which the cache held more rows than ``capacity``.
+        first_need: the rows held at ``first_batch``.
+        peak: the most rows held over the stream.
+        peak_batch: the first batch at which ``peak`` rows were held.
+        horizon: the policy's horizon.
+    """
+
+    capacity: int
+    first_batch: int
+    first_need: int
+    peak: int
+    peak_batch: int
+    horizon: int
 
 
 class TTLPlanner(_TablePlanner):
@@ -43,6 +68,39 @@ class TTLPlanner(_TablePlanner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.pending = _EMPTY
+        #: measuring (:meth:`measure`): the configured capacity, which the cache grows past instead of refusing
+        self.limit: Optional[int] = None
+        #: measuring: (batch, rows held) the first time past ``limit``, and the most rows held, at its batch
+        self.first_short: Optional[Tuple[int, int]] = None
+        self.peak: Tuple[int, int] = (0, 0)
+
+    def measure(self) -> None:
+        """Grow the cache when a step needs more rows than its capacity instead of refusing, recording the
+        shortfall (:meth:`shortfall`): the capacity pre-scan's reading of what the whole stream needs."""
+        self.limit = self.capacity
+
+    def shortfall(self) -> Optional[Shortfall]:
+        """What the cache held beyond its configured capacity while measuring; ``None`` if it never did."""
+        if self.limit is None or self.first_short is None:
+            return None
+        return Shortfall(self.limit, *self.first_short, self.peak[0], self.peak[1], self.horizon)
+
+    def _add_slots(self, need: int) -> None:
+        """Give the cache at least ``need`` slots (the new ones free), at least doubling it."""
+        old = self.capacity
+        cap = max(need, 2 * old)
+        if self.rows is not None:
+            cap = max(need, min(cap, self.rows))
+        more = cap - old
+        self.id_of_slot = np.concatenate([self.id_of_slot, np.full(more, -1, dtype=np.int64)])
+        self.res_next = np.concatenate([self.res_next, np.full(more, FREE, dtype=np.int64)])
+        self.rk = np.concatenate([self.rk, np.zeros(more, dtype=np.int64)])
+        free = np.arange(cap - 1, old - 1, -1, dtype=np.int64)
+        self.free = np.concatenate(
+            [free, self.free[: self.n_free], np.zeros(old - self.n_free, dtype=np.int64)]
+        )
+        self.n_free += more
+        self.capacity = cap
 
     def plan(self) -> TablePlan:
         """Evict the ids whose last use in the horizon was the previous step, then fetch this step's misses.
@@ -60,6 +118,8 @@ class TTLPlanner(_TablePlanner):
         uniq = rec.uniq
         slots = self.slot_of[uniq]
         miss = np.flatnonzero(slots < 0)
+        if miss.size > self.n_free and self.limit is not None:
+            self._add_slots(self.capacity - self.n_free + miss.size)
         if miss.size > self.n_free:
             need = self.capacity - self.n_free + miss.size
             raise CapacityError(
@@ -75,6 +135,12 @@ class TTLPlanner(_TablePlanner):
         fetch_slots = self.pop_free(miss.size)
         self.place(fetch_ids, fetch_slots)
         slots[miss] = fetch_slots
+        if self.limit is not None:
+            held = self.capacity - self.n_free
+            if held > self.limit and self.first_short is None:
+                self.first_short = (t, held)
+            if held > self.peak[0]:
+                self.peak = (held, t)
         self.pending = slots[next_use == INF]
         return self.finish_plan(t, rec, next_use, slots, ev_ids, ev_slots, fetch_ids, fetch_slots)
 

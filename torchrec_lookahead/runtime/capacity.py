@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import numbers
-from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from torchrec_lookahead._checks import check_int
 from torchrec_lookahead.errors import CapacityError, ConfigError, InvalidIdError
 from torchrec_lookahead.oracle.batch_ids import UnknownFeatures, split_batch, table_ids
 from torchrec_lookahead.oracle.oracle import window_working_sets
+from torchrec_lookahead.oracle.ttl import Shortfall
 from torchrec_lookahead.oracle.types import describe_window
 from torchrec_lookahead.runtime._host_windows import HostShortfall, HostWindowCheck
 from torchrec_lookahead.store.types import HostWindow
@@ -137,6 +138,8 @@ def scan_stream(
     host_windows: Optional[Mapping[str, HostWindow]] = None,
     slot_spaces: Optional[Mapping[str, Sequence[str]]] = None,
     resident_features: Optional[Mapping[str, Tuple[str, int]]] = None,
+    shortfalls: Optional[Callable[[], Mapping[str, Shortfall]]] = None,
+    pinned: Optional[Mapping[str, int]] = None,
 ) -> Tuple[Dict[str, int], Dict[str, int]]:
     """Scan a stream of sparse features (KJTs or mappings) and fail at the first window a cache cannot hold.
 
@@ -154,6 +157,13 @@ def scan_stream(
         resident_features: feature -> (table, rows) of resident tables (:attr:`CacheTarget.resident_features`):
             each batch's ids of these features are checked against their table's rows too (a min and a max per
             feature), so that a bad id fails here rather than at the step that reads it.
+        shortfalls: called once the stream has been read: per table alone or shared slot space (by its name in
+            ``slot_spaces``), what a ``ttl`` oracle measuring the same batches held beyond its capacity
+            (:meth:`LookaheadOracle.shortfalls <torchrec_lookahead.oracle.LookaheadOracle.shortfalls>`), refused
+            with the windows that do not fit.
+        pinned: rows of each table's cache held by pinned (FAE's hot) rows, which the stream's ids do not read
+            (their batches come without them): its windows must fit in the rest, and a refusal speaks of the
+            whole cache (the capacities given, the pinned rows besides the windows' need).
 
     Returns:
         The largest window working set per table (for a table alone, the smallest capacity that would do), and
@@ -161,9 +171,11 @@ def scan_stream(
         tables together, which is what the space's capacity (the sum of its members') must hold.
 
     Raises:
-        CapacityError: a window needs more rows than a table's capacity (names the first such window, the
-            rows it needs and the rows available, and the largest window of each short table); else a window
-            needs more rows on a shard than its host tier holds (``tier="host"``, the same facts).
+        CapacityError: a window needs more rows than a table's capacity, or a ``shortfalls`` cache held more,
+            once the whole stream is read: names the first such window, the rows it needs and the rows
+            available, and the largest need of each short cache over the stream, what its capacity must hold
+            (``needed``: the named cache's; ``batch``: its first window that does not fit); else a window needs
+            more rows on a shard than its host tier holds (``tier="host"``, the same facts).
         InvalidIdError: an id of a cached table, or of a resident feature, is negative or not below the table's
             size (names the table, the batch and the id; for a resident table the feature too).
 
@@ -189,6 +201,7 @@ def scan_stream(
     in_space = {t for members in shared for t in members}
     caches = [(n,) for n in names if n not in in_space] + shared
     cache_best = {members: 0 for members in caches}
+    held_rows = {t: int(n) for t, n in (pinned or {}).items()}
     host = HostWindowCheck({t: w for t, w in (host_windows or {}).items() if t in capacity})
     host_first: Dict[str, HostShortfall] = {}
 
@@ -218,41 +231,81 @@ def scan_stream(
         for members in caches:
             need = sum(sets[t][1] for t in members)
             cache_best[members] = max(cache_best[members], need)
-            if need > sum(int(capacity[t]) for t in members) and members[0] not in first:
+            if (
+                need > sum(int(capacity[t]) - held_rows.get(t, 0) for t in members)
+                and members[0] not in first
+            ):
                 first[members[0]] = (max(step - prefetch_depth, 0), step, need)
         if host:
             for found in host.push({n: sets[n][0] for n in host.tables}):
                 host_first.setdefault(found.table, found)
-    if first:
-        n = sorted(first)[0]
-        lo, hi, need = first[n]
-        members = next(m for m in caches if m[0] == n)
-        # a shared space's need is its tables' together (one table's share of it is no bound of its own)
-        short_caches = sorted(m for m in caches if m[0] in first)
-        alone = {m[0]: cache_best[m] for m in short_caches if len(m) == 1}
-        short = " and ".join(
-            ([f"{alone} rows"] if alone else [])
-            + [f"{cache_best[m]} rows for tables {list(m)} together" for m in short_caches if len(m) > 1]
-        )
-        available = sum(int(capacity[t]) for t in members)
-        window = f"{describe_window(lo, hi, prefetch_depth)} need{'s' if lo == hi else ''} {need} cache rows"
-        what = (
-            f"table {n!r}: {window} but capacity[{n!r}] is {available}"
-            if len(members) == 1
-            else f"{_shared_label(members)} (the sum of their capacities, {available} rows): {window} but it "
-            f"holds {available}"
-        )
-        raise CapacityError(
-            f"{what}; the scanned batches' largest windows need {short}: raise those capacities, lower "
-            "prefetch_depth, or use smaller batches (found before training by "
-            "LookaheadDataModule(capacity_check='epoch'))",
-            table=n if len(members) == 1 else next(k for k, m in spaces.items() if m == members),
-            batch=hi,
-            needed=need,
-            available=available,
-        )
+    short = shortfalls() if shortfalls is not None else {}
+    key = {m: (m[0] if len(m) == 1 else next(k for k, v in spaces.items() if v == m)) for m in caches}
+    held = {m: short[key[m]] for m in caches if key[m] in short}
+    if first or held:
+        _refuse(first, held, caches, cache_best, key, capacity, prefetch_depth, held_rows)
     if host_first:
         largest = host.largest
         first_short, *others = (host_first[t] for t in sorted(host_first))
         raise first_short.error({t: largest[t] for t in sorted(host_first)}, others)
     return best, {k: cache_best[m] for k, m in spaces.items()}
+
+
+def _refuse(
+    first: Mapping[str, Tuple[int, int, int]],
+    held: Mapping[Tuple[str, ...], Shortfall],
+    caches: Sequence[Tuple[str, ...]],
+    cache_best: Mapping[Tuple[str, ...], int],
+    key: Mapping[Tuple[str, ...], str],
+    capacity: Mapping[str, int],
+    prefetch_depth: int,
+    pinned: Mapping[str, int],
+) -> None:
+    """Raise the scan's CapacityError: the first short cache's first window that does not fit (or where its
+    ``ttl`` cache first held more), and the largest need of every short cache over the scanned stream."""
+    short_caches = sorted(m for m in caches if m[0] in first or m in held)
+    fixed = {m: sum(pinned.get(t, 0) for t in m) for m in short_caches}
+    largest = {m: max(cache_best[m], held[m].peak if m in held else 0) + fixed[m] for m in short_caches}
+    members = short_caches[0]
+    n = members[0]
+    available = sum(int(capacity[t]) for t in members)
+    besides = (
+        f" besides {'its' if len(members) == 1 else 'their'} {fixed[members]} pinned hot rows"
+        if fixed[members]
+        else ""
+    )
+    if n in first:
+        lo, hi, need = first[n]
+        what = f"{describe_window(lo, hi, prefetch_depth)} need{'s' if lo == hi else ''} {need} cache rows{besides}"
+    else:
+        s = held[members]
+        hi = s.first_batch
+        what = f"policy 'ttl' needs {s.first_need} cache rows{besides} at batch {hi} (horizon {s.horizon})"
+    what = (
+        f"table {n!r}: {what} but capacity[{n!r}] is {available}"
+        if len(members) == 1
+        else f"{_shared_label(members)} (the sum of their capacities, {available} rows): {what} but it holds "
+        f"{available}"
+    )
+    # a shared space's need is its tables' together (one table's share of it is no bound of its own)
+    alone = {m[0]: largest[m] for m in short_caches if len(m) == 1}
+    need_text = " and ".join(
+        ([f"{alone} rows"] if alone else [])
+        + [f"{largest[m]} rows for tables {list(m)} together" for m in short_caches if len(m) > 1]
+    )
+    ttl = [held[m] for m in short_caches if m in held]
+    lead = "the scanned batches need at most" if ttl else "the scanned batches' largest windows need"
+    if any(fixed.values()):
+        need_text += " (pinned hot rows included)"
+    if ttl:
+        need_text += (
+            f" (policy 'ttl' keeps each row used again within its horizon of {ttl[0].horizon} batches)"
+        )
+    raise CapacityError(
+        f"{what}; {lead} {need_text}: raise those capacities, lower prefetch_depth{' or the horizon' if ttl else ''}"
+        ", or use smaller batches (found before training by LookaheadDataModule(capacity_check='epoch'))",
+        table=key[members],
+        batch=hi,
+        needed=largest[members],
+        available=available,
+    )

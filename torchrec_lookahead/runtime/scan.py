@@ -16,6 +16,7 @@ from torchrec_lookahead._rng import preserved_rng
 from torchrec_lookahead.distributed.lockstep import IdGatherer
 from torchrec_lookahead.errors import SetupError
 from torchrec_lookahead.oracle import LookaheadOracle, OracleConfig, UnknownFeatures
+from torchrec_lookahead.oracle.ttl import Shortfall
 from torchrec_lookahead.runtime.adapter import BatchAdapter, as_torchrec_batch
 from torchrec_lookahead.runtime.capacity import scan_stream
 from torchrec_lookahead.runtime.target import CacheTarget
@@ -102,6 +103,7 @@ def prescan(
     max_seconds: Optional[float] = None,
     signalled: Callable[[], bool] = lambda: False,
     oracle_fields: Optional[Dict[str, Any]] = None,
+    pinned: Optional[Dict[str, int]] = None,
 ) -> PreScan:
     """Read the first batches of an epoch of ``inner`` (a loader of TorchRec batches, or of others read through
     ``adapter``) and check their windows and ids against the cache before training
@@ -120,7 +122,10 @@ def prescan(
     ``oracle_fields`` (the loader's :class:`~torchrec_lookahead.oracle.OracleConfig` arguments) runs the oracle
     itself over the batches read too: for a policy whose need is not a window's working set (``ttl`` keeps a row
     while its next use is within the horizon), its own refusal comes before training, and ``need`` is its most
-    rows held.
+    rows held; it measures (:meth:`LookaheadOracle.measure <torchrec_lookahead.oracle.LookaheadOracle.measure>`)
+    rather than refusing at the first step that does not fit, so the refusal names the most rows the batches
+    read need. ``pinned``: rows of each cache held by FAE's pinned hot rows, which the batches (their cold parts)
+    do not read: their windows must fit in the rest (``need`` is theirs, without the pinned rows).
 
     Raises:
         CapacityError, InvalidIdError: see :func:`~torchrec_lookahead.runtime.capacity.scan_stream`.
@@ -190,6 +195,16 @@ def prescan(
             **oracle_fields,
         )
         oracle = LookaheadOracle(config)
+        # grow instead of refusing at the first step that does not fit: the refusal, once the scan ends, names
+        # the largest need of the batches read, so that one retry with that capacity suffices
+        oracle.measure()
+
+    def shortfalls() -> Dict[str, Shortfall]:
+        if oracle is None or terminated:
+            return {}
+        if ended:
+            oracle.finish()
+        return oracle.shortfalls()
 
     def ticking() -> Generator[Any, None, None]:
         ids = sparse()
@@ -215,12 +230,12 @@ def prescan(
                 target.host_windows,
                 target.slot_spaces,
                 target.resident_features,
+                shortfalls,
+                pinned,
             )
     finally:
         stream.close()
     if oracle is not None and not terminated:
-        if ended:
-            oracle.finish()
         # a table of a shared slot space reports its space's peak (the space's need): the table's is the windows'
         pooled = {t for members in target.slot_spaces.values() if len(members) > 1 for t in members}
         stats = oracle.stats()
