@@ -226,8 +226,9 @@ def test_mid_epoch_resume_equals_uninterrupted(tmp_path: Path) -> None:
 
 
 def test_a_cache_too_small_for_the_hot_rows_is_refused_before_training(tmp_path: Path) -> None:
-    with pytest.raises(CapacityError, match="pins .* hot rows in a cache of 20 rows"):
-        _fit(tmp_path, max_steps=2, capacity={**CAPACITY, "t_cat_2": 20})
+    # the three tables share one cache (the pooled layout): its room is the sum of their capacities
+    with pytest.raises(CapacityError, match=r"\(the sum of their capacities, 60 rows\) pins .* hot rows"):
+        _fit(tmp_path, max_steps=2, capacity={t: 20 for t in CAPACITY})
 
 
 @pytest.mark.slow
@@ -374,10 +375,11 @@ def test_recalibration_repins_and_resumes_across_the_epoch_boundary(tmp_path: Pa
 def test_a_recalibrated_hot_set_that_no_longer_fits_its_cache_is_refused(tmp_path: Path) -> None:
     import lightning.pytorch as pl
 
-    class Grow(pl.Callback):  # the next hot set pins every slot of t_cat_2's cache
+    class Grow(pl.Callback):  # the next hot set pins every slot of the tables' shared cache
         def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
             nxt = trainer.datamodule.datamodule.next_hot_set
-            nxt.tables["t_cat_2"].hot_ids = torch.arange(CAPACITY["t_cat_2"], dtype=torch.int64)
+            for table, cap in CAPACITY.items():
+                nxt.tables[table].hot_ids = torch.arange(cap, dtype=torch.int64)
 
     steps: List[int] = []
 
@@ -385,6 +387,6 @@ def test_a_recalibrated_hot_set_that_no_longer_fits_its_cache_is_refused(tmp_pat
         def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
             steps.append(trainer.global_step)
 
-    with pytest.raises(CapacityError, match="pins 200 hot rows in a cache of 200 rows"):
+    with pytest.raises(CapacityError, match=r"\(the sum of their capacities, 510 rows\) pins 510 hot rows"):
         _fit(tmp_path, max_steps=-1, max_epochs=2, recalibrate="epoch", callbacks=[Grow(), Steps()])
     assert len(steps) == 1  # refused when the next epoch's loader is built, before it trains

@@ -46,7 +46,7 @@ from torchrec_lookahead.runtime import (
     LookaheadBatch,
     prescan,
 )
-from torchrec_lookahead.runtime.report import report_text, scan_progress, sigterm_pending
+from torchrec_lookahead.runtime.report import need_lines, report_text, scan_progress, sigterm_pending
 from torchrec_lookahead.runtime.types import LookaheadFactory, PinnedLoaderOptions
 
 __all__ = ["ColdBatches", "HotColdLookaheadLoader", "pinned_lookahead_loader"]
@@ -364,8 +364,8 @@ def pinned_lookahead_loader(
     )
     if options.capacity_check is CapacityCheck.EPOCH:
         t0 = time.perf_counter()
-        # the cold batches' ids, in the tables' own numbering: the host windows as they are
-        dynamic = replace(target, capacity=pinned.dynamic_capacity())
+        # the cold batches' ids, in the tables' own numbering: the host windows as they are; their windows must
+        # fit in what the pinned rows leave of each cache, and the report and refusals speak of whole caches
         cold = _ColdParts(ColdBatches(hotcold.stream), pinned)
         oracle_fields = None
         if (
@@ -381,23 +381,24 @@ def pinned_lookahead_loader(
         with scan_progress(trainer, "Lookahead capacity check (cold batches)", None) as tick:
             scan = prescan(
                 cold,
-                dynamic,
+                target,
                 options.prefetch_depth,
                 on_batch=tick,
                 max_batches=options.capacity_check_batches,
                 max_seconds=options.capacity_check_seconds,
                 signalled=sigterm_pending(trainer),
                 oracle_fields=oracle_fields,
+                pinned=pinned.pinned_rows,
             )
         rest = (
             ""
             if scan.ended
             else "; the windows of the later cold batches are checked as the oracle plans them"
         )
-        report_text(
-            trainer,
-            "lookahead/capacity_check",
+        head = (
             f"Lookahead capacity check of the cold batches: {scan.batches:,} read ahead in "
-            f"{time.perf_counter() - t0:.1f} s{rest}; the largest windows read need {scan.need} dynamic cache rows",
+            f"{time.perf_counter() - t0:.1f} s{rest}; the largest windows read need, of each cache's rows:"
         )
+        lines = [head] + need_lines(scan, target, pinned.pinned_rows)
+        report_text(trainer, "lookahead/capacity_check", "\n".join(lines))
     return HotColdLookaheadLoader(hotcold, pinned, session, lookahead)

@@ -82,7 +82,7 @@ class PinnedRows:
         #: per table, the first pinned slot of its hot rows, and how far its space's dynamic slots are shifted
         self._base: Dict[str, int] = {}
         self._shift: Dict[str, int] = {}
-        for table, cap in self.capacity.items():
+        for table in self.capacity:
             ids = hot_ids.get(table)
             ids = _EMPTY if ids is None else torch.as_tensor(ids).to("cpu", torch.int64).flatten()
             rows = int(num_embeddings[table])
@@ -98,21 +98,17 @@ class PinnedRows:
                     )
                 if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
                     raise ConfigError(f"hot ids of table '{table}' must be sorted and unique")
-            if ids.numel() >= cap:
-                raise CapacityError(
-                    f"table '{table}' pins {ids.numel():,} hot rows in a cache of {cap:,} rows, which leaves no "
-                    "room for its cold rows; raise its capacity (or the device budget) above the hot rows plus "
-                    "the cold working set, or lower hot_budget_bytes",
-                    table=table,
-                    needed=ids.numel() + 1,
-                    available=cap,
-                )
             self.hot_ids[table] = ids
-        spaces = [tuple(m) for m in (slot_spaces or {}).values()]
-        inside = {t for m in spaces for t in m}
-        spaces += [(t,) for t in self.capacity if t not in inside]
-        for members in spaces:
-            members = tuple(t for t in members if t in self.hot_ids)
+        # a cache: a table alone, or the tables of a shared slot space (their capacities summed)
+        spaces = {k: tuple(m) for k, m in (slot_spaces or {}).items() if all(t in self.capacity for t in m)}
+        inside = {t for m in spaces.values() for t in m}
+        spaces.update({t: (t,) for t in sorted(self.capacity) if t not in inside})
+        #: cache name (the table, or the shared slot space) -> its tables
+        self.caches: Dict[str, Tuple[str, ...]] = spaces
+        self._dynamic: Dict[str, int] = {}
+        for name, members in spaces.items():
+            self._check_room(name, members)
+            self._dynamic.update(_share(members, self.capacity, self.pinned_rows))
             total = sum(int(self.hot_ids[t].numel()) for t in members)
             base = 0
             for table in members:
@@ -122,6 +118,28 @@ class PinnedRows:
                 self._slot_of[table] = slot_of
                 self._base[table], self._shift[table] = base, total
                 base += ids.numel()
+
+    def _check_room(self, name: str, members: Tuple[str, ...]) -> None:
+        """Refuse a cache whose pinned rows leave its oracle no slot (one per table of a shared cache)."""
+        cap = sum(self.capacity[t] for t in members)
+        pins = sum(int(self.hot_ids[t].numel()) for t in members)
+        if pins + len(members) <= cap:
+            return
+        if len(members) == 1:
+            what = f"table '{name}' pins {pins:,} hot rows in a cache of {cap:,} rows"
+        else:
+            each = ", ".join(f"{t} {int(self.hot_ids[t].numel()):,}" for t in members)
+            what = (
+                f"the cache shared by tables {list(members)} (the sum of their capacities, {cap:,} rows) pins "
+                f"{pins:,} hot rows ({each})"
+            )
+        raise CapacityError(
+            f"{what}, which leaves no room for the cold rows; raise the capacity (or the device budget) above the "
+            "hot rows plus the cold working set, or lower hot_budget_bytes",
+            table=name,
+            needed=pins + len(members),
+            available=cap,
+        )
 
     @property
     def pinned_rows(self) -> Dict[str, int]:
@@ -134,8 +152,10 @@ class PinnedRows:
         return {t: (self._base[t], int(ids.numel())) for t, ids in self.hot_ids.items()}
 
     def dynamic_capacity(self) -> Dict[str, int]:
-        """Cached table -> slots left to the oracle (capacity minus pinned rows)."""
-        return {t: c - int(self.hot_ids[t].numel()) for t, c in self.capacity.items()}
+        """Cached table -> slots left to the oracle (capacity minus pinned rows). The tables of a shared cache
+        are planned in one space of the sum of theirs; a table whose hot rows fill its own share takes one slot
+        of another's, so each keeps at least one."""
+        return dict(self._dynamic)
 
     def pin_plan(self, step: int = -1) -> BatchPlan:
         """The plan that loads every hot row into its pinned slot (apply to an empty cache)."""
@@ -257,8 +277,45 @@ class PinnedRows:
         return BatchPlan(plan.step, tables)
 
     def summary(self) -> List[str]:
-        """One line per cached table: pinned rows and dynamic slots."""
-        dyn = self.dynamic_capacity()
-        return [
-            f"{t}: {self.pinned_rows[t]:,} pinned + {dyn[t]:,} dynamic slots" for t in sorted(self.capacity)
-        ]
+        """One line per cache: a table alone, or the tables of a shared cache together (each one's pinned rows
+        below), its pinned rows and dynamic slots.
+
+        Example:
+            >>> pins = PinnedRows({"a": torch.tensor([1, 2]), "b": torch.tensor([0])}, {}, {"a": 2, "b": 4, "c": 3},
+            ...                   {"a": 9, "b": 9, "c": 9}, slot_spaces={"s": ("a", "b")})
+            >>> for line in pins.summary():
+            ...     print(line)
+            tables a, b (one shared cache): 3 pinned + 3 dynamic slots
+              each table's pinned rows: a 2, b 1
+            c: 0 pinned + 3 dynamic slots
+        """
+        dyn, pins = self._dynamic, self.pinned_rows
+        lines = []
+        for members in sorted(self.caches.values()):
+            rows = (
+                f"{sum(pins[t] for t in members):,} pinned + {sum(dyn[t] for t in members):,} dynamic slots"
+            )
+            if len(members) == 1:
+                lines.append(f"{members[0]}: {rows}")
+                continue
+            lines.append(f"tables {', '.join(members)} (one shared cache): {rows}")
+            lines.append("  each table's pinned rows: " + ", ".join(f"{t} {pins[t]:,}" for t in members))
+        return lines
+
+
+def _share(members: Sequence[str], capacity: Mapping[str, int], pinned: Mapping[str, int]) -> Dict[str, int]:
+    """The dynamic slots of each table of one cache: its capacity minus its pinned rows, at least one each (a
+    table short of one takes it from the table with the most), the cache's total kept.
+
+    Example:
+        >>> _share(["a", "b", "c"], {"a": 2, "b": 4, "c": 3}, {"a": 3, "b": 0, "c": 3})
+        {'a': 1, 'b': 1, 'c': 1}
+    """
+    out = {t: int(capacity[t]) - int(pinned.get(t, 0)) for t in members}
+    for t in members:
+        while out[t] < 1:
+            rich = max(members, key=lambda m: out[m])
+            give = min(1 - out[t], out[rich] - 1)
+            out[t] += give
+            out[rich] -= give
+    return out

@@ -8,14 +8,18 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, List, Mapping, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-__all__ = ["report_text", "scan_progress", "sigterm_pending", "ScanTicker"]
+if TYPE_CHECKING:
+    from torchrec_lookahead.runtime.scan import PreScan
+    from torchrec_lookahead.runtime.target import CacheTarget
+
+__all__ = ["report_text", "scan_progress", "sigterm_pending", "ScanTicker", "need_lines"]
 
 ScanTicker = Callable[[], None]
 """Called once per batch read by a pre-scan."""
@@ -104,3 +108,50 @@ def sigterm_pending(trainer: Optional[pl.Trainer]) -> Callable[[], bool]:
         return bool(getattr(connector, "pending", False) or connector.received_sigterm)
 
     return pending
+
+
+def need_lines(scan: PreScan, target: CacheTarget, pinned: Optional[Mapping[str, int]] = None) -> List[str]:
+    """The capacity report's lines: a table alone against its capacity; the tables of a shared slot space
+    together against the space's (the sum of theirs), each member's own need below it, which may exceed its
+    share of the space's rows. ``pinned``: rows of each cache held by FAE's pinned hot rows, which the scanned
+    (cold) batches do not read: each need counts them besides the windows'.
+
+    Example:
+        >>> from torchrec_lookahead.runtime import CacheTarget, PreScan
+        >>> target = CacheTarget({"a": 4, "b": 4, "c": 2}, {}, {}, {}, slot_spaces={"a+1": ("a", "b")})
+        >>> scan = PreScan({"a": 5, "b": 1, "c": 2}, 3, True, 0.1, {"a+1": 6})
+        >>> for line in need_lines(scan, target):
+        ...     print(line)
+          c: 2 of 2 cache rows
+          tables a, b (one shared cache): 6 of 8 cache rows
+            each table's own windows: a 5, b 1
+        >>> for line in need_lines(scan, target, pinned={"a": 1, "c": 0}):
+        ...     print(line)
+          c: 2 of 2 cache rows
+          tables a, b (one shared cache): 7 of 8 cache rows (1 pinned hot rows and the windows' 6)
+            each table's own windows: a 5 (and 1 pinned), b 1
+    """
+    held = {t: int(n) for t, n in (pinned or {}).items() if n}
+
+    def cache(need: int, tables: List[str], capacity: int) -> str:
+        p = sum(held.get(t, 0) for t in tables)
+        extra = f" ({p:,} pinned hot rows and the windows' {need:,})" if p else ""
+        return f"{need + p:,} of {capacity:,} cache rows{extra}"
+
+    lines = []
+    spaces = {k: m for k, m in target.slot_spaces.items() if k in scan.space_need}
+    pooled = {t for m in spaces.values() for t in m}
+    lines += [
+        f"  {t}: {cache(scan.need[t], [t], int(target.capacity[t]))}"
+        for t in sorted(scan.need)
+        if t not in pooled
+    ]
+    for k, members in sorted(spaces.items()):
+        total = sum(int(target.capacity[t]) for t in members)
+        lines.append(
+            f"  tables {', '.join(members)} (one shared cache): {cache(scan.space_need[k], list(members), total)}"
+        )
+        own = ", ".join(f"{t} {scan.need[t]:,}" + (f" (and {held[t]:,} pinned)" if t in held else "")
+                        for t in members if t in scan.need)  # fmt: skip
+        lines.append(f"    each table's own windows: {own}")
+    return lines
