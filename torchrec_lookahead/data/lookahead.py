@@ -9,7 +9,7 @@ not slots.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
@@ -28,16 +28,14 @@ from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_D
 from torchrec_lookahead.runtime import (
     CacheHost,
     CacheSession,
-    CacheTarget,
     CapacityCheck,
     LookaheadLoader,
-    PreScan,
     check_loader_options,
     prescan,
 )
 from torchrec_lookahead.runtime.adapter import BatchAdapter
 from torchrec_lookahead.runtime.capacity import DEFAULT_SCAN_SECONDS, check_scan_bounds
-from torchrec_lookahead.runtime.report import report_text, scan_progress, sigterm_pending
+from torchrec_lookahead.runtime.report import need_lines, report_text, scan_progress, sigterm_pending
 from torchrec_lookahead.runtime.types import (
     CachedTrainingLoader,
     PinnedLoaderOptions,
@@ -304,41 +302,9 @@ class LookaheadDataModule(WrappedDataModule):
                 f"{scan.seconds:.1f} s (bound: {by}); the windows of the other {total - scan.batches:,} are "
                 f"checked as the oracle plans them, {self.horizon} batches ahead of training"
             )
-        lines = [f"{head}; the largest windows read need, of each cache's rows:"] + _need_lines(scan, target)
+        lines = [f"{head}; the largest windows read need, of each cache's rows:"] + need_lines(scan, target)
         report_text(self.trainer, "lookahead/capacity_check", "\n".join(lines))
         return scan.batches if scan.ended else None
-
-
-def _need_lines(scan: PreScan, target: CacheTarget) -> List[str]:
-    """The capacity report's lines: a table alone against its capacity; the tables of a shared slot space
-    together against the space's (the sum of theirs), each member's own need below it, which may exceed its
-    share of the space's rows.
-
-    Example:
-        >>> target = CacheTarget({"a": 4, "b": 4, "c": 2}, {}, {}, {}, slot_spaces={"a+1": ("a", "b")})
-        >>> scan = PreScan({"a": 5, "b": 1, "c": 2}, 3, True, 0.1, {"a+1": 6})
-        >>> for line in _need_lines(scan, target):
-        ...     print(line)
-          c: 2 of 2 cache rows
-          tables a, b (one shared cache): 6 of 8 cache rows
-            each table's own windows: a 5, b 1
-    """
-    lines = []
-    spaces = {k: m for k, m in target.slot_spaces.items() if k in scan.space_need}
-    pooled = {t for m in spaces.values() for t in m}
-    lines += [
-        f"  {t}: {scan.need[t]:,} of {target.capacity[t]:,} cache rows"
-        for t in sorted(scan.need)
-        if t not in pooled
-    ]
-    for k, members in sorted(spaces.items()):
-        rows = sum(int(target.capacity[t]) for t in members)
-        lines.append(
-            f"  tables {', '.join(members)} (one shared cache): {scan.space_need[k]:,} of {rows:,} cache rows"
-        )
-        own = ", ".join(f"{t} {scan.need[t]:,}" for t in members if t in scan.need)
-        lines.append(f"    each table's own windows: {own}")
-    return lines
 
 
 def batch_adapter_of(datamodule: object) -> Optional[BatchAdapter]:
