@@ -279,3 +279,25 @@ def test_evaluation_of_a_cached_mean_table_equals_resident_torchrec(weighted):
     cached = _eval_output(tables, {"big": 64}, kjt, fuse=False)
     resident = _eval_output(tables, {}, kjt)
     assert torch.equal(cached, resident)
+
+
+@pytest.mark.parametrize("fuse", [None, False])
+def test_weights_given_to_an_unweighted_collection_are_refused(fuse):
+    """TorchRec's sharded kernel applies a batch's weights whatever is_weighted says; the cache did not: training
+    differed silently from resident training. It is a DataError at the first forward, training or evaluation."""
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed import DistributedModelParallel
+
+    from torchrec_lookahead import DataError
+
+    _init_pg()
+    ebc = EmbeddingBagCollection(tables=_TABLES, device=torch.device("meta"))
+    sharder = LookaheadEmbeddingBagCollectionSharder(
+        capacity={"big": 64}, fuse_resident=fuse, fused_params={"optimizer": EmbOptimType.EXACT_SGD}
+    )
+    plan = lookahead_sharding_plan(ebc, [sharder], {"big": 64}, Topology(world_size=1, compute_device="cpu"))
+    dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), sharders=[sharder], plan=plan)
+    for mode in (True, False):
+        dmp.train(mode)
+        with pytest.raises(DataError, match=r"per-id weights .* is unweighted \(is_weighted=False\)"):
+            dmp(_mean_batch(weighted=True))

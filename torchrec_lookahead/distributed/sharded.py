@@ -21,7 +21,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead.distributed.sharded_collection import ShardedLookaheadCollection
-from torchrec_lookahead.errors import InvalidIdError
+from torchrec_lookahead.errors import DataError, InvalidIdError
 from torchrec_lookahead.modules._kernels import mean_of_sums
 
 __all__ = ["ShardedLookaheadEmbeddingBagCollection"]
@@ -42,6 +42,8 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedLookaheadCollection[Embeddin
         return EmbeddingBagCollection
 
     def compute(self, ctx: NullShardedModuleContext, dist_input: KeyedJaggedTensor) -> KeyedTensor:
+        if not self._is_weighted:
+            _refuse_weights(dist_input, self._feature_names)
         outs = self._part_outputs(dist_input)
         if len(outs) == 1 and outs[0].keys() == self._feature_names:
             values = outs[0].values()
@@ -110,3 +112,16 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedLookaheadCollection[Embeddin
             outs.append(pooled)
             dims.append(cfg.embedding_dim)
         return KeyedTensor(keys=kjt.keys(), length_per_key=dims, values=torch.cat(outs, dim=1))
+
+
+def _refuse_weights(kjt: KeyedJaggedTensor, features: List[str]) -> None:
+    """Refuse per-id weights given to an unweighted collection: TorchRec's sharded kernel applies a batch's float
+    weights whatever ``is_weighted`` says (its unsharded module ignores them), so resident training would weigh
+    the ids and the cache would not."""
+    weights = kjt.weights_or_none()
+    if weights is not None and torch.is_floating_point(weights):
+        raise DataError(
+            f"the batch carries per-id weights but the EmbeddingBagCollection of features {features} is unweighted "
+            "(is_weighted=False); drop the weights from its KeyedJaggedTensor or build it with is_weighted=True "
+            "(TorchRec's sharded module applies such weights, its unsharded module ignores them)"
+        )
