@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import dataclasses
 import inspect
 import logging
@@ -257,7 +258,11 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             )
         )
         self.device_budget_bytes = device_budget_bytes
-        self.planner_options = _check_planner_options(planner_options)
+        #: the ``planner_options`` given (a copy), kept as given: each fit's are built from them
+        self.given_planner_options = _check_planner_options(planner_options)
+        #: what the budget planner runs with: the given options, plus those a fit's loader settings fill in
+        #: (:meth:`use_lookahead_settings`)
+        self.planner_options = copy.deepcopy(self.given_planner_options)
         _check_lookahead_options(self.planner_options)
         self.cache_plan: Optional[Any] = None
         self.optimizer = optimizer
@@ -316,7 +321,10 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         """Size the caches for the horizon, prefetch depth and policy the loader plans with (``settings``, of
         ``owner``, e.g. the ``LookaheadDataModule``), and the ``window`` policy's ``window`` and ``ways`` (into
         ``planner_options["oracle_options"]``): those ``planner_options`` leaves out are taken from ``settings``,
-        and those it gives must equal them. The ``torchrec`` strategy calls it before planning.
+        and those it gives must equal them. The ``torchrec`` strategy calls it before planning, at each fit:
+        :attr:`planner_options` is built from the options given (:attr:`given_planner_options`, unchanged), and
+        a device budget's plan made with other options is dropped, so a sharder reused for another fit plans for
+        that fit's settings.
 
         Raises:
             ConfigError: ``planner_options`` gives a value that differs from the loader's; the message names both.
@@ -331,16 +339,22 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             >>> cdlrm.use_lookahead_settings(LookaheadSettings(32, policy="window", ways=4), "LookaheadDataModule")
             >>> cdlrm.planner_options["policy"], cdlrm.planner_options["oracle_options"]
             ('window', {'ways': 4})
+            >>> cdlrm.use_lookahead_settings(LookaheadSettings(16), "another LookaheadDataModule")  # reused
+            >>> cdlrm.planner_options, cdlrm.given_planner_options
+            ({'horizon': 16, 'prefetch_depth': 1, 'policy': 'belady'}, {})
         """
         loader: Dict[str, Union[int, str]] = {
             "horizon": settings.horizon,
             "prefetch_depth": settings.prefetch_depth,
         }
         loader["policy"] = Policy(settings.policy).value
+        # built anew from the options given: a sharder reused for another fit (another DataModule, a sweep) is
+        # neither refused for the last fit's values nor planned with them
+        options = copy.deepcopy(self.given_planner_options)
         for key, value in loader.items():
-            given = self.planner_options.get(key)
+            given = options.get(key)
             if given is None:
-                self.planner_options[key] = value
+                options[key] = value
                 continue
             if (Policy(given).value if key == "policy" else int(given)) != value:
                 raise ConfigError(
@@ -351,7 +365,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         # the window policy's window and ways reach the planner's oracle too
         window = {k: v for k, v in (("window", settings.window), ("ways", settings.ways)) if v is not None}
         if window:
-            oracle = dict(self.planner_options.get("oracle_options") or {})
+            oracle = dict(options.get("oracle_options") or {})
             for key, value in window.items():
                 given = oracle.setdefault(key, value)
                 if given != value:
@@ -360,7 +374,14 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                         f"{key}={value!r} of {owner}: the caches would be sized for one {key} and trained with the "
                         f"other; state it once, in {owner}"
                     )
-            self.planner_options["oracle_options"] = oracle
+            options["oracle_options"] = oracle
+        if (
+            self.device_budget_bytes is not None
+            and self.cache_plan is not None
+            and options != self.planner_options
+        ):
+            self.capacity, self.cache_plan = {}, None  # the last plan was made for other settings: plan again
+        self.planner_options = options
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         """TorchRec's kernels, and inside :func:`lookahead_planning` the cache's for data-parallel tables.
