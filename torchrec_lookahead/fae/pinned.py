@@ -107,7 +107,7 @@ class PinnedRows:
         self.caches: Dict[str, Tuple[str, ...]] = spaces
         self._dynamic: Dict[str, int] = {}
         for name, members in spaces.items():
-            self._check_room(name, members)
+            self._check_room(name, members, num_embeddings)
             self._dynamic.update(_share(members, self.capacity, self.pinned_rows))
             total = sum(int(self.hot_ids[t].numel()) for t in members)
             base = 0
@@ -119,7 +119,7 @@ class PinnedRows:
                 self._base[table], self._shift[table] = base, total
                 base += ids.numel()
 
-    def _check_room(self, name: str, members: Tuple[str, ...]) -> None:
+    def _check_room(self, name: str, members: Tuple[str, ...], num_embeddings: Mapping[str, int]) -> None:
         """Refuse a cache whose pinned rows leave its oracle no slot (one per table of a shared cache)."""
         cap = sum(self.capacity[t] for t in members)
         pins = sum(int(self.hot_ids[t].numel()) for t in members)
@@ -133,9 +133,18 @@ class PinnedRows:
                 f"the cache shared by tables {list(members)} (the sum of their capacities, {cap:,} rows) pins "
                 f"{pins:,} hot rows ({each})"
             )
+        # a cache holds at most its table's rows: a wholly hot table cannot be given room, it stays resident
+        whole = [t for t in members if int(self.hot_ids[t].numel()) >= int(num_embeddings[t])]
+        fix = (
+            f"every row of {whole if len(whole) > 1 else repr(whole[0])} is hot: leave "
+            f"{'them' if len(whole) > 1 else 'it'} out of capacity (resident tables), or lower hot_budget_bytes "
+            "or small_table_bytes"
+            if whole
+            else "raise the capacity (or the device budget) above the hot rows plus the cold working set, or lower "
+            "hot_budget_bytes"
+        )
         raise CapacityError(
-            f"{what}, which leaves no room for the cold rows; raise the capacity (or the device budget) above the "
-            "hot rows plus the cold working set, or lower hot_budget_bytes",
+            f"{what}, which leaves no room for the cold rows; {fix}",
             table=name,
             needed=pins + len(members),
             available=cap,

@@ -128,10 +128,12 @@ class HotColdScheduler(pl.Callback):
 
     @staticmethod
     def _loader(trainer: pl.Trainer) -> HotColdLoader:
-        dm, _ = trainer_datamodules(trainer)
+        dm, inner = trainer_datamodules(trainer)
         loader = dm.loader if isinstance(dm, (HotColdDataModule, LookaheadDataModule)) else None
         if isinstance(loader, HotColdLookaheadLoader):  # pinned hot rows: the lookahead loader wraps it
             loader = loader.hotcold
+        if loader is None and isinstance(dm, LookaheadDataModule) and isinstance(inner, HotColdDataModule):
+            loader = inner.loader  # no cached table: the lookahead DataModule passes the hot/cold loader through
         if isinstance(loader, HotColdLoader):
             return loader
         raise SetupError(

@@ -1,0 +1,65 @@
+"""FAE's odd but valid combinations: a lookahead DataModule whose model caches no table, every row of a cached table
+hot, and the refusals that must name a fix that works."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from torchrec_lookahead.callbacks import HotColdScheduler
+from torchrec_lookahead.data import CriteoSyntheticDataModule, LookaheadDataModule
+from torchrec_lookahead.distributed import LookaheadEmbeddingBagCollectionSharder
+from torchrec_lookahead.errors import CapacityError
+from torchrec_lookahead.fae import BatchKind, HotColdDataModule, PinnedRows
+from torchrec_lookahead.strategies import TorchRecStrategy
+
+from ..conftest import tiny_data_args
+from ..helpers import _trainer, local_state, make_model
+from .test_lookahead import FAE, _fit
+
+
+def _fit_uncached(tmp_path: Path, max_steps: int) -> Any:
+    """LookaheadDataModule(HotColdDataModule) with a lookahead sharder that caches no table."""
+    pl.seed_everything(0, verbose=False)
+    inner = CriteoSyntheticDataModule(**tiny_data_args())
+    dm = LookaheadDataModule(HotColdDataModule(inner, **FAE), horizon=8)
+    strategy = TorchRecStrategy(sharders=[LookaheadEmbeddingBagCollectionSharder(capacity={})])
+    model = make_model(inner)
+    sched = HotColdScheduler(initial_rate=50.0, patience=1)
+    trainer = _trainer(
+        tmp_path, max_steps, [sched], strategy=strategy, limit_val_batches=2, val_check_interval=3
+    )
+    trainer.fit(model, datamodule=dm)
+    return trainer, model, sched, dm
+
+
+@pytest.mark.filterwarnings("ignore:LookaheadDataModule. the model has no cached tables")
+def test_a_lookahead_datamodule_with_no_cached_table_schedules_the_hot_cold_loader(tmp_path: Path) -> None:
+    """Every table resident (every row of the cached tables hot: leave them out of capacity, as the refusal says;
+    or a budget that caches nothing): the lookahead DataModule passes the hot/cold loader through, and the
+    scheduler refused it ("HotColdScheduler needs the hot/cold training loader: wrap the DataModule in
+    HotColdDataModule"). It schedules it, and training equals the resident run's bit for bit."""
+    trainer, model, sched, dm = _fit_uncached(tmp_path / "uncached", max_steps=12)
+    per = dm.datamodule.loader.batches_per_epoch()
+    assert trainer.global_step == 12 and sched.trained == per and per[BatchKind.HOT] > 0
+    _, resident, _, _ = _fit(tmp_path / "resident", max_steps=12, cached=False)
+    a, b = local_state(model.model), local_state(resident.model)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_wholly_hot_table_is_told_to_stay_resident() -> None:
+    """A cache holds at most its table's rows, so "raise the capacity above the hot rows" could not be done."""
+    hot = {"a": torch.arange(6), "b": torch.tensor([1])}
+    with pytest.raises(CapacityError, match=r"every row of 'a' is hot: leave it out of capacity \(resident"):
+        PinnedRows(hot, {"fa": "a", "fb": "b"}, {"a": 6, "b": 1}, {"a": 6, "b": 9}, {"s": ("a", "b")})
+    with pytest.raises(CapacityError, match=r"every row of 'a' is hot: leave it out of capacity"):
+        PinnedRows({"a": torch.arange(6)}, {"fa": "a"}, {"a": 6}, {"a": 6})
+    with pytest.raises(CapacityError, match="raise the capacity"):  # not wholly hot: a larger cache would do
+        PinnedRows({"a": torch.arange(6)}, {"fa": "a"}, {"a": 6}, {"a": 9})
+    # in a shared cache with room, a wholly hot table trains: its slots come out of the cache's rest
+    pins = PinnedRows(hot, {"fa": "a", "fb": "b"}, {"a": 6, "b": 4}, {"a": 6, "b": 9}, {"s": ("a", "b")})
+    assert pins.dynamic_capacity() == {"a": 1, "b": 2}
