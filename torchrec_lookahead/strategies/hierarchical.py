@@ -49,6 +49,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from typing_extensions import override
 
 from torchrec_lookahead.data import trainer_datamodules
+from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError, SetupError
 from torchrec_lookahead.optim import _enum
 from torchrec_lookahead.strategies._averaging import Averaging, ReplicaAverager
@@ -313,9 +314,16 @@ class HierarchicalStrategy(TorchRecStrategy):
         )
 
     def _batch_size(self) -> int:
+        """Rows each rank reads per step, for the cost model: the DataModule's (or, through wrappers such as the
+        lookahead and hot/cold ones, the first wrapped DataModule's that tells it), else the cost model's 1024."""
         lm = self.lightning_module
-        _, dm = trainer_datamodules(lm._trainer if lm is not None else None)
-        return int(getattr(dm, "batch_size", 1024) or 1024)
+        dm, _ = trainer_datamodules(lm._trainer if lm is not None else None)
+        while dm is not None:
+            size = _batch_size_of(dm)
+            if size is not None:
+                return size
+            dm = dm.datamodule if isinstance(dm, WrappedDataModule) else None
+        return CostModel.batch_size
 
     def split_layers(self, model: nn.Module) -> List[SplitLayer]:
         """Tag ``model``'s dense linear layers (collective-free, identical on every rank) and check the
@@ -521,6 +529,30 @@ class HierarchicalStrategy(TorchRecStrategy):
             self.averager._assign(state["replica"])
             self.averager.load_state_dict(state)
         return meta
+
+
+def _batch_size_of(dm: Any) -> Optional[int]:
+    """The rows per batch ``dm`` states: a ``batch_size`` attribute, hyperparameter or config field (the synthetic
+    Criteo DataModule keeps it in its config); ``None`` when it states none (a hot/cold DataModule left to its
+    wrapped one's).
+
+    Example:
+        >>> from torchrec_lookahead.data import CriteoSyntheticDataModule
+        >>> _batch_size_of(CriteoSyntheticDataModule(batch_size=512)), _batch_size_of(object())
+        (512, None)
+    """
+    for get in (
+        lambda: dm.batch_size,
+        lambda: dm.hparams["batch_size"],
+        lambda: dm.config.batch_size,
+    ):
+        try:
+            size = get()
+        except (AttributeError, KeyError, TypeError):
+            continue
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+            return size
+    return None
 
 
 if HierarchicalStrategy.strategy_name not in StrategyRegistry:
