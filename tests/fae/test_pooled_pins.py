@@ -106,3 +106,28 @@ def test_a_table_pinning_more_than_its_share_trains_exactly(tmp_path: Path) -> N
     override.write_text(yaml.safe_dump({"trainer": {"strategy": strategy}}))
     out = verify(TINY, steps=12, overrides=["--config", str(override)])
     assert out["passed"] and out["max_abs_weight_diff"] == 0.0 and out["steps"] == 12, out
+
+
+@pytest.mark.parametrize("policy", ["belady", "ttl"])
+def test_the_oracles_refusal_of_a_cold_window_speaks_of_the_whole_cache(
+    tmp_path: Path, monkeypatch: Any, policy: str
+) -> None:
+    """Without the pre-scan (capacity_check="lookahead") the oracle refuses as it plans, in its dynamic slots: it
+    said "the sum of their capacities, 22 rows" of capacities summing to 180, and asked for the dynamic need."""
+    import functools
+
+    from torchrec_lookahead.data import LookaheadDataModule
+
+    from . import test_lookahead
+
+    lookahead = functools.partial(LookaheadDataModule, capacity_check="lookahead", policy=policy)
+    monkeypatch.setattr(test_lookahead, "LookaheadDataModule", lookahead)
+    with pytest.raises(CapacityError) as err:
+        _fit(tmp_path, max_steps=2, capacity={t: 60 for t in CAPACITY})
+    msg = str(err.value)
+    m = re.match(r"the cache shared by tables \['t_cat_2', 't_cat_11', 't_cat_15'\] \(the sum of their capacities, "
+                 r"180 rows\): cold batch 0 \(counted among the cold batches\) needs (\d+) cache rows besides their "
+                 r"(\d+) pinned hot rows but it holds 180; raise the capacities of these tables to at least (\d+) "
+                 "together", msg)  # fmt: skip
+    assert m and int(m[1]) + int(m[2]) == int(m[3]) == err.value.needed, msg
+    assert err.value.available == 180, msg

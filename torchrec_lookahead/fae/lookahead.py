@@ -29,7 +29,7 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.distributed.lockstep import IdGatherer
 from torchrec_lookahead.distributed.lrpp import LRPPPlan, LRPPTablePlan, LRPPTracker, slice_samples
-from torchrec_lookahead.errors import CheckpointError, ConfigError, DataError, SetupError
+from torchrec_lookahead.errors import CapacityError, CheckpointError, ConfigError, DataError, SetupError
 from torchrec_lookahead.fae.hotset import HotSet
 from torchrec_lookahead.fae.loader import HotColdLoader
 from torchrec_lookahead.fae.pinned import PinnedRows
@@ -269,7 +269,12 @@ class HotColdLookaheadLoader:
         try:
             for kind, batch in self.hotcold.kinds(training_reader):
                 if kind is BatchKind.COLD:
-                    item = next(cold_it, None)
+                    try:
+                        item = next(cold_it, None)
+                    except (
+                        CapacityError
+                    ) as err:  # the oracle's, of the dynamic slots: told of the whole cache
+                        raise self.pinned.whole_cache_error(err) from None
                     if item is None or not _same_batch(item, batch):
                         raise DataError(
                             f"cold batch {self.hotcold.stream.served[BatchKind.COLD] - 1} of the epoch differs "

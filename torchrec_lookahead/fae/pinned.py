@@ -166,6 +166,46 @@ class PinnedRows:
         of another's, so each keeps at least one."""
         return dict(self._dynamic)
 
+    def whole_cache_error(self, err: CapacityError) -> CapacityError:
+        """``err``, the oracle's refusal of a cold window in the dynamic slots, in the words of the whole cache
+        (the capacities given, the pinned rows besides the window's need); ``err`` itself when it names no
+        cache of these rows or its facts are missing.
+
+        Example:
+            >>> pins = PinnedRows({"t": torch.tensor([3, 7])}, {"f": "t"}, {"t": 5}, {"t": 100})
+            >>> err = CapacityError("table 't': ...", table="t", batch=4, needed=6, available=3)
+            >>> whole = pins.whole_cache_error(err)
+            >>> str(whole).split(" but ")[0].split(": ")[1]
+            'cold batch 4 (counted among the cold batches) needs 6 cache rows besides its 2 pinned hot rows'
+            >>> whole.needed, whole.available
+            (8, 5)
+        """
+        members = self.caches.get(str(err.table))
+        if members is None or err.needed is None or err.batch is None:
+            return err
+        pins = sum(self.pinned_rows[t] for t in members)
+        cap = sum(self.capacity[t] for t in members)
+        window = (
+            f"cold batch {err.batch} (counted among the cold batches) needs {err.needed} cache rows besides"
+        )
+        if len(members) == 1:
+            what = f"table {members[0]!r}: {window} its {pins} pinned hot rows but capacity[{members[0]!r}] is {cap}"
+            fix = "raise it"
+        else:
+            what = (
+                f"the cache shared by tables {list(members)} (the sum of their capacities, {cap} rows): {window} "
+                f"their {pins} pinned hot rows but it holds {cap}"
+            )
+            fix = "raise the capacities of these tables"
+        return CapacityError(
+            f"{what}; {fix} to at least {err.needed + pins}{' together' if len(members) > 1 else ''} (or the device "
+            "budget), lower prefetch_depth or the horizon, or use smaller batches",
+            table=err.table,
+            batch=err.batch,
+            needed=err.needed + pins,
+            available=cap,
+        )
+
     def pin_plan(self, step: int = -1) -> BatchPlan:
         """The plan that loads every hot row into its pinned slot (apply to an empty cache)."""
         return BatchPlan(
