@@ -93,6 +93,8 @@ def _build(config: Union[str, Sequence[str]], overrides: Sequence[str]) -> Any:
 def _train(
     cli: Any, resident: bool, steps: int, seed: int
 ) -> Tuple[Dict[str, torch.Tensor], List[float], List[str]]:
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
     from torchrec_lookahead.callbacks import HotColdScheduler
     from torchrec_lookahead.data import LookaheadDataModule
     from torchrec_lookahead.strategies import HierarchicalStrategy, TorchRecStrategy
@@ -120,8 +122,11 @@ def _train(
     else:
         strategy = TorchRecStrategy(**common)
     recorder = _LossRecorder()
-    # FAE's scheduler chooses the hot/cold interleaving: both sides train the stream it chooses.
-    schedulers = [c for c in cli.trainer.callbacks if isinstance(c, HotColdScheduler)]
+    # FAE's scheduler chooses the hot/cold interleaving, Lightning's GradientAccumulationScheduler the steps'
+    # accumulation by epoch: both sides train with them. Callbacks that only watch (checkpoints, monitors) stay out.
+    schedulers = [
+        c for c in cli.trainer.callbacks if isinstance(c, (HotColdScheduler, GradientAccumulationScheduler))
+    ]
     source = cli.trainer
     trainer = pl.Trainer(
         accelerator=source.accelerator,
@@ -132,11 +137,18 @@ def _train(
         accumulate_grad_batches=source.accumulate_grad_batches,
         gradient_clip_val=source.gradient_clip_val,
         gradient_clip_algorithm=source.gradient_clip_algorithm,
+        # which batches an epoch trains, as configured (fast_dev_run's limit is a debugging run's, not an epoch's)
+        limit_train_batches=1.0 if source.fast_dev_run else source.limit_train_batches,
+        overfit_batches=source.overfit_batches,
+        reload_dataloaders_every_n_epochs=source.reload_dataloaders_every_n_epochs,
+        detect_anomaly=source._detect_anomaly,
         strategy=strategy,
         max_steps=steps,
         callbacks=[recorder, *schedulers],
         **QUIET_TRAINER_ARGS,
     )
+    # overfit_batches turns validation on (on the training batches): the measurement trains only
+    trainer.limit_val_batches = 0
     pl.seed_everything(seed, verbose=False)
     trainer.fit(cli.model, datamodule=dm)
     strategy.flush_caches()

@@ -251,3 +251,26 @@ def test_a_sharder_optimizer_unlike_the_models_is_warned_and_noted_by_verify(cap
     with caplog.at_level(logging.WARNING, logger="torchrec_lookahead"):
         same = verify("configs/dlrm_tiny_lookahead.yaml", steps=3, overrides=[sharder % 0.05])
     assert same["passed"] and "notes" not in same and "replaces" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        ["--trainer.limit_train_batches=3"],
+        ["--trainer.overfit_batches=3"],
+        ["--trainer.callbacks+=GradientAccumulationScheduler", "--trainer.callbacks.scheduling={0: 2}"],
+    ],
+    ids=["limit_train_batches", "overfit_batches", "GradientAccumulationScheduler"],
+)
+def test_verify_trains_the_epochs_and_accumulation_the_config_sets(override):
+    """verify took only the precision, accumulation and clipping of the config's Trainer: with
+    `--trainer.limit_train_batches=3` (or overfit_batches, or a GradientAccumulationScheduler) it compared 12-batch
+    epochs without accumulation and passed, though the option it was asked about never trained."""
+    from torchrec_lookahead.verify import _build, _train, verify
+
+    config = "configs/dlrm_tiny_lookahead.yaml"
+    plain = _train(_build(config, ["--seed_everything=0"]), resident=True, steps=6, seed=0)[1]
+    asked = _train(_build(config, [*override, "--seed_everything=0"]), resident=True, steps=6, seed=0)[1]
+    assert asked[3:6] != plain[3:6]  # the losses of batches, 12 of them when accumulating
+    result = verify(config, steps=6, overrides=override)
+    assert result["passed"] and result["steps"] == len(asked) and result["max_abs_weight_diff"] == 0.0
