@@ -76,3 +76,34 @@ def test_device_budget_planner_sizes_the_embedding_collection_table_too(tmp_path
         s for s in cli.trainer.strategy._sharders if isinstance(s, LookaheadEmbeddingBagCollectionSharder)
     )
     assert "t_movie" in sharder.capacity, sharder.cache_plan
+
+
+def test_pooled_features_are_read_by_key_whatever_order_the_collection_returns_them_in():
+    """TorchRec's sharded EBC orders its output keys by shard with several ranks (e.g. ['site', 'user']): the model
+    read the values by position, so resident and cached runs, whose plans place the tables differently, trained
+    different models silently."""
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    sizes = {"user": 10, "site": 30, "movie": 50, "history": 50}
+    m = SequenceModule(sizes, embedding_dim=4, pooling="mean", over_arch_layer_sizes=[1])
+    m.configure_model()
+    kjt = KeyedJaggedTensor(
+        ["user", "site", "movie", "history"],
+        torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]),
+        lengths=torch.tensor([1, 1, 2, 0, 1, 1, 1, 1]),
+    )
+    dense = torch.rand(2, 1)
+    expected = m(dense, kjt)
+    ebc = m.model.ebc
+
+    class ShardOrder(torch.nn.Module):
+        def forward(self, features):
+            out = ebc(features)
+            keys = list(reversed(out.keys()))
+            dims = [out[k].shape[1] for k in keys]
+            return KeyedTensor(
+                keys=keys, length_per_key=dims, values=torch.cat([out[k] for k in keys], dim=1)
+            )
+
+    m.model.ebc = ShardOrder()
+    assert torch.equal(m(dense, kjt), expected)

@@ -117,7 +117,11 @@ class SequenceNet(nn.Module):
         bags, seq = kjt.split([len(self._bag_features), len(self._seq_features)])
         parts = [self.dense_proj(dense_features)]
         if self.ebc is not None:
-            parts.append(self.ebc(bags).values())
+            pooled = self.ebc(bags)
+            if pooled.keys() == self._bag_features:
+                parts.append(pooled.values())
+            else:  # TorchRec's sharded collection orders its output by shard (several ranks): by feature here
+                parts.extend(pooled[f] for f in self._bag_features)
         out = self.ec(seq)
         b = dense_features.shape[0]
         targets: Dict[str, torch.Tensor] = {}
