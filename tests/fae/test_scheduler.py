@@ -116,6 +116,13 @@ def test_bad_arguments_and_setup() -> None:
         HotColdScheduler(initial_rate=0)
     with pytest.raises(ConfigError, match="rate"):
         HotColdScheduler(initial_rate=150)
+    # a rate that is no number was a TypeError or ValueError of float(), and True ran at 1 %
+    for bad in (None, "x", "50", True):
+        with pytest.raises(ConfigError, match=r"rate in \(0, 100\] percent but got"):
+            HotColdScheduler(initial_rate=bad)  # type: ignore[arg-type]
+    for bad in (None, "", 3):  # the metric the rate follows: it warned once and kept the rate, every time
+        with pytest.raises(ConfigError, match="monitor to name a validation metric"):
+            HotColdScheduler(monitor=bad)  # type: ignore[arg-type]
     for bad in (0, 1.5, True):  # 1.5 was cut to 1
         with pytest.raises(ConfigError, match="patience"):
             HotColdScheduler(patience=bad)  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ what it is). It logs ``fae/rate``, ``fae/hot_batches``, ``fae/cold_batches``, ``
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
@@ -63,8 +64,9 @@ class RateRule:
     """
 
     def __init__(self, rate: float = 50.0, patience: int = 4) -> None:
-        if not (0.0 < float(rate) <= 100.0):
-            raise ConfigError(f"Expected the rate in (0, 100] percent but got {rate}; FAE starts at 50")
+        given: object = rate  # checked as any value: the Python API takes what it is given
+        if isinstance(given, bool) or not isinstance(given, numbers.Real) or not 0.0 < float(given) <= 100.0:
+            raise ConfigError(f"Expected the rate in (0, 100] percent but got {rate!r}; FAE starts at 50")
         if not is_int(patience) or patience < 1:
             raise ConfigError(f"Expected patience to be a positive integer but got {patience!r}")
         self.rate = float(rate)
@@ -112,6 +114,12 @@ class HotColdScheduler(pl.Callback):
     def __init__(self, initial_rate: float = 50.0, patience: int = 4, monitor: str = "val/logloss") -> None:
         super().__init__()
         self.rule = RateRule(initial_rate, patience)
+        metric: object = monitor
+        if not isinstance(metric, str) or not metric:
+            raise ConfigError(
+                f"Expected monitor to name a validation metric (lower is better, e.g. 'val/logloss') but got "
+                f"{monitor!r}"
+            )
         self.monitor = monitor
         self.kind = BatchKind.COLD
         self.left = 0
@@ -133,7 +141,9 @@ class HotColdScheduler(pl.Callback):
         if isinstance(loader, HotColdLookaheadLoader):  # pinned hot rows: the lookahead loader wraps it
             loader = loader.hotcold
         if loader is None and isinstance(dm, LookaheadDataModule) and isinstance(inner, HotColdDataModule):
-            loader = inner.loader  # no cached table: the lookahead DataModule passes the hot/cold loader through
+            loader = (
+                inner.loader
+            )  # no cached table: the lookahead DataModule passes the hot/cold loader through
         if isinstance(loader, HotColdLoader):
             return loader
         raise SetupError(
