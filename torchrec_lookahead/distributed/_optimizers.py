@@ -65,8 +65,12 @@ def cache_optimizer_from_module(module: nn.Module, tables: List[str]) -> Optiona
         found[table] = cache_optimizer_from_kwargs(opt, kw)
     distinct = set(found.values())
     if len(distinct) > 1:
+        first, ref = next(iter(found.items()))
+        other, cfg = next((t, c) for t, c in found.items() if c != ref)
         raise ConfigError(
-            f"Cached tables declare different optimizers {found}; use one optimizer for all of them"
+            f"Cached tables declare different optimizers: table '{other}' has "
+            f"{optimizer_differences(cfg, ref)} (table '{first}'); declare one optimizer for every cached table, "
+            "or leave the others resident"
         )
     return next(iter(distinct)) if distinct else None
 
