@@ -63,3 +63,30 @@ def test_a_wholly_hot_table_is_told_to_stay_resident() -> None:
     # in a shared cache with room, a wholly hot table trains: its slots come out of the cache's rest
     pins = PinnedRows(hot, {"fa": "a", "fb": "b"}, {"a": 6, "b": 4}, {"a": 6, "b": 9}, {"s": ("a", "b")})
     assert pins.dynamic_capacity() == {"a": 1, "b": 2}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"sample_fraction": "0.5"}, "sample_fraction in"),  # a TypeError of round()
+        ({"confidence": "0.9"}, "confidence in"),  # a TypeError of a comparison
+        ({"calibration_seed": 1.5}, "seed to be an integer"),  # a RuntimeError of torch.manual_seed
+        ({"embedding_dim": 2.5}, "embedding_dim to be a positive integer"),  # accepted: 2.5-wide rows
+        ({"small_table_bytes": 1.5}, "small_table_bytes to be an integer"),  # accepted
+        ({"hot_set": 3}, "hot_set to be a file path"),  # a TypeError of os.path
+    ],
+)
+def test_bad_calibration_values_are_config_errors_at_construction(kwargs: Any, match: str) -> None:
+    from torchrec_lookahead.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        HotColdDataModule(
+            CriteoSyntheticDataModule(**tiny_data_args()), **{**FAE, "embedding_dim": 8, **kwargs}
+        )
+
+
+def test_a_hot_set_path_may_be_a_path_object(tmp_path: Path) -> None:
+    dm = HotColdDataModule(CriteoSyntheticDataModule(**tiny_data_args()), **FAE, embedding_dim=8,
+                           hot_set=tmp_path / "hot.pt")  # fmt: skip
+    dm.setup("fit")
+    assert (tmp_path / "hot.pt").is_file() and dm.hot_set_path == str(tmp_path / "hot.pt")

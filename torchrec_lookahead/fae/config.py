@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,6 +33,11 @@ def optimizer_state_floats(optimizer: str, embedding_dim: int) -> int:
         EmbeddingOptimizerName.ADAGRAD: embedding_dim,
         EmbeddingOptimizerName.ADAM: 2 * embedding_dim,
     }[name]
+
+
+def _real(value: object) -> bool:
+    """``value`` is a real number, not a ``bool`` (NaN passes: the range checks refuse it)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass
@@ -85,9 +91,9 @@ class CalibrationConfig:
                 f"Expected hot_budget_bytes > 0 but got {self.hot_budget_bytes}; give the hot rows a memory "
                 "budget per rank (FAE uses 256 MiB = 268435456)"
             )
-        if not (0.0 < float(self.sample_fraction) <= 1.0):
+        if not _real(self.sample_fraction) or not 0.0 < float(self.sample_fraction) <= 1.0:
             raise ConfigError(
-                f"Expected sample_fraction in (0, 1] but got {self.sample_fraction}; e.g. 0.05 samples 5 % "
+                f"Expected sample_fraction in (0, 1] but got {self.sample_fraction!r}; e.g. 0.05 samples 5 % "
                 "of the training batches"
             )
         if not is_int(self.num_chunks) or self.num_chunks < 2:
@@ -115,14 +121,20 @@ class CalibrationConfig:
                 f"Expected box_max_share in (0, 1] (the most of a table the Rand-Em Box draws) but got "
                 f"{self.box_max_share!r}"
             )
-        if not (0.5 <= self.confidence < 1.0):
-            raise ConfigError(f"Expected confidence in [0.5, 1) but got {self.confidence}; FAE uses 0.999")
-        if self.small_table_bytes < 0:
-            raise ConfigError(f"Expected small_table_bytes >= 0 but got {self.small_table_bytes}")
-        if self.embedding_dim < 1:
-            raise ConfigError(f"Expected embedding_dim to be a positive integer but got {self.embedding_dim}")
-        if self.search_steps < 1:
-            raise ConfigError(f"Expected search_steps >= 1 but got {self.search_steps}")
+        if not _real(self.confidence) or not 0.5 <= float(self.confidence) < 1.0:
+            raise ConfigError(f"Expected confidence in [0.5, 1) but got {self.confidence!r}; FAE uses 0.999")
+        if not is_int(self.small_table_bytes) or self.small_table_bytes < 0:
+            raise ConfigError(
+                f"Expected small_table_bytes to be an integer >= 0 but got {self.small_table_bytes!r}"
+            )
+        if not is_int(self.embedding_dim) or self.embedding_dim < 1:
+            raise ConfigError(
+                f"Expected embedding_dim to be a positive integer but got {self.embedding_dim!r}"
+            )
+        if not is_int(self.seed):
+            raise ConfigError(f"Expected the calibration seed to be an integer but got {self.seed!r}")
+        if not is_int(self.search_steps) or self.search_steps < 1:
+            raise ConfigError(f"Expected search_steps to be an integer >= 1 but got {self.search_steps!r}")
         optimizer_state_floats(self.optimizer, self.embedding_dim)
 
     @property

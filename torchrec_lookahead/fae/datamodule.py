@@ -153,6 +153,11 @@ class HotColdDataModule(WrappedDataModule):
         if batch_size is not None:
             check_int("batch_size", batch_size, 1, "give the rows of a batch, or leave it unset")
         check_int("window", window, 2, "give the source batches mixed into hot and cold batches")
+        if hot_set is not None and not isinstance(hot_set, (str, os.PathLike)):
+            raise ConfigError(
+                f"Expected hot_set to be a file path (a hot set to load, or where to save one) but got {hot_set!r}"
+            )
+        hot_set = None if hot_set is None else os.fspath(hot_set)
         if hot_set is not None and not os.path.isfile(hot_set):  # calibrated, then saved there
             check_output_file("hot_set", hot_set)
         self.hot_set_path = hot_set
