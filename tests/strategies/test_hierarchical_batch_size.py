@@ -44,3 +44,20 @@ def test_the_shipped_configs_batch_size_reaches_the_tagger() -> None:
     args = config["data"]["init_args"]["datamodule"]["init_args"]
     inner = CriteoSyntheticDataModule(**args)
     assert _rows(LookaheadDataModule(inner)) == args["batch_size"] == 512
+
+
+def test_a_cost_model_may_be_a_dict_and_anything_else_is_refused_at_construction() -> None:
+    """A dict (what a config file gives) or a word failed at set-up, after the process group, with an
+    AttributeError ('dict' object has no attribute '__dict__')."""
+    from torchrec_lookahead.errors import ConfigError
+    from torchrec_lookahead.strategies._tagger import CostModel
+
+    s = HierarchicalStrategy(group_size=2, cost_model={"batch_size": 8, "cross_bytes_per_s": 1e8})
+    assert s.cost_model == CostModel(batch_size=8, cross_bytes_per_s=1e8)
+    assert s._cost_model().batch_size == 8
+    for bad, match in (
+        ("fast", "cost_model must be CostModel"),
+        ({"bandwidth": 1}, "unknown keys \\['bandwidth'\\]"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            HierarchicalStrategy(group_size=2, cost_model=bad)

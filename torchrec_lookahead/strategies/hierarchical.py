@@ -48,6 +48,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from typing_extensions import override
 
+from torchrec_lookahead._checks import check_dataclass
 from torchrec_lookahead.data import trainer_datamodules
 from torchrec_lookahead.data.wrapper import WrappedDataModule
 from torchrec_lookahead.errors import ConfigError, SetupError
@@ -154,7 +155,8 @@ class HierarchicalStrategy(TorchRecStrategy):
         placement: ``"auto"`` (the tagger decides), ``"replicate"`` (every layer replicated: data parallel
             inside the group), or a mapping from a dense linear layer's module path (inside the sharded model)
             to ``"colwise"`` / ``"rowwise"`` / ``"replicate"``; layers not named are placed by the tagger.
-        cost_model: rates the tagger weighs (batch size, bandwidths, memory); the group layout fills in.
+        cost_model: rates the tagger weighs (batch size, bandwidths, memory), a ``CostModel`` or a dict of its
+            fields; the group layout fills in.
         average_at_end: when a fit ends, a blocking round sets every group's replica (and the EASGD center) to
             the groups' mean, so the fit leaves one model, as synchronous training does (the replicas differ by
             their local steps since the last round; their mean is the better model). Off: each group keeps its
@@ -214,7 +216,8 @@ class HierarchicalStrategy(TorchRecStrategy):
             raise ConfigError(
                 f"Expected placement to be 'auto', 'replicate' or a mapping but got {placement!r}"
             )
-        self.cost_model = cost_model
+        # a dict is built into the model as a config file's {batch_size: ..., ...} is
+        self.cost_model = None if cost_model is None else check_dataclass("cost_model", cost_model, CostModel)
         self.mesh: Optional[DeviceMesh] = None
         self.averager: Optional[ReplicaAverager] = None
         self.tagging: Optional[Tagging] = None
