@@ -309,3 +309,16 @@ def test_a_model_overriding_a_batch_hook_keeps_it_under_a_pass_through_lookahead
     assert len(calls) >= 3
     with pytest.raises(TypeError, match="instance"):  # Lightning's guard: it returns a new model
         make_model(inner).load_from_checkpoint("model.ckpt")
+
+
+@pytest.mark.parametrize("capacity", [None, {}], ids=["cached", "resident"])
+def test_weight_averaging_callbacks_are_refused_before_the_fit_sets_anything_up(tmp_path, capacity):
+    """EMAWeightAveraging (Lightning's WeightAveraging) copies the LightningModule at set-up, before the strategy
+    has built and sharded the tables: the fit stopped with torch's 'Cannot copy out of meta tensor' traceback."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    with pytest.raises(
+        ConfigError, match="^EMAWeightAveraging cannot average a model trained with TorchRecStrategy"
+    ):
+        fit_cached(tmp_path, max_steps=2, capacity=capacity, callbacks=[EMAWeightAveraging()])
+    assert not list(tmp_path.rglob("*.ckpt"))

@@ -64,6 +64,7 @@ from torchrec_lookahead.strategies._checkpoint import (
 from torchrec_lookahead.strategies._checkpoint_writer import PiecesWriter, write_checkpoint
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
 from torchrec_lookahead.strategies._rank_settings import check_ranks_agree
+from torchrec_lookahead.strategies._setup_checks import check_launcher, refuse_model_copying_callbacks
 from torchrec_lookahead.strategies._sharding import (
     DistributedModelParallelKeys,
     check_cached_batch_hooks,
@@ -173,21 +174,7 @@ class TorchRecStrategy(DDPStrategy):
 
     # ----------------------------------------------------------------------------------------------- set-up
     def _check_launcher(self) -> None:
-        expected = self.num_nodes * self.num_processes
-        launched = os.environ.get("WORLD_SIZE")
-        if launched is not None and int(launched) != expected:
-            raise SetupError(
-                f"The launcher started WORLD_SIZE={launched} processes but the Trainer is configured for "
-                f"{self.num_processes} device(s) x {self.num_nodes} node(s) = {expected}; every process would "
-                f"train alone. Set devices={int(launched) // max(self.num_nodes, 1)} (accelerator='cpu' on CPU) "
-                f"and num_nodes to match torchrun's --nproc_per_node and --nnodes."
-            )
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        if local is not None and int(local) != self.num_processes:
-            raise SetupError(
-                f"torchrun started LOCAL_WORLD_SIZE={local} processes per node but the Trainer uses "
-                f"devices={self.num_processes}; set devices={local}"
-            )
+        check_launcher(self.num_nodes, self.num_processes)
 
     @override
     def _configure_launcher(self) -> None:
@@ -198,6 +185,7 @@ class TorchRecStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         self._check_launcher()
+        refuse_model_copying_callbacks(getattr(self.lightning_module, "_trainer", None), type(self).__name__)
         super().setup_environment()
 
     @override
