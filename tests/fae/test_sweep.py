@@ -90,3 +90,40 @@ def test_a_hot_set_path_may_be_a_path_object(tmp_path: Path) -> None:
                            hot_set=tmp_path / "hot.pt")  # fmt: skip
     dm.setup("fit")
     assert (tmp_path / "hot.pt").is_file() and dm.hot_set_path == str(tmp_path / "hot.pt")
+
+
+def _dm(**kw: Any) -> HotColdDataModule:
+    return HotColdDataModule(
+        CriteoSyntheticDataModule(**tiny_data_args()), **{**FAE, "embedding_dim": 8, **kw}
+    )
+
+
+def test_a_resume_that_switches_recalibration_checks_the_hot_set_in_force() -> None:
+    """A recalibrating run's checkpoint keeps its hot set, not the fingerprint a fixed set's checks: resumed
+    without recalibrating (or a fixed set's checkpoint resumed with it), another hot set was taken silently, the
+    loader's position counting the other set's hot and cold batches."""
+    from torchrec_lookahead.errors import CheckpointError
+
+    recal = _dm(recalibrate="epoch")
+    recal.setup("fit")
+    same = recal.state_dict()  # the first epoch's hot set: the calibrated one, as a fixed run's
+    assert recal.hot_set is not None
+    recal.hot_set.tables["t_cat_2"].hot_ids = recal.hot_set.tables["t_cat_2"].hot_ids[:-1]  # recalibrated
+    moved = recal.state_dict()
+    fixed = _dm()
+    fixed.load_state_dict(same)
+    fixed.setup("fit")
+    fixed = _dm()
+    fixed.load_state_dict(moved)
+    with pytest.raises(CheckpointError, match="another hot set than this run's .* recalibrate"):
+        fixed.setup("fit")
+    # a fixed set's checkpoint resumed with recalibration: its fingerprint is checked too
+    trained = _dm(hot_budget_bytes=30_000)
+    trained.setup("fit")
+    resumed = _dm(recalibrate="epoch")
+    resumed.load_state_dict(trained.state_dict())
+    with pytest.raises(CheckpointError, match="another hot set"):
+        resumed.setup("fit")
+    resumed = _dm(recalibrate="epoch", hot_budget_bytes=30_000)
+    resumed.load_state_dict(trained.state_dict())
+    resumed.setup("fit")

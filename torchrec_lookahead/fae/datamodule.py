@@ -239,8 +239,9 @@ class HotColdDataModule(WrappedDataModule):
         if expected is not None and fingerprint(hs) != expected:
             raise CheckpointError(
                 "the checkpoint was trained with another hot set than this run's (hot_budget_bytes, the hot_set "
-                "file or the calibration settings differ): its loader position counts the other set's hot and cold "
-                "batches; resume with the settings it was trained with, or start a new run from its weights"
+                "file, recalibrate or the calibration settings differ): its loader position counts the other set's "
+                "hot and cold batches; resume with the settings it was trained with, or start a new run from its "
+                "weights"
             )
         return hs
 
@@ -332,11 +333,19 @@ class HotColdDataModule(WrappedDataModule):
             ConfigError: a saved hot set is for other tables.
         """
         super().load_state_dict(state_dict)
-        if self.recalibrate is None:
+        saved = state_dict.get("hot_set")  # a recalibrating run's hot set in force
+        if self.recalibrate is None or saved is None:
+            # a fixed hot set's fingerprint; or the hot set of a recalibrating run, resumed without recalibrating;
+            # or a fixed hot set's run resumed with recalibration: the loader position counts that set's batches
             self._resumed_fingerprint = state_dict.get("hot_set_fingerprint")
+            if saved is not None:
+                self._resumed_fingerprint = fingerprint(
+                    HotSet.from_dict(saved, where="the checkpoint's hot_set")
+                )
             if self.hot_set is not None:  # already in force (the caches were sized with it): check it now
                 self._as_resumed(self.hot_set)
-            return
+            if self.recalibrate is None:
+                return
         sizes = self.num_embeddings_per_feature
         for key in ("hot_set", "next_hot_set"):
             hs = None
