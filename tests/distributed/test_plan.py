@@ -27,3 +27,20 @@ def test_a_feature_a_cached_table_shares_with_another_table_is_refused_before_pl
         ):
             lookahead_sharding_plan(model, [sharder], cached, topology)
     lookahead_sharding_plan(model, [sharder], {}, topology)  # both resident: nothing remapped
+
+
+def test_a_resident_table_fbgemm_cannot_train_is_a_config_error_not_torchrecs_assertion():
+    """A resident table of dimension 7 beside a cached one (fuse_resident=False, or several ranks): TorchRec's
+    sharding raised a raw AssertionError ("local_cols=7 not divisible by 4")."""
+    tables = [
+        EmbeddingBagConfig(name="big", embedding_dim=8, num_embeddings=100, feature_names=["a"]),
+        EmbeddingBagConfig(name="odd", embedding_dim=7, num_embeddings=20, feature_names=["b"]),
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    sharder = LookaheadEmbeddingBagCollectionSharder(capacity={"big": 10}, fuse_resident=False)
+    topology = Topology(world_size=1, compute_device="cpu")
+    with pytest.raises(
+        ConfigError, match="table 'odd' has embedding_dim 7; FBGEMM's kernel needs a multiple of 4: use 8"
+    ):
+        lookahead_sharding_plan(ebc, [sharder], {"big": 10}, topology)
+    lookahead_sharding_plan(ebc, [sharder], {"big": 10, "odd": 5}, topology)  # the cache checks its own tables

@@ -186,11 +186,25 @@ def test_bad_optimizer_config_is_refused(kwargs: dict) -> None:
 
 def test_fbgemm_dimension_rule_is_checked() -> None:
     tables = [EmbeddingBagConfig(name="t", embedding_dim=6, num_embeddings=10, feature_names=["f"])]
-    with pytest.raises(ConfigError, match="multiple of 4"):
+    with pytest.raises(ConfigError, match="embedding_dim 6; FBGEMM's kernel needs a multiple of 4: use 8"):
         CachedEmbeddingBagCollection(tables, {"t": 4})
     CachedEmbeddingBagCollection(
         tables, {"t": 4}, CacheOptimizerConfig("adam")
     )  # the PyTorch kernel has no such rule
+
+
+def test_a_table_of_another_data_type_is_refused_saying_what_to_do() -> None:
+    from torchrec.modules.embedding_configs import DataType
+
+    tables = [
+        EmbeddingBagConfig(
+            name="t", embedding_dim=8, num_embeddings=10, feature_names=["f"], data_type=DataType.FP16
+        )
+    ]
+    with pytest.raises(
+        ConfigError, match="'t' has data_type FP16; .* build it with data_type FP32, or leave it out"
+    ):
+        CachedEmbeddingBagCollection(tables, {"t": 4})
 
 
 def test_counters() -> None:

@@ -179,6 +179,22 @@ def _with_cache_sized_tables(
     return module, restore
 
 
+def _check_fused_dims(
+    module: nn.Module, cached: Mapping[str, int], cons: Mapping[str, ParameterConstraints]
+) -> None:
+    """Refuse a resident table that only FBGEMM's fused kernels may train and whose dimension they cannot take
+    (TorchRec asserts it while sharding, a raw ``AssertionError``); the cache checks its own tables."""
+    for c in embedding_table_configs(module):
+        kernels = cons[c.name].compute_kernels if c.name in cons else None
+        if c.name in cached or not kernels or c.embedding_dim % 4 == 0:
+            continue
+        if all(str(getattr(k, "value", k)).startswith("fused") for k in kernels):
+            raise ConfigError(
+                f"table '{c.name}' has embedding_dim {c.embedding_dim}; FBGEMM's kernel needs a multiple of 4: use "
+                f"{-(-c.embedding_dim // 4) * 4}"
+            )
+
+
 def lookahead_sharding_plan(
     module: nn.Module,
     sharders: List[ModuleSharder[nn.Module]],
@@ -227,6 +243,7 @@ def lookahead_sharding_plan(
             cons[t] = ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
         elif compute_kernel is not None:
             cons.setdefault(t, ParameterConstraints(sharding_types=types, compute_kernels=[compute_kernel]))
+    _check_fused_dims(module, cached, cons)
     planner = sharding_planner(topology, cons)
     # TorchRec's planner sees cached tables at their cache size: a cached table may be far larger than any
     # device (that is the point), and only `capacity` rows of it will ever be on one.

@@ -144,11 +144,15 @@ def check_configs(
     uses_fbgemm = optimizer.uses_fbgemm(device.type)
     for c in configs:
         if c.data_type != DataType.FP32:
-            raise ConfigError(f"table '{c.name}' has data_type {c.data_type}; only FP32 is supported")
+            raise ConfigError(
+                f"table '{c.name}' has data_type {c.data_type.name}; the lookahead cache trains FP32 tables only: "
+                "build it with data_type FP32, or leave it out of capacity to keep it resident"
+            )
         check_table(c)
         if uses_fbgemm and c.embedding_dim % 4 != 0:
             raise ConfigError(
-                f"table '{c.name}' has embedding_dim {c.embedding_dim}; FBGEMM needs a multiple of 4"
+                f"table '{c.name}' has embedding_dim {c.embedding_dim}; FBGEMM's kernel needs a multiple of 4: use "
+                f"{-(-c.embedding_dim // 4) * 4}"
             )
         if c.name in capacity:
             cap = capacity[c.name]
