@@ -159,3 +159,23 @@ def test_another_world_size_says_rank_once_and_offers_export_where_nothing_is_re
     assert f"python -m torchrec_lookahead export --ckpt {ckpt}" in message and "resume" not in message
     with pytest.raises(CheckpointError, match=r"written by 1 rank but .* resume it with 1 rank \("):
         read_checkpoint_meta(ckpt, 2, fitting=True)
+
+
+@pytest.mark.parametrize("capacity", [None, {}], ids=["cached", "resident"])
+def test_a_weights_only_checkpoint_is_refused_to_resume_saying_so(tmp_path: Path, capacity) -> None:
+    """fit --ckpt_path of a ModelCheckpoint(save_weights_only=True) checkpoint said it was 'written by another
+    configuration', to be resumed 'with the config that wrote it' (the one given): it lacks the optimizer state.
+    validate after a fit (test with ckpt_path='best' of such a ModelCheckpoint) failed with the same message."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ..helpers import fit_cached
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_weights_only=True)
+    fit_cached(tmp_path / "a", max_steps=2, capacity=capacity, callbacks=[ckpt])
+    path = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    with pytest.raises(
+        CheckpointError, match=r"holds the model's weights only \(ModelCheckpoint save_weights_only"
+    ):
+        fit_cached(tmp_path / "b", max_steps=4, capacity=capacity, ckpt_path=str(path))
+    trainer, model = fit_cached(tmp_path / "c", max_steps=2, capacity=capacity, limit_val_batches=None)
+    assert trainer.validate(model, datamodule=trainer.datamodule, ckpt_path=str(path), verbose=False)

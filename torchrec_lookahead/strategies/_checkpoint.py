@@ -424,8 +424,31 @@ def read_checkpoint_meta(path: Path, world_size: Optional[int], fitting: bool = 
             f"(torchrun --nproc_per_node=... and --trainer.devices so that they make {saved}), or start a new run"
         )
     if fitting:
+        check_not_weights_only(meta, path)
         check_between_steps(meta, path)
     return meta
+
+
+def holds_weights_only(meta: Dict[str, Any]) -> bool:
+    """Whether ``meta`` is that of a checkpoint of ``ModelCheckpoint(save_weights_only=True)`` (or
+    ``trainer.save_checkpoint(weights_only=True)``): it holds no optimizer state; Lightning writes
+    ``lr_schedulers`` into every other checkpoint."""
+    return "lr_schedulers" not in meta and "loops" in meta
+
+
+def check_not_weights_only(meta: Dict[str, Any], path: Path) -> None:
+    """Refuse to resume training from a weights-only checkpoint (:func:`holds_weights_only`), which the load would
+    report as tensors of another configuration (the optimizer state missing).
+
+    Raises:
+        CheckpointError: ``meta`` is that of a weights-only checkpoint.
+    """
+    if holds_weights_only(meta):
+        raise CheckpointError(
+            f"checkpoint {path} holds the model's weights only (ModelCheckpoint save_weights_only=True), without "
+            "the optimizer state fit needs to resume; resume from a checkpoint written without save_weights_only, "
+            "or read this one with validate, test or predict --ckpt_path"
+        )
 
 
 def check_not_inside_checkpoint(path: Path) -> None:

@@ -53,6 +53,7 @@ from torchrec_lookahead.runtime import CacheSession, LookaheadBatch
 from torchrec_lookahead.strategies._checkpoint import (
     checkpoint_memory_shortfall,
     collect_pieces,
+    holds_weights_only,
     keep_store_files,
     load_sharded,
     load_store_files,
@@ -548,7 +549,11 @@ class TorchRecStrategy(DDPStrategy):
         # tables in disk stores: loaded from the checkpoint's copies of their files
         with store_files() as files:
             target: Dict[str, Any] = {"state_dict": lm.state_dict()}
-            optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+            # a weights-only checkpoint (refused to fit from) holds no optimizer state: validate/test/predict
+            # after a fit read its weights alone
+            optimizers = (
+                [] if holds_weights_only(meta) else [getattr(o, "_optimizer", o) for o in self.optimizers]
+            )
             for i, opt in enumerate(optimizers):
                 if hasattr(opt, "init_state"):
                     opt.init_state()
