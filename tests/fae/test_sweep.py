@@ -127,3 +127,42 @@ def test_a_resume_that_switches_recalibration_checks_the_hot_set_in_force() -> N
     resumed = _dm(recalibrate="epoch", hot_budget_bytes=30_000)
     resumed.load_state_dict(trained.state_dict())
     resumed.setup("fit")
+
+
+def test_per_id_weights_travel_with_their_ids_through_the_regrouping() -> None:
+    """A weighted collection's batches (per-id weights in the KeyedJaggedTensor) lost their weights when FAE
+    regrouped them: every hot and cold batch came out unweighted, silently."""
+    from torchrec import KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
+
+    from torchrec_lookahead.errors import DataError
+    from torchrec_lookahead.fae import HotColdStream, Samples
+    from torchrec_lookahead.fae.stream import count_hot_samples
+
+    def source() -> Any:
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            ids = torch.randint(0, 6, (12,), generator=g)
+            kjt = KeyedJaggedTensor(["a", "b"], ids, lengths=torch.tensor([1, 2, 0, 1, 1, 1] * 2, dtype=torch.int32),
+                                    weights=ids.to(torch.float32) * 10 + 0.5)  # fmt: skip
+            yield Batch(torch.randn(6, 2, generator=g), kjt, torch.arange(6, dtype=torch.float32))
+
+    masks = {k: torch.tensor([True, True, True, False, False, False]) for k in "ab"}
+    stream = HotColdStream(
+        source, masks, batch_size=4, window=3, num_samples=count_hot_samples(source(), masks)
+    )
+    served = [b.sparse_features for _, b in stream]
+    assert served and all(kjt.weights_or_none() is not None for kjt in served)
+    for kjt in served:  # each weight still belongs to its id
+        assert torch.equal(kjt.weights(), kjt.values().to(torch.float32) * 10 + 0.5)
+    # the ranks' all-gathered slices keep them too
+    s = Samples.of(next(iter(source())))
+    joined = s.joined([s.tensors(), s.select(torch.tensor([True, False] * 3)).tensors()])
+    assert joined.weights is not None and torch.equal(
+        joined.batch().sparse_features.weights(),
+        joined.batch().sparse_features.values().to(torch.float32) * 10 + 0.5,
+    )
+    unweighted = Samples.of(Batch(torch.zeros(1, 2), KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2]),
+                                  lengths=torch.tensor([1, 1])), torch.zeros(1)))  # fmt: skip
+    with pytest.raises(DataError, match="per-id weights and others do not"):
+        Samples.cat([s, unweighted])

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, cast
 
 import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lookahead.errors import ConfigError, InvalidIdError
+from torchrec_lookahead.errors import ConfigError, DataError, InvalidIdError
 
 __all__ = ["Samples", "cold_ids_per_sample", "owners"]
 
@@ -49,7 +49,7 @@ def cold_ids_per_sample(values: torch.Tensor, lengths: torch.Tensor, hot: torch.
 @dataclass
 class Samples:
     """Rows of one or more batches: dense ``[n, D]``, labels ``[n]``, ids per sample ``[F, n]`` and ids per
-    feature.
+    feature, with their per-id weights when the batches have them (a weighted collection's features).
 
     Example:
         >>> kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([4, 5, 6]), lengths=torch.tensor([1, 2]))
@@ -64,6 +64,8 @@ class Samples:
     lengths: torch.Tensor
     values: List[torch.Tensor]
     lengths_dtype: torch.dtype = torch.int32
+    #: per feature, the weight of each id (as :attr:`values`), or ``None`` when the batches carry no weights
+    weights: Optional[List[torch.Tensor]] = None
 
     @classmethod
     def of(cls, batch: Batch) -> Samples:
@@ -71,13 +73,17 @@ class Samples:
         kjt = batch.sparse_features
         keys = list(kjt.keys())
         n = batch.labels.numel()
+        w = kjt.weights_or_none()
+        weights: Optional[List[torch.Tensor]] = None
         if not keys:
             lengths = torch.zeros(0, n, dtype=torch.int64)
             values: List[torch.Tensor] = []
+            weights = None if w is None else []
         else:  # a KeyedJaggedTensor lays its lengths out feature by feature, n per feature
             lengths = kjt.lengths().to(torch.int64).reshape(len(keys), n)
             per_key = lengths.sum(1).tolist()
             values = list(kjt.values()[: sum(per_key)].to(torch.int64).split(per_key))
+            weights = None if w is None else list(w[: sum(per_key)].split(per_key))
         return cls(
             keys=keys,
             dense=batch.dense_features,
@@ -85,6 +91,7 @@ class Samples:
             lengths=lengths,
             values=values,
             lengths_dtype=kjt.lengths().dtype,
+            weights=weights,
         )
 
     def __len__(self) -> int:
@@ -135,19 +142,33 @@ class Samples:
         lo = off[:, a - 1].tolist() if a > 0 else [0] * len(self.keys)
         hi = off[:, b - 1].tolist() if b > 0 else [0] * len(self.keys)
         vals = [v[start:end] for v, start, end in zip(self.values, lo, hi)]
+        weights = None if self.weights is None else [w[s:e] for w, s, e in zip(self.weights, lo, hi)]
         return Samples(
-            self.keys, self.dense[a:b], self.labels[a:b], self.lengths[:, a:b], vals, self.lengths_dtype
+            self.keys,
+            self.dense[a:b],
+            self.labels[a:b],
+            self.lengths[:, a:b],
+            vals,
+            self.lengths_dtype,
+            weights,
         )
 
     def select(self, mask: torch.Tensor) -> Samples:
         """The rows where ``mask`` is true, in order."""
         lengths = self.lengths[:, mask]
+        weights: Optional[List[torch.Tensor]] = None if self.weights is None else []
         if self.keys:
             flat, sample = self._flat()
-            vals = list(flat[mask[sample]].split(lengths.sum(1).tolist()))
+            keep = mask[sample]
+            per_key = lengths.sum(1).tolist()
+            vals = list(flat[keep].split(per_key))
+            if self.weights is not None:
+                weights = list(torch.cat(self.weights)[keep].split(per_key))
         else:
             vals = []
-        return Samples(self.keys, self.dense[mask], self.labels[mask], lengths, vals, self.lengths_dtype)
+        return Samples(
+            self.keys, self.dense[mask], self.labels[mask], lengths, vals, self.lengths_dtype, weights
+        )
 
     @staticmethod
     def cat(parts: Sequence[Samples]) -> Samples:
@@ -155,6 +176,12 @@ class Samples:
         first = parts[0]
         if len(parts) == 1:
             return first
+        weighted = [p.weights is not None for p in parts]
+        if any(weighted) and not all(weighted):
+            raise DataError(
+                "some training batches carry per-id weights and others do not; give every batch weights (a weighted "
+                "collection's features) or none"
+            )
         return Samples(
             first.keys,
             torch.cat([p.dense for p in parts]),
@@ -162,14 +189,24 @@ class Samples:
             torch.cat([p.lengths for p in parts], dim=1),
             [torch.cat([p.values[i] for p in parts]) for i in range(len(first.keys))],
             first.lengths_dtype,
+            None
+            if first.weights is None
+            else [
+                torch.cat([cast(List[torch.Tensor], p.weights)[i] for p in parts])
+                for i in range(len(first.keys))
+            ],
         )
 
     def batch(self) -> Batch:
         """A TorchRec batch of these rows."""
+        weights = None
+        if self.weights is not None:
+            weights = torch.cat(self.weights) if self.weights else torch.zeros(0, dtype=torch.float32)
         kjt = KeyedJaggedTensor(
             keys=list(self.keys),
             values=torch.cat(self.values) if self.values else torch.zeros(0, dtype=torch.int64),
             lengths=self.lengths.reshape(-1).to(self.lengths_dtype),
+            weights=weights,
         )
         return Batch(dense_features=self.dense, sparse_features=kjt, labels=self.labels)
 
@@ -181,6 +218,7 @@ class Samples:
             "labels": self.labels.numpy(),
             "lengths": self.lengths.numpy(),
             "values": [v.numpy() for v in self.values],
+            "weights": None if self.weights is None else [w.numpy() for w in self.weights],
         }
 
     def joined(self, parts: Sequence[Mapping[str, Any]]) -> Samples:
@@ -194,6 +232,7 @@ class Samples:
                     torch.from_numpy(p["lengths"]),
                     [torch.from_numpy(v) for v in p["values"]],
                     self.lengths_dtype,
+                    None if p.get("weights") is None else [torch.from_numpy(w) for w in p["weights"]],
                 )
                 for p in parts
             ]
