@@ -90,6 +90,13 @@ class LookaheadCLI(LightningCLI):
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path:
             check_not_inside_checkpoint(Path(str(ckpt_path)))  # before Lightning unpickles a piece of it
+            keyword = str(ckpt_path) in ("last", "best", "hpc") or str(ckpt_path).startswith("registry")
+            if not keyword and "://" not in str(ckpt_path) and not Path(str(ckpt_path)).exists():
+                # strategy='auto' (an export evaluated) reached Lightning's FileNotFoundError traceback
+                raise CheckpointError(
+                    f"checkpoint {ckpt_path} does not exist; check ckpt_path (a checkpoint file, or under "
+                    "strategy='torchrec' the directory ModelCheckpoint wrote, e.g. <dirpath>/epoch=0-step=100.ckpt)"
+                )
         try:
             with warnings.catch_warnings():
                 # a pickle of another kind: torch's note on its protocol would come before the error

@@ -224,3 +224,16 @@ def test_a_ckpt_path_file_that_is_not_a_checkpoint_is_a_checkpoint_error(capsys,
         f"CheckpointError: cannot read the checkpoint {garbage} (UnpicklingError: Weights only load failed): the "
         "file is damaged or not a checkpoint; pass one ModelCheckpoint wrote"
     ), line
+
+
+@pytest.mark.parametrize("command", ["fit", "test"])
+def test_a_ckpt_path_that_does_not_exist_is_one_checkpoint_error_under_any_strategy(
+    capsys, tmp_path, command
+):
+    """README's export then `test --ckpt_path <export> --trainer.strategy=auto`: a wrong path was Lightning's
+    FileNotFoundError traceback, after the model and data were built."""
+    missing = tmp_path / "dlrm.ckpt"
+    line = _short_error(
+        capsys, [command, "--config", TINY, f"--ckpt_path={missing}", "--trainer.strategy=auto"]
+    )
+    assert line.startswith(f"CheckpointError: checkpoint {missing} does not exist; check ckpt_path"), line
