@@ -166,3 +166,16 @@ def test_per_id_weights_travel_with_their_ids_through_the_regrouping() -> None:
                                   lengths=torch.tensor([1, 1])), torch.zeros(1)))  # fmt: skip
     with pytest.raises(DataError, match="per-id weights and others do not"):
         Samples.cat([s, unweighted])
+
+
+def test_a_slot_space_of_one_table_is_named_by_its_table() -> None:
+    """A space of one table (a kernel group with one cached table) named the space ('table 't+0' pins ...') in
+    the refusal, and the oracle's refusals (which name the table) were not translated to the whole cache."""
+    from torchrec_lookahead.errors import CapacityError
+
+    with pytest.raises(CapacityError, match="^table 't' pins 5 hot rows") as err:
+        PinnedRows({"t": torch.arange(5)}, {"f": "t"}, {"t": 5}, {"t": 50}, {"t+0": ("t",)})
+    assert err.value.table == "t"
+    pins = PinnedRows({"t": torch.arange(3)}, {"f": "t"}, {"t": 5}, {"t": 50}, {"t+0": ("t",)})
+    whole = pins.whole_cache_error(CapacityError("t", table="t", batch=2, needed=4, available=2))
+    assert (whole.needed, whole.available) == (7, 5) and "besides its 3 pinned hot rows" in str(whole)

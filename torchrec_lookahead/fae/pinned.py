@@ -100,7 +100,12 @@ class PinnedRows:
                     raise ConfigError(f"hot ids of table '{table}' must be sorted and unique")
             self.hot_ids[table] = ids
         # a cache: a table alone, or the tables of a shared slot space (their capacities summed)
-        spaces = {k: tuple(m) for k, m in (slot_spaces or {}).items() if all(t in self.capacity for t in m)}
+        # (a space of one table is that table's cache, by the table's name, as the oracle names its unit)
+        spaces = {
+            (k if len(m) > 1 else m[0]): tuple(m)
+            for k, m in (slot_spaces or {}).items()
+            if m and all(t in self.capacity for t in m)
+        }
         inside = {t for m in spaces.values() for t in m}
         spaces.update({t: (t,) for t in sorted(self.capacity) if t not in inside})
         #: cache name (the table, or the shared slot space) -> its tables
