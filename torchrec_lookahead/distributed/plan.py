@@ -26,6 +26,7 @@ from torchrec.modules.embedding_modules import (
     EmbeddingCollectionInterface,
 )
 
+from torchrec_lookahead.distributed._resident_order import OUTPUT_ORDER_ATTR, resident_plan_and_orders
 from torchrec_lookahead.distributed._tables import copy_in_backward_optimizers, table_configs
 from torchrec_lookahead.distributed.ec_sharder import LookaheadEmbeddingCollectionSharder
 from torchrec_lookahead.distributed.sharded_collection import CUSTOMIZED
@@ -195,6 +196,33 @@ def _check_fused_dims(
             )
 
 
+def _follow_resident_order(
+    plan: ShardingPlan,
+    module: nn.Module,
+    cached: Mapping[str, int],
+    topology: Topology,
+    constraints: Mapping[str, ParameterConstraints],
+    compute_kernel: Optional[str],
+    sharding_types: Sequence[str],
+    pg: Optional[dist.ProcessGroup],
+) -> None:
+    """With several ranks, have every EmbeddingBagCollection return its keys in the order resident training's
+    does (a model may read them by position): the collections without cached tables take the resident job's
+    placement, the cached ones are told the resident order (``distributed/_resident_order.py``)."""
+    found = resident_plan_and_orders(module, topology, constraints, compute_kernel, sharding_types, pg)
+    if found is None:
+        return
+    resident_plan, orders = found
+    for path, module_plan in resident_plan.plan.items():
+        sub = module.get_submodule(path)
+        if not isinstance(sub, EmbeddingBagCollection) or path not in orders:
+            continue
+        if any(c.name in cached for c in sub.embedding_bag_configs()):
+            setattr(sub, OUTPUT_ORDER_ATTR, orders[path])
+        elif path in plan.plan:
+            plan.plan[path] = module_plan
+
+
 def lookahead_sharding_plan(
     module: nn.Module,
     sharders: List[ModuleSharder[nn.Module]],
@@ -256,6 +284,11 @@ def lookahead_sharding_plan(
                 plan = planner.plan(target, sharders)
     finally:
         restore()
+    for m in module.modules():  # an order left by an earlier plan of the module
+        if hasattr(m, OUTPUT_ORDER_ATTR):
+            delattr(m, OUTPUT_ORDER_ATTR)
+    if topology.world_size > 1:
+        _follow_resident_order(plan, module, cached, topology, constraints or {}, compute_kernel, types, pg)
     ranks = list(range(topology.world_size))
     for module_plan in plan.plan.values():
         if not isinstance(module_plan, EmbeddingModuleShardingPlan):

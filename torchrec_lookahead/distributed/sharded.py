@@ -11,7 +11,7 @@ embeddings from TorchRec's own ``ShardedEmbeddingBagCollection``, the cached one
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,21 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedLookaheadCollection[Embeddin
     ``EmbeddingBagConfig`` s and ``cache`` a :class:`~torchrec_lookahead.modules.CachedEmbeddingBagCollection`.
     """
 
-    #: per layout of the parts' outputs (their keys), the column runs that put them in feature order
+    #: per layout of the parts' outputs (their keys), the column runs that put them in output order
     _column_runs: Optional[Dict[Tuple[Tuple[str, ...], ...], List[Tuple[int, int, int]]]] = None
+    #: the output's keys: the features in resident TorchRec's order where the plan gave it, else in feature order
+    _out_names: Optional[List[str]] = None
+
+    def __init__(self, *args: Any, output_order: Optional[Sequence[str]] = None, **kwargs: Any) -> None:
+        """``output_order``: the keys in the order resident TorchRec training returns them (with several ranks,
+        its shard order; see ``distributed/_resident_order.py``); ``None``: the collection's feature order."""
+        super().__init__(*args, **kwargs)
+        if output_order is not None and sorted(output_order) == sorted(self._feature_names):
+            self._out_names = list(output_order)
+        else:
+            self._out_names = list(self._feature_names)
+        dim = dict(zip(self._feature_names, self._dims))
+        self._out_dims = [dim[f] for f in self._out_names]
 
     @property
     def unsharded_module_type(self) -> type:
@@ -45,15 +58,16 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedLookaheadCollection[Embeddin
         if not self._is_weighted:
             _refuse_weights(dist_input, self._feature_names)
         outs = self._part_outputs(dist_input)
-        if len(outs) == 1 and outs[0].keys() == self._feature_names:
+        names = self._out_names or self._feature_names
+        if len(outs) == 1 and outs[0].keys() == names:
             values = outs[0].values()
-        else:  # back to the collection's feature order: one concatenation of column runs
+        else:  # to the output's order: one concatenation of column runs
             values = torch.cat([outs[i].values()[:, a:b] for i, a, b in self._runs(outs)], dim=1)
-        return KeyedTensor(keys=list(self._feature_names), length_per_key=list(self._dims), values=values)
+        return KeyedTensor(keys=list(names), length_per_key=list(self._out_dims), values=values)
 
     def _runs(self, outs: List[KeyedTensor]) -> List[Tuple[int, int, int]]:
         """(part, first column, end column) runs that, concatenated, put the parts' pooled embeddings in
-        feature order (consecutive features of one part form one run)."""
+        output order (consecutive features of one part form one run)."""
         layout = tuple(tuple(o.keys()) for o in outs)
         if self._column_runs is None:
             self._column_runs = {}
@@ -66,7 +80,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedLookaheadCollection[Embeddin
                     where[k] = (i, col)
                     col += d
             runs = []
-            for f, d in zip(self._feature_names, self._dims):
+            for f, d in zip(self._out_names or self._feature_names, self._out_dims):
                 i, a = where[f]
                 if runs and runs[-1][0] == i and runs[-1][2] == a:
                     runs[-1] = (i, runs[-1][1], a + d)
