@@ -459,6 +459,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             resident,
             cache,
             module.is_weighted(),
+            output_order=getattr(module, "_lookahead_resident_output_order", None),
             **self.sync_options(env),
         )
 
