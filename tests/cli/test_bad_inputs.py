@@ -10,6 +10,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from torchrec_lookahead._parse_errors import type_error, unknown_error
@@ -421,9 +422,12 @@ def test_a_split_without_files_is_one_error_up_front_not_after_the_checkpoint_is
     capsys, tmp_path, subcommand, config, split
 ):
     """The limit_val_batches hint was followed by a second error, "no 'val' data", once the checkpoint was read."""
+    ckpt = tmp_path / "c.ckpt"
+    torch.save(
+        {"state_dict": {}}, ckpt
+    )  # a checkpoint file (a missing or damaged one is refused before the config)
     line = _short_error(
-        capsys,
-        [subcommand, "--config", f"configs/{config}_lookahead.yaml", "--ckpt_path", str(tmp_path / "c.ckpt")],
+        capsys, [subcommand, "--config", f"configs/{config}_lookahead.yaml", "--ckpt_path", str(ckpt)]
     )
     assert line.startswith(f"ConfigError: `{subcommand}` has nothing to run: the config's "), line
     assert (
