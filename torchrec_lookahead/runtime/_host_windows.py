@@ -29,7 +29,8 @@ class HostShortfall:
         lo: the window's first batch.
         hi: its last batch (the batch whose reading completed it).
         shard: the shard, and ``shards`` of them.
-        needed: the window's distinct ids on the shard.
+        needed: the window's distinct ids on the shard (the error's ``needed`` is the table's largest window
+            need over the batches checked, when given: the number its message names).
         available: the rows the shard's host tier holds.
         window: the table's host window (depth, bounds, policy).
     """
@@ -83,7 +84,7 @@ class HostShortfall:
             "(a host tier below one window would read its rows from disk on the step's critical path)",
             table=self.table,
             batch=self.hi,
-            needed=self.needed,
+            needed=at_least,  # what the tier must hold: the number the message names (the largest window)
             available=self.available,
             tier="host",
         )
