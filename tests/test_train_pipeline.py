@@ -4,12 +4,13 @@ bit (one rank in-process, two under torchrun), streams its data, and refuses wha
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from torchrec_lookahead import CapacityError, ConfigError, LookaheadTrainPipeline, SetupError
+from torchrec_lookahead import CapacityError, ConfigError, DataError, LookaheadTrainPipeline, SetupError
 
 from .cli.test_cli import clean_env
 from .conftest import REPO, free_port
@@ -120,6 +121,53 @@ def test_bad_settings_are_refused_before_anything_runs():
     ):
         with pytest.raises(ConfigError, match=match):
             LookaheadTrainPipeline(model, opt, torch.device("cpu"), **kw)  # type: ignore[arg-type]
+
+
+def test_a_model_optimizer_or_device_of_the_wrong_type_is_a_config_error_and_a_device_name_is_taken():
+    """A model or device of the wrong type failed with an AttributeError traceback (at construction, or at the
+    first step for the optimizer); ``"cpu"`` (TorchRec's pipeline takes only a torch.device) as well."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cpu = torch.device("cpu")
+    for args, match in (
+        ((None, opt, cpu), "model must be a torch.nn.Module .* but got NoneType"),
+        ((model, None, cpu), "optimizer must be an optimizer .* but got NoneType"),
+        ((model, opt, 0.5), "device must be a torch.device .* but got float"),
+        ((model, opt, "gpu"), "device must be a device but got 'gpu'"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            LookaheadTrainPipeline(*args)  # type: ignore[arg-type]
+    assert LookaheadTrainPipeline(model, opt, "cpu")._device == cpu  # type: ignore[arg-type]
+
+
+def test_eval_mode_mid_stream_is_refused_before_the_step_and_the_stream_goes_on_after_train(pg):
+    """``model.eval()`` between steps and ``progress``: the cached modules refused the planned batch in the middle
+    of the forward, and the stream (read ahead of training) was closed with it: training could not go on."""
+    dmp, pipeline, data = build(cached=True, steps=6)
+    it, losses = iter(data), []
+    losses += [float(pipeline.progress(it)[0]) for _ in range(2)]
+    dmp.eval()
+    with pytest.raises(SetupError, match=r"in eval mode: call model.train\(\) before progress\(\)"):
+        pipeline.progress(it)
+    dmp.train()
+    with pytest.raises(StopIteration):
+        while True:
+            losses.append(float(pipeline.progress(it)[0]))
+    pipeline.close()
+    assert losses == train(cached=False, steps=6)["losses"]
+
+
+def test_dict_batches_are_refused_with_what_the_pipeline_takes(pg):
+    """The refusal pointed a plain-loop user to LookaheadDataModule(batch_adapter=...), which the pipeline has
+    not."""
+    _, pipeline, data = build(cached=True, steps=3)
+    dicts = ({"dense": b.dense_features, "sparse": b.sparse_features, "labels": b.labels} for b in data)
+    with pytest.raises(
+        DataError, match=r"^LookaheadTrainPipeline's iterator yields dict batches with keys"
+    ) as e:
+        pipeline.progress(dicts)
+    assert "convert them in the iterator" in str(e.value)
+    assert not [t for t in threading.enumerate() if t.name.startswith("lookahead")]
 
 
 @pytest.mark.distributed

@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import logging
 from types import TracebackType
-from typing import Any, Iterator, List, Optional, Type, Union
+from typing import Any, Iterable, Iterator, List, Optional, Type, Union
 
 import torch
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineBase
 
 from torchrec_lookahead.distributed import ShardedLookaheadCollection
-from torchrec_lookahead.errors import SetupError
+from torchrec_lookahead.errors import ConfigError, DataError, SetupError
 from torchrec_lookahead.oracle import LookaheadSettings, Policy
 from torchrec_lookahead.oracle.config import DEFAULT_HORIZON, DEFAULT_PREFETCH_DEPTH
 from torchrec_lookahead.runtime import CacheSession, LookaheadBatch, LookaheadLoader, check_loader_options
@@ -75,7 +75,9 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
             :class:`~torchrec_lookahead.data.LookaheadDataModule`).
 
     Raises:
-        ConfigError: a bad ``horizon``, ``prefetch_depth``, ``policy`` or other oracle setting.
+        ConfigError: ``model`` is not a ``torch.nn.Module``, ``optimizer`` has no ``step``/``zero_grad``,
+            ``device`` is not a device (a string such as ``"cuda:0"`` is taken as ``torch.device``), or a bad
+            ``horizon``, ``prefetch_depth``, ``policy`` or other oracle setting.
 
     Bad ids and windows that do not fit the cache raise the oracle's typed errors
     (:class:`~torchrec_lookahead.errors.InvalidIdError`, :class:`~torchrec_lookahead.errors.CapacityError`)
@@ -141,6 +143,7 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         stop_timeout_s: float = 60.0,
         planner_nice: int = 19,
     ) -> None:
+        device = _checked_arguments(model, optimizer, device)
         settings = LookaheadSettings(horizon, prefetch_depth, policy, window, ways)
         queue_depth, stop_timeout_s, planner_nice = check_loader_options(
             queue_depth, stop_timeout_s, planner_nice
@@ -179,18 +182,13 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         if self.loader is None:
             self._batches = dataloader_iter
         else:
-            if not self._model.training:
-                raise SetupError(
-                    "LookaheadTrainPipeline trains (its batches hold cache slots): call model.train() first; "
-                    "evaluate a cached model by calling it on unplanned batches in eval mode"
-                )
             if dataloader_iter is self._abandoned:
                 raise SetupError(
                     "this iterator's stream was closed mid-way: the cache's planner had read batches ahead of "
                     "training from it, and they went with the stream; pass a new iterator (iter(dataloader)) to "
                     "start a new stream"
                 )
-            self.loader.loader = dataloader_iter
+            self.loader.loader = _torchrec_batches(dataloader_iter)
             self._batches = iter(self.loader)  # a new stream starts from empty caches (flushed first)
             self._source, self._abandoned = dataloader_iter, None
         super()._connect(dataloader_iter)
@@ -217,9 +215,18 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
 
         Raises:
             StopIteration: the stream has ended (the caches have been written back to the host stores).
-            SetupError: ``dataloader_iter`` is not the iterator of the stream in progress (call :meth:`reset`
+            SetupError: the model is in eval mode (call ``model.train()``; nothing changes), or
+                ``dataloader_iter`` is not the iterator of the stream in progress (call :meth:`reset`
                 first: the planner has read ahead of training from the stream's own iterator); nothing changes.
         """
+        if self.loader is not None and not self._model.training:
+            # before the step: a planned batch in eval mode is refused by the cached modules mid-forward, and the
+            # stream, read ahead of training, would be lost with it
+            raise SetupError(
+                "LookaheadTrainPipeline trains (its batches hold cache slots) but the model is in eval mode: call "
+                "model.train() before progress() (the stream in progress goes on); evaluate a cached model by "
+                "calling it on unplanned batches in eval mode"
+            )
         if self._connected and self._source is not None and dataloader_iter is not self._source:
             raise SetupError(
                 "progress() got another iterator while a stream is in progress: the cache's planner has read "
@@ -271,3 +278,54 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
             self.close()
         finally:
             self.flush(barrier=exc is None)
+
+
+def _checked_arguments(model: Any, optimizer: Any, device: Any) -> torch.device:
+    """``device`` as a ``torch.device``, once ``model``, ``optimizer`` and ``device`` are of the types TorchRec's
+    pipeline uses (its own errors are AttributeErrors at the first step).
+
+    Raises:
+        ConfigError: one of them is not.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"LookaheadTrainPipeline's model must be a torch.nn.Module (the DistributedModelParallel model) but got "
+            f"{type(model).__name__}"
+        )
+    if not all(callable(getattr(optimizer, name, None)) for name in ("step", "zero_grad")):
+        raise ConfigError(
+            f"LookaheadTrainPipeline's optimizer must be an optimizer (step() and zero_grad(), e.g. "
+            f"CombinedOptimizer([dmp.fused_optimizer, dense])) but got {type(optimizer).__name__}"
+        )
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError as e:
+            raise ConfigError(
+                f"LookaheadTrainPipeline's device must be a device but got {device!r}: {e}"
+            ) from None
+    if not isinstance(device, torch.device):
+        raise ConfigError(
+            f"LookaheadTrainPipeline's device must be a torch.device (or its name, e.g. 'cuda:0') but got "
+            f"{type(device).__name__}"
+        )
+    return device
+
+
+def _torchrec_batches(source: Iterable[Any]) -> Iterator[Batch]:
+    """``source``'s batches, each checked to be a TorchRec ``Batch`` (read by the loader's reader thread: the
+    error reaches ``progress``), as the pipeline has no ``batch_adapter``.
+
+    Raises:
+        DataError: a batch is not a TorchRec ``Batch``.
+    """
+    for batch in source:
+        if not isinstance(batch, Batch):
+            keys = f" with keys {sorted(map(str, batch))}" if isinstance(batch, dict) else ""
+            raise DataError(
+                f"LookaheadTrainPipeline's iterator yields {type(batch).__name__} batches{keys}, not TorchRec "
+                "Batches (dense_features, sparse_features, labels) as TorchRec's pipelines take: convert them in "
+                "the iterator (e.g. map each to torchrec.datasets.utils.Batch); other batch types go through the "
+                "cache on the Lightning path, LookaheadDataModule(batch_adapter=...)"
+            )
+        yield batch
