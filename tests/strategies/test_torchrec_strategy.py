@@ -322,3 +322,16 @@ def test_weight_averaging_callbacks_are_refused_before_the_fit_sets_anything_up(
     ):
         fit_cached(tmp_path, max_steps=2, capacity=capacity, callbacks=[EMAWeightAveraging()])
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_model_pruning_that_would_find_no_layers_is_refused_before_the_fit_sets_anything_up(tmp_path):
+    """ModelPruning looks for layers at set-up, before configure_model builds those of the bundled modules: the
+    fit trained its first epoch and then stopped with 'torch.cat(): expected a non-empty list of Tensors'."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    pruning = ModelPruning("l1_unstructured", amount=0.2)
+    with pytest.raises(
+        ConfigError, match="^ModelPruning finds no weight or bias parameters to prune in DLRMModule"
+    ):
+        fit_cached(tmp_path, max_steps=-1, callbacks=[pruning], max_epochs=1)
+    assert not list(tmp_path.rglob("*.ckpt"))

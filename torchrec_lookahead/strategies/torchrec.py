@@ -65,7 +65,7 @@ from torchrec_lookahead.strategies._checkpoint import (
 from torchrec_lookahead.strategies._checkpoint_writer import PiecesWriter, write_checkpoint
 from torchrec_lookahead.strategies._ddp import DenseDataParallelWrapper
 from torchrec_lookahead.strategies._rank_settings import check_ranks_agree
-from torchrec_lookahead.strategies._setup_checks import check_launcher, refuse_model_copying_callbacks
+from torchrec_lookahead.strategies._setup_checks import check_launcher, refuse_unworkable_callbacks
 from torchrec_lookahead.strategies._sharding import (
     DistributedModelParallelKeys,
     check_cached_batch_hooks,
@@ -186,7 +186,7 @@ class TorchRecStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         self._check_launcher()
-        refuse_model_copying_callbacks(getattr(self.lightning_module, "_trainer", None), type(self).__name__)
+        refuse_unworkable_callbacks(getattr(self.lightning_module, "_trainer", None), type(self).__name__)
         super().setup_environment()
 
     @override
