@@ -170,6 +170,25 @@ def test_dict_batches_are_refused_with_what_the_pipeline_takes(pg):
     assert not [t for t in threading.enumerate() if t.name.startswith("lookahead")]
 
 
+def test_a_second_pipeline_on_the_model_is_refused_while_the_first_has_a_stream_in_progress(pg):
+    """A second pipeline's stream emptied the caches the first's plans relied on: both went on training, wrong
+    (losses and weights different from TorchRec's, silently)."""
+    dmp, first, data = build(cached=True, steps=6)
+    it = iter(data)
+    losses = [float(first.progress(it)[0]) for _ in range(2)]
+    second = LookaheadTrainPipeline(dmp, first._optimizer, torch.device("cpu"))
+    with pytest.raises(
+        SetupError, match=r"another LookaheadTrainPipeline has a stream in progress.*close\(\)"
+    ):
+        second.progress(iter(data))
+    with pytest.raises(StopIteration):
+        while True:
+            losses.append(float(first.progress(it)[0]))
+    assert losses == train(cached=False, steps=6)["losses"]  # the first stream, untouched
+    assert _steps_to_the_end(second, iter(data)) == 6  # once it ended, the second trains
+    second.close()
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_ranks_cached_pipeline_equals_torchrec_resident_pipeline(tmp_path):

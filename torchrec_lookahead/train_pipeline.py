@@ -31,6 +31,7 @@ the planner threads gather every rank's ids of each batch in lockstep, so all ra
 from __future__ import annotations
 
 import logging
+import weakref
 from types import TracebackType
 from typing import Any, Iterable, Iterator, List, Optional, Type, Union
 
@@ -47,6 +48,11 @@ from torchrec_lookahead.runtime import CacheSession, LookaheadBatch, LookaheadLo
 __all__ = ["LookaheadTrainPipeline"]
 
 log = logging.getLogger(__name__)
+
+#: per cached collection, the pipeline whose stream last started on it (its caches hold that stream's rows)
+_STREAM_OWNER: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[LookaheadTrainPipeline]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
@@ -182,6 +188,7 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         if self.loader is None:
             self._batches = dataloader_iter
         else:
+            self._claim_caches()
             if dataloader_iter is self._abandoned:
                 raise SetupError(
                     "this iterator's stream was closed mid-way: the cache's planner had read batches ahead of "
@@ -192,6 +199,26 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
             self._batches = iter(self.loader)  # a new stream starts from empty caches (flushed first)
             self._source, self._abandoned = dataloader_iter, None
         super()._connect(dataloader_iter)
+
+    def _claim_caches(self) -> None:
+        """Make this pipeline the owner of the model's caches for the stream it starts.
+
+        Raises:
+            SetupError: another pipeline's stream is in progress on them (a new stream empties the caches its
+                plans rely on: both would train wrong rows, silently).
+        """
+        modules = [] if self.session is None else self.session.modules
+        for m in modules:
+            ref = _STREAM_OWNER.get(m)
+            other = ref() if ref is not None else None
+            if other is not None and other is not self and other._source is not None:
+                raise SetupError(
+                    "another LookaheadTrainPipeline has a stream in progress on this model's cached tables (its "
+                    "plans rely on their cache contents): run it to its end, or call its close(), before this "
+                    "pipeline starts a stream"
+                )
+        for m in modules:
+            _STREAM_OWNER[m] = weakref.ref(self)
 
     def _next_batch(self, dataloader_iter: Iterator[Batch]) -> Optional[Batch]:
         if self._batches is None:
@@ -218,6 +245,7 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
             SetupError: the model is in eval mode (call ``model.train()``; nothing changes), or
                 ``dataloader_iter`` is not the iterator of the stream in progress (call :meth:`reset`
                 first: the planner has read ahead of training from the stream's own iterator); nothing changes.
+                Or another pipeline on the same model has a stream in progress (close it first).
         """
         if self.loader is not None and not self._model.training:
             # before the step: a planned batch in eval mode is refused by the cached modules mid-forward, and the
