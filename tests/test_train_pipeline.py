@@ -170,22 +170,30 @@ def test_dict_batches_are_refused_with_what_the_pipeline_takes(pg):
     assert not [t for t in threading.enumerate() if t.name.startswith("lookahead")]
 
 
-def test_a_second_pipeline_on_the_model_is_refused_while_the_first_has_a_stream_in_progress(pg):
-    """A second pipeline's stream emptied the caches the first's plans relied on: both went on training, wrong
-    (losses and weights different from TorchRec's, silently)."""
+def test_a_second_pipeline_on_the_model_closes_the_stream_the_first_left_in_progress(pg):
+    """A loop without ``with`` that raised left its pipeline's stream in progress; a second pipeline's stream on
+    the same model emptied the caches the first's plans relied on: both trained on, wrong (losses and weights
+    different from TorchRec's, silently), and the first's threads ran on."""
     dmp, first, data = build(cached=True, steps=6)
     it = iter(data)
     losses = [float(first.progress(it)[0]) for _ in range(2)]
     second = LookaheadTrainPipeline(dmp, first._optimizer, torch.device("cpu"))
-    with pytest.raises(
-        SetupError, match=r"another LookaheadTrainPipeline has a stream in progress.*close\(\)"
-    ):
-        second.progress(iter(data))
+    it2 = iter(data)
     with pytest.raises(StopIteration):
         while True:
-            losses.append(float(first.progress(it)[0]))
-    assert losses == train(cached=False, steps=6)["losses"]  # the first stream, untouched
-    assert _steps_to_the_end(second, iter(data)) == 6  # once it ended, the second trains
+            losses.append(float(second.progress(it2)[0]))
+    assert first.loader is not None and first.loader._run is None  # its threads stopped
+    with pytest.raises(SetupError, match=r"closed mid-way .*another pipeline's stream"):
+        first.progress(it)
+    _, pipeline, fresh = build(cached=False, steps=6)  # TorchRec: 2 steps, then a new stream of 6
+    it = iter(fresh)
+    expected = [float(pipeline.progress(it)[0]) for _ in range(2)]
+    pipeline.reset()
+    it = iter(fresh)
+    with pytest.raises(StopIteration):
+        while True:
+            expected.append(float(pipeline.progress(it)[0]))
+    assert losses == expected
     second.close()
 
 

@@ -49,7 +49,8 @@ __all__ = ["LookaheadTrainPipeline"]
 
 log = logging.getLogger(__name__)
 
-#: per cached collection, the pipeline whose stream last started on it (its caches hold that stream's rows)
+#: per cached collection, the pipeline whose stream last started on it (its caches hold that stream's rows): a
+#: new stream of another pipeline closes that one's
 _STREAM_OWNER: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[LookaheadTrainPipeline]] = (
     weakref.WeakKeyDictionary()
 )
@@ -188,35 +189,33 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         if self.loader is None:
             self._batches = dataloader_iter
         else:
-            self._claim_caches()
             if dataloader_iter is self._abandoned:
                 raise SetupError(
-                    "this iterator's stream was closed mid-way: the cache's planner had read batches ahead of "
-                    "training from it, and they went with the stream; pass a new iterator (iter(dataloader)) to "
-                    "start a new stream"
+                    "this iterator's stream was closed mid-way (by close(), an error, or another pipeline's stream "
+                    "on the same model): the cache's planner had read batches ahead of training from it, and they "
+                    "went with the stream; pass a new iterator (iter(dataloader)) to start a new stream"
                 )
+            self._claim_caches()
             self.loader.loader = _torchrec_batches(dataloader_iter)
             self._batches = iter(self.loader)  # a new stream starts from empty caches (flushed first)
             self._source, self._abandoned = dataloader_iter, None
         super()._connect(dataloader_iter)
 
     def _claim_caches(self) -> None:
-        """Make this pipeline the owner of the model's caches for the stream it starts.
-
-        Raises:
-            SetupError: another pipeline's stream is in progress on them (a new stream empties the caches its
-                plans rely on: both would train wrong rows, silently).
-        """
+        """Make this pipeline the owner of the model's caches for the stream it starts: another pipeline's stream
+        in progress on them (left open, e.g. by an exception in a loop without ``with``) is closed first, since
+        the new stream empties the caches its plans rely on (its iterator is then refused, as after
+        :meth:`close`, instead of training wrong rows)."""
         modules = [] if self.session is None else self.session.modules
         for m in modules:
             ref = _STREAM_OWNER.get(m)
             other = ref() if ref is not None else None
             if other is not None and other is not self and other._source is not None:
-                raise SetupError(
-                    "another LookaheadTrainPipeline has a stream in progress on this model's cached tables (its "
-                    "plans rely on their cache contents): run it to its end, or call its close(), before this "
-                    "pipeline starts a stream"
+                log.warning(
+                    "LookaheadTrainPipeline: another pipeline's stream on this model's cached tables was in "
+                    "progress; it is closed (its iterator is refused from now on)"
                 )
+                other.close()
         for m in modules:
             _STREAM_OWNER[m] = weakref.ref(self)
 
@@ -245,7 +244,7 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
             SetupError: the model is in eval mode (call ``model.train()``; nothing changes), or
                 ``dataloader_iter`` is not the iterator of the stream in progress (call :meth:`reset`
                 first: the planner has read ahead of training from the stream's own iterator); nothing changes.
-                Or another pipeline on the same model has a stream in progress (close it first).
+                A stream in progress of another pipeline on the same model is closed (its iterator then refused).
         """
         if self.loader is not None and not self._model.training:
             # before the step: a planned batch in eval mode is refused by the cached modules mid-forward, and the
