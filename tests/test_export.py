@@ -136,6 +136,20 @@ def test_export_command_line_refuses_a_missing_checkpoint(tmp_path: Path) -> Non
     assert ok.returncode == 0 and "--ckpt" in ok.stdout
 
 
+@pytest.mark.parametrize("flag", ["--ckpt", "--out"])
+def test_export_refuses_an_empty_path_naming_the_flag_not_the_working_directory(
+    tmp_path: Path, monkeypatch, flag: str
+) -> None:
+    """``--ckpt ""`` (an unset shell variable) was read as ``.``: "CheckpointError: . is not a checkpoint directory"."""
+    from torchrec_lookahead.export import main
+
+    monkeypatch.chdir(tmp_path)
+    paths = {"--ckpt": str(tmp_path / "c.ckpt"), "--out": str(tmp_path / "o.ckpt"), flag: ""}
+    with pytest.raises(CheckpointError, match=f"^{flag} is empty; pass a path"):
+        main([a for k, v in paths.items() for a in (k, v)])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_refuses_a_file_that_is_not_a_checkpoint_dict(tmp_path: Path) -> None:
     listed = tmp_path / "list.pt"
     torch.save([1, 2], listed)

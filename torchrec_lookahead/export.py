@@ -264,12 +264,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m torchrec_lookahead export", description=__doc__.splitlines()[0]
     )
-    p.add_argument(
-        "--ckpt", required=True, type=Path, help="checkpoint of cached training (directory or file)"
-    )
-    p.add_argument("--out", required=True, type=Path, help="the resident model's checkpoint file to write")
+    p.add_argument("--ckpt", required=True, help="checkpoint of cached training (directory or file)")
+    p.add_argument("--out", required=True, help="the resident model's checkpoint file to write")
     p.add_argument("--config", action="append", help="the job's config: check the export against its model")
     args = p.parse_args(argv)
-    summary = export_checkpoint(args.ckpt, args.out, args.config)
+    for flag, value in (("--ckpt", args.ckpt), ("--out", args.out)):
+        if not value.strip():  # Path("") is ".", the working directory: an empty shell variable, most likely
+            raise CheckpointError(f"{flag} is empty; pass a path (is the shell variable it came from set?)")
+    summary = export_checkpoint(Path(args.ckpt), Path(args.out), args.config)
     sys.stdout.write(json.dumps(summary) + "\n")
     return 0
