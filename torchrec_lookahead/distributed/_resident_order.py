@@ -66,17 +66,22 @@ def resident_plan_and_orders(
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # a resident plan that does not fit is expected, not an error
     try:
-        sharders = get_default_sharders()
-        plan = (
-            planner.collective_plan(module, sharders, pg)
-            if pg is not None
-            else planner.plan(module, sharders)
-        )
-    except Exception as e:  # noqa: BLE001 - any planner failure: keep the cached job's own plan and order
-        log.debug("no resident plan to order the pooled features by: %s", e)
-        return None
+        # Planned on rank 0 and broadcast, failure included: TorchRec's collective_plan raises on rank 0 only,
+        # and a failure kept from the others would leave them waiting for the plan (their collectives out of step).
+        plan: Optional[ShardingPlan] = None
+        if pg is None or dist.get_rank(pg) == 0:
+            try:
+                plan = planner.plan(module, get_default_sharders())
+            except Exception as e:  # noqa: BLE001 - any planner failure: keep the cached job's own plan and order
+                log.debug("no resident plan to order the pooled features by: %s", e)
+        if pg is not None and dist.get_world_size(pg) > 1:
+            box = [plan]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+            plan = box[0]
     finally:
         quiet.setLevel(level)
+    if plan is None:
+        return None
     try:
         return plan, _orders(
             module, plan, ShardingEnv(topology.world_size, dist.get_rank(pg) if pg else 0, pg)
