@@ -85,9 +85,11 @@ def check_loader_options(
     if (
         isinstance(stop_timeout_s, bool)
         or not isinstance(stop_timeout_s, numbers.Real)
-        or not stop_timeout_s > 0
+        or not 0 < stop_timeout_s <= threading.TIMEOUT_MAX - 30  # the threads' join waits 30 s more
     ):
-        raise ConfigError(f"Expected stop_timeout_s > 0 but got {stop_timeout_s!r}")
+        raise ConfigError(
+            f"Expected stop_timeout_s > 0 (seconds, finite) but got {stop_timeout_s!r}; e.g. 60"
+        )
     return depth, float(stop_timeout_s), check_nice(planner_nice)
 
 
