@@ -117,6 +117,8 @@ def test_bad_settings_are_refused_before_anything_runs():
         ({"queue_depth": 0}, "queue_depth must be an integer >= 1"),
         ({"stop_timeout_s": 0}, "stop_timeout_s > 0"),
         ({"stop_timeout_s": "1"}, "stop_timeout_s > 0"),
+        # inf passed, then the threads' join at the stream's end raised an OverflowError traceback
+        ({"stop_timeout_s": float("inf")}, r"stop_timeout_s > 0 \(seconds, finite\) but got inf"),
         ({"planner_nice": 25}, "planner_nice in \\[0, 19\\]"),
     ):
         with pytest.raises(ConfigError, match=match):

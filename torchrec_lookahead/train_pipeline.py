@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import weakref
 from types import TracebackType
-from typing import Any, Iterable, Iterator, List, Optional, Type, Union
+from typing import Any, Generator, Iterable, Iterator, List, Optional, Type, Union
 
 import torch
 from torchrec.datasets.utils import Batch
@@ -283,6 +283,9 @@ class LookaheadTrainPipeline(TrainPipelineBase[Batch, Any]):
         """Stop the background threads (a later ``progress`` starts a new stream, from a new iterator: the one of
         a stream closed mid-way is refused, its batches read ahead of training having gone with the stream)."""
         if self.loader is not None:
+            stream, self._batches = self._batches, None
+            if isinstance(stream, Generator):
+                stream.close()  # its own cleanup now, not at a garbage collection (at exit: without threading)
             self.loader.close()
         if self._source is not None:
             self._abandoned, self._source = self._source, None
