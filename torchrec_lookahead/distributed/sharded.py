@@ -134,8 +134,9 @@ def _refuse_weights(kjt: KeyedJaggedTensor, features: List[str]) -> None:
     the ids and the cache would not."""
     weights = kjt.weights_or_none()
     if weights is not None and torch.is_floating_point(weights):
+        named = ", ".join(features[:3]) + (f" and {len(features) - 3} more" if len(features) > 3 else "")
         raise DataError(
-            f"the batch carries per-id weights but the EmbeddingBagCollection of features {features} is unweighted "
+            f"the batch carries per-id weights but the EmbeddingBagCollection of features {named} is unweighted "
             "(is_weighted=False); drop the weights from its KeyedJaggedTensor or build it with is_weighted=True "
             "(TorchRec's sharded module applies such weights, its unsharded module ignores them)"
         )
