@@ -43,4 +43,5 @@ def test_a_resident_table_fbgemm_cannot_train_is_a_config_error_not_torchrecs_as
         ConfigError, match="table 'odd' has embedding_dim 7; FBGEMM's kernel needs a multiple of 4: use 8"
     ):
         lookahead_sharding_plan(ebc, [sharder], {"big": 10}, topology)
-    lookahead_sharding_plan(ebc, [sharder], {"big": 10, "odd": 5}, topology)  # the cache checks its own tables
+    # cached, the table is checked by the cache itself
+    lookahead_sharding_plan(ebc, [sharder], {"big": 10, "odd": 5}, topology)
