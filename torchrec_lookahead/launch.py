@@ -84,13 +84,18 @@ class LookaheadCLI(LightningCLI):
         instead of the unpickler's traceback."""
         from pathlib import Path
 
+        from lightning.pytorch.utilities.model_registry import _is_registry
+
         from torchrec_lookahead.strategies._checkpoint import check_not_inside_checkpoint
 
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and str(ckpt_path).startswith("~"):
+            # Lightning reads a local path through fsspec, which expands a leading ~: so do the checks below
+            ckpt_path = self.config[subcommand]["ckpt_path"] = os.path.expanduser(str(ckpt_path))
         if ckpt_path:
             check_not_inside_checkpoint(Path(str(ckpt_path)))  # before Lightning unpickles a piece of it
-            keyword = str(ckpt_path) in ("last", "best", "hpc") or str(ckpt_path).startswith("registry")
+            keyword = str(ckpt_path) in ("last", "best", "hpc") or _is_registry(str(ckpt_path))
             if not keyword and "://" not in str(ckpt_path) and not Path(str(ckpt_path)).exists():
                 # strategy='auto' (an export evaluated) reached Lightning's FileNotFoundError traceback
                 raise CheckpointError(

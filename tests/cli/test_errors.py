@@ -237,3 +237,12 @@ def test_a_ckpt_path_that_does_not_exist_is_one_checkpoint_error_under_any_strat
         capsys, [command, "--config", TINY, f"--ckpt_path={missing}", "--trainer.strategy=auto"]
     )
     assert line.startswith(f"CheckpointError: checkpoint {missing} does not exist; check ckpt_path"), line
+
+
+def test_a_ckpt_path_under_home_is_read_as_lightning_reads_it(capsys, tmp_path, monkeypatch):
+    """`--ckpt_path=~/...` (a YAML config, or quoted): Lightning reads it (fsspec expands the ~), but the CLI's
+    check refused it as a checkpoint that 'does not exist'."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "g.ckpt").write_bytes(bytes(range(256)) * 4)
+    line = _short_error(capsys, ["test", "--config", TINY, "--ckpt_path=~/g.ckpt", "--trainer.strategy=auto"])
+    assert line.startswith(f"CheckpointError: cannot read the checkpoint {tmp_path / 'g.ckpt'} ("), line
