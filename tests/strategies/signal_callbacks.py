@@ -48,3 +48,32 @@ class SignalAtStep(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self.at_step:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class StopAt(pl.Callback):
+    """Set ``trainer.should_stop`` at the end of training batch ``at`` (on rank 0 alone with ``rank0_only``, as a
+    callback reading a rank-local metric would); at the end of training, write the step each rank stopped after to
+    ``stopped_<rank>`` in the run's root directory."""
+
+    def __init__(self, at: int = 5, rank0_only: bool = True, in_validation: bool = False) -> None:
+        self.at = at
+        self.rank0_only = rank0_only
+        self.in_validation = in_validation
+
+    def _mine(self, trainer: pl.Trainer) -> bool:
+        return not self.rank0_only or trainer.global_rank == 0
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        if not self.in_validation and idx == self.at and self._mine(trainer):
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        # a file, not a print: a rank Lightning launched may end after the test stopped reading the output
+        with open(os.path.join(trainer.default_root_dir, f"stopped_{trainer.global_rank}"), "w") as f:
+            f.write(str(trainer.global_step))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if self.in_validation and trainer.global_step >= self.at and self._mine(trainer):
+            trainer.should_stop = True

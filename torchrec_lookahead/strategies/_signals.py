@@ -5,7 +5,7 @@ finds the main thread: a peer inside the cache's all-gather (or any other collec
 rank waits for good. The handler also makes a rank that receives it alone stop at the end of its step while its
 peers go on. :class:`LockstepSignalConnector` replaces the handler's work by a flag (and the forwarding of the
 signal to the processes Lightning launched), and the strategy agrees on the flags once per training step, at the
-start of the step, with one all-reduce of a host tensor on a gloo group (:meth:`agree`): every rank then
+end of the step, with one all-reduce of a host tensor on a gloo group (:meth:`agree`): every rank then
 ends after the same step (Lightning's ``SIGTERMException``), flushes its caches and exits, whichever of them the
 signal reached. With one process the flag stops training at once, and the lookahead pre-scans poll it
 (:func:`~torchrec_lookahead.runtime.report.scan_progress`).
@@ -70,20 +70,37 @@ class LockstepSignalConnector(_SignalConnector):
 
     def agree(self, validating: bool = False) -> bool:
         """Whether some rank received SIGTERM; a collective of every rank's training thread (one all-reduce of
-        one number, on the host, see :meth:`_group`) that every rank calls at the same point of every training
-        step and, so that a long validation does not keep a signalled run going, of every validation step
-        (``validating``: Lightning's evaluation loop then stops after the batch)."""
+        three numbers, on the host, see :meth:`_group`) that every rank calls at the same point of every training
+        step (its end, before Lightning decides whether to validate or stop) and, so that a long validation does
+        not keep a signalled run going, of every validation step (``validating``: Lightning's evaluation loop then
+        stops after the batch).
+
+        The same all-reduce agrees on ``trainer.should_stop``: set on some rank only (a callback reading a
+        rank-local metric), it becomes true on every rank, so that every rank stops after the same step instead
+        of one leaving its peers inside a collective (Lightning's DDP does not agree on it either)."""
         if self.received_sigterm:
             return True
-        if self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([int(self.pending)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group())
-            if int(flag.item()):
+        trainer = self.trainer
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            stop = int(bool(trainer.should_stop))
+            # MAX of [signal, stop, not stop]: some rank signalled, some rank stops, some rank does not
+            flags = torch.tensor([int(self.pending), stop, 1 - stop])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group())
+            signalled, any_stop, any_go = (int(x) for x in flags.tolist())
+            if any_stop and any_go:
+                trainer.should_stop = True
+                where = (
+                    f"after the validation after step {trainer.global_step}"
+                    if validating or trainer.validating
+                    else f"after step {trainer.global_step}"
+                )
+                rank_zero_info(f"should_stop: every rank stops {where} (some rank set trainer.should_stop)")
+            if signalled:
                 self.received_sigterm = True
                 where = (
-                    f"in the validation after step {self.trainer.global_step}"
+                    f"in the validation after step {trainer.global_step}"
                     if validating
-                    else f"after step {self.trainer.global_step + 1}"
+                    else f"after step {trainer.global_step}"
                 )
                 rank_zero_info(f"SIGTERM: every rank stops {where} (the caches are flushed)")
         return self.received_sigterm
@@ -108,6 +125,22 @@ def use_lockstep_signals(trainer: pl.Trainer) -> LockstepSignalConnector:
                 raise SIGTERMException()
 
         loop._broadcast_sigterm_tensor = local_check  # type: ignore[method-assign]
+    if not getattr(loop.on_advance_end, "_lockstep", False):
+        end_of_step = loop.on_advance_end
+        validate = loop.val_loop.run
+
+        def agreed_end_of_step(data_fetcher: Any) -> None:
+            connector.agree()  # before Lightning validates, or stops, on trainer.should_stop
+            end_of_step(data_fetcher)
+
+        def agreed_validation() -> Any:
+            out = validate()
+            connector.agree(validating=True)  # a should_stop set by a validation hook on some rank
+            return out
+
+        agreed_end_of_step._lockstep = True  # type: ignore[attr-defined]
+        loop.on_advance_end = agreed_end_of_step  # type: ignore[method-assign]
+        loop.val_loop.run = agreed_validation  # type: ignore[method-assign]
     return connector
 
 

@@ -340,13 +340,6 @@ class TorchRecStrategy(DDPStrategy):
             trainer._signal_connector.agree(validating)
 
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Agree on SIGTERM (one all-reduce of one number per step, see ``strategies/_signals.py``): when some rank
-        received it, every rank ends after this step."""
-        self._agree_on_sigterm(validating=False)
-        super().on_train_batch_start(batch, batch_idx)
-
-    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Agree on SIGTERM before each validation batch too: when some rank received it, every rank ends the
         validation after this batch (Lightning's evaluation loop raises ``SIGTERMException``), instead of going
