@@ -296,15 +296,45 @@ class _Run:
                 self.shutdown_error = error
 
     def stop(self) -> Optional[BaseException]:
-        """Stop and join the threads; returns the first shutdown error of the planner or the stager, if any."""
+        """Stop and join the threads; returns the first shutdown error of the planner or the stager, if any.
+
+        Under a ``KeyboardInterrupt`` (Ctrl-C) the reader thread, which a stop cannot interrupt inside the wrapped
+        loader's ``next()``, is waited for :data:`INTERRUPT_JOIN_S` only: a daemon thread, it is left behind, in
+        one line, and ends with the process."""
         self._stop.set()
+        interrupted = _interrupted()
         for t in self.threads:
-            if t is not threading.current_thread():
-                t.join(timeout=self.join_timeout_s)
-                if t.is_alive():
-                    log.warning(
-                        "lookahead thread %s did not stop within %g s (blocked in the wrapped loader?)",
-                        t.name,
-                        self.join_timeout_s,
-                    )
+            if t is threading.current_thread():
+                continue
+            left = interrupted and t is self.reader
+            t.join(timeout=min(self.join_timeout_s, INTERRUPT_JOIN_S) if left else self.join_timeout_s)
+            if not t.is_alive():
+                continue
+            if left:
+                log.warning(
+                    "interrupted: the lookahead reader thread, blocked in the wrapped loader's next(), is left "
+                    "behind (a daemon thread: it ends with the process)"
+                )
+            else:
+                log.warning(
+                    "lookahead thread %s did not stop within %g s (blocked in the wrapped loader?)",
+                    t.name,
+                    self.join_timeout_s,
+                )
         return self.shutdown_error
+
+
+#: how long the stop of an interrupted run waits for the reader thread (it is idle or inside the wrapped loader)
+INTERRUPT_JOIN_S = 2.0
+
+
+def _interrupted() -> bool:
+    """Whether a ``KeyboardInterrupt`` is being handled on this thread (also as the context of the exception
+    being handled: the ``GeneratorExit`` of a stream closed by an interrupted loop)."""
+    error: Optional[BaseException] = sys.exc_info()[1]
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error, seen = error.__context__, seen + 1
+    return False
