@@ -4,7 +4,7 @@ data-parallel ``CUSTOMIZED_KERNEL`` entries that :class:`LookaheadEmbeddingBagCo
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from torchrec_lookahead.distributed.ec_sharder import LookaheadEmbeddingCollecti
 from torchrec_lookahead.distributed.sharded_collection import CUSTOMIZED
 from torchrec_lookahead.distributed.sharder import LookaheadEmbeddingBagCollectionSharder, lookahead_planning
 from torchrec_lookahead.distributed.topology import sharding_planner
-from torchrec_lookahead.errors import ConfigError
+from torchrec_lookahead.errors import ConfigError, SetupError, first_line
 
 __all__ = ["lookahead_sharding_plan", "embedding_tables", "with_default_sharders", "check_all_sharded"]
 
@@ -196,6 +196,35 @@ def _check_fused_dims(
             )
 
 
+def _collective_plan(
+    planner: Any, module: nn.Module, sharders: List[ModuleSharder[nn.Module]], pg: dist.ProcessGroup
+) -> ShardingPlan:
+    """TorchRec's ``collective_plan`` (planned on rank 0, broadcast), whose failure reaches every rank: TorchRec's
+    raises on rank 0 only and leaves the others waiting for the plan's broadcast (a hang until the process
+    group's timeout).
+
+    Raises:
+        SetupError: on the other ranks, rank 0's planner failed (rank 0 raises the planner's own error).
+    """
+    if dist.get_world_size(pg) == 1:
+        return planner.plan(module, sharders)
+    box: List[Any] = [None]
+    error: Optional[Exception] = None
+    if dist.get_rank(pg) == 0:
+        try:
+            box[0] = planner.plan(module, sharders)
+        except Exception as e:  # noqa: BLE001 - broadcast, then raised here as it is
+            error, box[0] = e, f"{type(e).__name__}: {first_line(e, 300)}"
+    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+    if error is not None:
+        raise error
+    if isinstance(box[0], str):
+        raise SetupError(
+            f"rank 0 could not plan the sharding ({box[0]}); see rank 0's error for what to change"
+        )
+    return box[0]
+
+
 def _follow_resident_order(
     plan: ShardingPlan,
     module: nn.Module,
@@ -279,7 +308,7 @@ def lookahead_sharding_plan(
     try:
         with lookahead_planning():
             if pg is not None:
-                plan = planner.collective_plan(target, sharders, pg)
+                plan = _collective_plan(planner, target, sharders, pg)
             else:
                 plan = planner.plan(target, sharders)
     finally:
