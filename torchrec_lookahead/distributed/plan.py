@@ -196,12 +196,12 @@ def _check_fused_dims(
             )
 
 
-def _collective_plan(
-    planner: Any, module: nn.Module, sharders: List[ModuleSharder[nn.Module]], pg: dist.ProcessGroup
+def collective_plan(
+    planner: Any, module: nn.Module, sharders: List[ModuleSharder[nn.Module]], pg: Optional[dist.ProcessGroup]
 ) -> ShardingPlan:
     """TorchRec's ``collective_plan`` (planned on rank 0, broadcast), whose failure reaches every rank: TorchRec's
     raises on rank 0 only and leaves the others waiting for the plan's broadcast (a hang until the process
-    group's timeout).
+    group's timeout). ``pg``: the ranks' group (``None``: the default group).
 
     Raises:
         SetupError: on the other ranks, rank 0's planner failed (rank 0 raises the planner's own error).
@@ -215,7 +215,7 @@ def _collective_plan(
             box[0] = planner.plan(module, sharders)
         except Exception as e:  # noqa: BLE001 - broadcast, then raised here as it is
             error, box[0] = e, f"{type(e).__name__}: {first_line(e, 300)}"
-    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+    dist.broadcast_object_list(box, src=0 if pg is None else dist.get_global_rank(pg, 0), group=pg)
     if error is not None:
         raise error
     if isinstance(box[0], str):
@@ -308,7 +308,7 @@ def lookahead_sharding_plan(
     try:
         with lookahead_planning():
             if pg is not None:
-                plan = _collective_plan(planner, target, sharders, pg)
+                plan = collective_plan(planner, target, sharders, pg)
             else:
                 plan = planner.plan(target, sharders)
     finally:

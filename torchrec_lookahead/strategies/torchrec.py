@@ -46,6 +46,7 @@ from torchrec_lookahead.distributed import (
     lookahead_sharding_plan,
     with_default_sharders,
 )
+from torchrec_lookahead.distributed.plan import collective_plan
 from torchrec_lookahead.distributed.topology import make_topology, sharding_planner
 from torchrec_lookahead.errors import CheckpointError, ConfigError, SetupError
 from torchrec_lookahead.modules.checkpoint_files import StoreFiles, store_files
@@ -274,7 +275,7 @@ class TorchRecStrategy(DDPStrategy):
             )
         elif plan is None:
             planner = sharding_planner(topology, self._constraints_for(module))
-            plan = planner.collective_plan(module, sharders, pg)
+            plan = collective_plan(planner, module, sharders, pg)  # its failure reaches every rank
         # DistributedModelParallel replaces the collections in place: list the tables first.
         tables = embedding_table_configs(module)
         dmp = DistributedModelParallelKeys(
