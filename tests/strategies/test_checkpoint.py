@@ -179,3 +179,39 @@ def test_a_weights_only_checkpoint_is_refused_to_resume_saying_so(tmp_path: Path
         fit_cached(tmp_path / "b", max_steps=4, capacity=capacity, ckpt_path=str(path))
     trainer, model = fit_cached(tmp_path / "c", max_steps=2, capacity=capacity, limit_val_batches=None)
     assert trainer.validate(model, datamodule=trainer.datamodule, ckpt_path=str(path), verbose=False)
+
+
+@pytest.mark.parametrize("store", ["ram", "disk"])
+def test_validate_of_a_weights_only_checkpoint_equals_that_of_the_full_one(
+    tmp_path: Path, store: str
+) -> None:
+    """validate --ckpt_path of a weights-only checkpoint reads the weights alone (no optimizer state): the
+    metrics and every weight equal, bit for bit, those read from the full checkpoint of the same step (the
+    cached table's rows in a RAM or a disk store)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ..helpers import fit_cached, weights
+
+    def sharder(name: str) -> dict:
+        return (
+            {"store": "disk", "host_budget_bytes": 64 * 1024, "store_dir": str(tmp_path / name)}
+            if store == "disk"
+            else {}
+        )
+
+    wo = ModelCheckpoint(
+        tmp_path / "w", every_n_train_steps=2, save_weights_only=True, filename="w-{step}", save_top_k=-1
+    )
+    full = ModelCheckpoint(tmp_path / "f", every_n_train_steps=1, save_top_k=-1)
+    kw = {"capacity": {"t_cat_2": 140}}
+    fit_cached(tmp_path / "a", max_steps=4, callbacks=[wo, full], sharder_kw=sharder("sa"), **kw)
+    trainer, model = fit_cached(
+        tmp_path / "b", max_steps=3, limit_val_batches=None, sharder_kw=sharder("sb"), **kw
+    )
+    read = []
+    for path in (tmp_path / "w" / "w-step=2.ckpt", tmp_path / "f" / "epoch=0-step=2.ckpt"):
+        metrics = trainer.validate(model, datamodule=trainer.datamodule, ckpt_path=str(path), verbose=False)
+        read.append((metrics, weights(model)))
+    (m_wo, w_wo), (m_full, w_full) = read
+    assert m_wo == m_full
+    assert w_wo.keys() == w_full.keys() and all(torch.equal(w_wo[k], w_full[k]) for k in w_wo)
