@@ -45,3 +45,20 @@ def test_a_resident_table_fbgemm_cannot_train_is_a_config_error_not_torchrecs_as
         lookahead_sharding_plan(ebc, [sharder], {"big": 10}, topology)
     # cached, the table is checked by the cache itself
     lookahead_sharding_plan(ebc, [sharder], {"big": 10, "odd": 5}, topology)
+
+
+def test_tables_torchrec_cannot_place_are_one_config_error_line_not_its_planner_report():
+    """TorchRec's PlannerError is a 20-line report; the refusal names the table, the storage and what to do."""
+    tables = [
+        EmbeddingBagConfig(name="big", embedding_dim=16, num_embeddings=1000, feature_names=["f"]),
+        EmbeddingBagConfig(name="huge", embedding_dim=16, num_embeddings=10**11, feature_names=["g"]),
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    sharder = LookaheadEmbeddingBagCollectionSharder(capacity={"big": 10})
+    with pytest.raises(ConfigError) as err:
+        lookahead_sharding_plan(ebc, [sharder], {"big": 10}, Topology(world_size=1, compute_device="cpu"))
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("TorchRec's planner could not place the tables"), text
+    assert "table 'huge' fits on no rank" in text and "ddr = 5960.465 GB" in text, text
+    assert text.endswith("cache the largest tables (the lookahead sharder's capacity or device_budget_bytes) "
+                         "or give the job more devices or memory"), text  # fmt: skip

@@ -4,6 +4,7 @@ data-parallel ``CUSTOMIZED_KERNEL`` entries that :class:`LookaheadEmbeddingBagCo
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
@@ -196,6 +198,26 @@ def _check_fused_dims(
             )
 
 
+def _plan(planner: Any, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
+    """``planner.plan``, its failure to place the tables (TorchRec's ``PlannerError``, a 20-line report) as one
+    :class:`ConfigError` line: what does not fit, and what to do."""
+    try:
+        return planner.plan(module, sharders)
+    except PlannerError as e:
+        text = str(e)
+        table = re.search(r"of table (\S+?),", text)
+        need = re.search(r"storage requirement for model parallel: Storage\(([^)]*)\)", text)
+        have = re.search(r"storage available for model parallel: Storage\(([^)]*)\)", text)
+        detail = f"; table {table.group(1)!r} fits on no rank" if table else ""
+        if need and have:
+            detail += f"; the tables need {need.group(1)}, the ranks have {have.group(1)}"
+        why = first_line(e, 200).rstrip(" .")
+        raise ConfigError(
+            f"TorchRec's planner could not place the tables ({why}{detail}): cache the largest tables (the "
+            "lookahead sharder's capacity or device_budget_bytes) or give the job more devices or memory"
+        ) from e
+
+
 def collective_plan(
     planner: Any, module: nn.Module, sharders: List[ModuleSharder[nn.Module]], pg: Optional[dist.ProcessGroup]
 ) -> ShardingPlan:
@@ -207,12 +229,12 @@ def collective_plan(
         SetupError: on the other ranks, rank 0's planner failed (rank 0 raises the planner's own error).
     """
     if dist.get_world_size(pg) == 1:
-        return planner.plan(module, sharders)
+        return _plan(planner, module, sharders)
     box: List[Any] = [None]
     error: Optional[Exception] = None
     if dist.get_rank(pg) == 0:
         try:
-            box[0] = planner.plan(module, sharders)
+            box[0] = _plan(planner, module, sharders)
         except Exception as e:  # noqa: BLE001 - broadcast, then raised here as it is
             error, box[0] = e, f"{type(e).__name__}: {first_line(e, 300)}"
     dist.broadcast_object_list(box, src=0 if pg is None else dist.get_global_rank(pg, 0), group=pg)
@@ -310,7 +332,7 @@ def lookahead_sharding_plan(
             if pg is not None:
                 plan = collective_plan(planner, target, sharders, pg)
             else:
-                plan = planner.plan(target, sharders)
+                plan = _plan(planner, target, sharders)
     finally:
         restore()
     for m in module.modules():  # an order left by an earlier plan of the module
