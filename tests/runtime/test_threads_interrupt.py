@@ -115,3 +115,17 @@ def test_ctrl_c_of_a_pipeline_whose_loader_blocks_exits_promptly() -> None:
     took = float(out.split("exit took ")[1].split(" s")[0])
     assert took < 15, out[-3000:]
     assert out.count("left behind") == 1, out[-3000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_lightning_run_whose_loader_blocks_exits_promptly(tmp_path: Any) -> None:
+    cmd = [sys.executable, "-m", "torchrec_lookahead", "fit", "--config", "configs/dlrm_tiny_lookahead.yaml",
+           f"--trainer.default_root_dir={tmp_path}",
+           "--data.init_args.datamodule.class_path=tests.runtime.slow_loader.SlowCriteo"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=200)
+    end = time.time()
+    out = proc.stdout + proc.stderr
+    assert "blocked at " in out, out[-3000:]
+    took = end - float(out.split("blocked at ")[1].split()[0]) - 2.0  # after the SIGINT
+    assert took < 30, (took, out[-3000:])  # 90 s (stop_timeout_s + 30) waited for the reader before
+    assert out.count("left behind") == 1, out[-3000:]
