@@ -55,10 +55,13 @@ class StopAt(pl.Callback):
     callback reading a rank-local metric would); at the end of training, write the step each rank stopped after to
     ``stopped_<rank>`` in the run's root directory."""
 
-    def __init__(self, at: int = 5, rank0_only: bool = True, in_validation: bool = False) -> None:
+    def __init__(
+        self, at: int = 5, rank0_only: bool = True, in_validation: bool = False, at_epoch_end: bool = False
+    ) -> None:
         self.at = at
         self.rank0_only = rank0_only
         self.in_validation = in_validation
+        self.at_epoch_end = at_epoch_end
 
     def _mine(self, trainer: pl.Trainer) -> bool:
         return not self.rank0_only or trainer.global_rank == 0
@@ -66,13 +69,17 @@ class StopAt(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int
     ) -> None:
-        if not self.in_validation and idx == self.at and self._mine(trainer):
+        if not (self.in_validation or self.at_epoch_end) and idx == self.at and self._mine(trainer):
             trainer.should_stop = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         # a file, not a print: a rank Lightning launched may end after the test stopped reading the output
         with open(os.path.join(trainer.default_root_dir, f"stopped_{trainer.global_rank}"), "w") as f:
             f.write(str(trainer.global_step))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if self.at_epoch_end and trainer.global_step >= self.at and self._mine(trainer):
+            trainer.should_stop = True
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         if self.in_validation and trainer.global_step >= self.at and self._mine(trainer):

@@ -60,3 +60,14 @@ def test_should_stop_set_in_validation_on_one_rank_stops_every_rank(tmp_path: Pa
     code, text = _run(tmp_path, "configs/dlrm_tiny_lookahead.yaml", extra)
     assert code == 0 and "Traceback" not in text, text[-3000:]
     assert _last_steps(tmp_path) == {0: 4, 1: 4}, text[-3000:]
+
+
+def test_should_stop_set_at_an_epoch_end_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    extra = [
+        "--trainer.callbacks.at=1",
+        "--trainer.callbacks.at_epoch_end=true",
+        "--trainer.limit_val_batches=0",
+    ]
+    code, text = _run(tmp_path, "configs/dlrm_tiny_lookahead.yaml", extra)
+    assert code == 0 and "Traceback" not in text, text[-3000:]
+    assert _last_steps(tmp_path) == {0: 12, 1: 12}, text[-3000:]  # the first epoch's 12 steps of max_epochs=2

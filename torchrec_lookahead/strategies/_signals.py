@@ -112,7 +112,9 @@ def use_lockstep_signals(trainer: pl.Trainer) -> LockstepSignalConnector:
     Lightning's training loop also broadcasts rank 0's SIGTERM flag at the start of every step (a collective on
     the default group; under NCCL a device tensor read back, a host-device synchronisation per step). With the
     connector the flag is already the same on every rank (:meth:`LockstepSignalConnector.agree`), so that
-    broadcast becomes the local check it amounts to."""
+    broadcast becomes the local check it amounts to. The flags are agreed at the end of every training step, after
+    each validation of the fit and at the end of each epoch (``trainer.should_stop``, which hooks of those points
+    may set on one rank only: see :meth:`LockstepSignalConnector.agree`)."""
     connector = trainer._signal_connector
     if not isinstance(connector, LockstepSignalConnector):
         connector = LockstepSignalConnector(trainer)
@@ -138,9 +140,17 @@ def use_lockstep_signals(trainer: pl.Trainer) -> LockstepSignalConnector:
             connector.agree(validating=True)  # a should_stop set by a validation hook on some rank
             return out
 
+        fit = trainer.fit_loop
+        end_of_epoch = fit.on_advance_end
+
+        def agreed_end_of_epoch() -> None:
+            end_of_epoch()
+            connector.agree()  # a should_stop set by an end-of-epoch hook on some rank
+
         agreed_end_of_step._lockstep = True  # type: ignore[attr-defined]
         loop.on_advance_end = agreed_end_of_step  # type: ignore[method-assign]
         loop.val_loop.run = agreed_validation  # type: ignore[method-assign]
+        fit.on_advance_end = agreed_end_of_epoch  # type: ignore[method-assign]
     return connector
 
 
