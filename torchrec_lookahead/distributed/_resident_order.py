@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -35,8 +36,22 @@ __all__: List[str] = []
 
 log = logging.getLogger(__name__)
 
-#: attribute of an unsharded EmbeddingBagCollection: its pooled keys in resident TorchRec's order
-OUTPUT_ORDER_ATTR = "_lookahead_resident_output_order"
+#: per unsharded EmbeddingBagCollection with cached tables: its pooled keys in resident TorchRec's order
+_OUTPUT_ORDERS: weakref.WeakKeyDictionary[nn.Module, List[str]] = weakref.WeakKeyDictionary()
+
+
+def set_output_order(module: nn.Module, order: Optional[List[str]]) -> None:
+    """Tell the lookahead sharder the order in which resident training returns ``module``'s pooled keys (``None``:
+    forget an earlier plan's)."""
+    if order is None:
+        _OUTPUT_ORDERS.pop(module, None)
+    else:
+        _OUTPUT_ORDERS[module] = list(order)
+
+
+def output_order(module: nn.Module) -> Optional[List[str]]:
+    """The order :func:`set_output_order` gave ``module`` (``None``: none given)."""
+    return _OUTPUT_ORDERS.get(module)
 
 
 def resident_plan_and_orders(

@@ -28,7 +28,7 @@ from torchrec.modules.embedding_modules import (
     EmbeddingCollectionInterface,
 )
 
-from torchrec_lookahead.distributed._resident_order import OUTPUT_ORDER_ATTR, resident_plan_and_orders
+from torchrec_lookahead.distributed._resident_order import resident_plan_and_orders, set_output_order
 from torchrec_lookahead.distributed._tables import copy_in_backward_optimizers, table_configs
 from torchrec_lookahead.distributed.ec_sharder import LookaheadEmbeddingCollectionSharder
 from torchrec_lookahead.distributed.sharded_collection import CUSTOMIZED
@@ -269,7 +269,7 @@ def _follow_resident_order(
         if not isinstance(sub, EmbeddingBagCollection) or path not in orders:
             continue
         if any(c.name in cached for c in sub.embedding_bag_configs()):
-            setattr(sub, OUTPUT_ORDER_ATTR, orders[path])
+            set_output_order(sub, orders[path])
         elif path in plan.plan:
             plan.plan[path] = module_plan
 
@@ -336,8 +336,7 @@ def lookahead_sharding_plan(
     finally:
         restore()
     for m in module.modules():  # an order left by an earlier plan of the module
-        if hasattr(m, OUTPUT_ORDER_ATTR):
-            delattr(m, OUTPUT_ORDER_ATTR)
+        set_output_order(m, None)
     if topology.world_size > 1:
         _follow_resident_order(plan, module, cached, topology, constraints or {}, compute_kernel, types, pg)
     ranks = list(range(topology.world_size))

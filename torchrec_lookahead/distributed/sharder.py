@@ -54,6 +54,7 @@ from torchrec_lookahead.distributed._optimizers import (
     optimizer_differences,
     why_not_fusable,
 )
+from torchrec_lookahead.distributed._resident_order import output_order
 from torchrec_lookahead.distributed._store_dirs import StoreDirs
 from torchrec_lookahead.distributed._stores import (
     STORE_SHARDINGS,
@@ -459,7 +460,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             resident,
             cache,
             module.is_weighted(),
-            output_order=getattr(module, "_lookahead_resident_output_order", None),
+            output_order=output_order(module),
             **self.sync_options(env),
         )
 

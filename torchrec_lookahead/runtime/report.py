@@ -138,6 +138,9 @@ def need_lines(scan: PreScan, target: CacheTarget, pinned: Optional[Mapping[str,
         extra = f" ({p:,} pinned hot rows and the windows' {need:,})" if p else ""
         return f"{need + p:,} of {capacity:,} cache rows{extra}"
 
+    def own(table: str) -> str:
+        return f"{table} {scan.need[table]:,}" + (f" (and {held[table]:,} pinned)" if table in held else "")
+
     lines = []
     spaces = {k: m for k, m in target.slot_spaces.items() if k in scan.space_need}
     pooled = {t for m in spaces.values() for t in m}
@@ -151,7 +154,5 @@ def need_lines(scan: PreScan, target: CacheTarget, pinned: Optional[Mapping[str,
         lines.append(
             f"  tables {', '.join(members)} (one shared cache): {cache(scan.space_need[k], list(members), total)}"
         )
-        own = ", ".join(f"{t} {scan.need[t]:,}" + (f" (and {held[t]:,} pinned)" if t in held else "")
-                        for t in members if t in scan.need)  # fmt: skip
-        lines.append(f"    each table's own windows: {own}")
+        lines.append(f"    each table's own windows: {', '.join(own(t) for t in members if t in scan.need)}")
     return lines

@@ -22,7 +22,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from torchrec_lookahead._disk_space import free_bytes, out_of_space
 from torchrec_lookahead.errors import CheckpointError
@@ -169,14 +171,12 @@ def _state_bytes(checkpoint: Dict[str, Any]) -> Optional[int]:
                 todo.extend(value.values())
             elif isinstance(value, (list, tuple)):
                 todo.extend(value)
+            elif isinstance(value, ShardedTensor):  # this rank's shards
+                todo.extend(shard.tensor for shard in value.local_shards())
+            elif isinstance(value, DTensor):
+                todo.append(value.to_local())
             elif isinstance(value, torch.Tensor):
-                local = getattr(value, "local_shards", None)
-                if callable(local):  # a ShardedTensor: this rank's shards
-                    todo.extend(shard.tensor for shard in local())
-                elif hasattr(value, "to_local"):  # a DTensor
-                    todo.append(value.to_local())
-                else:
-                    total += value.numel() * value.element_size()
+                total += value.numel() * value.element_size()
     except Exception:  # noqa: BLE001 - a count for a message only
         return None
     return total

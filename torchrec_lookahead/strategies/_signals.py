@@ -115,10 +115,10 @@ def use_lockstep_signals(trainer: pl.Trainer) -> LockstepSignalConnector:
     broadcast becomes the local check it amounts to. The flags are agreed at the end of every training step, after
     each validation of the fit and at the end of each epoch (``trainer.should_stop``, which hooks of those points
     may set on one rank only: see :meth:`LockstepSignalConnector.agree`)."""
-    connector = trainer._signal_connector
-    if not isinstance(connector, LockstepSignalConnector):
-        connector = LockstepSignalConnector(trainer)
-        trainer._signal_connector = connector
+    if isinstance(trainer._signal_connector, LockstepSignalConnector):
+        return trainer._signal_connector  # given (and its loops wrapped) by an earlier call
+    connector = LockstepSignalConnector(trainer)
+    trainer._signal_connector = connector
     loop = trainer.fit_loop.epoch_loop
     if hasattr(loop, "_broadcast_sigterm_tensor"):
 
@@ -127,30 +127,27 @@ def use_lockstep_signals(trainer: pl.Trainer) -> LockstepSignalConnector:
                 raise SIGTERMException()
 
         loop._broadcast_sigterm_tensor = local_check  # type: ignore[method-assign]
-    if not getattr(loop.on_advance_end, "_lockstep", False):
-        end_of_step = loop.on_advance_end
-        validate = loop.val_loop.run
+    end_of_step = loop.on_advance_end
+    validate = loop.val_loop.run
+    fit = trainer.fit_loop
+    end_of_epoch = fit.on_advance_end
 
-        def agreed_end_of_step(data_fetcher: Any) -> None:
-            connector.agree()  # before Lightning validates, or stops, on trainer.should_stop
-            end_of_step(data_fetcher)
+    def agreed_end_of_step(data_fetcher: Any) -> None:
+        connector.agree()  # before Lightning validates, or stops, on trainer.should_stop
+        end_of_step(data_fetcher)
 
-        def agreed_validation() -> Any:
-            out = validate()
-            connector.agree(validating=True)  # a should_stop set by a validation hook on some rank
-            return out
+    def agreed_validation() -> Any:
+        out = validate()
+        connector.agree(validating=True)  # a should_stop set by a validation hook on some rank
+        return out
 
-        fit = trainer.fit_loop
-        end_of_epoch = fit.on_advance_end
+    def agreed_end_of_epoch() -> None:
+        end_of_epoch()
+        connector.agree()  # a should_stop set by an end-of-epoch hook on some rank
 
-        def agreed_end_of_epoch() -> None:
-            end_of_epoch()
-            connector.agree()  # a should_stop set by an end-of-epoch hook on some rank
-
-        agreed_end_of_step._lockstep = True  # type: ignore[attr-defined]
-        loop.on_advance_end = agreed_end_of_step  # type: ignore[method-assign]
-        loop.val_loop.run = agreed_validation  # type: ignore[method-assign]
-        fit.on_advance_end = agreed_end_of_epoch  # type: ignore[method-assign]
+    loop.on_advance_end = agreed_end_of_step  # type: ignore[method-assign]
+    loop.val_loop.run = agreed_validation  # type: ignore[method-assign]
+    fit.on_advance_end = agreed_end_of_epoch  # type: ignore[method-assign]
     return connector
 
 
